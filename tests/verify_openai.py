@@ -1051,14 +1051,14 @@ def main(argv: list[str] | None = None) -> int:
         say(server.log_tail())
     except (KeyboardInterrupt, Interrupted) as e:
         interrupted = getattr(e, "signum", signal.SIGINT)
-        say(f"interrupted by {signal.Signals(interrupted).name}; stopping the server")
+        report(results, "interrupted", "FAIL", f"{signal.Signals(interrupted).name} before the checks finished")
     except Exception as e:                                        # a bug of this script: still clean up
         traceback.print_exc()
         report(results, "harness", "FAIL", f"{type(e).__name__}: {e}")
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # let nothing cut the teardown short
             signal.signal(sig, signal.SIG_IGN)
-        if any(r == "FAIL" for r, _ in results.values()) and "server_start" not in results:
+        if any(r == "FAIL" for r, _ in results.values()) and not results.keys() & {"server_start", "interrupted"}:
             say("server log (last lines):\n" + server.log_tail(15))
         if server.stop():
             report(results, "server_stop", "FAIL", "processes of the server group survived SIGKILL")
