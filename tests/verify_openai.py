@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--pocketllm", default=str(REPO / "pocketllm.py"), help="path of pocketllm.py")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: the server picks a free port and prints its URL")
-    p.add_argument("--api-key", help="passed to the server and sent by every request")
+    p.add_argument("--api-key", default=os.environ.get("POCKETLLM_API_KEY"),
+                   help="passed to the server and sent by every request (default: env POCKETLLM_API_KEY)")
     p.add_argument("--log-dir", help="keep the server's (and clients') logs here")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per HTTP request")
@@ -470,6 +471,7 @@ class Context:
         self.args, self.api, self.log_dir = args, api, log_dir
         self.weather: tuple[str, dict] | None = None     # (prompt, response) with get_weather(Paris, 3)
         self.missing_clients: list[str] = []
+        self.max_model_len = 4096                          # from the model card, once the server is up
 
     def weather_call(self) -> tuple[str, dict]:
         """(prompt, response) of the first phrasing answered with get_weather(Paris, 3); memoized."""
@@ -822,38 +824,72 @@ def check_concurrency(ctx: Context) -> str:
     return f"{n} simultaneous streams all ended in [DONE] with usage ({sum(results)} tokens in {wall:.1f} s)"
 
 
+def metric(text: str, name: str) -> float | None:
+    """Sum of a Prometheus sample over its label sets (None when the server does not export it)."""
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if line.split("{")[0].split(" ")[0] == name]
+    return sum(values) if values else None
+
+
+def read_metrics(ctx: Context) -> str:
+    status, body = ctx.api.request("GET", "/metrics")
+    return body if status == 200 and isinstance(body, str) else ""
+
+
+def cut_request(ctx: Context, body: dict, events_first: int) -> None:
+    """Send a chat request, read `events_first` SSE data lines of its answer, then drop the connection."""
+    conn = ctx.api.connect()
+    ctx.api.send(conn, "POST", "/v1/chat/completions", {"model": ctx.api.model, **body})
+    if events_first:
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise CheckFailed(f"the stream to cut answered HTTP {resp.status}: {error_text(json_or_text(resp.read()))}")
+        seen = 0
+        while seen < events_first:
+            line = resp.readline()
+            if not line:
+                raise CheckFailed("the stream ended before it could be cut")
+            seen += line.startswith(b"data:")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
 def check_disconnect(ctx: Context) -> str:
-    """Cut a stream after two events and a non-streamed request right after sending it; the server must then
-    answer /health and a normal request."""
-    conn = ctx.api.connect()
-    ctx.api.send(conn, "POST", "/v1/chat/completions", {
-        "model": ctx.api.model, "stream": True, "messages": [{"role": "user", "content": "Tell me a long story."}],
-        "max_tokens": 2000, "ignore_eos": True, "chat_template_kwargs": NO_THINK})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise CheckFailed(f"the stream to cut answered HTTP {resp.status}")
-    events = 0
-    while events < 2:
-        line = resp.readline()
-        if not line:
-            raise CheckFailed("the stream ended before it could be cut")
-        events += line.startswith(b"data:")
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
-    conn = ctx.api.connect()
-    ctx.api.send(conn, "POST", "/v1/chat/completions", {
-        "model": ctx.api.model, "messages": [{"role": "user", "content": "Tell me a long story."}],
-        "max_tokens": 2000, "ignore_eos": True, "chat_template_kwargs": NO_THINK})
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
+    """Cut a long stream after two events and a long non-streamed request right after sending it. The server
+    must abort both (pocketllm_requests_running back to 0 long before they could finish, where /metrics
+    exports it), then answer /health and a normal request."""
+    budget = max(16, min(2000, ctx.max_model_len - 64))
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": budget,
+            "ignore_eos": True, "chat_template_kwargs": NO_THINK}
+    before = metric(read_metrics(ctx), "pocketllm_generation_tokens_total")
     start = time.monotonic()
-    status, body = ctx.api.request("GET", "/health", timeout=30)
+    cut_request(ctx, {**body, "stream": True}, events_first=2)
+    cut_request(ctx, body, events_first=0)
+    detail = ""
+    if before is not None:
+        deadline = time.monotonic() + 30
+        while True:
+            text = read_metrics(ctx)
+            running = metric(text, "pocketllm_requests_running")
+            if running == 0:
+                break
+            if time.monotonic() > deadline:
+                raise CheckFailed(f"{running:.0f} requests still running 30 s after their clients left")
+            time.sleep(0.1)
+        generated = metric(text, "pocketllm_generation_tokens_total") - before
+        if generated >= budget:
+            raise CheckFailed(f"{generated:.0f} tokens generated for 2 cut requests of max_tokens {budget}: not aborted")
+        detail = f"both aborted after {generated:.0f} of 2x{budget} tokens, "
+    else:
+        detail = "abort not verified (no /metrics), "
+    status, health = ctx.api.request("GET", "/health", timeout=30)
     if status != 200:
-        raise CheckFailed(f"/health answered {status} after the disconnects: {str(body)[:120]}")
+        raise CheckFailed(f"/health answered {status} after the disconnects: {str(health)[:120]}")
     resp = plain_answer(ctx, "Say hello.")
     if not resp["choices"][0]["finish_reason"]:
         raise CheckFailed("the request after the disconnects has no finish_reason")
-    return f"2 cut connections (streamed and not), then /health 200 and an answer in {time.monotonic() - start:.1f} s"
+    return f"2 cut connections (streamed, not streamed): {detail}then /health 200 and an answer " \
+           f"({time.monotonic() - start:.1f} s)"
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1043,7 +1079,9 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         server.wait_ready(api)
         status, models = api.request("GET", "/v1/models")
-        api.model = models["data"][0]["id"] if status == 200 and isinstance(models, dict) else "unknown"
+        card = models["data"][0] if status == 200 and isinstance(models, dict) and models.get("data") else {}
+        api.model = card.get("id", "unknown")
+        ctx.max_model_len = card.get("max_model_len") or ctx.max_model_len
         say(f"server: ready at {api.base_url}, model {api.model!r}")
         run_checks(ctx, names, results)
     except ServerStartError as e:
