@@ -227,7 +227,7 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _sampling_params(llm, body: dict, prompt_len: int, max_tokens_field: str | None) -> SamplingParams:
+def _request_sampling_params(llm, body: dict, prompt_len: int, max_tokens_field: str | None) -> SamplingParams:
     """The sampling fields common to both endpoints, range-checked, with max_tokens resolved."""
     vocab = llm.config.vocab_size
     room = llm.options.max_context - prompt_len
@@ -242,9 +242,9 @@ def _sampling_params(llm, body: dict, prompt_len: int, max_tokens_field: str | N
     top_p = _field(body, "top_p", float, 1.0, lo=0, hi=1)
     if top_p == 0:
         raise RequestError("'top_p' must be greater than 0 and at most 1, got 0", param="top_p")
-    repetition_penalty = _field(body, "repetition_penalty", float, 1.0, lo=0, hi=2)
+    repetition_penalty = _field(body, "repetition_penalty", float, 1.0, lo=0, hi=10)
     if repetition_penalty == 0:
-        raise RequestError("'repetition_penalty' must be greater than 0 and at most 2, got 0",
+        raise RequestError("'repetition_penalty' must be greater than 0 and at most 10, got 0",
                            param="repetition_penalty")
     min_tokens = _field(body, "min_tokens", int, 0, lo=0)
     if min_tokens > max_tokens:
@@ -286,8 +286,14 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _field(options, "include_usage", bool, False, param="stream_options.include_usage")
 
 
+def _check_alive(llm) -> None:
+    if getattr(llm, "dead_reason", None):
+        raise RequestError(f"the engine is down: {llm.dead_reason}", status=503, code="engine_dead")
+
+
 def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None):
     """llm.submit, with engine errors renamed to the field this client actually sent."""
+    _check_alive(llm)
     try:
         params.validate()
         return llm.submit(prompt_ids, params)
@@ -324,7 +330,8 @@ def _check_tool_calls(calls, param: str) -> None:
         function = _check_type(call.get("function"), dict, f"{where}.function")
         _check_type(function.get("name"), str, f"{where}.function.name")
         if not isinstance(function.get("arguments"), (str, dict)):
-            raise RequestError(f"'{where}.function.arguments' must be a JSON string", param=f"{where}.function.arguments")
+            raise RequestError(f"'{where}.function.arguments' must be a JSON string",
+                               param=f"{where}.function.arguments")
 
 
 def _check_messages(messages) -> list[dict]:
@@ -372,7 +379,8 @@ def _check_tools(body: dict) -> list[dict] | None:
                 raise RequestError(f"'{where}.function.{key}' is not supported", param=f"{where}.function.{key}")
         name = _check_type(function.get("name"), str, f"{where}.function.name")
         if not name or name in names:
-            raise RequestError(f"'{where}.function.name' must be a unique non-empty name", param=f"{where}.function.name")
+            raise RequestError(f"'{where}.function.name' must be a unique non-empty name",
+                               param=f"{where}.function.name")
         names.add(name)
         _field(function, "description", str, param=f"{where}.function.description")
         _field(function, "parameters", dict, param=f"{where}.function.parameters")
@@ -524,7 +532,7 @@ class Completion:
     def events(self) -> Iterator:
         """The engine's events, timed for the latency histograms; an engine-side abort is an error."""
         last: dict[int, float] = {}
-        for event in self.stream:
+        for event in self._engine_events():
             now = time.monotonic()
             if event.token_ids:
                 self.completion_tokens += len(event.token_ids)
@@ -534,11 +542,20 @@ class Completion:
                     elif event.index in last:
                         self.metrics.inter_token_latency.observe((now - last[event.index]) / len(event.token_ids))
                 last[event.index] = now
-            if event.finish_reason == "abort":
-                reason = getattr(self.llm, "dead_reason", None)
-                raise RequestError(f"the engine stopped this request: {reason or 'aborted'}", status=503,
-                                   code="engine_unavailable")
+            if event.finish_reason == "abort":             # we aborted it (client gone) or the engine died
+                _check_alive(self.llm)
+                raise RequestError("the request was aborted", status=503, code="aborted")
             yield event
+
+    def _engine_events(self) -> Iterator:
+        """The stream's events; a fatal engine error while waiting becomes a 503."""
+        try:
+            yield from self.stream
+        except RequestError:
+            raise
+        except PocketError as e:
+            _check_alive(self.llm)
+            raise RequestError(str(e), status=503, code="engine_dead") from None
 
     def _finish_reason(self, index: int, reason: str) -> str:
         if self.parsers and self.parsers[index].has_tool_calls and reason == "stop":
@@ -646,7 +663,7 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     prompt_text = render_chat_prompt(llm, body, tools)
     prompt_ids = llm.tokenizer.encode(prompt_text)
     max_tokens_field = _max_tokens_field(body, ("max_completion_tokens", "max_tokens"))
-    params = _sampling_params(llm, body, len(prompt_ids), max_tokens_field)
+    params = _request_sampling_params(llm, body, len(prompt_ids), max_tokens_field)
     params.logprobs = (top_logprobs or 0) if want_logprobs else None
     template = _chat_template(llm)
     in_reasoning = prompt_ends_in_reasoning(prompt_text)
@@ -689,7 +706,7 @@ def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Complet
     include_usage = _stream_options(body, stream)
     prompt_ids = _prompt_ids(llm, body.get("prompt"))
     max_tokens_field = "max_tokens" if body.get("max_tokens") is not None else None
-    params = _sampling_params(llm, body, len(prompt_ids), max_tokens_field)
+    params = _request_sampling_params(llm, body, len(prompt_ids), max_tokens_field)
     best_of = _field(body, "best_of", int)
     if best_of not in (None, 1, params.n):
         raise RequestError("'best_of' is not supported by this server (accepted only when equal to 'n')",
@@ -793,9 +810,7 @@ def _json_body(raw: bytes) -> dict:
 
 
 def _health(handler, match, raw) -> None:
-    reason = getattr(handler.server.llm, "dead_reason", None)
-    if reason:
-        raise RequestError(f"the engine is down: {reason}", status=503, code="engine_dead")
+    _check_alive(handler.server.llm)
     handler.send_json(200, {"status": "ok"})
 
 
@@ -1053,7 +1068,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             chunks.close()                        # aborts the request if the client left
 
     def send_event(self, data: dict | str) -> None:
-        payload = b"data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)).encode() + b"\n\n"
+        text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        payload = b"data: " + text.encode() + b"\n\n"
         self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
 
     def log_message(self, format: str, *args) -> None:
