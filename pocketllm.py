@@ -759,6 +759,8 @@ def translate_error(error: Exception) -> tuple[int, dict]:
         return error.status, error_body(error.status, str(error), error.param, error.code)
     if isinstance(error, PocketError):
         return 400, error_body(400, str(error))
+    if isinstance(error, RecursionError):          # JSON nested deeper than Python will walk
+        return 400, error_body(400, "the request is nested too deeply", code="invalid_json")
     traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
     return 500, error_body(500, "internal server error (logged on the server)", code="internal_error")
 
@@ -1030,7 +1032,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own errors (malformed request line, oversized headers) in the OpenAI shape."""
         self.close_connection = True
-        self.send_json(code, error_body(code, message or explain or "bad request"))
+        self.send_json(int(code), error_body(int(code), message or explain or "bad request"))
 
     def send_completion(self, completion: Completion) -> None:
         if completion.stream_mode:

@@ -413,6 +413,8 @@ def test_health_auth_and_routing(server, llm):
     assert status == 400
     status, _, body = request(server, "POST", "/v1/chat/completions", raw="[1, 2]")
     assert status == 400
+    status, _, body = request(server, "POST", "/v1/chat/completions", raw="[" * 50_000 + "]" * 50_000)
+    assert status == 400
     llm.dead_reason = "CUDA error: an illegal memory access"             # as the engine sets it
     try:
         status, _, body = request(server, "GET", "/health", key=None)
