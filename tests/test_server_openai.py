@@ -8,9 +8,14 @@ llm.generate / llm.logits) or for shape, never against hard-coded text.
 import copy
 import http.client
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import jinja2
 import openai
@@ -540,3 +545,28 @@ def test_32_concurrent_streams(server, llm):
         assert chunks[-1]["usage"]["completion_tokens"] == 6
     stats = wait_idle(llm)
     assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_cli_port_0_env_key_and_sigterm(llm):
+    """`python pocketllm.py --port 0` prints the address it picked, takes its key from the environment,
+    and exits 0 on SIGTERM."""
+    script = Path(__file__).resolve().parents[1] / "pocketllm.py"
+    env = {**os.environ, "POCKETLLM_API_KEY": "env-key"}
+    proc = subprocess.Popen([sys.executable, str(script), "--ckpt", str(llm.ckpt_dir), "--port", "0", "--quiet",
+                             "--served-model-name", "pocket-test", "--max-context", "128"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "pocket-test" in line and "http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() else "")
+        port = int(line.strip().rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/v1/models", headers={"Authorization": "Bearer env-key"})
+        assert json.loads(conn.getresponse().read())["data"][0]["id"] == "pocket-test"
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().status == 401
+        conn.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
