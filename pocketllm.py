@@ -899,7 +899,7 @@ MAX_STOP = 16                  # stop strings per request
 MAX_TOP_LOGPROBS = 20          # alternatives per token (OpenAI's chat limit)
 LOGPROB_FLOOR = -9999.0        # JSON has no -inf: a masked token reports this instead
 
-# Fields of every generating request, in the order they are read.
+# The fields each endpoint knows; any other field is refused as unknown (a typo such as `temprature`).
 # Accepted and ignored because they cannot change the answer (bookkeeping on OpenAI's side).
 NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
                     "prompt_cache_retention", "safety_identifier"}
@@ -945,13 +945,13 @@ def _check_type(value, kind: type, param: str):
 
 def _field(body: dict, name: str, kind: type, default=None, lo=None, hi=None, param: str | None = None):
     """body[name] checked for type and inclusive range [lo, hi]; absent or null -> default."""
-    value = body.get(name)
-    if value is None:
+    raw = body.get(name)
+    if raw is None:
         return default
     param = param or name
-    value = _check_type(value, kind, param)
+    value = _check_type(raw, kind, param)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise RequestError(f"'{param}' must be between {lo} and {hi}, got {value}", param=param)
+        raise RequestError(f"'{param}' must be between {lo} and {hi}, got {raw}", param=param)
     return value
 
 
@@ -996,7 +996,7 @@ def _stop_strings(body: dict) -> list[str]:
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     bias = _field(body, "logit_bias", dict, {})
     out = {}
-    for key, value in bias.items():
+    for key in bias:
         if not re.fullmatch(r"\d+", key):
             raise RequestError(f"'logit_bias' keys must be token ids as strings, got {key!r}", param="logit_bias")
         out[_token_id(int(key), "logit_bias", vocab_size)] = _field(bias, key, float, lo=-100, hi=100,
@@ -1072,7 +1072,6 @@ def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_
     """llm.submit, with engine errors renamed to the field this client actually sent."""
     _check_alive(llm)
     try:
-        params.validate()
         return llm.submit(prompt_ids, params)
     except RequestError as e:
         if e.param == "max_tokens" and max_tokens_field:
@@ -1302,6 +1301,7 @@ class Completion:
         self.object = "chat.completion" if kind == "chat" else "text_completion"
         self.created, self.submitted = int(time.time()), time.monotonic()
         self.completion_tokens = 0
+        self.text_offsets: dict[int, int] = {}     # choice -> characters of logprob tokens streamed so far
 
     def abort(self) -> None:
         self.stream.abort()
@@ -1379,8 +1379,12 @@ class Completion:
         choice = {"index": index}
         if self.kind == "chat":
             choice.update(delta=delta, logprobs={"content": _chat_logprobs(logprobs)} if logprobs else None)
+        elif logprobs:
+            start = self.text_offsets.get(index, 0)
+            self.text_offsets[index] = start + sum(len(lp.token) for lp in logprobs)
+            choice.update(text=delta, logprobs=_completion_logprobs(logprobs, start))
         else:
-            choice.update(text=delta, logprobs=_completion_logprobs(logprobs, 0) if logprobs else None)
+            choice.update(text=delta, logprobs=None)
         choice.update(finish_reason=finish_reason)
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
