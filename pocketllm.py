@@ -84,11 +84,525 @@ class RequestError(PocketError):
 
 # ===== SECTION 1: configuration (owner: core) =====
 
+# -----------------------------------------------------------------------------------------------
+# 1. Configuration: what the checkpoint says about the model, and what the user says about the engine.
+# -----------------------------------------------------------------------------------------------
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3")
+
+
+@dataclass
+class QuantConfig:
+    """FP8 block quantisation as written by the checkpoint's quantization_config."""
+    block: tuple[int, int] = (128, 128)          # (rows, cols) of one scale block
+    modules_to_not_convert: tuple[str, ...] = ()  # name fragments that stay in their stored dtype
+
+
+@dataclass
+class ModelConfig:
+    """The text model, read from config.json. 27B values in the comments."""
+    model_type: str                    # qwen3_5 | qwen3_5_text | qwen3
+    vocab_size: int                    # 248320
+    hidden_size: int                   # 5120
+    intermediate_size: int             # 17408
+    num_hidden_layers: int             # 64
+    num_attention_heads: int           # 24
+    num_key_value_heads: int           # 4
+    head_dim: int                      # 256
+    rms_norm_eps: float                # 1e-6
+    tie_word_embeddings: bool          # false
+    layer_types: list[str]             # "linear_attention" x3, then "full_attention", repeated
+    rope_theta: float                  # 1e7
+    rotary_dim: int                    # head_dim * partial_rotary_factor = 64
+    max_position_embeddings: int       # 262144
+    gated_attention: bool              # qwen3_5: q_proj rows are [q | gate] per head
+    zero_centred_norm: bool            # qwen3_5: x * (1 + w); qwen3: x * w
+    linear_num_key_heads: int = 0      # 16
+    linear_num_value_heads: int = 0    # 48
+    linear_key_head_dim: int = 0       # 128
+    linear_value_head_dim: int = 0     # 128
+    linear_conv_kernel_dim: int = 0    # 4
+    weight_prefix: str = "model."      # "model.language_model." for the nested qwen3_5 layout
+    quant: QuantConfig | None = None   # None: every tensor is stored unquantised
+
+    @property
+    def linear_conv_dim(self) -> int:  # channels of the GDN causal conv: q, k and v concatenated
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(t == "full_attention" for t in self.layer_types)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(t == "linear_attention" for t in self.layer_types)
+
+
+def _config_field(cfg: dict, key: str, path: Path, default: Any = ...):
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if default is ...:
+        raise CheckpointError(f"{path}: missing required field '{key}'")
+    return default
+
+
+def parse_model_config(raw: dict, path: Path) -> ModelConfig:
+    """Translate an HF config.json (nested qwen3_5, flat qwen3_5_text, or qwen3) into a ModelConfig."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"{path}: unsupported model_type {model_type!r} "
+                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    text = raw.get("text_config") if model_type == "qwen3_5" else raw
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path}: model_type qwen3_5 needs a 'text_config' object")
+    get = lambda k, d=...: _config_field(text, k, path, d)  # noqa: E731
+    n_layers = int(get("num_hidden_layers"))
+    hybrid = model_type != "qwen3"
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = int(text.get("full_attention_interval", 4)) if hybrid else 1
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if len(layer_types) != n_layers or set(layer_types) - {"full_attention", "linear_attention"}:
+        raise CheckpointError(f"{path}: layer_types must list {n_layers} entries of "
+                              f"'full_attention'/'linear_attention'")
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise CheckpointError(f"{path}: unsupported rope_type {rope_type!r} (supported: default)")
+    head_dim = int(text.get("head_dim") or get("hidden_size") // get("num_attention_heads"))
+    partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25 if hybrid else 1.0)))
+    if text.get("attention_bias"):
+        raise CheckpointError(f"{path}: attention_bias=true is not supported")
+    quant = parse_quant_config(raw.get("quantization_config") or text.get("quantization_config"), path)
+    tie = bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    return ModelConfig(
+        model_type=model_type, vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("intermediate_size")), num_hidden_layers=n_layers,
+        num_attention_heads=int(get("num_attention_heads")), num_key_value_heads=int(get("num_key_value_heads")),
+        head_dim=head_dim, rms_norm_eps=float(get("rms_norm_eps", 1e-6)), tie_word_embeddings=tie,
+        layer_types=list(layer_types), rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+        rotary_dim=int(head_dim * partial), max_position_embeddings=int(get("max_position_embeddings", 32768)),
+        gated_attention=hybrid, zero_centred_norm=hybrid,
+        linear_num_key_heads=int(get("linear_num_key_heads", 0)) if hybrid else 0,
+        linear_num_value_heads=int(get("linear_num_value_heads", 0)) if hybrid else 0,
+        linear_key_head_dim=int(get("linear_key_head_dim", 0)) if hybrid else 0,
+        linear_value_head_dim=int(get("linear_value_head_dim", 0)) if hybrid else 0,
+        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)) if hybrid else 0,
+        weight_prefix="model.language_model." if model_type == "qwen3_5" else "model.", quant=quant)
+
+
+def parse_quant_config(q: dict | None, path: Path) -> QuantConfig | None:
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"{path}: unsupported quantization quant_method={method!r} (supported: fp8)")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"{path}: unsupported fp8 fmt {fmt!r} (supported: e4m3)")
+    block = q.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise CheckpointError(f"{path}: fp8 quantization needs weight_block_size [rows, cols] "
+                              f"(per-tensor fp8 is not supported)")
+    return QuantConfig(block=(int(block[0]), int(block[1])),
+                       modules_to_not_convert=tuple(q.get("modules_to_not_convert") or ()))
+
+
+@dataclass
+class EngineOptions:
+    """How the engine runs. Every field is also a CLI flag (--max-batch-size, ...) and an LLM(...) keyword."""
+    backend: str = "auto"              # auto | torch | native
+    device: str = "cpu"                # torch device of rank 0 ("cpu", "cuda", "cuda:1")
+    devices: str | None = None         # tensor parallelism: "0,1,2,3" or "cpu,cpu" (one rank each)
+    dtype: str = "auto"                # activation dtype: auto (fp16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    kv_dtype: str = "auto"             # KV-cache dtype: auto (= activation dtype) | float32 | bfloat16 | float16
+    max_context: int = 4096            # longest prompt + completion of one sequence, in tokens
+    max_batch_size: int = 16           # running sequences at once (= recurrent-state slots)
+    kv_block_size: int = 16            # tokens per KV-cache block
+    num_kv_blocks: int = 0             # 0: enough for max_batch_size sequences of max_context
+    prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
+    smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
+    seed: int = 0                      # default seed for unseeded requests' generators
+    quiet: bool = False                # no startup log lines
+
+
+@dataclass
+class SamplingParams:
+    """One request's sampling options. Ranges are checked by validate(); see docs/api.md."""
+    max_tokens: int = 16               # completion tokens at most
+    temperature: float = 1.0           # 0 = greedy
+    top_p: float = 1.0                 # nucleus mass kept, (0, 1]
+    top_k: int = 0                     # keep the k most likely; 0 or -1 = off
+    min_p: float = 0.0                 # drop tokens below min_p * p(most likely)
+    seed: int | None = None            # a seeded request samples the same tokens whatever else runs
+    presence_penalty: float = 0.0      # OpenAI: subtract once per token already generated
+    frequency_penalty: float = 0.0     # OpenAI: subtract per occurrence in the generated tokens
+    repetition_penalty: float = 1.0    # CTRL/HF: divide positive (multiply negative) logits of seen tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0                # EOS and stop tokens are masked until this many tokens exist
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None        # None = off; k = the sampled token's logprob plus k alternatives
+    n: int = 1                         # choices; the prompt is prefilled once and forked
+    logits_processors: list = field(default_factory=list)  # f(choice_ids, logits (V,) fp32) -> logits
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        def need(ok: bool, param: str, what: str):
+            if not ok:
+                raise RequestError(f"'{param}' {what}", param=param)
+        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        need(0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]")
+        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        need(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive integer")
+        need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        need(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
+        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             "must be an integer in [0, max_tokens]")
+        need(self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
+             "must be an integer in [0, 20]")
+        need(isinstance(self.n, int) and 1 <= self.n <= 16, "n", "must be an integer in [1, 16]")
+        need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        need(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
+             "must be at most 16 non-empty strings")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
+            need(all(isinstance(i, int) and 0 <= i < (vocab_size or 1 << 62) for i in ids), name,
+                 f"must hold token ids in [0, {vocab_size})")
+        need(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
+        return self
+
+
 
 # ===== SECTION 2: checkpoint loading (owner: core) =====
 
+# -----------------------------------------------------------------------------------------------
+# 2. Checkpoint loading: lazily opened safetensors, HF names kept as they are, FP8 kept as FP8.
+# -----------------------------------------------------------------------------------------------
+
+Ranges = list[tuple[int, int]]  # [(start, stop), ...] concatenated along one dimension (TP shards)
+
+
+@dataclass
+class Linear:
+    """A linear layer's weight as stored: FP8 with block scales, or dense. y = x @ W^T."""
+    weight: torch.Tensor               # (N, K) float8_e4m3fn, or dense bf16/fp16/fp32
+    scale: torch.Tensor | None = None  # (ceil(N/128), ceil(K/128)) fp32 multipliers, None when dense
+    block: tuple[int, int] = (128, 128)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def to(self, device) -> "Linear":
+        return Linear(self.weight.to(device), None if self.scale is None else self.scale.to(device), self.block)
+
+
+class Checkpoint:
+    """A checkpoint directory. Tensors are read on demand, and only the requested slices of them."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: checkpoint directory not found")
+        cfg_path = self.path / "config.json"
+        self.raw_config = _read_json(cfg_path, required=True)
+        self.config = parse_model_config(self.raw_config, cfg_path)
+        self.generation_config = _read_json(self.path / "generation_config.json", required=False) or {}
+        self._files: dict[str, Any] = {}           # file name -> open safe_open handle
+        self.weight_map = self._find_tensors()      # tensor name -> file name
+
+    def _find_tensors(self) -> dict[str, str]:
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = _read_json(index, required=True).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: missing 'weight_map'")
+            for fname in sorted(set(weight_map.values())):
+                if not (self.path / fname).exists():
+                    raise CheckpointError(f"{self.path / fname}: shard listed in {index.name} is missing")
+            return dict(weight_map)
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no *.safetensors files")
+        return {name: fname for fname in files for name in self._open(fname).keys()}
+
+    def _open(self, fname: str):
+        if fname not in self._files:
+            from safetensors import safe_open
+            try:
+                self._files[fname] = safe_open(str(self.path / fname), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+                raise CheckpointError(f"{self.path / fname}: cannot read safetensors file ({e})") from None
+        return self._files[fname]
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _slice(self, name: str):
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.path}: missing tensor '{name}'")
+        return self._open(self.weight_map[name]).get_slice(name)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def read(self, name: str, rows: Ranges | None = None, cols: Ranges | None = None) -> torch.Tensor:
+        """Read a tensor, or only the given row/column ranges of it (concatenated), from disk."""
+        sl = self._slice(name)
+        shape = sl.get_shape()
+        rows = rows or [(0, shape[0])]
+        try:
+            if len(shape) == 1 or cols is None:
+                parts = [sl[a:b] for a, b in rows]
+            else:
+                parts = [sl[a:b, c:d] for a, b in rows for c, d in cols]
+                parts = [torch.cat(parts[i * len(cols):(i + 1) * len(cols)], dim=1) for i in range(len(rows))]
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor '{name}' ({e})") from None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def close(self):
+        self._files.clear()
+
+
+def _read_json(path: Path, required: bool) -> dict | None:
+    if not path.exists():
+        if required:
+            raise CheckpointError(f"{path}: file not found")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _merge_ranges(ranges: Ranges | None, full: int) -> Ranges | None:
+    """Join adjacent ranges; None when they cover the whole dimension (tensor parallelism of degree 1)."""
+    out: Ranges = []
+    for a, b in ranges or []:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return None if not out or out == [(0, full)] else out
+
+
+def _scale_ranges(ranges: Ranges, block: int, full: int, name: str, what: str) -> Ranges:
+    """Map element ranges of a quantised weight onto the rows/cols of its block-scale tensor."""
+    out = []
+    for a, b in ranges:
+        if a % block or (b % block and b != full):
+            raise CheckpointError(f"tensor '{name}': {what} slice [{a}, {b}) does not fall on {block}-element "
+                                  f"block boundaries (tensor parallelism needs whole FP8 blocks)")
+        out.append((a // block, -(-b // block)))
+    return out
+
+
+def load_linear(ckpt: Checkpoint, prefix: str, shape: tuple[int, int], rows: Ranges | None = None,
+                cols: Ranges | None = None) -> Linear:
+    """Load `prefix.weight` (+ `prefix.weight_scale_inv` when FP8), checking the full shape, reading only
+    the requested row/column ranges. FP8 stays FP8; dense weights stay in their stored dtype."""
+    name = prefix + ".weight"
+    full = tuple(ckpt.shape(name))
+    if full != tuple(shape):
+        raise CheckpointError(f"tensor '{name}' has shape {list(full)}, expected {list(shape)}")
+    rows, cols = _merge_ranges(rows, shape[0]), _merge_ranges(cols, shape[1])
+    weight = ckpt.read(name, rows, cols)
+    if weight.dtype != torch.float8_e4m3fn:
+        if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise CheckpointError(f"tensor '{name}' has unsupported dtype {weight.dtype}")
+        return Linear(weight)
+    quant = ckpt.config.quant
+    if quant is None:
+        raise CheckpointError(f"tensor '{name}' is float8_e4m3fn but config.json has no fp8 quantization_config")
+    sname = prefix + ".weight_scale_inv"
+    bn, bk = quant.block
+    want = [-(-shape[0] // bn), -(-shape[1] // bk)]
+    if not ckpt.has(sname):
+        raise CheckpointError(f"{ckpt.path}: missing tensor '{sname}' (FP8 weight '{name}' needs its block scales)")
+    if ckpt.shape(sname) != want:
+        raise CheckpointError(f"tensor '{sname}' has shape {ckpt.shape(sname)}, expected {want} "
+                              f"(one scale per {bn}x{bk} block of {list(shape)})")
+    srows = _scale_ranges(rows, bn, shape[0], name, "row") if rows else None
+    scols = _scale_ranges(cols, bk, shape[1], name, "column") if cols else None
+    scale = ckpt.read(sname, srows, scols).to(torch.float32)
+    return Linear(weight, scale.contiguous(), quant.block)
+
+
+def load_dense(ckpt: Checkpoint, name: str, shape: tuple[int, ...], rows: Ranges | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Load an unquantised tensor (norms, conv1d, A_log, ...), checking its full shape."""
+    full = tuple(ckpt.shape(name))
+    if full != tuple(shape):
+        raise CheckpointError(f"tensor '{name}' has shape {list(full)}, expected {list(shape)}")
+    t = ckpt.read(name, _merge_ranges(rows, shape[0]))
+    if t.dtype == torch.float8_e4m3fn:
+        raise CheckpointError(f"tensor '{name}' is float8 but this tensor is never quantised")
+    return t.to(dtype) if dtype is not None else t
+
+
 
 # ===== SECTION 3: torch backend ops (owner: core) =====
+
+# -----------------------------------------------------------------------------------------------
+# 3. Backends. The model calls a short list of ops; TorchOps is the reference that runs anywhere.
+#    The native backend (3b) implements the same methods with the CUDA library. docs/abi.md lists them.
+# -----------------------------------------------------------------------------------------------
+
+def dequantize(w: Linear, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 weight * its 128x128 block scale -> dense (N, K), for one layer at a time. Ragged edges padded."""
+    if w.scale is None:
+        return w.weight.to(dtype)
+    (n, k), (bn, bk) = w.weight.shape, w.block
+    sn, sk = w.scale.shape
+    x = w.weight.to(torch.float32)
+    if n % bn or k % bk:
+        x = F.pad(x, (0, sk * bk - k, 0, sn * bn - n))
+    x = (x.view(sn, bn, sk, bk) * w.scale.view(sn, 1, sk, 1)).view(sn * bn, sk * bk)
+    return x[:n, :k].to(dtype)
+
+
+class TorchOps:
+    """The reference ops in plain torch. Shapes: T tokens of a flattened batch, B sequences."""
+    name = "torch"
+
+    def embed(self, ids, table, dtype):
+        return table[ids].to(dtype)                                      # (T, D)
+
+    def rmsnorm(self, x, w, eps):
+        xf = x.float()                                                   # zero-centred: weights are stored as (w)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)).to(x.dtype)
+
+    def add_rmsnorm(self, x, residual, w, eps):
+        residual = residual + x.float()                                  # the residual stream stays fp32
+        return self.rmsnorm(residual, w, eps).to(x.dtype), residual
+
+    def linear(self, x, w: Linear):
+        return x @ dequantize(w, x.dtype).t()                            # (T, N)
+
+    def silu_mul(self, g, u):
+        return (F.silu(g.float()) * u.float()).to(g.dtype)
+
+    def sigmoid_mul(self, x, gate):
+        return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+    def qk_norm_rope(self, q, k, q_w, k_w, eps, positions, inv_freq):
+        q, k = self.rmsnorm(q, q_w, eps), self.rmsnorm(k, k_w, eps)      # (T, Hq, Dh), (T, Hk, Dh)
+        angles = positions.float()[:, None] * inv_freq[None, :]          # (T, R/2)
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        return _rope(q, cos, sin), _rope(k, cos, sin)
+
+    def kv_write(self, k, v, k_cache, v_cache, slot_mapping):
+        nb, bs = k_cache.shape[:2]
+        k_cache.view(nb * bs, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(nb * bs, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+
+    def attention(self, q, k_cache, v_cache, block_tables, context_lens, query_start, scale):
+        out = torch.empty_like(q)                                        # (T, Hq, Dh)
+        bs, hk = k_cache.shape[1], k_cache.shape[2]
+        for b in range(len(context_lens)):
+            q0, q1, n = int(query_start[b]), int(query_start[b + 1]), int(context_lens[b])
+            blocks = block_tables[b, : -(-n // bs)].long()
+            k = k_cache[blocks].flatten(0, 1)[:n].float()                # (n, Hk, Dh)
+            v = v_cache[blocks].flatten(0, 1)[:n].float()
+            qb = q[q0:q1].float()                                        # (m, Hq, Dh)
+            rep = qb.shape[1] // hk
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            s = torch.einsum("mhd,nhd->hmn", qb, k) * scale              # (Hq, m, n)
+            m = q1 - q0                                                  # row i sees positions <= n - m + i
+            mask = torch.arange(n)[None, :] > (n - m + torch.arange(m))[:, None]
+            s.masked_fill_(mask[None].to(s.device), float("-inf"))
+            out[q0:q1] = torch.einsum("hmn,nhd->mhd", s.softmax(-1), v).to(q.dtype)
+        return out
+
+    def conv1d(self, x, w, conv_state, slot_ids, query_start):
+        out = torch.empty_like(x)                                        # (T, C)
+        width = w.shape[1]
+        for b in range(len(slot_ids)):
+            q0, q1, s = int(query_start[b]), int(query_start[b + 1]), int(slot_ids[b])
+            xs = torch.cat([conv_state[s].t().to(x.dtype), x[q0:q1]], 0).float()   # (W-1 + m, C)
+            y = F.conv1d(xs.t()[None], w.float()[:, None, :], groups=w.shape[0])[0].t()  # (m, C)
+            out[q0:q1] = F.silu(y).to(x.dtype)
+            conv_state[s] = xs[-(width - 1):].t().to(conv_state.dtype)
+        return out
+
+    def gdn_gates(self, a, b, A_log, dt_bias):
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # (T, Hv) fp32
+        return g, torch.sigmoid(b.float())
+
+    def gated_delta(self, q, k, v, g, beta, state, slot_ids, query_start):
+        rep = v.shape[1] // k.shape[1]                                   # value head h reads key head h // rep
+        q = _l2norm(q.float()).repeat_interleave(rep, 1) * q.shape[-1] ** -0.5   # (T, Hv, Dk)
+        k = _l2norm(k.float()).repeat_interleave(rep, 1)
+        vf = v.float()
+        lens = (query_start[1:] - query_start[:-1]).tolist()
+        if all(n == 1 for n in lens):                                    # decode: one vectorised step
+            slots = slot_ids.long()
+            o, state[slots] = decode_delta_step(q, k, vf, g, beta, state[slots])
+            return o.to(v.dtype)
+        out = torch.empty_like(vf)
+        for b, s in enumerate(slot_ids.tolist()):
+            q0, q1 = int(query_start[b]), int(query_start[b + 1])
+            out[q0:q1], state[s] = prefill_delta_chunked(q[q0:q1], k[q0:q1], vf[q0:q1], g[q0:q1], beta[q0:q1], state[s])
+        return out.to(v.dtype)
+
+    def gated_rmsnorm(self, x, z, w, eps):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (w.float() * y * F.silu(z.float())).to(x.dtype)
+
+
+def _rope(x, cos, sin):
+    """Rotate-half RoPE on the first 2 * cos.shape[-1] dims of each head; the rest pass through."""
+    r = cos.shape[-1]
+    x1, x2, rest = x[..., :r].float(), x[..., r:2 * r].float(), x[..., 2 * r:]
+    return torch.cat([(x1 * cos - x2 * sin).to(x.dtype), (x2 * cos + x1 * sin).to(x.dtype), rest], -1)
+
+
+def _l2norm(x, eps: float = 1e-6):
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def decode_delta_step(q, k, v, g, beta, S):
+    """One token of the gated delta rule for B sequences. q, k (B, H, Dk); v (B, H, Dv); S (B, H, Dk, Dv)."""
+    S = S * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", S, k))     # (B, H, Dv)
+    S = S + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", S, q), S
+
+
+def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
+    """The gated delta rule over m tokens of one sequence in chunks (the WY/UT form).
+    q, k (m, H, Dk) normalised; v (m, H, Dv); g, beta (m, H); S (H, Dk, Dv) fp32 initial state.
+    Within a chunk with cumulative log-decay c: the corrections u = (I + L)^-1 (beta v - beta k_decayed S),
+    where L is the strictly lower part of (beta k k^T) * exp(c_i - c_j); outputs read S and the chunk's u."""
+    m = q.shape[0]
+    out = torch.empty_like(v)
+    for c0 in range(0, m, chunk):
+        qc, kc, vc = (t[c0:c0 + chunk].transpose(0, 1) for t in (q, k, v))  # (H, C, D)
+        gc, bc = g[c0:c0 + chunk].t(), beta[c0:c0 + chunk].t()              # (H, C)
+        cum = gc.cumsum(-1)                                                 # (H, C)
+        n = cum.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # (H, C, C)
+        kb = kc * bc[..., None]
+        lower = (kb @ kc.transpose(-1, -2) * decay).tril(-1)
+        eye = torch.eye(n, device=q.device).expand_as(lower)
+        rhs = torch.cat([vc * bc[..., None], kb * cum.exp()[..., None]], -1)  # (H, C, Dv + Dk)
+        sol = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        u = sol[..., :vc.shape[-1]] - sol[..., vc.shape[-1]:] @ S          # (H, C, Dv): delta-rule corrections
+        attn = (qc @ kc.transpose(-1, -2)) * decay                         # (H, C, C) causal, incl. diagonal
+        out[c0:c0 + chunk] = ((qc * cum.exp()[..., None]) @ S + attn @ u).transpose(0, 1)
+        last = cum[:, -1:]                                                 # (H, 1)
+        S = S * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
+    return out, S
+
 
 
 # ===== SECTION 3b: native backend ops (owner: native) =====
@@ -96,17 +610,2917 @@ class RequestError(PocketError):
 
 # ===== SECTION 4: the model (owner: core) =====
 
+# -----------------------------------------------------------------------------------------------
+# 4. The model: weights per layer, and a forward pass over an explicit Batch of varlen sequences.
+# -----------------------------------------------------------------------------------------------
+
+@dataclass
+class Batch:
+    """One engine step's input: B sequences' new tokens concatenated (T tokens in all)."""
+    token_ids: torch.Tensor       # (T,) int64
+    positions: torch.Tensor       # (T,) int64, position of each token in its sequence
+    query_start: torch.Tensor     # (B+1,) int32, sequence b owns rows query_start[b]:query_start[b+1]
+    context_lens: torch.Tensor    # (B,) int32, tokens in the KV cache after this step (prefix + new)
+    block_tables: torch.Tensor    # (B, max_blocks) int32, KV blocks of each sequence
+    slot_mapping: torch.Tensor    # (T,) int64, KV-cache slot (block * block_size + offset) of each token
+    state_slots: torch.Tensor     # (B,) int32, recurrent-state slot of each sequence
+    logit_rows: torch.Tensor      # (R,) int64, rows whose logits are wanted (usually each sequence's last)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.token_ids.numel() == self.state_slots.numel()
+
+
+@dataclass
+class Cache:
+    """Per-layer KV cache (full attention) and recurrent state (linear attention), indexed by layer."""
+    k: dict[int, torch.Tensor]     # layer -> (num_blocks, block_size, Hk, Dh)
+    v: dict[int, torch.Tensor]
+    conv: dict[int, torch.Tensor]  # layer -> (slots, conv_dim, W-1)
+    ssm: dict[int, torch.Tensor]   # layer -> (slots, Hv, Dk, Dv) fp32
+
+
+@dataclass
+class Shard:
+    """Which part of the model this rank holds (tensor parallelism, Megatron style); rank 0 of 1 = all."""
+    rank: int = 0
+    world: int = 1
+
+    def split(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's [start, stop) of n units (heads, rows); refuses an uneven split."""
+        if n % self.world:
+            raise CheckpointError(f"{what}: {n} does not divide by the tensor-parallel degree {self.world}")
+        per = n // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+
+class Layer:
+    """One decoder layer's weights: a mixer (gated attention or gated DeltaNet) and a SwiGLU MLP."""
+
+
+def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, shard: Shard) -> Layer:
+    """Read layer i's tensors (this rank's shard of them). Colwise = split output rows; rowwise = split inputs."""
+    p, L, D = f"{cfg.weight_prefix}layers.{i}.", Layer(), cfg.hidden_size
+    norm = lambda name: load_norm(ckpt, cfg, name, (D,))  # noqa: E731
+    L.kind, L.index = cfg.layer_types[i], i
+    L.input_norm, L.post_norm = norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")
+    I = cfg.intermediate_size
+    i0, i1 = shard.split(I, f"tensor '{p}mlp.gate_proj.weight' rows")
+    L.gate = load_linear(ckpt, p + "mlp.gate_proj", (I, D), rows=[(i0, i1)])
+    L.up = load_linear(ckpt, p + "mlp.up_proj", (I, D), rows=[(i0, i1)])
+    L.down = load_linear(ckpt, p + "mlp.down_proj", (D, I), cols=[(i0, i1)])
+    if L.kind == "full_attention":
+        load_attention(ckpt, cfg, p + "self_attn.", L, shard)
+    else:
+        load_gdn(ckpt, cfg, p + "linear_attn.", L, shard)
+    return L
+
+
+def load_norm(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Norm weights as fp32 in the zero-centred form the ops use: y = norm(x) * (1 + w)."""
+    w = load_dense(ckpt, name, shape, dtype=torch.float32)
+    return w if cfg.zero_centred_norm else w - 1.0   # Qwen3's plain x * w, rewritten as x * (1 + (w - 1))
+
+
+def load_attention(ckpt: Checkpoint, cfg: ModelConfig, p: str, L: Layer, shard: Shard):
+    Hq, Hk, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    q0, q1 = shard.split(Hq, f"tensor '{p}q_proj.weight' heads")
+    k0, k1 = shard.split(Hk, f"tensor '{p}k_proj.weight' kv heads")
+    qw = 2 * Dh if cfg.gated_attention else Dh                          # rows per q head: [q | gate]
+    L.q_proj = load_linear(ckpt, p + "q_proj", (Hq * qw, D), rows=[(q0 * qw, q1 * qw)])
+    L.k_proj = load_linear(ckpt, p + "k_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)])
+    L.v_proj = load_linear(ckpt, p + "v_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)])
+    L.o_proj = load_linear(ckpt, p + "o_proj", (D, Hq * Dh), cols=[(q0 * Dh, q1 * Dh)])
+    L.q_norm = load_norm(ckpt, cfg, p + "q_norm.weight", (Dh,))
+    L.k_norm = load_norm(ckpt, cfg, p + "k_norm.weight", (Dh,))
+    L.heads, L.kv_heads = q1 - q0, k1 - k0
+
+
+def load_gdn(ckpt: Checkpoint, cfg: ModelConfig, p: str, L: Layer, shard: Shard):
+    Hk, Hv, Dk, Dv, D = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                         cfg.linear_value_head_dim, cfg.hidden_size)
+    k0, k1 = shard.split(Hk, f"tensor '{p}in_proj_qkv.weight' key heads")
+    v0, v1 = shard.split(Hv, f"tensor '{p}in_proj_z.weight' value heads")
+    # The qkv rows are [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]: a rank takes its heads from each of the three parts.
+    qkv_rows = [(k0 * Dk, k1 * Dk), (Hk * Dk + k0 * Dk, Hk * Dk + k1 * Dk), (2 * Hk * Dk + v0 * Dv, 2 * Hk * Dk + v1 * Dv)]
+    C = cfg.linear_conv_dim
+    L.in_proj_qkv = load_linear(ckpt, p + "in_proj_qkv", (C, D), rows=qkv_rows)
+    L.in_proj_z = load_linear(ckpt, p + "in_proj_z", (Hv * Dv, D), rows=[(v0 * Dv, v1 * Dv)])
+    L.in_proj_a = load_linear(ckpt, p + "in_proj_a", (Hv, D), rows=[(v0, v1)])
+    L.in_proj_b = load_linear(ckpt, p + "in_proj_b", (Hv, D), rows=[(v0, v1)])
+    L.out_proj = load_linear(ckpt, p + "out_proj", (D, Hv * Dv), cols=[(v0 * Dv, v1 * Dv)])
+    W = cfg.linear_conv_kernel_dim
+    L.conv_w = load_dense(ckpt, p + "conv1d.weight", (C, 1, W), rows=qkv_rows, dtype=torch.float32)[:, 0]  # (C', W)
+    L.A_log = load_dense(ckpt, p + "A_log", (Hv,), rows=[(v0, v1)], dtype=torch.float32)
+    L.dt_bias = load_dense(ckpt, p + "dt_bias", (Hv,), rows=[(v0, v1)], dtype=torch.float32)
+    L.gdn_norm = load_dense(ckpt, p + "norm.weight", (Dv,), dtype=torch.float32)
+    L.k_heads, L.v_heads = k1 - k0, v1 - v0
+
+
+class Model:
+    """The decoder: embedding, layers, final norm, lm_head. forward(batch) -> logits of batch.logit_rows.
+    With tensor parallelism each rank holds a shard and `all_reduce` sums the row-parallel outputs."""
+
+    def __init__(self, ckpt: Checkpoint, ops, dtype: torch.dtype, device: torch.device, shard: Shard = Shard(),
+                 num_layers: int | None = None, all_reduce: Callable | None = None, progress: bool = True):
+        cfg = self.cfg = ckpt.config
+        self.ops, self.dtype, self.device, self.shard = ops, dtype, device, shard
+        self.all_reduce = all_reduce or (lambda x: x)
+        n = num_layers or cfg.num_hidden_layers
+        V, D, p = cfg.vocab_size, cfg.hidden_size, cfg.weight_prefix
+        self.embed_tokens = load_dense(ckpt, p + "embed_tokens.weight", (V, D)).to(device)   # (V, D) stored dtype
+        head = p + "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+        self.lm_head = load_linear(ckpt, head, (V, D)).to(device)          # replicated: sampling sees full logits
+        self.norm = load_norm(ckpt, cfg, p + "norm.weight", (D,)).to(device)
+        self.layers = []
+        t0 = time.time()
+        for i in range(n):
+            self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device))
+            if progress and time.time() - t0 > 2.0:
+                print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
+        self.inv_freq = inv.float().to(device)                             # (R/2,)
+
+    # The forward pass, one named path per mixer; prefill and decode differ only inside the ops.
+
+    def forward(self, batch: Batch, cache: Cache) -> torch.Tensor:
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        x = ops.embed(batch.token_ids, self.embed_tokens, self.dtype)      # (T, D)
+        residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for L in self.layers:
+            h, residual = ops.add_rmsnorm(x, residual, L.input_norm, eps)
+            mixer = self.attention if L.kind == "full_attention" else self.gated_deltanet
+            x = self.all_reduce(mixer(L, h, batch, cache))
+            h, residual = ops.add_rmsnorm(x, residual, L.post_norm, eps)
+            x = self.all_reduce(self.mlp(L, h))
+        h, _ = ops.add_rmsnorm(x, residual, self.norm, eps)
+        return ops.linear(h[batch.logit_rows], self.lm_head).float()       # (R, V)
+
+    def mlp(self, L: Layer, x):
+        ops = self.ops
+        return ops.linear(ops.silu_mul(ops.linear(x, L.gate), ops.linear(x, L.up)), L.down)
+
+    def attention(self, L: Layer, x, batch: Batch, cache: Cache):
+        ops, cfg, T = self.ops, self.cfg, x.shape[0]
+        Dh = cfg.head_dim
+        qg = ops.linear(x, L.q_proj)
+        if cfg.gated_attention:                                            # per head: [q | gate]
+            qg = qg.view(T, L.heads, 2, Dh)
+            q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, L.heads * Dh)
+        else:
+            q, gate = qg.view(T, L.heads, Dh), None
+        k = ops.linear(x, L.k_proj).view(T, L.kv_heads, Dh)
+        v = ops.linear(x, L.v_proj).view(T, L.kv_heads, Dh)
+        q, k = ops.qk_norm_rope(q, k, L.q_norm, L.k_norm, cfg.rms_norm_eps, batch.positions, self.inv_freq)
+        ops.kv_write(k, v, cache.k[L.index], cache.v[L.index], batch.slot_mapping)
+        o = ops.attention(q, cache.k[L.index], cache.v[L.index], batch.block_tables, batch.context_lens,
+                          batch.query_start, Dh ** -0.5).reshape(T, L.heads * Dh)
+        if gate is not None:
+            o = ops.sigmoid_mul(o, gate)
+        return ops.linear(o, L.o_proj)
+
+    def gated_deltanet(self, L: Layer, x, batch: Batch, cache: Cache):
+        ops, cfg, T = self.ops, self.cfg, x.shape[0]
+        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qkv = ops.conv1d(ops.linear(x, L.in_proj_qkv), L.conv_w, cache.conv[L.index], batch.state_slots,
+                         batch.query_start)                               # (T, C')
+        nk, nv = L.k_heads * Dk, L.v_heads * Dv
+        q = qkv[:, :nk].reshape(T, L.k_heads, Dk)
+        k = qkv[:, nk:2 * nk].reshape(T, L.k_heads, Dk)
+        v = qkv[:, 2 * nk:].reshape(T, L.v_heads, Dv)
+        g, beta = ops.gdn_gates(ops.linear(x, L.in_proj_a), ops.linear(x, L.in_proj_b), L.A_log, L.dt_bias)
+        o = ops.gated_delta(q, k, v, g, beta, cache.ssm[L.index], batch.state_slots, batch.query_start)
+        z = ops.linear(x, L.in_proj_z).view(T, L.v_heads, Dv)
+        o = ops.gated_rmsnorm(o, z, L.gdn_norm, cfg.rms_norm_eps).reshape(T, nv)
+        return ops.linear(o, L.out_proj)
+
+
+def _to_device(L: Layer, device) -> Layer:
+    for k, v in vars(L).items():
+        if isinstance(v, (torch.Tensor, Linear)):
+            setattr(L, k, v.to(device))
+    return L
+
+
 
 # ===== SECTION 5-9: memory, scheduler, sampler, runner, engine (owner: core) =====
+
+# -----------------------------------------------------------------------------------------------
+# 5. Memory: a pool of paged KV blocks (reference counted, so forked choices share their prompt) and a
+#    pool of recurrent-state slots. Pure bookkeeping; the tensors live in Cache.
+# -----------------------------------------------------------------------------------------------
+
+class BlockPool:
+    """KV-cache blocks. A block returns to the free list when its last owner releases it."""
+
+    def __init__(self, num_blocks: int):
+        self.total = num_blocks
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
+
+    def alloc(self) -> int | None:
+        if not self.free:
+            return None
+        b = self.free.pop()
+        self.refs[b] = 1
+        return b
+
+    def share(self, b: int) -> int:
+        self.refs[b] += 1
+        return b
+
+    def release(self, blocks: list[int]):
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+        blocks.clear()
+
+    @property
+    def used(self) -> int:
+        return self.total - len(self.free)
+
+
+class SlotPool:
+    """Recurrent-state slots (conv + SSM state of every linear-attention layer), one per running sequence."""
+
+    def __init__(self, num_slots: int):
+        self.total = num_slots
+        self.free = list(range(num_slots - 1, -1, -1))
+
+    def alloc(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def release(self, slot: int):
+        self.free.append(slot)
+
+    @property
+    def used(self) -> int:
+        return self.total - len(self.free)
+
+
+def allocate_cache(cfg: ModelConfig, layers: list, num_blocks: int, block_size: int, num_slots: int,
+                   kv_dtype: torch.dtype, device) -> Cache:
+    """KV tensors for full-attention layers and state tensors for linear-attention layers (this rank's heads)."""
+    cache = Cache({}, {}, {}, {})
+    for L in layers:
+        if L.kind == "full_attention":
+            shape = (num_blocks, block_size, L.kv_heads, cfg.head_dim)
+            cache.k[L.index] = torch.zeros(shape, dtype=kv_dtype, device=device)
+            cache.v[L.index] = torch.zeros(shape, dtype=kv_dtype, device=device)
+        else:
+            conv_dim = L.conv_w.shape[0]
+            cache.conv[L.index] = torch.zeros(num_slots, conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=kv_dtype,
+                                              device=device)
+            cache.ssm[L.index] = torch.zeros(num_slots, L.v_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                             dtype=torch.float32, device=device)
+    return cache
+
+
+def copy_state(cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
+    """Fork support: copy one sequence's recurrent state and (optionally) one KV block into another's."""
+    for t in itertools.chain(cache.conv.values(), cache.ssm.values()):
+        t[dst_slot] = t[src_slot]
+    if src_block is not None:
+        for t in itertools.chain(cache.k.values(), cache.v.values()):
+            t[dst_block] = t[src_block]
+
+
+# -----------------------------------------------------------------------------------------------
+# 6. Scheduler: which sequences run this step, and how many of their tokens. Continuous batching with
+#    chunked prefill under a token budget; when blocks run out, the newest sequence is preempted and
+#    recomputed later.
+# -----------------------------------------------------------------------------------------------
+
+class Sequence:
+    """One choice of one request: its tokens, its KV blocks and state slot, and its sampling state."""
+    _ids = itertools.count()
+
+    def __init__(self, request: "Request", index: int, output_ids: list[int] | None = None):
+        self.request, self.index = request, index
+        self.params: SamplingParams = request.params
+        self.output_ids: list[int] = list(output_ids or [])
+        self.blocks: list[int] = []        # KV blocks holding tokens [0, num_computed)
+        self.slot: int | None = None       # recurrent-state slot while running
+        self.num_computed = 0              # tokens whose KV/state are in the cache
+        self.order = next(Sequence._ids)   # admission order: the newest is preempted first
+        self.finished = False
+        seed = self.params.seed if self.params.seed is not None else request.default_seed
+        self.generator = torch.Generator().manual_seed(hash((seed, index)) & 0x7FFFFFFFFFFFFFFF)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    start: int          # first token position computed this step
+    count: int          # tokens computed this step
+    sample: bool        # the chunk reaches the end of the sequence's tokens: sample the next one
+
+
+class Scheduler:
+    def __init__(self, opts: EngineOptions, blocks: BlockPool, slots: SlotPool):
+        self.opts, self.blocks, self.slots = opts, blocks, slots
+        self.waiting: list[Sequence] = []   # FIFO; preempted sequences go back to the front
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[Scheduled]:
+        budget, plan = self.opts.prefill_token_budget, []
+        for seq in sorted(self.running, key=lambda s: s.order):
+            if seq not in self.running:      # preempted below by an older sequence's need
+                continue
+            count = min(seq.num_tokens - seq.num_computed, max(budget, 1))
+            if not self._reserve(seq, count, plan):
+                continue
+            plan.append(Scheduled(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens))
+            budget -= count
+        while self.waiting and budget > 0 and len(self.running) < self.opts.max_batch_size:
+            seq = self.waiting[0]
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._blocks_fit(seq, count) or not self.slots.free:
+                break
+            self.waiting.pop(0)
+            seq.slot = self.slots.alloc()
+            self.running.append(seq)
+            self._grow(seq, count)
+            plan.append(Scheduled(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens))
+            budget -= count
+        return plan
+
+    def _blocks_needed(self, seq: Sequence, count: int) -> int:
+        return max(0, -(-(seq.num_computed + count) // self.opts.kv_block_size) - len(seq.blocks))
+
+    def _blocks_fit(self, seq: Sequence, count: int) -> bool:
+        return self._blocks_needed(seq, count) <= len(self.blocks.free)
+
+    def _grow(self, seq: Sequence, count: int):
+        for _ in range(self._blocks_needed(seq, count)):
+            seq.blocks.append(self.blocks.alloc())
+
+    def _reserve(self, seq: Sequence, count: int, plan: list[Scheduled]) -> bool:
+        """Make room for seq's next `count` tokens, preempting the newest sequences if blocks run out."""
+        while not self._blocks_fit(seq, count):
+            victim = max(self.running, key=lambda s: s.order)
+            if any(p.seq is victim for p in plan):
+                victim = seq                  # never undo work already planned this step
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self._grow(seq, count)
+        return True
+
+    def preempt(self, seq: Sequence):
+        """Free everything seq holds; it will be recomputed from its tokens when it is admitted again."""
+        self.release(seq)
+        seq.num_computed = 0
+        self.waiting.insert(0, seq)
+
+    def release(self, seq: Sequence):
+        self.blocks.release(seq.blocks)
+        if seq.slot is not None:
+            self.slots.release(seq.slot)
+            seq.slot = None
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+
+# -----------------------------------------------------------------------------------------------
+# 7. The sampler, which takes one sequence's logits and returns its next token (and logprobs).
+# -----------------------------------------------------------------------------------------------
+
+def process_logits(logits: torch.Tensor, seq: Sequence, eos_ids: list[int]) -> torch.Tensor:
+    """Penalties, logit_bias, processors and min_tokens on a (V,) fp32 row. Returns a new tensor."""
+    p, out = seq.params, seq.output_ids
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if out and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(out, dtype=torch.long).unique(return_counts=True)
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
+    for tok, bias in p.logit_bias.items():
+        logits[tok] += bias
+    if len(out) < p.min_tokens:
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else eos_ids)
+        logits[banned] = float("-inf")
+    for proc in p.logits_processors:
+        logits = proc(list(out), logits)
+    return logits
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """temperature (0 = greedy), then top_k, top_p and min_p filters, then a draw from the seeded generator."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = logits.topk(params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p     # keep the smallest prefix reaching top_p
+        probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(raw: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's own log-probabilities (before penalties and temperature) of the token and the top k."""
+    lp = raw.log_softmax(-1)
+    top = lp.topk(k) if k else None
+    return float(lp[token]), ([] if top is None else list(zip(top.indices.tolist(), top.values.tolist())))
+
+
+# -----------------------------------------------------------------------------------------------
+# 8. The runner, which turns a plan into a Batch and runs the model. With tensor parallelism every rank
+#    runs the same Batch on its shard (section 8b); sampling happens once, on rank 0.
+# -----------------------------------------------------------------------------------------------
+
+def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
+    """Flatten the plan into the tensors the model reads."""
+    ids, pos, slots, starts, ctx, rows = [], [], [], [0], [], []
+    for p in plan:
+        toks = p.seq.tokens[p.start:p.start + p.count]
+        ids += toks
+        positions = range(p.start, p.start + p.count)
+        pos += positions
+        slots += [p.seq.blocks[i // block_size] * block_size + i % block_size for i in positions]
+        starts.append(starts[-1] + p.count)
+        ctx.append(p.start + p.count)
+        rows.append(starts[-1] - 1)
+    width = max(len(p.seq.blocks) for p in plan)
+    tables = [p.seq.blocks + [0] * (width - len(p.seq.blocks)) for p in plan]
+    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return Batch(t(ids, torch.long), t(pos, torch.long), t(starts, torch.int32), t(ctx, torch.int32),
+                 t(tables, torch.int32), t(slots, torch.long), t([p.seq.slot for p in plan], torch.int32),
+                 t(rows, torch.long))
+
+
+# -----------------------------------------------------------------------------------------------
+# 9. The engine: requests in, token ids out. step() = schedule, run, postprocess. It never sees text.
+# -----------------------------------------------------------------------------------------------
+
+@dataclass
+class EngineEvent:
+    """What the engine reports for one choice after a step (token ids only; the text layer decodes)."""
+    index: int
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None
+    finish_reason: str | None = None   # "stop" | "length" | "abort"
+    stop_reason: int | None = None     # the stop token id that ended the choice
+
+
+class Request:
+    """One submitted prompt with n choices. The engine thread writes events; the client thread reads them."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, default_seed: int):
+        self.id, self.prompt_ids, self.params = request_id, list(prompt_ids), params
+        self.default_seed = default_seed
+        self.events: queue.Queue = queue.Queue()
+        self.seqs: list[Sequence] = []
+        self.finished_choices: set[int] = set()
+        self.arrival = time.time()
+
+
+class Engine:
+    """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
+
+    def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
+                 run_batch: Callable | None = None):
+        self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
+        bs = opts.kv_block_size
+        num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
+        if num_blocks * bs < opts.max_context:
+            raise PocketError(f"--num-kv-blocks {num_blocks} x --kv-block-size {bs} cannot hold one sequence of "
+                              f"--max-context {opts.max_context} tokens")
+        self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
+        self.cache = allocate_cache(model.cfg, model.layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
+                                    model.device)
+        self.scheduler = Scheduler(opts, self.blocks, self.slots)
+        self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
+        self.requests: dict[str, Request] = {}
+        self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    # Thread-safe entry points: they only post to the inbox, which step() drains.
+
+    def add(self, request: Request):
+        self.inbox.put(("add", request))
+
+    def abort(self, request_id: str, index: int | None = None):
+        self.inbox.put(("abort", request_id, index))
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or not self.inbox.empty())
+
+    # The step.
+
+    def step(self) -> None:
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        logits = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device))   # (B, V)
+        self._postprocess(plan, logits)
+
+    def _drain_inbox(self):
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                req = msg[1]
+                self.requests[req.id] = req
+                req.seqs = [Sequence(req, 0)]
+                self.scheduler.add(req.seqs[0])
+                self.counters["prompt_tokens"] += len(req.prompt_ids)
+            elif msg[1] in self.requests:
+                for seq in list(self.requests[msg[1]].seqs):
+                    if msg[2] is None or seq.index == msg[2]:
+                        self._finish(seq, "abort")
+
+    def _postprocess(self, plan: list[Scheduled], logits: torch.Tensor):
+        for row, p in enumerate(plan):
+            seq = p.seq
+            seq.num_computed += p.count
+            if not p.sample or seq.finished:
+                continue
+            if not seq.output_ids and seq.request.params.n > 1 and len(seq.request.seqs) == 1:
+                self._fork(seq, logits[row])
+            self._append(seq, logits[row])
+
+    def _append(self, seq: Sequence, raw: torch.Tensor):
+        params = seq.params
+        tok = sample_token(process_logits(raw, seq, self.eos_ids), params, seq.generator)
+        lp = [token_logprobs(raw, tok, params.logprobs)] if params.logprobs is not None else None
+        seq.output_ids.append(tok)
+        self.counters["generation_tokens"] += 1
+        reason, stop = None, None
+        if tok in params.stop_token_ids or (not params.ignore_eos and tok in self.eos_ids):
+            reason, stop = "stop", tok
+        elif len(seq.output_ids) >= params.max_tokens:
+            reason = "length"
+        seq.request.events.put(EngineEvent(seq.index, [tok], lp))
+        if reason:
+            self._finish(seq, reason, stop)
+
+    def _fork(self, parent: Sequence, raw: torch.Tensor):
+        """n > 1: the prompt was prefilled once; each extra choice shares its full KV blocks, copies the last
+        partial block and the recurrent state, and samples its own first token from the same logits.
+        Without a free slot or block a choice is recomputed from the prompt instead."""
+        req, bs = parent.request, self.opts.kv_block_size
+        for i in range(1, req.params.n):
+            child = Sequence(req, i)
+            req.seqs.append(child)
+            partial = parent.num_computed % bs != 0
+            slot = self.slots.alloc() if len(self.scheduler.running) < self.opts.max_batch_size else None
+            block = self.blocks.alloc() if slot is not None and partial else None
+            if slot is None or (partial and block is None):
+                if slot is not None:
+                    self.slots.release(slot)
+                self.scheduler.waiting.insert(0, child)   # recomputes the prompt, then samples
+                continue
+            shared = parent.blocks[:-1] if partial else parent.blocks
+            child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
+            copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
+            child.slot, child.num_computed = slot, parent.num_computed
+            self.scheduler.running.append(child)
+            self._append(child, raw)
+
+    def _finish(self, seq: Sequence, reason: str, stop: int | None = None):
+        if seq.finished:
+            return
+        seq.finished = True
+        self.scheduler.release(seq)
+        req = seq.request
+        req.finished_choices.add(seq.index)
+        req.events.put(EngineEvent(seq.index, [], None, reason, stop))
+        if reason == "abort":   # choices not yet forked will never run
+            for i in range(len(req.seqs), req.params.n):
+                req.finished_choices.add(i)
+                req.events.put(EngineEvent(i, [], None, "abort"))
+        if len(req.finished_choices) == req.params.n:
+            self.requests.pop(req.id, None)
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": self.blocks.used,
+                "kv_blocks_total": self.blocks.total, "slots_used": self.slots.used, "slots_total": self.slots.total,
+                "prompt_tokens_total": self.counters["prompt_tokens"],
+                "generation_tokens_total": self.counters["generation_tokens"]}
+
 
 
 # ===== SECTION 10: text (owner: core: tokenizer + detokenizer; text: chat templates) =====
 
+# -----------------------------------------------------------------------------------------------
+# 10. Text: the tokenizer, an incremental detokenizer that never splits a UTF-8 character, stop strings,
+#     and the stream a client reads. Everything above this line sees token ids only.
+# -----------------------------------------------------------------------------------------------
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE spells every byte as one printable character; this maps them back."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+class Tokenizer:
+    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a checkpoint."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike):
+        import tokenizers
+        path = Path(ckpt_dir) / "tokenizer.json"
+        if not path.exists():
+            raise CheckpointError(f"{path}: file not found")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+            spec = json.loads(path.read_text(encoding="utf-8"))
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+        cfg = _read_json(Path(ckpt_dir) / "tokenizer_config.json", required=False) or {}
+        name = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731
+        self.bos_token, self.eos_token, self.pad_token = (name(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token"))
+        template_file = Path(ckpt_dir) / "chat_template.jinja"
+        self.chat_template_source = template_file.read_text(encoding="utf-8") if template_file.exists() \
+            else cfg.get("chat_template")
+        added = self._tok.get_added_tokens_decoder()                      # id -> AddedToken
+        self.special_ids = {i for i, t in added.items() if t.special}
+        self._added = {i: t.content for i, t in added.items()}
+        self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._bytes_cache: dict[int, bytes] = {}
+        self._texts: list[str] | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (a byte-level token may hold part of a UTF-8 character)."""
+        b = self._bytes_cache.get(token_id)
+        if b is None:
+            piece = self._tok.id_to_token(token_id) or ""
+            if token_id in self._added:
+                b = self._added[token_id].encode()
+            elif self._byte_level:
+                table = _BYTE_DECODER
+                b = bytes(table[c] for c in piece if c in table)
+            else:
+                b = self.decode([token_id]).encode()
+            self._bytes_cache[token_id] = b
+        return b
+
+    def token_texts(self) -> list[str]:
+        """Every token's text (partial UTF-8 shown with replacement characters), cached: for constraint masks."""
+        if self._texts is None:
+            self._texts = [self.token_bytes(i).decode("utf-8", "replace") for i in range(self.vocab_size)]
+        return self._texts
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+class TextStream:
+    """One choice's text, built token by token: an incremental UTF-8 decoder (so a character split across
+    tokens is emitted whole, never as a replacement character) and stop strings matched across tokens.
+    Text that could still be the start of a stop string is held back until it cannot."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special: bool = True):
+        import codecs
+        self.tok, self.stop, self.skip_special = tokenizer, list(stop), skip_special
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.pending = ""          # decoded but not yet emitted (a possible stop-string prefix)
+        self.stopped: str | None = None
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; return the text that is now safe to emit."""
+        if self.skip_special and token_id in self.tok.special_ids:
+            return ""
+        self.pending += self.utf8.decode(self.tok.token_bytes(token_id))
+        return self._release()
+
+    def flush(self) -> str:
+        self.pending += self.utf8.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool = False) -> str:
+        for s in self.stop:
+            at = self.pending.find(s)
+            if at >= 0:
+                self.stopped, out, self.pending = s, self.pending[:at], ""
+                return out
+        hold = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])),
+                                   default=0)
+        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        return out
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: list[tuple[int, str, list[int], float]]   # (token_id, token, bytes, logprob), best first
+
+
+@dataclass
+class StreamEvent:
+    """What a client sees for one choice: new text, new token ids, and at the end a finish reason."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None    # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+
+
+class RequestStream:
+    """Iterate it to read a request's StreamEvents as the engine produces them; abort() cancels it."""
+
+    def __init__(self, llm: "LLM", request: Request):
+        self.llm, self.request = llm, request
+        self.request_id, self.prompt_tokens = request.id, len(request.prompt_ids)
+        p = request.params
+        self.texts = [TextStream(llm.tokenizer, p.stop) for _ in range(p.n)]
+        self.completion_tokens = [0] * p.n
+        self.done: set[int] = set()
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        n = self.request.params.n
+        while len(self.done) < n:
+            ev: EngineEvent = self.request.events.get()
+            if ev.finish_reason == "error":
+                raise PocketError(f"the engine failed: {self.llm.dead_reason}")
+            if ev.index in self.done:
+                continue                       # tokens produced after a stop string ended this choice
+            out = self._convert(ev)
+            if out.finish_reason:
+                self.done.add(ev.index)
+            if out.text or out.token_ids or out.finish_reason:
+                yield out
+
+    def _convert(self, ev: EngineEvent) -> StreamEvent:
+        ts, tok = self.texts[ev.index], self.llm.tokenizer
+        text = "".join(ts.add(t) for t in ev.token_ids)
+        self.completion_tokens[ev.index] += len(ev.token_ids)
+        lps = None
+        if ev.logprobs is not None:
+            piece = lambda t: (t, tok.token_bytes(t).decode("utf-8", "replace"), list(tok.token_bytes(t)))  # noqa: E731
+            lps = [TokenLogprob(*piece(t), lp, [(*piece(i), v) for i, v in top])
+                   for t, (lp, top) in zip(ev.token_ids, ev.logprobs)]
+        if ts.stopped is not None:             # a stop string: end this choice now, free its cache
+            self.llm.engine.abort(self.request_id, ev.index)
+            self.llm.wake()
+            return StreamEvent(ev.index, text, ev.token_ids, lps, "stop", ts.stopped)
+        if ev.finish_reason:
+            text += ts.flush()
+        return StreamEvent(ev.index, text, ev.token_ids, lps, ev.finish_reason, ev.stop_reason)
+
+    def abort(self):
+        self.llm.engine.abort(self.request_id)
+        self.llm.wake()
+
+
 
 # ===== SECTION 11: output parsing and tool_choice (owner: text) =====
+import ast
+import copy
+import datetime
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import jinja2.utils
+
+
+# -----------------------------------------------------------------------------------------------
+# Chat templates: the checkpoint's jinja2 template is untrusted code, so it runs in an immutable
+# sandbox with the globals and filters HF templates expect.
+# -----------------------------------------------------------------------------------------------
+
+def _template_raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _template_strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _template_tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """HF's tojson: keeps non-ASCII and key order, no HTML escaping (jinja2's own tojson does both)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """HF's `{% generation %}...{% endgeneration %}` (marks assistant text for training masks): renders the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller):
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2's namespace() refusing underscore names, which could shadow its internals (as HF does)."""
+
+    def __init__(*args, **kwargs):
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.sandbox.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+
+class _TemplateSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Refuses unsafe attribute access at once; the stock sandbox renders it as an empty Undefined."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise jinja2.sandbox.SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+def _named_templates(source) -> dict[str, str]:
+    """tokenizer_config.json's chat_template is a string or a list of {"name", "template"}."""
+    if isinstance(source, str):
+        return {"default": source}
+    if isinstance(source, dict):
+        return {str(k): v for k, v in source.items() if isinstance(v, str)}
+    if isinstance(source, list):
+        return {t["name"]: t["template"] for t in source
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {}
+
+
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_fn", "description": "probe", "parameters": {
+    "type": "object", "properties": {"probe_arg": {"type": "string"}}, "required": ["probe_arg"]}}}]
+_PROBE_MESSAGES = [
+    {"role": "user", "content": "probe"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_probe", "type": "function", "function": {
+        "name": "probe_fn", "arguments": {"probe_arg": "probe_value"}}}]},
+    {"role": "tool", "tool_call_id": "call_probe", "content": "probe result"},
+]
+
+
+class ChatTemplate:
+    """The checkpoint's chat template: messages (+ tools) -> prompt text.
+
+    `source` is a template string or tokenizer_config.json's list of named templates ("tool_use" is used
+    when tools are given, else "default"). `tool_parser` is the tool-call format the template teaches the
+    model ("qwen_xml" or "hermes"), found by rendering a probe conversation; callers may override it.
+    """
+
+    def __init__(self, source, tokenizer=None):
+        env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True,
+                               extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        env.filters["tojson"] = _template_tojson
+        env.globals["raise_exception"] = _template_raise_exception
+        env.globals["strftime_now"] = _template_strftime_now
+        env.globals["namespace"] = _TemplateNamespace
+        self.sources = _named_templates(source)
+        if not self.sources:
+            raise CheckpointError("chat template: expected a string or a list of {name, template} objects")
+        self.templates = {}
+        for name, text in self.sources.items():
+            try:
+                self.templates[name] = env.from_string(text)
+            except jinja2.TemplateSyntaxError as exc:
+                raise CheckpointError(f"chat template {name!r}: syntax error at line {exc.lineno}: {exc.message}") from None
+        self.special_tokens = {key: getattr(tokenizer, key, None) for key in ("bos_token", "eos_token", "pad_token")}
+        self.tool_parser = self._detect_tool_parser()
+
+    def _pick(self, tools):
+        if tools and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        return self.templates.get("default") or next(iter(self.templates.values()))
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt=True,
+               continue_final_message=False, **template_kwargs) -> str:
+        """Render in the sandbox. Any template failure is the request's fault: RequestError(param="messages")."""
+        if add_generation_prompt and continue_final_message:
+            raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
+                               param="continue_final_message")
+        messages = messages_for_template(messages)
+        if continue_final_message:
+            _tag_final_message(messages)
+        context = {**self.special_tokens, **template_kwargs, "messages": messages, "tools": tools or None,
+                   "add_generation_prompt": bool(add_generation_prompt)}
+        try:
+            text = self._pick(tools).render(**context)
+        except Exception as exc:   # the template is untrusted code: whatever it raises is reported, not a 500
+            message = str(exc).replace("\n", " ").strip() or type(exc).__name__
+            raise RequestError(f"chat template error: {message}", param="messages") from None
+        if continue_final_message:
+            text = _cut_at_continue_tag(text)
+        return text
+
+    def _detect_tool_parser(self) -> str:
+        try:
+            text = self.render(_PROBE_MESSAGES, tools=_PROBE_TOOLS, add_generation_prompt=True)
+        except RequestError:
+            text = ""
+        if "<function=probe_fn>" in text:
+            return "qwen_xml"
+        if re.search(r'<tool_call>\s*\{\s*"name"\s*:\s*"probe_fn"', text):
+            return "hermes"
+        sources = "\n".join(self.sources.values())
+        if "<function=" not in sources and "<tool_call>" in sources:
+            return "hermes"
+        return "qwen_xml"
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "   # trailing space: shows whether the template trimmed the content
+
+
+def _tag_final_message(messages: list[dict]) -> None:
+    """continue_final_message (as HF): mark where the final message's content ends, then cut the prompt there."""
+    if not messages or not isinstance(messages[-1], dict) or not isinstance(messages[-1].get("content"), str):
+        raise RequestError("continue_final_message needs a final message with text content", param="messages")
+    messages[-1]["content"] += _CONTINUE_TAG
+
+
+def _cut_at_continue_tag(text: str) -> str:
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at == -1:
+        raise RequestError("continue_final_message: the chat template does not render the final message's content",
+                           param="messages")
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+
+
+def load_chat_template(tokenizer, override_path: str | None = None, ckpt_dir=None) -> ChatTemplate | None:
+    """The chat template: --chat-template FILE (a .jinja text, or a .json with "chat_template"), else the
+    tokenizer's (chat_template.jinja before tokenizer_config.json), else those files in ckpt_dir. None if none."""
+    source = None
+    if override_path:
+        path = Path(override_path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PocketError(f"--chat-template {path}: cannot read it ({exc.strerror})") from None
+        source = text
+        if path.suffix == ".json":
+            try:
+                source = json.loads(text)["chat_template"]
+            except (ValueError, KeyError, TypeError):
+                raise PocketError(f"--chat-template {path}: a .json file must hold a \"chat_template\" key") from None
+    else:
+        source = getattr(tokenizer, "chat_template_source", None)
+        if source is None and ckpt_dir is not None:
+            source = _chat_template_from_dir(Path(ckpt_dir))
+    return ChatTemplate(source, tokenizer) if source else None
+
+
+def _chat_template_from_dir(ckpt_dir: Path):
+    if (ckpt_dir / "chat_template.jinja").is_file():
+        return (ckpt_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    if (ckpt_dir / "tokenizer_config.json").is_file():
+        try:
+            return json.loads((ckpt_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError):
+            raise CheckpointError(f"{ckpt_dir / 'tokenizer_config.json'}: not a JSON object") from None
+    return None
+
+
+def messages_for_template(messages: list[dict]) -> list[dict]:
+    """A converted deep copy of OpenAI messages for the template; the request's own objects are untouched.
+
+    - tool_calls[].function.arguments: a JSON string holding an object becomes that object (key order kept),
+      as templates iterate it with `|items`; any other string (invalid JSON, or JSON that is not an object)
+      is left as the string, so the template decides (a template that needs a mapping then fails with a 400).
+    - content parts [{"type": "text", "text": ...}, ...] become their texts joined with "\\n"; other part
+      types are refused. None content becomes "".
+
+    >>> messages_for_template([{"role": "assistant", "content": None, "tool_calls": [
+    ...     {"function": {"name": "f", "arguments": '{"b": 1, "a": 2}'}}]}])[0]["tool_calls"][0]["function"]
+    {'name': 'f', 'arguments': {'b': 1, 'a': 2}}
+    """
+    converted = copy.deepcopy(messages)
+    for i, message in enumerate(converted if isinstance(converted, list) else []):
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if content is None:
+            message["content"] = ""
+        elif isinstance(content, list):
+            message["content"] = _flatten_content(content, f"messages[{i}].content")
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    arguments = json.loads(function["arguments"])
+                except ValueError:
+                    continue
+                if isinstance(arguments, dict):
+                    function["arguments"] = arguments
+    return converted
+
+
+def _flatten_content(parts: list, where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"{where}[{j}]: content parts of type {kind!r} are not supported (text only)",
+                               param="messages")
+    return "\n".join(texts)
+
+
+def prompt_ends_in_reasoning(prompt_text: str) -> bool:
+    """True when the prompt's last turn opened <think> and did not close it (the model starts in reasoning)."""
+    turn = prompt_text[prompt_text.rfind("<|im_start|>"):] if "<|im_start|>" in prompt_text else prompt_text
+    return turn.rfind("<think>") > turn.rfind("</think>")
+
+
+# -----------------------------------------------------------------------------------------------
+# Output parsing: generated text -> reasoning_content, content and tool_calls. One scanner reads the
+# text left to right and commits only what more text cannot change. Streaming re-runs it over the
+# accumulated text (resuming where it last committed) and sends the difference, so a stream always
+# assembles to exactly the non-streamed parse.
+# -----------------------------------------------------------------------------------------------
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
+_FUNC_OPEN, _FUNC_CLOSE = "<function=", "</function>"
+_PARAM_OPEN, _PARAM_CLOSE = "<parameter=", "</parameter>"
+_VALUE_ENDS = (_PARAM_CLOSE, _PARAM_OPEN, _FUNC_CLOSE, _CALL_CLOSE)   # an XML value ends at the first of these
+_VALUE_END_RE = re.compile("|".join(map(re.escape, _VALUE_ENDS)))
+_CALL_MARKERS = (_PARAM_OPEN, _PARAM_CLOSE, _FUNC_CLOSE, _CALL_CLOSE, _CALL_OPEN, _FUNC_OPEN)
+_MAX_NAME = 256                       # a "name" longer than this is prose, not markup
+_HERMES_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"')
+_HERMES_HEAD_PREFIX = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"(?:[^"\\\n]|\\.)*\\?)?)?)?)?)?)?)?)?\Z')
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_JSON_DECODER = json.JSONDecoder(strict=False)
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _is_partial(text: str, i: int, marker: str) -> bool:
+    """text[i:] is a proper prefix of marker: more text could complete it."""
+    return len(text) - i < len(marker) and marker.startswith(text[i:])
+
+
+def _held_start(text: str, start: int, markers) -> int:
+    """Where an unfinished marker may begin at the end of text (len(text) if none). Markers start with '<'."""
+    i = text.find("<", max(start, len(text) - max(map(len, markers)) + 1))
+    while i != -1:
+        if any(_is_partial(text, i, marker) for marker in markers):
+            return i
+        i = text.find("<", i + 1)
+    return len(text)
+
+
+def _strip_format_newlines(raw: str) -> str:
+    """An XML value sits on its own lines: drop the one newline after <parameter=P> and the one before </parameter>."""
+    raw = raw[1:] if raw.startswith("\n") else raw
+    return raw[:-1] if raw.endswith("\n") else raw
+
+
+def _member_json(key: str, value) -> str:
+    return json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+
+
+# Argument values by JSON-schema type. A string parameter keeps the model's raw text; anything else is parsed,
+# and a value that does not parse as its declared type stays the raw string (never an exception).
+
+def _no_json_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _strict_json(text: str):
+    return json.loads(text, parse_constant=_no_json_constant)
+
+
+def _json_or_literal(text: str):
+    """JSON, else a Python literal (models sometimes write {'a': 1}); must serialize back to JSON."""
+    try:
+        return _strict_json(text)
+    except ValueError:
+        pass
+    try:
+        value = ast.literal_eval(text)
+        json.dumps(value, allow_nan=False)
+        return value
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def _as_type(text: str, kind: str):
+    """(True, value) when text reads as a value of JSON-schema type `kind`, else (False, None)."""
+    if kind == "string":
+        return True, text
+    word = text.strip()
+    if kind == "boolean" and word.lower() in ("true", "false"):
+        return True, word.lower() == "true"
+    if kind == "null" and word.lower() in ("null", "none"):
+        return True, None
+    if kind in ("integer", "number"):
+        try:
+            value = _strict_json(word)
+        except ValueError:
+            return False, None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False, None
+        if kind == "integer" and isinstance(value, float):
+            return (True, int(value)) if value.is_integer() else (False, None)
+        return True, value
+    if kind in ("object", "array"):
+        value = _json_or_literal(word)
+        return (True, value) if isinstance(value, dict if kind == "object" else list) else (False, None)
+    return False, None
+
+
+def _json_or_text(text: str):
+    try:
+        return _strict_json(text.strip())
+    except ValueError:
+        return text
+
+
+def _convert_value(text: str, types: list[str] | None):
+    """The value of a parameter whose schema accepts `types` (tried in order); None = not in the schema."""
+    if not types:
+        return _json_or_text(text)
+    for kind in types:
+        ok, value = _as_type(text, kind)
+        if ok:
+            return value
+    return text
+
+
+def _json_type_name(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    return {int: "integer", float: "number", str: "string", dict: "object", list: "array"}.get(type(value), "null")
+
+
+def _schema_types(schema) -> list[str]:
+    """The JSON-schema types a parameter accepts, in the order to try them: type / type lists / anyOf / oneOf,
+    else the types of its enum or const values."""
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        kinds = [kind]
+    elif isinstance(kind, list):
+        kinds = [k for k in kind if isinstance(k, str)]
+    elif isinstance(schema.get("anyOf"), list) or isinstance(schema.get("oneOf"), list):
+        kinds = [k for sub in (schema.get("anyOf") or schema.get("oneOf")) for k in _schema_types(sub)]
+    elif isinstance(schema.get("enum"), list) or "const" in schema:
+        kinds = [_json_type_name(v) for v in schema.get("enum") or [schema.get("const")]]
+    else:
+        kinds = ["object"] if "properties" in schema else ["array"] if "items" in schema else []
+    return list(dict.fromkeys(kinds))
+
+
+def _tool_schemas(tools) -> dict[str, dict]:
+    """function name -> its parameters' "properties" (empty when it declares none)."""
+    schemas = {}
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            parameters = function.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            schemas[function["name"]] = properties if isinstance(properties, dict) else {}
+    return schemas
+
+
+class _ParsedCall:
+    """One tool call as parsed so far: its name and its arguments as JSON members in generation order."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.members: list[str] = []   # '"key": value' JSON texts
+        self.keys: set[str] = set()
+        self.open_member = ""           # the member whose string value is still arriving (not committed)
+        self.closed = False
+
+    def add(self, key: str, value) -> None:
+        if key not in self.keys:        # a repeated parameter keeps its first value (it may be streamed already)
+            self.keys.add(key)
+            self.members.append(_member_json(key, value))
+
+    def arguments(self) -> str:
+        """The arguments JSON text so far: "" before the first member, closed with "}" once the call ends."""
+        parts = self.members + ([self.open_member] if self.open_member and not self.closed else [])
+        if not parts and not self.closed:
+            return ""
+        return "{" + ", ".join(parts) + ("}" if self.closed else "")
+
+
+class _OutputScan:
+    """The scanner. `run(text, final)` continues from `pos`; every step either commits text it has fully
+    understood (and advances) or returns False to wait for more. With final=True nothing waits: unfinished
+    markup is resolved the forgiving way (a truncated call is closed with what it has, an unconfirmed
+    <tool_call> is text). Modes: start, think, text (prose); xml, call_end, hermes_keys, hermes_args,
+    call_junk (inside a call)."""
+
+    def __init__(self, schemas: dict, tool_parser: str, in_reasoning: bool, parse_tools: bool):
+        self.schemas, self.tool_parser = schemas, tool_parser
+        self.pos, self.mode = 0, "think" if in_reasoning else "start"
+        self.reasoning, self.content = "", ""      # raw; shown stripped of surrounding whitespace
+        self.calls: list[_ParsedCall] = []
+        markers = [_THINK_CLOSE]
+        if parse_tools:
+            markers += [_CALL_OPEN] + ([_FUNC_OPEN] if tool_parser == "qwen_xml" else [])
+        self.markers = markers
+        self.marker_re = re.compile("|".join(map(re.escape, markers)))
+
+    def run(self, text: str, final: bool) -> None:
+        if self.calls:
+            self.calls[-1].open_member = ""
+        while self.pos < len(text) and getattr(self, "_" + self.mode)(text, final):
+            pass
+        if final and self.mode not in ("start", "think", "text"):
+            self.calls[-1].closed = True
+            self.mode = "text"
+
+    # Prose: reasoning and content, and the call headers that end them.
+
+    def _start(self, text, final):
+        rest = text[self.pos:].lstrip()
+        if rest.startswith(_THINK_OPEN):         # the template did not pre-fill <think>: the model opens it
+            self.pos, self.mode = len(text) - len(rest) + len(_THINK_OPEN), "think"
+            return True
+        if not final and _THINK_OPEN.startswith(rest):
+            return False
+        self.mode = "text"
+        return True
+
+    def _think(self, text, final):
+        return self._prose(text, final, "reasoning")
+
+    def _text(self, text, final):
+        return self._prose(text, final, "content")
+
+    def _prose(self, text, final, field):
+        match = self.marker_re.search(text, self.pos)
+        end = match.start() if match else len(text) if final else _held_start(text, self.pos, self.markers)
+        setattr(self, field, getattr(self, field) + text[self.pos:end])
+        self.pos = end
+        if not match:
+            return False
+        if match.group() == _THINK_CLOSE:        # ends reasoning; a stray one in content is dropped
+            self.pos += len(_THINK_CLOSE)
+            self.mode = "text"
+            return True
+        header = self._call_header(text, self.pos, final)
+        if header is None:                        # could still become a call: hold it back
+            return False
+        if header is False:                       # a literal <tool_call> in prose stays text
+            setattr(self, field, getattr(self, field) + match.group())
+            self.pos += len(match.group())
+            return True
+        self.pos, name, self.mode = header       # a call also ends reasoning
+        self.calls.append(_ParsedCall(name))
+        return True
+
+    def _call_header(self, text, at, final):
+        """(end, name, mode) for a confirmed call header at `at`, None while undecided, False if not a call."""
+        if not text.startswith(_CALL_OPEN, at):
+            return self._xml_header(text, at, final, bare=True)
+        j = _skip_ws(text, at + len(_CALL_OPEN))
+        if text.startswith(_FUNC_OPEN, j):
+            return self._xml_header(text, j, final, bare=False)
+        if text.startswith("{", j):
+            head = _HERMES_HEAD.match(text, j)
+            if head:
+                try:
+                    return head.end(), json.loads('"' + head.group(1) + '"'), "hermes_keys"
+                except ValueError:
+                    return False
+            return None if not final and _HERMES_HEAD_PREFIX.match(text, j) else False
+        return None if not final and (j == len(text) or _is_partial(text, j, _FUNC_OPEN)) else False
+
+    def _xml_header(self, text, at, final, bare):
+        start = at + len(_FUNC_OPEN)
+        close = text.find(">", start, start + _MAX_NAME + 1)
+        if close == -1:
+            seen = text[start:start + _MAX_NAME + 1]
+            return None if not (final or len(seen) > _MAX_NAME or "\n" in seen or "<" in seen) else False
+        name = text[start:close].strip()
+        if not name or "\n" in name or "<" in name:
+            return False
+        if bare and self.schemas and name not in self.schemas:   # a bare <function=X> only for a known tool
+            return False
+        return close + 1, name, "xml"
+
+    # Qwen XML calls: <parameter=P>\nVALUE\n</parameter> ... </function> </tool_call>.
+
+    def _xml(self, text, final):
+        call = self.calls[-1]
+        j = _skip_ws(text, self.pos)
+        if j == len(text):
+            return False
+        if text.startswith(_PARAM_OPEN, j):
+            return self._xml_parameter(text, j, final, call)
+        if text.startswith(_PARAM_CLOSE, j):                   # a duplicate </parameter>
+            self.pos = j + len(_PARAM_CLOSE)
+            return True
+        if text.startswith(_FUNC_CLOSE, j):
+            call.closed, self.pos, self.mode = True, j + len(_FUNC_CLOSE), "call_end"
+            return True
+        if text.startswith(_CALL_CLOSE, j):                    # </function> missing
+            call.closed, self.pos, self.mode = True, j + len(_CALL_CLOSE), "text"
+            return True
+        if text.startswith(_CALL_OPEN, j) or text.startswith(_FUNC_OPEN, j):   # the next call: this one ended
+            call.closed, self.pos, self.mode = True, j, "text"
+            return True
+        if not final and any(_is_partial(text, j, marker) for marker in _CALL_MARKERS):
+            self.pos = j
+            return False
+        after = text.find("<", j + 1)                           # stray text inside a call is dropped
+        self.pos = len(text) if after == -1 else after
+        return True
+
+    def _xml_parameter(self, text, j, final, call):
+        start = j + len(_PARAM_OPEN)
+        close = text.find(">", start, start + _MAX_NAME + 1)
+        if close == -1:
+            seen = text[start:start + _MAX_NAME + 1]
+            if final or len(seen) > _MAX_NAME or "\n" in seen:   # not a parameter header
+                self.pos = start
+                return True
+            self.pos = j
+            return False
+        key, start = text[start:close].strip(), close + 1
+        types = self._param_types(call.name, key)
+        end = _VALUE_END_RE.search(text, start)
+        if end:
+            call.add(key, _convert_value(_strip_format_newlines(text[start:end.start()]), types))
+            self.pos = end.end() if end.group() == _PARAM_CLOSE else end.start()
+            return True
+        value = _strip_format_newlines(text[start:_held_start(text, start, _VALUE_ENDS)])
+        if final:                                              # truncated: keep what arrived
+            call.add(key, _convert_value(value, types))
+            self.pos = len(text)
+            return True
+        if types and types[0] == "string" and key not in call.keys:   # stream a string as it grows
+            call.open_member = _member_json(key, value)[:-1]
+        self.pos = j
+        return False
+
+    def _param_types(self, function, key):
+        properties = self.schemas.get(function)
+        return _schema_types(properties[key]) if properties is not None and key in properties else None
+
+    def _call_end(self, text, final):
+        j = _skip_ws(text, self.pos)
+        if text.startswith(_CALL_CLOSE, j):
+            self.pos, self.mode = j + len(_CALL_CLOSE), "text"
+            return True
+        if j == len(text) or not final and _is_partial(text, j, _CALL_CLOSE):
+            return False
+        self.mode = "text"                                      # </tool_call> missing
+        return True
+
+    # Hermes JSON calls: {"name": ..., "arguments": {...}}, the arguments streamed member by member.
+
+    def _hermes_keys(self, text, final):
+        call = self.calls[-1]
+        j = _skip_ws(text, self.pos)
+        if j == len(text):
+            return False
+        if text[j] == ",":
+            self.pos = j + 1
+            return True
+        if text[j] == "}":
+            call.closed, self.pos, self.mode = True, j + 1, "call_end"
+            return True
+        member = self._json_member(text, j, final)
+        if member is None:
+            return False
+        if member is False:
+            return self._junk(call)
+        key, v = member
+        if key in ("arguments", "parameters") and text[v] == "{" and not call.closed:
+            self.pos, self.mode = v + 1, "hermes_args"
+            return True
+        value = self._json_value(text, v, final)
+        if value is None:
+            return False
+        if value is False:
+            return self._junk(call)
+        if key in ("arguments", "parameters") and isinstance(value[0], str):   # arguments sent as a JSON string
+            inner = _json_or_text(value[0])
+            for name, item in (inner.items() if isinstance(inner, dict) else ()):
+                call.add(name, item)
+        self.pos = value[1]
+        return True
+
+    def _hermes_args(self, text, final):
+        call = self.calls[-1]
+        j = _skip_ws(text, self.pos)
+        if j == len(text):
+            return False
+        if text[j] == ",":
+            self.pos = j + 1
+            return True
+        if text[j] == "}":
+            call.closed, self.pos, self.mode = True, j + 1, "hermes_keys"
+            return True
+        member = self._json_member(text, j, final)
+        if member is None:
+            return False
+        if member is False:
+            return self._junk(call)
+        key, v = member
+        if text[v] == '"' and not _JSON_STRING.match(text, v):  # a string value still arriving: stream it
+            value = _json_string_prefix(text, v + 1)
+            if final:
+                call.add(key, value)
+                self.pos = len(text)
+                return True
+            if key not in call.keys:
+                call.open_member = _member_json(key, value)[:-1]
+            return False
+        value = self._json_value(text, v, final)
+        if value is None:
+            return False
+        if value is False:
+            return self._junk(call)
+        call.add(key, value[0])
+        self.pos = value[1]
+        return True
+
+    def _json_member(self, text, j, final):
+        """('key', value start) for '"key" :' at j; None while incomplete, False if malformed."""
+        key = _JSON_STRING.match(text, j) if text[j] == '"' else None
+        if key is None:
+            return None if text[j] == '"' and not final else False
+        colon = _skip_ws(text, key.end())
+        if colon == len(text) or text[colon] == ":" and _skip_ws(text, colon + 1) == len(text):
+            return None if not final else False
+        if text[colon] != ":":
+            return False
+        try:
+            return _JSON_DECODER.decode(key.group()), _skip_ws(text, colon + 1)
+        except ValueError:
+            return False
+
+    def _json_value(self, text, v, final):
+        """(value, end) for the JSON value at v; None while it may still be arriving, False if malformed."""
+        try:
+            value, end = _JSON_DECODER.raw_decode(text, v)
+        except ValueError:
+            # unfinished, unless the call's closing tag has already arrived
+            return None if not final and text.find(_CALL_CLOSE, v) == -1 else False
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not final and \
+                (end == len(text) or text[end] in "0123456789.eE+-"):
+            return None                                         # a number may go on: 1 -> 12, 0 -> 0.5
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return value, end
+
+    def _junk(self, call):
+        call.closed, self.mode = True, "call_junk"
+        return True
+
+    def _call_junk(self, text, final):
+        """After malformed call JSON: drop text up to </tool_call>."""
+        end = text.find(_CALL_CLOSE, self.pos)
+        if end != -1:
+            self.pos, self.mode = end + len(_CALL_CLOSE), "text"
+            return True
+        self.pos = len(text) if final else _held_start(text, self.pos, (_CALL_CLOSE,))
+        return False
+
+
+def _json_string_prefix(text: str, start: int) -> str:
+    """The decoded part of an unterminated JSON string body text[start:], cut before an unfinished escape."""
+    body = text[start:]
+    for cut in range(len(body), max(len(body) - 7, -1), -1):
+        try:
+            value = _JSON_DECODER.decode('"' + body[:cut] + '"')
+        except ValueError:
+            continue
+        return value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value   # half a surrogate pair
+    return ""
+
+
+class ChatOutputParser:
+    """Splits one choice's generated text into reasoning_content, content and tool_calls, streaming or not.
+
+    feed(text) -> OpenAI delta fragments; finish() flushes what was held back; message() is the non-streamed
+    parse of everything fed. Text is held back only while it could still be markup (a partial <tool_call>,
+    a header not yet confirmed by <function=NAME> or {"name": ...}) or whitespace that is trimmed around
+    content. tool_parser ("qwen_xml" | "hermes") picks the form tool_choice forces and whether a bare
+    <function=NAME> (no <tool_call>) counts; calls in either form are recognised after <tool_call>.
+
+    >>> p = ChatOutputParser(None, "qwen_xml", in_reasoning=True)
+    >>> p.feed("Paris?\\n</think>\\n\\nIt is ") + p.feed("Paris.") + p.finish()
+    [{'reasoning_content': 'Paris?'}, {'content': 'It is'}, {'content': ' Paris.'}]
+    """
+
+    def __init__(self, tools: list[dict] | None, tool_parser: str, in_reasoning: bool, parse_tools: bool = True):
+        if tool_parser not in ("qwen_xml", "hermes"):
+            raise PocketError(f"unknown tool parser {tool_parser!r}: use qwen_xml or hermes")
+        self._options = (_tool_schemas(tools), tool_parser, in_reasoning, parse_tools)
+        self._scan = _OutputScan(*self._options)
+        self._text = ""
+        self._ids: list[str] = []
+        self._sent_reasoning = self._sent_content = ""
+        self._sent_arguments: list[str] = []
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return bool(self._scan.calls)
+
+    def feed(self, text: str) -> list[dict]:
+        self._text += text
+        self._scan.run(self._text, final=False)
+        return self._deltas()
+
+    def finish(self) -> list[dict]:
+        self._scan.run(self._text, final=True)
+        return self._deltas()
+
+    def message(self) -> dict:
+        scan = _OutputScan(*self._options)
+        scan.run(self._text, final=True)
+        calls = [{"id": self._id(i), "type": "function", "function": {"name": call.name, "arguments": call.arguments()}}
+                 for i, call in enumerate(scan.calls)]
+        content = scan.content.strip()
+        return {"content": content or (None if calls else ""), "reasoning_content": scan.reasoning.strip() or None,
+                "tool_calls": calls or None}
+
+    def _id(self, index: int) -> str:
+        while len(self._ids) <= index:
+            self._ids.append("call_" + uuid.uuid4().hex[:24])
+        return self._ids[index]
+
+    def _deltas(self) -> list[dict]:
+        """What the scan shows now minus what was already sent. Everything shown only ever grows."""
+        deltas = []
+        reasoning, content = self._scan.reasoning.strip(), self._scan.content.strip()
+        if len(reasoning) > len(self._sent_reasoning) and reasoning.startswith(self._sent_reasoning):
+            deltas.append({"reasoning_content": reasoning[len(self._sent_reasoning):]})
+            self._sent_reasoning = reasoning
+        if len(content) > len(self._sent_content) and content.startswith(self._sent_content):
+            deltas.append({"content": content[len(self._sent_content):]})
+            self._sent_content = content
+        for index, call in enumerate(self._scan.calls):
+            if index == len(self._sent_arguments):
+                deltas.append({"tool_calls": [{"index": index, "id": self._id(index), "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+                self._sent_arguments.append("")
+            arguments, sent = call.arguments(), self._sent_arguments[index]
+            if len(arguments) > len(sent) and arguments.startswith(sent):
+                deltas.append({"tool_calls": [{"index": index, "function": {"arguments": arguments[len(sent):]}}]})
+                self._sent_arguments[index] = arguments
+        return deltas
+
 
 
 # ===== SECTION 12-13: OpenAI protocol and HTTP server (owner: server) =====
 
+import select
+import urllib.parse
+
+# -----------------------------------------------------------------------------------------------
+# 12. The OpenAI protocol: request bodies checked field by field into SamplingParams and prompt ids,
+#     engine events shaped into OpenAI responses and stream chunks. No sockets here.
+# -----------------------------------------------------------------------------------------------
+
+SYSTEM_FINGERPRINT = f"pocketllm-{__version__}"
+MAX_N = 16                     # choices per request
+MAX_STOP = 16                  # stop strings per request
+MAX_TOP_LOGPROBS = 20          # alternatives per token (OpenAI's chat limit)
+LOGPROB_FLOOR = -9999.0        # JSON has no -inf: a masked token reports this instead
+
+# The fields each endpoint knows; any other field is refused as unknown (a typo such as `temprature`).
+# Accepted and ignored because they cannot change the answer (bookkeeping on OpenAI's side).
+NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                    "prompt_cache_retention", "safety_identifier"}
+# OpenAI fields we do not implement: accepted only at the values that leave the answer unchanged.
+CHAT_DEFAULT_ONLY = {"audio": [None], "modalities": [None, ["text"]], "prediction": [None],
+                     "functions": [None, []], "function_call": [None, "none", "auto"],
+                     "web_search_options": [None], "verbosity": [None], "reasoning_effort": [None]}
+COMPLETION_DEFAULT_ONLY = {"echo": [None, False], "suffix": [None, ""]}      # best_of is checked against n
+SAMPLING_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed",
+                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+                   "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos"}
+CHAT_FIELDS = (SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(CHAT_DEFAULT_ONLY) |
+               {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                "parallel_tool_calls", "response_format", "chat_template_kwargs", "add_generation_prompt",
+                "continue_final_message"})
+COMPLETION_FIELDS = SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(COMPLETION_DEFAULT_ONLY) | {"prompt", "best_of"}
+
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Keys a message may carry. The null-only ones appear when a client replays an SDK message object as a dict.
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+MESSAGE_NULL_ONLY_KEYS = {"refusal", "annotations", "audio", "function_call", "reasoning"}
+RENDER_ARGUMENTS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+
+
+# The field readers: each checks one JSON value's type and range and names it in the error.
+
+def _json_type(value) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _check_type(value, kind: type, param: str):
+    """value as `kind` (bool, int, float, str, list, dict); an int is a valid float, a bool is neither."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+        raise RequestError(f"'{param}' must be {_json_type(kind())}, got {_json_type(value)}", param=param)
+    if kind is float and not math.isfinite(value):
+        raise RequestError(f"'{param}' must be a finite number", param=param)
+    return value
+
+
+def _field(body: dict, name: str, kind: type, default=None, lo=None, hi=None, param: str | None = None):
+    """body[name] checked for type and inclusive range [lo, hi]; absent or null -> default."""
+    raw = body.get(name)
+    if raw is None:
+        return default
+    param = param or name
+    value = _check_type(raw, kind, param)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"'{param}' must be between {lo} and {hi}, got {raw}", param=param)
+    return value
+
+
+def _check_fields(body: dict, known: set[str], default_only: dict[str, list]) -> None:
+    """Refuse unknown fields (typos) and unimplemented fields set to a value that would change the answer."""
+    for name in body:
+        if name not in known:
+            raise RequestError(f"unknown field '{name}'", param=name, code="unknown_field")
+    for name, allowed in default_only.items():
+        if name in body and body[name] not in allowed:
+            raise RequestError(f"'{name}' is not supported by this server (accepted only as "
+                               f"{' or '.join(json.dumps(a) for a in allowed)})", param=name, code="unsupported_field")
+
+
+def _check_model(llm, body: dict) -> None:
+    model = _field(body, "model", str)
+    if model is not None and model != llm.model_name:
+        raise RequestError(f"model '{model}' does not exist; this server serves '{llm.model_name}'",
+                           param="model", status=404, code="model_not_found")
+
+
+def _token_id(value, param: str, vocab_size: int) -> int:
+    value = _check_type(value, int, param)
+    if not 0 <= value < vocab_size:
+        raise RequestError(f"'{param}' must be a token id between 0 and {vocab_size - 1}, got {value}", param=param)
+    return value
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else _check_type(stop, list, "stop")
+    if len(stop) > MAX_STOP:
+        raise RequestError(f"'stop' holds at most {MAX_STOP} strings, got {len(stop)}", param="stop")
+    for s in stop:
+        if not _check_type(s, str, "stop"):
+            raise RequestError("'stop' strings must not be empty", param="stop")
+    return stop
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    bias = _field(body, "logit_bias", dict, {})
+    out = {}
+    for key in bias:
+        if not re.fullmatch(r"\d+", key):
+            raise RequestError(f"'logit_bias' keys must be token ids as strings, got {key!r}", param="logit_bias")
+        out[_token_id(int(key), "logit_bias", vocab_size)] = _field(bias, key, float, lo=-100, hi=100,
+                                                                    param="logit_bias")
+    return out
+
+
+def _request_sampling_params(llm, body: dict, prompt_len: int, max_tokens_field: str | None) -> SamplingParams:
+    """The sampling fields common to both endpoints, range-checked, with max_tokens resolved."""
+    vocab = llm.config.vocab_size
+    room = llm.options.max_context - prompt_len
+    if room <= 0:
+        raise RequestError(f"the prompt is {prompt_len} tokens; the context holds {llm.options.max_context}",
+                           param="messages" if "messages" in body else "prompt", code="context_length_exceeded")
+    max_tokens = room
+    if max_tokens_field is not None:
+        max_tokens = _field(body, max_tokens_field, int, lo=1)
+    n = _field(body, "n", int, 1, lo=1, hi=MAX_N)
+    top_k = _field(body, "top_k", int, 0, lo=-1)
+    top_p = _field(body, "top_p", float, 1.0, lo=0, hi=1)
+    if top_p == 0:
+        raise RequestError("'top_p' must be greater than 0 and at most 1, got 0", param="top_p")
+    repetition_penalty = _field(body, "repetition_penalty", float, 1.0, lo=0, hi=10)
+    if repetition_penalty == 0:
+        raise RequestError("'repetition_penalty' must be greater than 0 and at most 10, got 0",
+                           param="repetition_penalty")
+    min_tokens = _field(body, "min_tokens", int, 0, lo=0)
+    if min_tokens > max_tokens:
+        raise RequestError(f"'min_tokens' ({min_tokens}) must not exceed the max tokens ({max_tokens})",
+                           param="min_tokens")
+    return SamplingParams(
+        max_tokens=max_tokens, n=n, top_k=0 if top_k == -1 else top_k, top_p=top_p,
+        temperature=_field(body, "temperature", float, 1.0, lo=0, hi=2),
+        min_p=_field(body, "min_p", float, 0.0, lo=0, hi=1),
+        seed=_field(body, "seed", int, lo=-2 ** 63, hi=2 ** 64 - 1),
+        presence_penalty=_field(body, "presence_penalty", float, 0.0, lo=-2, hi=2),
+        frequency_penalty=_field(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
+        repetition_penalty=repetition_penalty, logit_bias=_logit_bias(body, vocab), min_tokens=min_tokens,
+        stop=_stop_strings(body),
+        stop_token_ids=[_token_id(t, "stop_token_ids", vocab)
+                        for t in _field(body, "stop_token_ids", list, [])],
+        ignore_eos=_field(body, "ignore_eos", bool, False))
+
+
+def _max_tokens_field(body: dict, names: tuple[str, ...]) -> str | None:
+    """Which of the max-tokens fields the client set (both set to different values is an error)."""
+    given = [name for name in names if body.get(name) is not None]
+    if len(given) == 2 and body[given[0]] != body[given[1]]:
+        raise RequestError(f"'{given[0]}' and '{given[1]}' disagree; send one of them", param=given[0])
+    return given[0] if given else None
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    """include_usage; stream_options is only meaningful on a stream."""
+    options = _field(body, "stream_options", dict)
+    if options is None:
+        return False
+    if not stream:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    for key in options:
+        if key not in ("include_usage", "include_obfuscation"):      # obfuscation: we never pad chunks
+            raise RequestError(f"unknown field 'stream_options.{key}'", param=f"stream_options.{key}")
+    _field(options, "include_obfuscation", bool, param="stream_options.include_obfuscation")
+    return _field(options, "include_usage", bool, False, param="stream_options.include_usage")
+
+
+def _check_alive(llm) -> None:
+    if getattr(llm, "dead_reason", None):
+        raise RequestError(f"the engine is down: {llm.dead_reason}", status=503, code="engine_dead")
+
+
+def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None):
+    """llm.submit, with engine errors renamed to the field this client actually sent."""
+    _check_alive(llm)
+    try:
+        return llm.submit(prompt_ids, params)
+    except RequestError as e:
+        if e.param == "max_tokens" and max_tokens_field:
+            e.param = max_tokens_field
+        elif e.param in ("messages", "prompt") or (e.param == "max_tokens" and not max_tokens_field):
+            e.param = "messages" if "messages" in body else "prompt"
+        raise
+
+
+# Chat requests: messages and tools checked, the template rendered on a converted copy.
+
+def _check_content(content, param: str, role: str) -> None:
+    if content is None:
+        if role != "assistant":
+            raise RequestError(f"'{param}' must not be null for a {role} message", param=param)
+        return
+    if isinstance(content, str):
+        return
+    for j, part in enumerate(_check_type(content, list, param)):
+        part = _check_type(part, dict, f"{param}[{j}]")
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f"'{param}[{j}]': only text content parts are supported "
+                               f"(got type {part.get('type')!r})", param=f"{param}[{j}]")
+
+
+def _check_tool_calls(calls, param: str) -> None:
+    for j, call in enumerate(_check_type(calls, list, param)):
+        where = f"{param}[{j}]"
+        call = _check_type(call, dict, where)
+        if call.get("type", "function") != "function":
+            raise RequestError(f"'{where}.type' must be \"function\"", param=f"{where}.type")
+        function = _check_type(call.get("function"), dict, f"{where}.function")
+        _check_type(function.get("name"), str, f"{where}.function.name")
+        if not isinstance(function.get("arguments"), (str, dict)):
+            raise RequestError(f"'{where}.function.arguments' must be a JSON string",
+                               param=f"{where}.function.arguments")
+
+
+def _check_messages(messages) -> list[dict]:
+    messages = _check_type(messages, list, "messages")
+    if not messages:
+        raise RequestError("'messages' must not be empty", param="messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        message = _check_type(message, dict, where)
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            raise RequestError(f"'{where}.role' must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}",
+                               param=f"{where}.role")
+        for key, value in message.items():
+            if key not in MESSAGE_KEYS and not (key in MESSAGE_NULL_ONLY_KEYS and value in (None, [])):
+                raise RequestError(f"'{where}.{key}' is not supported", param=f"{where}.{key}")
+        _check_content(message.get("content"), f"{where}.content", role)
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            _field(message, key, str, param=f"{where}.{key}")
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise RequestError(f"'{where}.tool_calls' is only allowed on assistant messages",
+                                   param=f"{where}.tool_calls")
+            _check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    return messages
+
+
+def _check_tools(body: dict) -> list[dict] | None:
+    tools = _field(body, "tools", list)
+    if not tools:
+        return None
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        tool = _check_type(tool, dict, where)
+        if tool.get("type") != "function":
+            raise RequestError(f"'{where}.type' must be \"function\" (only function tools are supported)",
+                               param=f"{where}.type")
+        for key in tool:
+            if key not in ("type", "function"):
+                raise RequestError(f"'{where}.{key}' is not supported", param=f"{where}.{key}")
+        function = _check_type(tool.get("function"), dict, f"{where}.function")
+        for key in function:
+            if key not in ("name", "description", "parameters", "strict"):
+                raise RequestError(f"'{where}.function.{key}' is not supported", param=f"{where}.function.{key}")
+        name = _check_type(function.get("name"), str, f"{where}.function.name")
+        if not name or name in names:
+            raise RequestError(f"'{where}.function.name' must be a unique non-empty name",
+                               param=f"{where}.function.name")
+        names.add(name)
+        _field(function, "description", str, param=f"{where}.function.description")
+        _field(function, "parameters", dict, param=f"{where}.function.parameters")
+        _field(function, "strict", bool, param=f"{where}.function.strict")
+    return tools
+
+
+def _check_tool_choice(body: dict, tools: list[dict] | None):
+    """'none' | 'auto' | 'required' | {"type": "function", "function": {"name": X}}."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise RequestError(f"'tool_choice' must be none, auto, required or a function, got {choice!r}",
+                               param="tool_choice")
+    else:
+        choice = _check_type(choice, dict, "tool_choice")
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or \
+                not isinstance(function.get("name"), str):
+            raise RequestError('\'tool_choice\' object must be {"type": "function", "function": {"name": ...}}',
+                               param="tool_choice")
+        if function["name"] not in {t["function"]["name"] for t in tools or []}:
+            raise RequestError(f"'tool_choice' names '{function['name']}', which is not in 'tools'",
+                               param="tool_choice")
+    if choice != "none" and not tools:
+        raise RequestError(f"'tool_choice' {json.dumps(choice)} needs 'tools'", param="tool_choice")
+    return choice
+
+
+def _check_response_format(body: dict) -> None:
+    fmt = _field(body, "response_format", dict)
+    if fmt is not None and fmt.get("type") != "text":
+        raise RequestError(f"'response_format' type {fmt.get('type')!r} is not supported yet; only \"text\"",
+                           param="response_format", code="unsupported_field")
+
+
+def _chat_template(llm):
+    """The llm's chat template, loaded on first use (run_server may have set an override)."""
+    template = getattr(llm, "chat_template", None)
+    if template is None:
+        template = llm.chat_template = load_chat_template(llm.tokenizer)
+    if template is None:
+        raise RequestError("this checkpoint has no chat template; start the server with --chat-template FILE "
+                           "or use /v1/completions", param="messages")
+    return template
+
+
+def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
+    """The prompt text for a chat body: the template rendered on a converted copy of the messages."""
+    messages = _check_messages(body.get("messages"))
+    template_kwargs = _field(body, "chat_template_kwargs", dict, {})
+    for key in template_kwargs:
+        if key in RENDER_ARGUMENTS:
+            raise RequestError(f"'chat_template_kwargs.{key}' must be given as a top-level field",
+                               param="chat_template_kwargs")
+    continue_final = _field(body, "continue_final_message", bool, False)
+    add_generation_prompt = _field(body, "add_generation_prompt", bool, not continue_final)
+    if continue_final and (add_generation_prompt or messages[-1]["role"] != "assistant"):
+        raise RequestError("'continue_final_message' needs a final assistant message and "
+                           "'add_generation_prompt' false", param="continue_final_message")
+    copy = messages_for_template(messages)
+    for message in copy:                     # OpenAI's developer role is the system role of older templates
+        if message["role"] == "developer":
+            message["role"] = "system"
+    return _chat_template(llm).render(copy, tools=tools, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final, **template_kwargs)
+
+
+# The response shapes: logprobs in both formats, usage.
+
+def _logprob(value: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(value) else max(value, LOGPROB_FLOOR)
+
+
+def _chat_logprobs(logprobs: list) -> list[dict]:
+    return [{"token": lp.token, "logprob": _logprob(lp.logprob), "bytes": lp.bytes,
+             "top_logprobs": [{"token": t, "logprob": _logprob(v), "bytes": b} for _, t, b, v in lp.top]}
+            for lp in logprobs]
+
+
+def _completion_logprobs(logprobs: list, text_offset: int) -> dict:
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{t: _logprob(v) for _, t, _, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, a sum and a count, thread-safe."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts = buckets, [0] * (len(buckets) + 1)
+        self.sum, self.lock = 0.0, threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self.lock:
+            self.counts[next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))] += 1
+            self.sum += value
+
+    def lines(self, name: str) -> list[str]:
+        with self.lock:
+            counts, total = list(itertools.accumulate(self.counts)), self.sum
+        edges = [repr(b) for b in self.buckets] + ["+Inf"]
+        return ([f'{name}_bucket{{le="{e}"}} {c}' for e, c in zip(edges, counts)] +
+                [f"{name}_sum {total}", f"{name}_count {counts[-1]}"])
+
+
+class ServerMetrics:
+    """What /metrics reports beyond llm.stats(): responses by endpoint and status, latency histograms."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.responses: dict[tuple[str, int], int] = {}
+        self.time_to_first_token = Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.inter_token_latency = Histogram((0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1, 2.5))
+
+    def count(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.responses[endpoint, status] = self.responses.get((endpoint, status), 0) + 1
+
+
+# A submitted request: its engine stream plus what shapes the answer, consumed once as chunks or a response.
+
+class Completion:
+    """One validated, submitted request. `chunks()` streams it, `response()` waits for it; `abort()` cancels."""
+
+    def __init__(self, llm, stream, kind: str, stream_mode: bool, include_usage: bool, logprobs: int | None,
+                 parsers: list | None = None, metrics: ServerMetrics | None = None):
+        self.llm, self.stream, self.kind, self.stream_mode = llm, stream, kind, stream_mode
+        self.include_usage, self.logprobs, self.parsers, self.metrics = include_usage, logprobs, parsers, metrics
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+        self.created, self.submitted = int(time.time()), time.monotonic()
+        self.completion_tokens = 0
+        self.text_offsets: dict[int, int] = {}     # choice -> characters of logprob tokens streamed so far
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    def events(self) -> Iterator:
+        """The engine's events, timed for the latency histograms; an engine-side abort is an error."""
+        last: dict[int, float] = {}
+        for event in self._engine_events():
+            now = time.monotonic()
+            if event.token_ids:
+                self.completion_tokens += len(event.token_ids)
+                if self.metrics:
+                    if not last:
+                        self.metrics.time_to_first_token.observe(now - self.submitted)
+                    elif event.index in last:
+                        self.metrics.inter_token_latency.observe((now - last[event.index]) / len(event.token_ids))
+                last[event.index] = now
+            if event.finish_reason == "abort":             # we aborted it (client gone) or the engine died
+                _check_alive(self.llm)
+                raise RequestError("the request was aborted", status=503, code="aborted")
+            yield event
+
+    def _engine_events(self) -> Iterator:
+        """The stream's events; a fatal engine error while waiting becomes a 503."""
+        try:
+            yield from self.stream
+        except RequestError:
+            raise
+        except PocketError as e:
+            _check_alive(self.llm)
+            raise RequestError(str(e), status=503, code="engine_dead") from None
+
+    def _finish_reason(self, index: int, reason: str) -> str:
+        if self.parsers and self.parsers[index].has_tool_calls and reason == "stop":
+            return "tool_calls"
+        return reason
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": self.object + (".chunk" if self.kind == "chat" and self.stream_mode else ""),
+                "created": self.created, "model": self.llm.model_name, "system_fingerprint": SYSTEM_FINGERPRINT,
+                "choices": choices}
+
+    def _usage(self) -> dict:
+        return _usage(self.stream.prompt_tokens, self.completion_tokens)
+
+    def chunks(self) -> Iterator[dict]:
+        """OpenAI stream chunks; closing the iterator early aborts the request."""
+        n = len(self.parsers) if self.parsers is not None else None
+        try:
+            pending = {}                      # choice -> logprobs not yet attached to a chunk
+            if self.kind == "chat":
+                for i in range(n):
+                    yield self._chunk(i, {"role": "assistant", "content": ""})
+            for event in self.events():
+                i = event.index
+                if self.logprobs is not None and event.logprobs:
+                    pending.setdefault(i, []).extend(event.logprobs)
+                if self.kind == "chat":
+                    deltas = self.parsers[i].feed(event.text) if event.text else []
+                    if event.finish_reason:
+                        deltas += self.parsers[i].finish()
+                    for delta in deltas:
+                        yield self._chunk(i, delta, pending.pop(i, None))
+                elif event.text:
+                    yield self._chunk(i, event.text, pending.pop(i, None))
+                if event.finish_reason:
+                    yield self._chunk(i, {} if self.kind == "chat" else "", pending.pop(i, None),
+                                      self._finish_reason(i, event.finish_reason), event.stop_reason)
+            if self.include_usage:
+                yield {**self._envelope([]), "usage": self._usage()}
+        finally:
+            self.abort()                      # a no-op once finished; frees the request if the client left
+
+    def _chunk(self, index: int, delta, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
+        choice = {"index": index}
+        if self.kind == "chat":
+            choice.update(delta=delta, logprobs={"content": _chat_logprobs(logprobs)} if logprobs else None)
+        elif logprobs:
+            start = self.text_offsets.get(index, 0)
+            self.text_offsets[index] = start + sum(len(lp.token) for lp in logprobs)
+            choice.update(text=delta, logprobs=_completion_logprobs(logprobs, start))
+        else:
+            choice.update(text=delta, logprobs=None)
+        choice.update(finish_reason=finish_reason)
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        chunk = self._envelope([choice])
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def response(self) -> dict:
+        """The whole answer, once every choice has finished."""
+        texts, logprobs, finish = {}, {}, {}
+        try:
+            for event in self.events():
+                texts[event.index] = texts.get(event.index, "") + event.text
+                logprobs.setdefault(event.index, []).extend(event.logprobs or [])
+                if event.finish_reason:
+                    finish[event.index] = (event.finish_reason, event.stop_reason)
+        finally:
+            self.abort()
+        choices = []
+        for i in sorted(finish):
+            reason, stop_reason = finish[i]
+            choice = {"index": i}
+            if self.kind == "chat":
+                parser = self.parsers[i]
+                parser.feed(texts.get(i, ""))
+                parser.finish()
+                message = {"role": "assistant", **{k: v for k, v in parser.message().items()
+                                                    if k == "content" or v is not None}}
+                choice.update(message=message, logprobs={"content": _chat_logprobs(logprobs[i])}
+                              if self.logprobs is not None else None)
+            else:
+                choice.update(text=texts.get(i, ""), logprobs=_completion_logprobs(logprobs[i], 0)
+                              if self.logprobs is not None else None)
+            choice.update(finish_reason=self._finish_reason(i, reason), stop_reason=stop_reason)
+            choices.append(choice)
+        return {**self._envelope(choices), "usage": self._usage()}
+
+
+def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
+    """Validate a /v1/chat/completions body, render the prompt and submit it."""
+    body = _check_type(body, dict, "body")
+    _check_fields(body, CHAT_FIELDS, CHAT_DEFAULT_ONLY)
+    _check_model(llm, body)
+    stream = _field(body, "stream", bool, False)
+    include_usage = _stream_options(body, stream)
+    tools = _check_tools(body)
+    tool_choice = _check_tool_choice(body, tools)
+    parallel_tool_calls = _field(body, "parallel_tool_calls", bool, True)
+    _check_response_format(body)
+    if tool_choice == "none":
+        tools = None                      # the model is not shown tools it may not call
+    want_logprobs = _field(body, "logprobs", bool, False)
+    top_logprobs = _field(body, "top_logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not want_logprobs:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    prompt_text = render_chat_prompt(llm, body, tools)
+    prompt_ids = llm.tokenizer.encode(prompt_text)
+    max_tokens_field = _max_tokens_field(body, ("max_completion_tokens", "max_tokens"))
+    params = _request_sampling_params(llm, body, len(prompt_ids), max_tokens_field)
+    params.logprobs = (top_logprobs or 0) if want_logprobs else None
+    template = _chat_template(llm)
+    in_reasoning = prompt_ends_in_reasoning(prompt_text)
+    if tools:
+        processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
+                                          parallel_tool_calls, in_reasoning, params.max_tokens)
+        if processor is not None:
+            params.logits_processors = [*params.logits_processors, processor]
+    parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tools is not None)
+               for _ in range(params.n)]
+    return Completion(llm, _submit(llm, prompt_ids, params, body, max_tokens_field), "chat", stream,
+                      include_usage, params.logprobs, parsers, metrics)
+
+
+def _prompt_ids(llm, prompt) -> list[int]:
+    """A completions prompt: a string or token ids, alone or as a one-element batch."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = llm.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = [_token_id(t, "prompt", llm.config.vocab_size) for t in prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError("'prompt' batches of more than one prompt are not supported; send one request each",
+                           param="prompt", code="unsupported_field")
+    else:
+        raise RequestError(f"'prompt' must be a string or an array of token ids, got {_json_type(prompt)}",
+                           param="prompt")
+    if not ids:
+        raise RequestError("'prompt' must not be empty", param="prompt")
+    return ids
+
+
+def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
+    """Validate a /v1/completions body and submit it."""
+    body = _check_type(body, dict, "body")
+    _check_fields(body, COMPLETION_FIELDS, COMPLETION_DEFAULT_ONLY)
+    _check_model(llm, body)
+    stream = _field(body, "stream", bool, False)
+    include_usage = _stream_options(body, stream)
+    prompt_ids = _prompt_ids(llm, body.get("prompt"))
+    max_tokens_field = "max_tokens" if body.get("max_tokens") is not None else None
+    params = _request_sampling_params(llm, body, len(prompt_ids), max_tokens_field)
+    best_of = _field(body, "best_of", int)
+    if best_of not in (None, 1, params.n):
+        raise RequestError("'best_of' is not supported by this server (accepted only when equal to 'n')",
+                           param="best_of", code="unsupported_field")
+    params.logprobs = _field(body, "logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
+    return Completion(llm, _submit(llm, prompt_ids, params, body, max_tokens_field), "text", stream,
+                      include_usage, params.logprobs, None, metrics)
+
+
+def chat_completions(llm, body: dict) -> dict | Iterator[dict]:
+    """An OpenAI /v1/chat/completions body -> the response dict, or an iterator of chunks when streaming."""
+    completion = start_chat_completion(llm, body)
+    return completion.chunks() if completion.stream_mode else completion.response()
+
+
+def completions(llm, body: dict) -> dict | Iterator[dict]:
+    """An OpenAI /v1/completions body -> the response dict, or an iterator of chunks when streaming."""
+    completion = start_completion(llm, body)
+    return completion.chunks() if completion.stream_mode else completion.response()
+
+
+def llm_chat(llm, messages: list[dict], tools: list[dict] | None = None, stream: bool = False, **params):
+    """LLM.chat: the same OpenAI-shaped dict (or chunk iterator) the HTTP endpoint sends."""
+    body = {**params, "messages": messages, "stream": stream}
+    if tools is not None:
+        body["tools"] = tools
+    return chat_completions(llm, body)
+
+
+# -----------------------------------------------------------------------------------------------
+# 13. The HTTP server: ThreadingHTTPServer with one route table and one translator from exceptions to
+#     OpenAI errors. Each request runs on its own thread and blocks on its RequestStream; SSE for streams.
+# -----------------------------------------------------------------------------------------------
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
+DEFAULT_SOCKET_TIMEOUT = 60.0      # seconds a client may stay silent (idle keep-alive, a slow body or read)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
+               500: "internal_server_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def translate_error(error: Exception) -> tuple[int, dict]:
+    """Any exception -> (HTTP status, OpenAI error body). Only our own bugs are 500, logged with a traceback."""
+    if isinstance(error, RequestError):
+        return error.status, error_body(error.status, str(error), error.param, error.code)
+    if isinstance(error, PocketError):
+        return 400, error_body(400, str(error))
+    if isinstance(error, RecursionError):          # JSON nested deeper than Python will walk
+        return 400, error_body(400, "the request is nested too deeply", code="invalid_json")
+    traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    return 500, error_body(500, "internal server error (logged on the server)", code="internal_error")
+
+
+def _client_gone(error: Exception) -> bool:
+    """A failed read or write on the client's socket (reset, broken pipe, timeout)."""
+    return isinstance(error, (ConnectionError, TimeoutError))
+
+
+class DisconnectWatch:
+    """While a non-streamed request waits on the engine, call on_disconnect if the client closes its socket."""
+
+    def __init__(self, sock: socket.socket, on_disconnect: Callable[[], None]):
+        self.sock, self.on_disconnect, self.done = sock, on_disconnect, threading.Event()
+
+    def __enter__(self):
+        threading.Thread(target=self._watch, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            try:
+                if not select.select([self.sock], [], [], 0.05)[0]:
+                    continue
+                if self.sock.recv(1, socket.MSG_PEEK):
+                    return                       # a pipelined next request: the client is still there
+            except (OSError, ValueError):
+                pass                             # reset or closed: gone as well
+            if not self.done.is_set():
+                self.on_disconnect()
+            return
+
+
+# The endpoints. Each takes the handler, the path match and the raw body, and sends one response.
+
+def _json_body(raw: bytes) -> dict:
+    def refuse_constant(name):
+        raise ValueError(f"{name} is not valid JSON")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=refuse_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RequestError(f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {_json_type(body)}", code="invalid_json")
+    return body
+
+
+def _health(handler, match, raw) -> None:
+    _check_alive(handler.server.llm)
+    handler.send_json(200, {"status": "ok"})
+
+
+def _model_card(server) -> dict:
+    return {"id": server.llm.model_name, "object": "model", "created": server.started, "owned_by": "pocketllm",
+            "root": str(server.llm.ckpt_dir), "max_model_len": server.llm.options.max_context}
+
+
+def _models(handler, match, raw) -> None:
+    handler.send_json(200, {"object": "list", "data": [_model_card(handler.server)]})
+
+
+def _model(handler, match, raw) -> None:
+    _check_model(handler.server.llm, {"model": urllib.parse.unquote(match["model"])})
+    handler.send_json(200, _model_card(handler.server))
+
+
+def _chat(handler, match, raw) -> None:
+    handler.send_completion(start_chat_completion(handler.server.llm, _json_body(raw), handler.server.metrics))
+
+
+def _completions(handler, match, raw) -> None:
+    handler.send_completion(start_completion(handler.server.llm, _json_body(raw), handler.server.metrics))
+
+
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "continue_final_message", "chat_template_kwargs", "tools", "return_token_strs"}
+
+
+def _tokenize(handler, match, raw) -> None:
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the template -> token ids."""
+    llm, body = handler.server.llm, _json_body(raw)
+    _check_fields(body, TOKENIZE_FIELDS, {})
+    _check_model(llm, body)
+    if ("prompt" in body) == ("messages" in body):
+        raise RequestError("send exactly one of 'prompt' and 'messages'", param="prompt")
+    _field(body, "add_special_tokens", bool)     # our tokenizers add no special tokens either way
+    if "prompt" in body:
+        ids = llm.tokenizer.encode(_check_type(body["prompt"], str, "prompt"))
+    else:
+        ids = llm.tokenizer.encode(render_chat_prompt(llm, body, _check_tools(body)))
+    strs = [llm.tokenizer.id_to_token(t) for t in ids] if _field(body, "return_token_strs", bool, False) else None
+    handler.send_json(200, {"count": len(ids), "max_model_len": llm.options.max_context, "tokens": ids,
+                            "token_strs": strs})
+
+
+def _detokenize(handler, match, raw) -> None:
+    """vLLM's /detokenize: token ids -> text."""
+    llm, body = handler.server.llm, _json_body(raw)
+    _check_fields(body, {"model", "tokens"}, {})
+    _check_model(llm, body)
+    ids = [_token_id(t, "tokens", llm.config.vocab_size) for t in _check_type(body.get("tokens"), list, "tokens")]
+    handler.send_json(200, {"prompt": llm.tokenizer.decode(ids)})
+
+
+def metrics_text(llm, metrics: ServerMetrics) -> str:
+    """The Prometheus text exposition of the engine's counters and the server's."""
+    stats = llm.stats()
+    lines = []
+
+    def family(name: str, kind: str, help: str, samples: list[str]) -> None:
+        lines.extend([f"# HELP pocketllm_{name} {help}", f"# TYPE pocketllm_{name} {kind}"] +
+                     [f"pocketllm_{name}{s}" for s in samples])
+
+    with metrics.lock:
+        responses = sorted(metrics.responses.items())
+    family("requests_total", "counter", "HTTP responses by endpoint and status code.",
+           [f'{{endpoint="{e}",status="{s}"}} {c}' for (e, s), c in responses])
+    family("prompt_tokens_total", "counter", "Prompt tokens processed.", [f" {stats['prompt_tokens_total']}"])
+    family("generation_tokens_total", "counter", "Tokens generated.", [f" {stats['generation_tokens_total']}"])
+    family("requests_running", "gauge", "Requests being generated.", [f" {stats['running']}"])
+    family("requests_waiting", "gauge", "Requests queued for a slot.", [f" {stats['waiting']}"])
+    family("kv_blocks_used", "gauge", "Paged KV-cache blocks in use.", [f" {stats['kv_blocks_used']}"])
+    family("kv_blocks_total", "gauge", "Paged KV-cache blocks in all.", [f" {stats['kv_blocks_total']}"])
+    family("kv_cache_usage_ratio", "gauge", "Fraction of KV-cache blocks in use.",
+           [f" {stats['kv_blocks_used'] / max(1, stats['kv_blocks_total'])}"])
+    family("slots_used", "gauge", "Recurrent-state slots in use.", [f" {stats['slots_used']}"])
+    family("slots_total", "gauge", "Recurrent-state slots in all.", [f" {stats['slots_total']}"])
+    for name, histogram, help in (
+            ("time_to_first_token_seconds", metrics.time_to_first_token, "Time from submission to the first token."),
+            ("inter_token_latency_seconds", metrics.inter_token_latency, "Time between tokens of one choice.")):
+        family(name, "histogram", help, [s[len(name):] for s in histogram.lines(name)])
+    return "\n".join(lines) + "\n"
+
+
+def _metrics(handler, match, raw) -> None:
+    data = metrics_text(handler.server.llm, handler.server.metrics).encode()
+    handler.send_bytes(200, data, "text/plain; version=0.0.4; charset=utf-8")
+
+
+# The route table: (method, path pattern, endpoint). The pattern doubles as the metrics label.
+ROUTES = [
+    ("GET", "/health", _health),
+    ("GET", "/v1/models", _models),
+    ("GET", "/v1/models/{model}", _model),
+    ("POST", "/v1/chat/completions", _chat),
+    ("POST", "/v1/completions", _completions),
+    ("POST", "/tokenize", _tokenize),
+    ("POST", "/detokenize", _detokenize),
+    ("GET", "/metrics", _metrics),
+]
+ROUTE_PATTERNS = [(method, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>.+)", path) + "$"), path, endpoint)
+                  for method, path, endpoint in ROUTES]
+
+
+def find_route(method: str, path: str):
+    """(label, match, endpoint) for the request; 404 for an unknown path, 405 for a known path's wrong method."""
+    allowed = []
+    for route_method, pattern, label, endpoint in ROUTE_PATTERNS:
+        match = pattern.match(path)
+        if match and route_method == method:
+            return label, match, endpoint
+        if match:
+            allowed.append(route_method)
+    if allowed:
+        raise RequestError(f"method {method} not allowed on {path}; use {', '.join(allowed)}", status=405,
+                           code="method_not_allowed")
+    raise RequestError(f"no such endpoint: {path}", status=404, code="unknown_url")
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    """One connection: HTTP/1.1 keep-alive, each request read, authorised, routed and answered."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = f"pocketllm/{__version__}"
+    endpoint = "other"                    # the route label for metrics, set once routed
+
+    def setup(self) -> None:
+        self.timeout = self.server.socket_timeout      # applied to the socket by StreamRequestHandler
+        super().setup()
+
+    def do_GET(self): self.handle_request("GET")
+    def do_POST(self): self.handle_request("POST")
+    def do_PUT(self): self.handle_request("PUT")
+    def do_DELETE(self): self.handle_request("DELETE")
+    def do_PATCH(self): self.handle_request("PATCH")
+    def do_HEAD(self): self.handle_request("HEAD")
+    def do_OPTIONS(self): self.handle_request("OPTIONS")
+
+    def handle_request(self, method: str) -> None:
+        self.endpoint = "other"
+        try:
+            path = urllib.parse.urlsplit(self.path).path
+            raw = self.read_body()
+            if path != "/health":
+                self.check_auth()
+            self.endpoint, match, endpoint = find_route(method, path)
+            endpoint(self, match, raw)
+        except Exception as e:
+            if _client_gone(e):
+                self.close_connection = True
+                return
+            self.send_error_response(e)
+
+    def read_body(self) -> bytes:
+        """The request body, bounded by the server's limit; a body we do not read closes the connection."""
+        if "Transfer-Encoding" in self.headers:
+            self.close_connection = True
+            raise RequestError("chunked request bodies are not supported; send Content-Length", status=411)
+        try:
+            length = int(self.headers.get("Content-Length", 0))
+            assert length >= 0
+        except (ValueError, AssertionError):
+            self.close_connection = True
+            raise RequestError("invalid Content-Length header") from None
+        if length > self.server.max_request_bytes:
+            self.close_connection = True
+            raise RequestError(f"request body of {length} bytes is over the limit of "
+                               f"{self.server.max_request_bytes} bytes", status=413, code="request_too_large")
+        raw = self.rfile.read(length)
+        if len(raw) < length:
+            raise ConnectionResetError("client closed the connection while sending the body")
+        return raw
+
+    def check_auth(self) -> None:
+        key = self.server.api_key
+        if key is None:
+            return
+        given = self.headers.get("Authorization", "")
+        if not given:
+            raise RequestError("missing API key: send 'Authorization: Bearer <key>'", status=401,
+                               code="invalid_api_key")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise RequestError("invalid API key", status=401, code="invalid_api_key")
+
+    # Answers: JSON, errors, and server-sent events.
+
+    def send_bytes(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
+        self.server.metrics.count(self.endpoint, status)
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
+        self.send_bytes(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json", headers)
+
+    def send_error_response(self, error: Exception) -> None:
+        status, body = translate_error(error)
+        headers = {}
+        if status == 405:
+            allowed = [m for m, pattern, _, _ in ROUTE_PATTERNS if pattern.match(urllib.parse.urlsplit(self.path).path)]
+            headers["Allow"] = ", ".join(allowed)
+        try:
+            self.send_json(status, body, headers)
+        except Exception as e:             # the client left while we answered
+            if not _client_gone(e):
+                raise
+            self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (malformed request line, oversized headers) in the OpenAI shape."""
+        self.close_connection = True
+        self.send_json(int(code), error_body(int(code), message or explain or "bad request"))
+
+    def send_completion(self, completion: Completion) -> None:
+        if completion.stream_mode:
+            self.send_stream(completion.chunks())
+            return
+        with DisconnectWatch(self.connection, completion.abort):
+            response = completion.response()
+        self.send_json(200, response)
+
+    def send_stream(self, chunks: Iterator[dict]) -> None:
+        """SSE over chunked transfer encoding, so the connection stays alive for the next request."""
+        self.server.metrics.count(self.endpoint, 200)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            while True:
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    break
+                except Exception as e:            # after the headers an error can only travel as an event
+                    self.send_event(translate_error(e)[1])
+                    break
+                self.send_event(chunk)
+            self.send_event("[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+        except Exception as e:
+            if not _client_gone(e):
+                raise
+            self.close_connection = True
+        finally:
+            chunks.close()                        # aborts the request if the client left
+
+    def send_event(self, data: dict | str) -> None:
+        text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        payload = b"data: " + text.encode() + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+
+    def log_message(self, format: str, *args) -> None:
+        if self.server.log_requests:
+            sys.stderr.write(f"pocketllm: {self.address_string()} {format % args}\n")
+
+
+class PocketServer(http.server.ThreadingHTTPServer):
+    """The HTTP server for one LLM. `.port` is the bound port; `.shutdown()` stops and closes it."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+                 log_requests: bool = True):
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        super().__init__((host, port), Handler)
+        self.llm, self.api_key, self.max_request_bytes = llm, api_key, max_request_bytes
+        self.socket_timeout, self.log_requests = socket_timeout, log_requests
+        self.metrics, self.started, self.serving = ServerMetrics(), int(time.time()), False
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def start(self) -> "PocketServer":
+        """Serve on a background thread."""
+        self.serving = True
+        threading.Thread(target=self.serve_forever, name="pocketllm-http", daemon=True).start()
+        return self
+
+    def run(self) -> None:
+        """Serve on this thread until Ctrl-C or SIGTERM."""
+        self.serving = True
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main else None
+        try:
+            self.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.serving = False
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+            self.server_close()
+
+    def shutdown(self) -> None:
+        if self.serving:
+            super().shutdown()
+            self.serving = False
+        self.server_close()
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, block: bool = True,
+          **options) -> PocketServer:
+    """Serve llm over HTTP: blocking until interrupted, or (block=False) on a background thread."""
+    server = PocketServer(llm, host, port, api_key, **options)
+    if block:
+        server.run()
+        return server
+    return server.start()
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("HTTP server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free port and prints it)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                            "(default: env POCKETLLM_API_KEY)")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model id clients send (default: the checkpoint directory name)")
+    group.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a jinja chat template to use instead of the checkpoint's")
+    group.add_argument("--tool-parser", choices=("qwen_xml", "hermes"), default=None,
+                       help="tool-call format (default: detected from the chat template)")
+    group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help=f"largest request body accepted (default {DEFAULT_MAX_REQUEST_BYTES}); larger is 413")
+    group.add_argument("--socket-timeout", type=float, default=DEFAULT_SOCKET_TIMEOUT,
+                       help=f"seconds a silent client may hold a connection (default {DEFAULT_SOCKET_TIMEOUT:g})")
+
+
+def run_server(llm, args: argparse.Namespace) -> int:
+    """Apply the server flags to llm, print the address, serve until interrupted; the exit code."""
+    if args.served_model_name:
+        llm.model_name = args.served_model_name
+    if args.chat_template:
+        llm.chat_template = load_chat_template(llm.tokenizer, args.chat_template)
+    if args.tool_parser:
+        _chat_template(llm).tool_parser = args.tool_parser
+    server = PocketServer(llm, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
+                          max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout)
+    print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
+    server.run()
+    return 0
+
+
 
 # ===== SECTION 14: the LLM object and the CLI (owner: core; server adds chat/serve) =====
+
+# -----------------------------------------------------------------------------------------------
+# 14. The LLM object, the Python API that the server and embedding users share, and the CLI.
+# -----------------------------------------------------------------------------------------------
+
+DEFAULT_CKPT = HERE / "models" / "pocket-tiny"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _log(opts: EngineOptions, msg: str):
+    if not opts.quiet:
+        print(f"pocketllm: {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_dtype(name: str, device: torch.device, what: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise PocketError(f"--{what} must be one of auto, {', '.join(_DTYPES)} (got {name!r})")
+    return _DTYPES[name]
+
+
+def select_ops(opts: EngineOptions, device: torch.device):
+    """--backend: torch (reference, anywhere), native (the CUDA library), or auto (native when it loads and a
+    GPU is present, else torch). Says which and why."""
+    if opts.backend not in ("auto", "torch", "native"):
+        raise PocketError(f"--backend must be auto, torch or native (got {opts.backend!r})")
+    if opts.backend == "torch":
+        return TorchOps(), "torch (asked for)"
+    status = globals().get("native_status")   # section 3b; absent from builds without the native part
+    ok, reason = status(device) if status else (False, "the native backend is not part of this file")
+    if ok:
+        return NativeOps(device), "native"
+    if opts.backend == "native":
+        raise PocketError(f"--backend native: {reason}")
+    return TorchOps(), f"torch ({reason})"
+
+
+class LLM:
+    """A loaded model with its engine. generate() / logits() / submit() here; chat() / serve() for OpenAI.
+
+    >>> llm = LLM()                                   # the bundled pocket-tiny model
+    >>> out = llm.generate("Hello", max_tokens=4, temperature=0)
+    >>> sorted(out)
+    ['completion_tokens', 'finish_reason', 'logprobs', 'prompt_tokens', 'text', 'token_ids']
+    """
+
+    def __init__(self, ckpt_dir: str | os.PathLike | None = None, **options):
+        unknown = set(options) - {f.name for f in dataclasses.fields(EngineOptions)}
+        if unknown:
+            raise PocketError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        self.options = opts = EngineOptions(**options)
+        self.ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
+        if ckpt_dir is None:
+            _log(opts, f"no --ckpt given: serving the bundled pocket-tiny model ({self.ckpt_dir})")
+        self.model_name = self.ckpt_dir.resolve().name
+        ckpt = Checkpoint(self.ckpt_dir)
+        self.config = cfg = ckpt.config
+        self.tokenizer = Tokenizer(self.ckpt_dir)
+        _check_options(opts, cfg)
+        self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
+        self.device = device = torch.device(opts.device)
+        self.dtype = resolve_dtype(opts.dtype, device, "dtype")
+        kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+        ops, why = select_ops(opts, device)
+        _log(opts, f"backend: {why}")
+        self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None, progress=not opts.quiet)
+        ckpt.close()
+        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype)
+        _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
+                   f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
+                   f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
+        self.dead_reason: str | None = None
+        self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    # The engine thread: steps while there is work, sleeps otherwise.
+
+    def wake(self):
+        self._wake.set()
+
+    def _loop(self):
+        while True:
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+            while self.engine.has_work():
+                try:
+                    with self._lock:
+                        self.engine.step()
+                except Exception as e:           # a bug or a device error: fail every request, stay dead
+                    traceback.print_exc()
+                    self.dead_reason = f"{type(e).__name__}: {e}"
+                    for req in list(self.engine.requests.values()):
+                        req.events.put(EngineEvent(0, [], None, "error"))
+                    return
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, param: str = "max_tokens") -> RequestStream:
+        """Queue a request; iterate the returned stream for its events. Thread-safe."""
+        if self.dead_reason:
+            raise PocketError(f"the engine failed: {self.dead_reason}")
+        params.validate(self.config.vocab_size)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if any(not 0 <= t < self.config.vocab_size for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.config.vocab_size})", param="prompt")
+        total, limit = len(prompt_ids) + params.max_tokens, self.options.max_context
+        if total > limit:
+            raise RequestError(f"this request needs {len(prompt_ids)} prompt tokens + {params.max_tokens} max tokens "
+                               f"= {total} tokens, over the maximum context length of {limit} tokens", param=param,
+                               code="context_length_exceeded")
+        req = Request(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
+                      default_seed=random.getrandbits(62))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="pocketllm-engine", daemon=True)
+            self._thread.start()
+        self.engine.add(req)
+        self.wake()
+        return RequestStream(self, req)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    # Offline API.
+
+    def generate(self, prompt: str | list[int], **sampling) -> dict:
+        """Complete a prompt (text or token ids). Sampling keywords are SamplingParams fields.
+        n == 1: {"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs"};
+        n > 1: {"choices": [such dicts], "prompt_tokens"}."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = _sampling_params(sampling)
+        stream = self.submit(ids, params)
+        choices = [{"text": "", "token_ids": [], "finish_reason": None, "logprobs": [] if params.logprobs is not None
+                    else None} for _ in range(params.n)]
+        for ev in stream:
+            c = choices[ev.index]
+            c["text"] += ev.text
+            c["token_ids"] += ev.token_ids
+            if ev.logprobs is not None:
+                c["logprobs"] += ev.logprobs
+            c["finish_reason"] = ev.finish_reason or c["finish_reason"]
+        for i, c in enumerate(choices):
+            c["prompt_tokens"], c["completion_tokens"] = len(ids), stream.completion_tokens[i]
+        return choices[0] if params.n == 1 else {"choices": choices, "prompt_tokens": len(ids)}
+
+    def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """float32 logits (len, vocab) for every position of token_ids, computed as one prefill, or as
+        prefill chunks of chunk_size tokens (chunk_size=1 runs the decode path at every position)."""
+        ids = list(token_ids)
+        bs = self.options.kv_block_size
+        nblocks = -(-len(ids) // bs)
+        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.engine.cache.k[
+            next(iter(self.engine.cache.k))].dtype if self.engine.cache.k else self.dtype, self.device)
+        blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
+        with self._lock:
+            for s in range(0, len(ids), step):
+                n = min(step, len(ids) - s)
+                dev = lambda x, dt: torch.tensor(x, dtype=dt, device=self.device)  # noqa: E731
+                batch = Batch(dev(ids[s:s + n], torch.long), dev(list(range(s, s + n)), torch.long),
+                              dev([0, n], torch.int32), dev([s + n], torch.int32), dev([blocks], torch.int32),
+                              dev([blocks[i // bs] * bs + i % bs for i in range(s, s + n)], torch.long),
+                              dev([0], torch.int32), dev(list(range(n)), torch.long))
+                out.append(self.model.forward(batch, cache))
+        return torch.cat(out).float().cpu()
+
+
+def _sampling_params(sampling: dict) -> SamplingParams:
+    unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
+    if unknown:
+        raise RequestError(f"unknown sampling option(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    return SamplingParams(**sampling)
+
+
+def _check_options(opts: EngineOptions, cfg: ModelConfig):
+    for name in ("max_context", "max_batch_size", "kv_block_size", "prefill_token_budget"):
+        if getattr(opts, name) < 1:
+            raise PocketError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.smoke_layers < 0 or opts.smoke_layers > cfg.num_hidden_layers:
+        raise PocketError(f"--smoke-layers must be in [0, {cfg.num_hidden_layers}]")
+
+
+def _eos_ids(ckpt: Checkpoint, tok: Tokenizer) -> list[int]:
+    """Stop tokens: generation_config.json's eos_token_id (int or list), else the tokenizer's eos token."""
+    eos = ckpt.generation_config.get("eos_token_id")
+    if eos is None:
+        eos = ckpt.raw_config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not ids and tok.eos_token and tok.token_to_id(tok.eos_token) is not None:
+        ids = [tok.token_to_id(tok.eos_token)]
+    return [int(i) for i in ids]
+
+
+# The command line: serving (the default) and `bench`.
+
+def add_engine_args(parser: argparse.ArgumentParser):
+    parser.add_argument("--ckpt", default=None, help="checkpoint directory (default: the bundled pocket-tiny)")
+    for f in dataclasses.fields(EngineOptions):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_true", default=f.default)
+        else:
+            kind = int if f.type == "int" else str
+            parser.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineOptions)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["bench"]:
+            return bench_main(argv[1:])
+        parser = argparse.ArgumentParser(prog="pocketllm.py", description="Serve a Qwen checkpoint (OpenAI API).")
+        add_engine_args(parser)
+        add_server_args(parser)
+        args = parser.parse_args(argv)
+        llm = LLM(args.ckpt, **engine_options(args))
+        return run_server(llm, args)
+    except PocketError as e:
+        print(f"pocketllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
