@@ -506,13 +506,14 @@ def check_models(ctx: Context) -> str:
     status, one = ctx.api.request("GET", f"/v1/models/{ctx.api.model}")
     if status != 200 or one.get("id") != ctx.api.model:
         raise CheckFailed(f"GET /v1/models/{ctx.api.model}: HTTP {status} {str(one)[:120]}")
-    status, missing = ctx.api.request("GET", "/v1/models/no-such-model")
+    status, _ = ctx.api.request("GET", "/v1/models/no-such-model")
     if status != 404:
         raise CheckFailed(f"GET /v1/models/no-such-model answered {status}, not 404")
     return f"serves {ids}; unknown model id -> 404"
 
 
-# (body changes, the `param` the 400 must name: a name or a tuple of acceptable names)
+# (what is wrong, the request fields that make it so, the `param` the 400 must name: one name or a tuple of
+# acceptable names, where a trailing * accepts any path below, e.g. messages[0].role)
 REFUSALS = [
     ("typo field", {"temprature": 0.5}, "temprature"),
     ("out of range temperature", {"temperature": 7.0}, "temperature"),
