@@ -625,6 +625,7 @@ class Batch:
     slot_mapping: torch.Tensor    # (T,) int64, KV-cache slot (block * block_size + offset) of each token
     state_slots: torch.Tensor     # (B,) int32, recurrent-state slot of each sequence
     logit_rows: torch.Tensor      # (R,) int64, rows whose logits are wanted (usually each sequence's last)
+    fresh_slots: torch.Tensor     # (F,) int64, state slots of sequences starting at position 0: zeroed first
 
     @property
     def is_decode(self) -> bool:
@@ -745,6 +746,9 @@ class Model:
 
     def forward(self, batch: Batch, cache: Cache) -> torch.Tensor:
         ops, eps = self.ops, self.cfg.rms_norm_eps
+        if batch.fresh_slots.numel():                                      # a slot's previous owner's state
+            for t in itertools.chain(cache.conv.values(), cache.ssm.values()):
+                t[batch.fresh_slots] = 0
         x = ops.embed(batch.token_ids, self.embed_tokens, self.dtype)      # (T, D)
         residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for L in self.layers:
@@ -1066,9 +1070,10 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
     width = max(len(p.seq.blocks) for p in plan)
     tables = [p.seq.blocks + [0] * (width - len(p.seq.blocks)) for p in plan]
     t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    fresh = [p.seq.slot for p in plan if p.start == 0]
     return Batch(t(ids, torch.long), t(pos, torch.long), t(starts, torch.int32), t(ctx, torch.int32),
                  t(tables, torch.int32), t(slots, torch.long), t([p.seq.slot for p in plan], torch.int32),
-                 t(rows, torch.long))
+                 t(rows, torch.long), t(fresh, torch.long))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1582,7 +1587,7 @@ class LLM:
                 batch = Batch(dev(ids[s:s + n], torch.long), dev(list(range(s, s + n)), torch.long),
                               dev([0, n], torch.int32), dev([s + n], torch.int32), dev([blocks], torch.int32),
                               dev([blocks[i // bs] * bs + i % bs for i in range(s, s + n)], torch.long),
-                              dev([0], torch.int32), dev(list(range(n)), torch.long))
+                              dev([0], torch.int32), dev(list(range(n)), torch.long), dev([0] if s == 0 else [], torch.long))
                 out.append(self.model.forward(batch, cache))
         return torch.cat(out).float().cpu()
 
