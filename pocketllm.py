@@ -1232,6 +1232,9 @@ class Engine:
 
 
 
+# ===== SECTION 8b: tensor parallelism (owner: tp) =====
+
+
 # ===== SECTION 10: text (owner: core: tokenizer + detokenizer; text: chat templates) =====
 
 # -----------------------------------------------------------------------------------------------
@@ -1489,11 +1492,18 @@ class LLM:
         self.device = device = torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
         kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
-        ops, why = select_ops(opts, device)
-        _log(opts, f"backend: {why}")
-        self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None, progress=not opts.quiet)
+        self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
+        if opts.devices:
+            self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
+            self.model, run_batch = self.group.model, lambda batch: self.group.run_batch(batch, self.engine.cache)
+        else:
+            ops, why = select_ops(opts, device)
+            _log(opts, f"backend: {why}")
+            self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None,
+                               progress=not opts.quiet)
+            run_batch = None
         ckpt.close()
-        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype)
+        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
@@ -1575,6 +1585,9 @@ class LLM:
         """float32 logits (len, vocab) for every position of token_ids, computed as one prefill, or as
         prefill chunks of chunk_size tokens (chunk_size=1 runs the decode path at every position)."""
         ids = list(token_ids)
+        if self.group is not None:
+            with self._lock:
+                return self.group.logits(ids, chunk_size)
         bs = self.options.kv_block_size
         nblocks = -(-len(ids) // bs)
         cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.engine.cache.k[
