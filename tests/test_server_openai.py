@@ -344,6 +344,38 @@ def test_no_effect_fields_are_accepted(server):
 # Multi-turn replay and tool_choice (the tool-call parser and constraints belong to the text part).
 # -----------------------------------------------------------------------------------------------
 
+REPLAYED_CALL = {"id": "call_0123456789abcdef01234567", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
+
+
+@pytest.mark.parametrize("content", ["", None])
+def test_replay_of_a_tool_conversation(server, llm, content):
+    """An assistant message as we return it (content "" or null, arguments a JSON string) and a tool message
+    render through a template that iterates arguments|items, and are answered; the body is not modified."""
+    body = {"messages": USER + [{"role": "assistant", "content": content, "tool_calls": [REPLAYED_CALL]},
+                                {"role": "tool", "tool_call_id": REPLAYED_CALL["id"], "content": "sunny, 21 C"}],
+            "tools": [WEATHER], "max_tokens": 3}
+    before = copy.deepcopy(body)
+    out = pocketllm.chat_completions(llm, body)
+    assert body == before
+    status, _, rendered = request(server, "POST", "/tokenize", {"messages": body["messages"], "tools": [WEATHER]})
+    assert status == 200, rendered
+    text = llm.tokenizer.decode(rendered["tokens"])
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n" in text
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert out["usage"]["prompt_tokens"] == rendered["count"]
+    status, _, second = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 200 and second["usage"]["prompt_tokens"] == rendered["count"]
+
+
+def test_replay_of_an_sdk_message_object(client, llm):
+    """A client that appends `message.model_dump()` (refusal, audio, annotations, function_call all null)."""
+    first = client.chat.completions.create(model=llm.model_name, messages=USER, max_tokens=3)
+    history = USER + [first.choices[0].message.model_dump(), {"role": "user", "content": "And tomorrow?"}]
+    second = client.chat.completions.create(model=llm.model_name, messages=history, max_tokens=3)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
 def test_forced_tool_call_then_replay(server, llm):
     """A named tool_choice yields a call even from a random model; the assistant message exactly as returned,
     then a tool message, renders and is answered; the request objects are not modified."""
