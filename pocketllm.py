@@ -1422,6 +1422,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
+import jinja2.utils
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1454,6 +1455,25 @@ class _GenerationTag(jinja2.ext.Extension):
 
     def _render_body(self, caller):
         return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2's namespace() refusing underscore names, which could shadow its internals (as HF does)."""
+
+    def __init__(*args, **kwargs):
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.sandbox.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
 
 
 class _TemplateSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
@@ -1499,6 +1519,7 @@ class ChatTemplate:
         env.filters["tojson"] = _template_tojson
         env.globals["raise_exception"] = _template_raise_exception
         env.globals["strftime_now"] = _template_strftime_now
+        env.globals["namespace"] = _TemplateNamespace
         self.sources = _named_templates(source)
         if not self.sources:
             raise CheckpointError("chat template: expected a string or a list of {name, template} objects")
@@ -1523,6 +1544,8 @@ class ChatTemplate:
             raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
                                param="continue_final_message")
         messages = messages_for_template(messages)
+        if continue_final_message:
+            _tag_final_message(messages)
         context = {**self.special_tokens, **template_kwargs, "messages": messages, "tools": tools or None,
                    "add_generation_prompt": bool(add_generation_prompt)}
         try:
@@ -1531,7 +1554,7 @@ class ChatTemplate:
             message = str(exc).replace("\n", " ").strip() or type(exc).__name__
             raise RequestError(f"chat template error: {message}", param="messages") from None
         if continue_final_message:
-            text = _cut_after_final_message(text, messages)
+            text = _cut_at_continue_tag(text)
         return text
 
     def _detect_tool_parser(self) -> str:
@@ -1549,16 +1572,22 @@ class ChatTemplate:
         return "qwen_xml"
 
 
-def _cut_after_final_message(text: str, messages: list[dict]) -> str:
-    """continue_final_message (as HF): end the prompt right after the final message's content."""
-    final = messages[-1].get("content") if messages and isinstance(messages[-1], dict) else None
-    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
-        raise RequestError("continue_final_message: the final message's content does not appear in the rendered "
-                           "prompt", param="messages")
-    at = text.rindex(final.strip())
-    if text[at:at + len(final.lstrip())] == final.lstrip():
-        return text[:at + len(final.lstrip())]
-    return text[:at + len(final.strip())]
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "   # trailing space: shows whether the template trimmed the content
+
+
+def _tag_final_message(messages: list[dict]) -> None:
+    """continue_final_message (as HF): mark where the final message's content ends, then cut the prompt there."""
+    if not messages or not isinstance(messages[-1], dict) or not isinstance(messages[-1].get("content"), str):
+        raise RequestError("continue_final_message needs a final message with text content", param="messages")
+    messages[-1]["content"] += _CONTINUE_TAG
+
+
+def _cut_at_continue_tag(text: str) -> str:
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at == -1:
+        raise RequestError("continue_final_message: the chat template does not render the final message's content",
+                           param="messages")
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
 
 
 def load_chat_template(tokenizer, override_path: str | None = None, ckpt_dir=None) -> ChatTemplate | None:
