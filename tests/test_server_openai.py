@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import pocketllm
-from checkpoints import CHAT_TEMPLATE, make_checkpoint
+from checkpoints import CHAT_TEMPLATE
 
 KEY = "test-key-123"
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -38,8 +38,8 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path, _ = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-server")
+def llm(ckpt_factory):
+    path, _ = ckpt_factory("qwen3_5")
     return pocketllm.LLM(str(path), quiet=True, max_context=384, max_batch_size=8)
 
 
