@@ -340,6 +340,39 @@ def test_no_effect_fields_are_accepted(server):
     assert status == 200, body
 
 
+ODD_VALUES = [True, -1, 2.5, 1e308, "", "\u0000", [1], ["x"], {}, {"a": 1}, [{"type": "function"}], [[[]]]]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_no_value_of_any_field_crashes(llm, endpoint):
+    """Every known field set to each odd JSON value: an answer or a RequestError (400/404), never anything else."""
+    fields = sorted(pocketllm.CHAT_FIELDS if endpoint == "chat" else pocketllm.COMPLETION_FIELDS)
+    base = {"messages": USER} if endpoint == "chat" else {"prompt": "Hi"}
+    run = pocketllm.chat_completions if endpoint == "chat" else pocketllm.completions
+    statuses = set()
+    for name in fields:
+        for value in ODD_VALUES:
+            body = {**base, "max_tokens": 1, name: value}
+            try:
+                out = run(llm, body)
+                if not isinstance(out, dict):
+                    out = list(out)
+                statuses.add(200)
+            except pocketllm.RequestError as e:
+                assert e.status in (400, 404) and e.param, (name, value, e)
+                statuses.add(e.status)
+    assert statuses == {200, 400, 404}
+    message_keys = ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"]
+    if endpoint == "chat":
+        for key in message_keys:
+            for value in ODD_VALUES:
+                body = {"messages": [{"role": "user", "content": "x", key: value}], "max_tokens": 1}
+                try:
+                    pocketllm.chat_completions(llm, body)
+                except pocketllm.RequestError as e:
+                    assert e.status == 400 and e.param.startswith("messages"), (key, value, e)
+
+
 # -----------------------------------------------------------------------------------------------
 # Multi-turn replay and tool_choice (the tool-call parser and constraints belong to the text part).
 # -----------------------------------------------------------------------------------------------
