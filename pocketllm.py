@@ -2774,8 +2774,6 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     tool_choice = _check_tool_choice(body, tools)
     parallel_tool_calls = _field(body, "parallel_tool_calls", bool, True)
     _check_response_format(body)
-    if tool_choice == "none":
-        tools = None                      # the model is not shown tools it may not call
     want_logprobs = _field(body, "logprobs", bool, False)
     top_logprobs = _field(body, "top_logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
@@ -2787,12 +2785,12 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     params.logprobs = (top_logprobs or 0) if want_logprobs else None
     template = _chat_template(llm)
     in_reasoning = prompt_ends_in_reasoning(prompt_text)
-    if tools:
+    if tools:                             # enforces required / named / parallel_tool_calls=false, bans calls for none
         processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
                                           parallel_tool_calls, in_reasoning, params.max_tokens)
         if processor is not None:
             params.logits_processors = [*params.logits_processors, processor]
-    parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tools is not None)
+    parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
                for _ in range(params.n)]
     return Completion(llm, _submit(llm, prompt_ids, params, body, max_tokens_field), "chat", stream,
                       include_usage, params.logprobs, parsers, metrics)
