@@ -2407,17 +2407,21 @@ def _check_alive(llm) -> None:
         raise RequestError(f"the engine is down: {llm.dead_reason}", status=503, code="engine_dead")
 
 
+def _as_sent(error: RequestError, body: dict, max_tokens_field: str | None) -> RequestError:
+    """An engine-side error renamed to the field this client actually sent (max_completion_tokens, messages)."""
+    if error.param == "max_tokens" and max_tokens_field:
+        error.param = max_tokens_field
+    elif error.param in ("messages", "prompt", "max_tokens"):       # max_tokens unsent: the prompt is too long
+        error.param = "messages" if "messages" in body else "prompt"
+    return error
+
+
 def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None):
-    """llm.submit, with engine errors renamed to the field this client actually sent."""
     _check_alive(llm)
     try:
         return llm.submit(prompt_ids, params)
     except RequestError as e:
-        if e.param == "max_tokens" and max_tokens_field:
-            e.param = max_tokens_field
-        elif e.param in ("messages", "prompt") or (e.param == "max_tokens" and not max_tokens_field):
-            e.param = "messages" if "messages" in body else "prompt"
-        raise
+        raise _as_sent(e, body, max_tokens_field) from None
 
 
 # Chat requests: messages and tools checked, the template rendered on a converted copy.
@@ -2786,8 +2790,11 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     template = _chat_template(llm)
     in_reasoning = prompt_ends_in_reasoning(prompt_text)
     if tools:                             # enforces required / named / parallel_tool_calls=false, bans calls for none
-        processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
-                                          parallel_tool_calls, in_reasoning, params.max_tokens)
+        try:
+            processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
+                                              parallel_tool_calls, in_reasoning, params.max_tokens)
+        except RequestError as e:
+            raise _as_sent(e, body, max_tokens_field) from None
         if processor is not None:
             params.logits_processors = [*params.logits_processors, processor]
     parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
