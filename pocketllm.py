@@ -3097,12 +3097,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if "Transfer-Encoding" in self.headers:
             self.close_connection = True
             raise RequestError("chunked request bodies are not supported; send Content-Length", status=411)
-        try:
-            length = int(self.headers.get("Content-Length", 0))
-            assert length >= 0
-        except (ValueError, AssertionError):
+        length = self.headers.get("Content-Length", "0").strip()
+        if not length.isdigit():
             self.close_connection = True
-            raise RequestError("invalid Content-Length header") from None
+            raise RequestError(f"invalid Content-Length header {length!r}")
+        length = int(length)
         if length > self.server.max_request_bytes:
             self.close_connection = True
             raise RequestError(f"request body of {length} bytes is over the limit of "
