@@ -464,6 +464,20 @@ def test_tool_choice_none_parses_no_calls(client, llm):
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason != "tool_calls"
 
 
+def test_python_api_chat(llm):
+    """llm_chat (behind LLM.chat) returns what the endpoint sends; closing a stream early aborts it."""
+    out = pocketllm.llm_chat(llm, USER, max_tokens=3, ignore_eos=True)
+    assert out["object"] == "chat.completion" and out["usage"]["completion_tokens"] == 3
+    chunks = list(pocketllm.llm_chat(llm, USER, stream=True, max_tokens=3, ignore_eos=True,
+                                     stream_options={"include_usage": True}))
+    assert chunks[0]["object"] == "chat.completion.chunk" and chunks[-1]["usage"] == out["usage"]
+    stream = pocketllm.llm_chat(llm, USER, stream=True, max_tokens=300, ignore_eos=True)
+    next(stream), next(stream)
+    stream.close()
+    stats = wait_idle(llm)
+    assert (stats["running"], stats["waiting"], stats["kv_blocks_used"], stats["slots_used"]) == (0, 0, 0, 0)
+
+
 # -----------------------------------------------------------------------------------------------
 # HTTP: endpoints, errors, auth, keep-alive, limits, timeouts, metrics, disconnects, concurrency.
 # -----------------------------------------------------------------------------------------------
