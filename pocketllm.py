@@ -3119,7 +3119,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not given:
             raise RequestError("missing API key: send 'Authorization: Bearer <key>'", status=401,
                                code="invalid_api_key")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise RequestError("invalid API key", status=401, code="invalid_api_key")
 
     # Answers: JSON, errors, and server-sent events.
