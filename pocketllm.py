@@ -2852,17 +2852,21 @@ def _check_alive(llm) -> None:
         raise RequestError(f"the engine is down: {llm.dead_reason}", status=503, code="engine_dead")
 
 
+def _as_sent(error: RequestError, body: dict, max_tokens_field: str | None) -> RequestError:
+    """An engine-side error renamed to the field this client actually sent (max_completion_tokens, messages)."""
+    if error.param == "max_tokens" and max_tokens_field:
+        error.param = max_tokens_field
+    elif error.param in ("messages", "prompt", "max_tokens"):       # max_tokens unsent: the prompt is too long
+        error.param = "messages" if "messages" in body else "prompt"
+    return error
+
+
 def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None):
-    """llm.submit, with engine errors renamed to the field this client actually sent."""
     _check_alive(llm)
     try:
         return llm.submit(prompt_ids, params)
     except RequestError as e:
-        if e.param == "max_tokens" and max_tokens_field:
-            e.param = max_tokens_field
-        elif e.param in ("messages", "prompt") or (e.param == "max_tokens" and not max_tokens_field):
-            e.param = "messages" if "messages" in body else "prompt"
-        raise
+        raise _as_sent(e, body, max_tokens_field) from None
 
 
 # Chat requests: messages and tools checked, the template rendered on a converted copy.
@@ -3219,8 +3223,6 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     tool_choice = _check_tool_choice(body, tools)
     parallel_tool_calls = _field(body, "parallel_tool_calls", bool, True)
     _check_response_format(body)
-    if tool_choice == "none":
-        tools = None                      # the model is not shown tools it may not call
     want_logprobs = _field(body, "logprobs", bool, False)
     top_logprobs = _field(body, "top_logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
@@ -3232,12 +3234,15 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     params.logprobs = (top_logprobs or 0) if want_logprobs else None
     template = _chat_template(llm)
     in_reasoning = prompt_ends_in_reasoning(prompt_text)
-    if tools:
-        processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
-                                          parallel_tool_calls, in_reasoning, params.max_tokens)
+    if tools:                             # enforces required / named / parallel_tool_calls=false, bans calls for none
+        try:
+            processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
+                                              parallel_tool_calls, in_reasoning, params.max_tokens)
+        except RequestError as e:
+            raise _as_sent(e, body, max_tokens_field) from None
         if processor is not None:
             params.logits_processors = [*params.logits_processors, processor]
-    parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tools is not None)
+    parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
                for _ in range(params.n)]
     return Completion(llm, _submit(llm, prompt_ids, params, body, max_tokens_field), "chat", stream,
                       include_usage, params.logprobs, parsers, metrics)
@@ -3537,12 +3542,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if "Transfer-Encoding" in self.headers:
             self.close_connection = True
             raise RequestError("chunked request bodies are not supported; send Content-Length", status=411)
-        try:
-            length = int(self.headers.get("Content-Length", 0))
-            assert length >= 0
-        except (ValueError, AssertionError):
+        length = self.headers.get("Content-Length", "0").strip()
+        if not length.isdigit():
             self.close_connection = True
-            raise RequestError("invalid Content-Length header") from None
+            raise RequestError(f"invalid Content-Length header {length!r}")
+        length = int(length)
         if length > self.server.max_request_bytes:
             self.close_connection = True
             raise RequestError(f"request body of {length} bytes is over the limit of "
@@ -3560,7 +3564,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not given:
             raise RequestError("missing API key: send 'Authorization: Bearer <key>'", status=401,
                                code="invalid_api_key")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise RequestError("invalid API key", status=401, code="invalid_api_key")
 
     # Answers: JSON, errors, and server-sent events.

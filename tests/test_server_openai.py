@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import pocketllm
-from checkpoints import CHAT_TEMPLATE, make_checkpoint
+from checkpoints import CHAT_TEMPLATE
 
 KEY = "test-key-123"
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -38,8 +38,8 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path, _ = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-server")
+def llm(ckpt_factory):
+    path, _ = ckpt_factory("qwen3_5")
     return pocketllm.LLM(str(path), quiet=True, max_context=384, max_batch_size=8)
 
 
@@ -340,9 +340,74 @@ def test_no_effect_fields_are_accepted(server):
     assert status == 200, body
 
 
+ODD_VALUES = [True, -1, 2.5, 1e308, "", "\u0000", [1], ["x"], {}, {"a": 1}, [{"type": "function"}], [[[]]]]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_no_value_of_any_field_crashes(llm, endpoint):
+    """Every known field set to each odd JSON value: an answer or a RequestError (400/404), never anything else."""
+    fields = sorted(pocketllm.CHAT_FIELDS if endpoint == "chat" else pocketllm.COMPLETION_FIELDS)
+    base = {"messages": USER} if endpoint == "chat" else {"prompt": "Hi"}
+    run = pocketllm.chat_completions if endpoint == "chat" else pocketllm.completions
+    statuses = set()
+    for name in fields:
+        for value in ODD_VALUES:
+            body = {**base, "max_tokens": 1, name: value}
+            try:
+                out = run(llm, body)
+                if not isinstance(out, dict):
+                    out = list(out)
+                statuses.add(200)
+            except pocketllm.RequestError as e:
+                assert e.status in (400, 404) and e.param, (name, value, e)
+                statuses.add(e.status)
+    assert statuses == {200, 400, 404}
+    message_keys = ["role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"]
+    if endpoint == "chat":
+        for key in message_keys:
+            for value in ODD_VALUES:
+                body = {"messages": [{"role": "user", "content": "x", key: value}], "max_tokens": 1}
+                try:
+                    pocketllm.chat_completions(llm, body)
+                except pocketllm.RequestError as e:
+                    assert e.status == 400 and e.param.startswith("messages"), (key, value, e)
+
+
 # -----------------------------------------------------------------------------------------------
 # Multi-turn replay and tool_choice (the tool-call parser and constraints belong to the text part).
 # -----------------------------------------------------------------------------------------------
+
+REPLAYED_CALL = {"id": "call_0123456789abcdef01234567", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
+
+
+@pytest.mark.parametrize("content", ["", None])
+def test_replay_of_a_tool_conversation(server, llm, content):
+    """An assistant message as we return it (content "" or null, arguments a JSON string) and a tool message
+    render through a template that iterates arguments|items, and are answered; the body is not modified."""
+    body = {"messages": USER + [{"role": "assistant", "content": content, "tool_calls": [REPLAYED_CALL]},
+                                {"role": "tool", "tool_call_id": REPLAYED_CALL["id"], "content": "sunny, 21 C"}],
+            "tools": [WEATHER], "max_tokens": 3}
+    before = copy.deepcopy(body)
+    out = pocketllm.chat_completions(llm, body)
+    assert body == before
+    status, _, rendered = request(server, "POST", "/tokenize", {"messages": body["messages"], "tools": [WEATHER]})
+    assert status == 200, rendered
+    text = llm.tokenizer.decode(rendered["tokens"])
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n" in text
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert out["usage"]["prompt_tokens"] == rendered["count"]
+    status, _, second = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 200 and second["usage"]["prompt_tokens"] == rendered["count"]
+
+
+def test_replay_of_an_sdk_message_object(client, llm):
+    """A client that appends `message.model_dump()` (refusal, audio, annotations, function_call all null)."""
+    first = client.chat.completions.create(model=llm.model_name, messages=USER, max_tokens=3)
+    history = USER + [first.choices[0].message.model_dump(), {"role": "user", "content": "And tomorrow?"}]
+    second = client.chat.completions.create(model=llm.model_name, messages=history, max_tokens=3)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
 
 def test_forced_tool_call_then_replay(server, llm):
     """A named tool_choice yields a call even from a random model; the assistant message exactly as returned,
@@ -397,6 +462,20 @@ def test_tool_choice_none_parses_no_calls(client, llm):
     out = client.chat.completions.create(model=llm.model_name, messages=USER, tools=[WEATHER], tool_choice="none",
                                          max_tokens=8)
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason != "tool_calls"
+
+
+def test_python_api_chat(llm):
+    """llm_chat (behind LLM.chat) returns what the endpoint sends; closing a stream early aborts it."""
+    out = pocketllm.llm_chat(llm, USER, max_tokens=3, ignore_eos=True)
+    assert out["object"] == "chat.completion" and out["usage"]["completion_tokens"] == 3
+    chunks = list(pocketllm.llm_chat(llm, USER, stream=True, max_tokens=3, ignore_eos=True,
+                                     stream_options={"include_usage": True}))
+    assert chunks[0]["object"] == "chat.completion.chunk" and chunks[-1]["usage"] == out["usage"]
+    stream = pocketllm.llm_chat(llm, USER, stream=True, max_tokens=300, ignore_eos=True)
+    next(stream), next(stream)
+    stream.close()
+    stats = wait_idle(llm)
+    assert (stats["running"], stats["waiting"], stats["kv_blocks_used"], stats["slots_used"]) == (0, 0, 0, 0)
 
 
 # -----------------------------------------------------------------------------------------------
