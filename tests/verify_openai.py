@@ -1028,23 +1028,28 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def report(results: dict, name: str, outcome: str, detail: str) -> None:
+def report(results: dict, name: str, outcome: str, detail: str, seconds: float | None = None) -> None:
+    """One line per check: the detail flattened and cut to a readable length."""
+    detail = " ".join(str(detail).split("\n"))
+    detail = detail if len(detail) <= 300 else detail[:297] + "..."
     results[name] = (outcome, detail)
-    say(f"[{outcome}] {name}: {detail}")
+    say(f"[{outcome}] {name}: {detail}" + (f" ({seconds:.1f} s)" if seconds is not None else ""))
 
 
 def run_checks(ctx: Context, names: list[str], results: dict) -> None:
     for name in names:
+        start = time.monotonic()
         try:
-            report(results, name, "PASS", CHECKS[name](ctx))
+            outcome, detail = "PASS", CHECKS[name](ctx)
         except CheckFailed as e:
-            report(results, name, "FAIL", str(e))
+            outcome, detail = "FAIL", str(e)
         except NotRun as e:
-            report(results, name, "NOT RUN", str(e))
+            outcome, detail = "NOT RUN", str(e)
         except (OSError, http.client.HTTPException) as e:
-            report(results, name, "FAIL", f"connection: {type(e).__name__}: {e}")
+            outcome, detail = "FAIL", f"connection: {type(e).__name__}: {e}"
         except Exception as e:                                    # a malformed answer (missing key, wrong type)
-            report(results, name, "FAIL", f"unexpected answer: {type(e).__name__}: {e}")
+            outcome, detail = "FAIL", f"unexpected answer: {type(e).__name__}: {e}"
+        report(results, name, outcome, detail, time.monotonic() - start)
 
 
 def git_commit() -> str:
