@@ -296,8 +296,11 @@ class Linear:
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)
 
-    def to(self, device) -> "Linear":
-        return Linear(self.weight.to(device), None if self.scale is None else self.scale.to(device), self.block)
+    def to(self, device, dtype: torch.dtype | None = None) -> "Linear":
+        """Move to a device; a dense weight also takes the activation dtype (FP8 stays FP8)."""
+        if self.scale is None:
+            return Linear(self.weight.to(device, dtype or self.weight.dtype))
+        return Linear(self.weight.to(device), self.scale.to(device), self.block)
 
 
 class Checkpoint:
@@ -522,8 +525,13 @@ class TorchOps:
         return out
 
     def conv1d(self, x, w, conv_state, slot_ids, query_start):
-        out = torch.empty_like(x)                                        # (T, C)
         width = w.shape[1]
+        if x.shape[0] == slot_ids.numel():                               # decode: one token per sequence
+            slots = slot_ids.long()
+            xs = torch.cat([conv_state[slots].to(x.dtype), x[:, :, None]], -1).float()   # (B, C, W)
+            conv_state[slots] = xs[:, :, 1:].to(conv_state.dtype)
+            return F.silu((xs * w.float()).sum(-1)).to(x.dtype)
+        out = torch.empty_like(x)                                        # (T, C)
         for b in range(len(slot_ids)):
             q0, q1, s = int(query_start[b]), int(query_start[b + 1]), int(slot_ids[b])
             xs = torch.cat([conv_state[s].t().to(x.dtype), x[q0:q1]], 0).float()   # (W-1 + m, C)
@@ -731,12 +739,12 @@ class Model:
         V, D, p = cfg.vocab_size, cfg.hidden_size, cfg.weight_prefix
         self.embed_tokens = load_dense(ckpt, p + "embed_tokens.weight", (V, D)).to(device)   # (V, D) stored dtype
         head = p + "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        self.lm_head = load_linear(ckpt, head, (V, D)).to(device)          # replicated: sampling sees full logits
+        self.lm_head = load_linear(ckpt, head, (V, D)).to(device, dtype)   # replicated: sampling sees full logits
         self.norm = load_norm(ckpt, cfg, p + "norm.weight", (D,)).to(device)
         self.layers = []
         t0 = time.time()
         for i in range(n):
-            self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device))
+            self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype))
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
@@ -799,9 +807,11 @@ class Model:
         return ops.linear(o, L.out_proj)
 
 
-def _to_device(L: Layer, device) -> Layer:
+def _to_device(L: Layer, device, dtype: torch.dtype) -> Layer:
     for k, v in vars(L).items():
-        if isinstance(v, (torch.Tensor, Linear)):
+        if isinstance(v, Linear):
+            setattr(L, k, v.to(device, dtype))
+        elif isinstance(v, torch.Tensor):
             setattr(L, k, v.to(device))
     return L
 
