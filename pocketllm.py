@@ -2536,7 +2536,8 @@ class _ToolChoicePlan:
 
     def _one_call(self, run: _CallProgram):
         """parallel_tool_calls=false under auto: free text until the first call closes, then the end."""
-        parser = ChatOutputParser(None, self.tool_parser, self.in_reasoning)
+        tools = [{"type": "function", "function": {"name": name}} for name in self.functions]
+        parser = ChatOutputParser(tools, self.tool_parser, self.in_reasoning)   # reads the text as the server will
         while True:
             scan = parser._scan
             if scan.calls and scan.calls[-1].closed:
