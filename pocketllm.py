@@ -2239,6 +2239,444 @@ class ChatOutputParser:
         return deltas
 
 
+# -----------------------------------------------------------------------------------------------
+# tool_choice by constrained decoding. A logits processor runs a small program per choice: it forces the
+# call's markup token by token and lets the model choose only where the schema leaves a choice (which
+# tool, which optional parameter, the values under masks shaped by their types), and it keeps enough of
+# max_tokens in reserve to close the call (closing reasoning early if it must).
+# -----------------------------------------------------------------------------------------------
+
+_XML_VALUE_CLOSE = "\n</parameter>\n"
+_XML_CALL_CLOSE = "</function>\n</tool_call>"
+_THINK_FORCED_CLOSE = "\n</think>"
+_VALUE_TOKEN_CAP = {"integer": 12, "number": 16, "string": 256, "object": 256, "array": 256}
+_NUMBER_CHARS = frozenset("0123456789.-+eE")
+_BIG_EXPONENT = re.compile(r"[eE][+-]?\d{3}")
+_EOS = -1   # an alternative of _choose that stands for "any end-of-sequence token"
+
+
+def _number_state(text: str, integer: bool):
+    """The state of a JSON-number automaton after `text` (None: not a number prefix). Complete states:
+    'zero', 'int', 'frac', 'exp_digits'."""
+    state = "start"
+    for c in text:
+        if c == "-" and state == "start":
+            state = "sign"
+        elif c.isdigit() and c.isascii():
+            if state in ("start", "sign"):
+                state = "zero" if c == "0" else "int"
+            elif state == "zero":
+                return None
+            elif state in ("int", "frac", "exp_digits"):
+                pass
+            elif state == "dot":
+                state = "frac"
+            elif state in ("exp", "exp_sign"):
+                state = "exp_digits"
+        elif c == "." and state in ("zero", "int") and not integer:
+            state = "dot"
+        elif c in "eE" and state in ("zero", "int", "frac") and not integer:
+            state = "exp"
+        elif c in "+-" and state == "exp":
+            state = "exp_sign"
+        else:
+            return None
+    return state
+
+
+class _TokenFacts:
+    """What the masks need to know about every token of a vocabulary, computed once per tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.texts = tokenizer.token_texts()
+        self.free = torch.tensor([bool(t) and "<" not in t for t in self.texts])   # may appear in a string value
+        self.numeric = [i for i, t in enumerate(self.texts) if t and set(t) <= _NUMBER_CHARS]
+        self.openers = {c: [i for i, t in enumerate(self.texts) if t.lstrip().startswith(c) and "<" not in t]
+                        for c in "{["}
+        self.close_any, self.close_lt = {}, {}   # token id -> the rest of _XML_VALUE_CLOSE after it
+        for i, t in enumerate(self.texts):
+            for skip in (0, 1):                  # the closer with or without its leading newline
+                if t and _XML_VALUE_CLOSE.startswith(t, skip):
+                    self.close_any.setdefault(i, _XML_VALUE_CLOSE[skip + len(t):])
+                    if "<" in t:
+                        self.close_lt.setdefault(i, _XML_VALUE_CLOSE[skip + len(t):])
+        self.call_open = [i for i, t in enumerate(self.texts) if t == _CALL_OPEN]
+        self._encoded: dict[str, list[int]] = {}
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def text(self, token_id: int) -> str:
+        return self.texts[token_id] if 0 <= token_id < len(self.texts) else ""
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = self._encoded[text] = self.tokenizer.encode(text)
+        return ids
+
+    def free_mask(self, size: int, device) -> torch.Tensor:
+        """`free` padded (or cut) to the logits' length, on their device."""
+        mask = self._masks.get((size, str(device)))
+        if mask is None:
+            mask = torch.zeros(size, dtype=torch.bool)
+            n = min(size, len(self.free))
+            mask[:n] = self.free[:n]
+            mask = self._masks[(size, str(device))] = mask.to(device)
+        return mask
+
+
+_TOKEN_FACTS: dict[int, _TokenFacts] = {}
+
+
+def _token_facts(tokenizer) -> _TokenFacts:
+    facts = _TOKEN_FACTS.get(id(tokenizer))
+    if facts is None or facts.tokenizer is not tokenizer:
+        facts = _TOKEN_FACTS[id(tokenizer)] = _TokenFacts(tokenizer)
+    return facts
+
+
+@dataclass
+class _Allowed:
+    """A constraint on the next token: `free` (string-value tokens) and/or the ids in `allow`; None = all
+    tokens but those in `ban`."""
+    allow: list[int] | None = None
+    free: bool = False
+    ban: list[int] = field(default_factory=list)
+
+    def apply(self, logits: torch.Tensor, facts: _TokenFacts) -> torch.Tensor:
+        if self.allow is None and not self.free:
+            out = logits.clone()
+        else:
+            out = logits.masked_fill(~facts.free_mask(logits.numel(), logits.device), float("-inf")) if self.free \
+                else torch.full_like(logits, float("-inf"))
+            ids = [i for i in self.allow or () if i < logits.numel()]
+            if ids:
+                index = torch.tensor(ids, device=logits.device)
+                out[index] = logits[index]
+        ban = [i for i in self.ban if i < logits.numel()]
+        if ban:
+            out[torch.tensor(ban, device=logits.device)] = float("-inf")
+        out[len(facts.texts):] = float("-inf")                     # padding rows of the embedding are no tokens
+        return out if bool(torch.isfinite(out).any()) else logits   # never leave nothing to sample
+
+
+class _Deviation(Exception):
+    """The sampled token is not one the program allowed (another constraint won): stop constraining."""
+
+
+class _CallProgram:
+    """The constraint program of one choice: a generator that yields _Allowed and receives the sampled ids.
+    `used` counts the tokens generated so far."""
+
+    def __init__(self, plan: "_ToolChoicePlan"):
+        self.plan, self.facts, self.used = plan, plan.facts, 0
+        self._gen = plan.program(self)
+        self.constraint = next(self._gen)
+
+    def advance(self, token_id: int) -> None:
+        self.used += 1
+        if self._gen is None:
+            return
+        try:
+            self.constraint = self._gen.send(token_id)
+        except (StopIteration, _Deviation):
+            self._gen, self.constraint = None, None
+
+    def left(self) -> int:
+        return self.plan.max_tokens - self.used
+
+    # Building blocks, each a sub-generator.
+
+    def choose(self, alternatives: list):
+        """Let the model pick one alternative (texts, or _EOS), forced token by token in canonical
+        tokenization; returns its index."""
+        seqs = [[_EOS] if a is _EOS else self.facts.encode(a) for a in alternatives]
+        alive, depth = [i for i, s in enumerate(seqs) if s], 0
+        while True:
+            done = [i for i in alive if len(seqs[i]) == depth]
+            if done:
+                return done[0]
+            nexts = {seqs[i][depth] for i in alive}
+            allow = sorted((nexts - {_EOS}) | (set(self.plan.eos_ids) if _EOS in nexts else set()))
+            token = yield _Allowed(allow=allow)
+            if token in self.plan.eos_ids:
+                token = _EOS
+            alive = [i for i in alive if seqs[i][depth] == token]
+            if not alive:
+                raise _Deviation
+            depth += 1
+
+    def force(self, text: str):
+        if text:
+            yield from self.choose([text])
+
+    def think(self, reserve: int):
+        """Free reasoning (no end-of-sequence, no <tool_call>) until </think>, or until only `reserve`
+        tokens are left: then close it ourselves."""
+        tail, ban = "", self.plan.eos_ids + self.facts.call_open
+        while self.left() - 1 >= reserve + self.plan.cost(_THINK_FORCED_CLOSE):
+            token = yield _Allowed(ban=ban)
+            tail = (tail + self.facts.text(token))[-2 * len(_THINK_CLOSE):]
+            if _THINK_CLOSE in tail:
+                return
+        yield from self.force(_THINK_FORCED_CLOSE)
+
+    def xml_value(self, schema, reserve: int):
+        """One parameter value and its closing tag, shaped by the schema; `reserve` = tokens needed after it."""
+        kind, choices = _forced_value_shape(schema)
+        if choices is not None:
+            yield from self.choose([c + _XML_VALUE_CLOSE for c in choices])
+            return
+        text, count, close_cost = "", 0, self.plan.cost(_XML_VALUE_CLOSE) + 1
+        closers = self.facts.close_lt if kind == "string" else self.facts.close_any
+        while True:
+            done = _value_done(kind, text)
+            if count >= _VALUE_TOKEN_CAP[kind] or self.left() - 1 < reserve + close_cost:
+                fix = "0" if kind in ("integer", "number") and not text[-1:].isdigit() else ""
+                yield from self.force(fix + _XML_VALUE_CLOSE)
+                return
+            token = yield self._value_allowed(kind, text, done, closers)
+            count += 1
+            if done and token in closers:
+                yield from self.force(closers[token])
+                return
+            text += self.facts.text(token)
+
+    def _value_allowed(self, kind, text, done, closers) -> _Allowed:
+        ban = self.plan.eos_ids
+        if kind in ("integer", "number"):
+            ok = [i for i in self.facts.numeric if _number_state(text + self.facts.texts[i], kind == "integer")
+                  and not _BIG_EXPONENT.search(text + self.facts.texts[i])]   # 1e999 would parse as infinity
+            return _Allowed(allow=ok + (list(closers) if done else []), ban=ban)
+        if kind in ("object", "array"):
+            if done:
+                return _Allowed(allow=list(closers), ban=ban)
+            if not text.strip():
+                return _Allowed(allow=self.facts.openers["{" if kind == "object" else "["], ban=ban)
+        return _Allowed(free=True, allow=list(closers) if done else [], ban=ban)
+
+
+def _forced_value_shape(schema) -> tuple[str, list[str] | None]:
+    """(kind, choices): the value kind a forced call writes for this schema, or the fixed texts to pick from."""
+    schema = schema if isinstance(schema, dict) else {}
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    if values:
+        return "string", [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in values]
+    types = [t for t in _schema_types(schema) if t in ("string", "integer", "number", "boolean", "object", "array", "null")]
+    kind = next((t for t in types if t != "null"), "null" if types else "string")
+    if kind == "boolean":
+        return kind, ["true", "false"]
+    if kind == "null":
+        return kind, ["null"]
+    return kind, None
+
+
+def _value_done(kind: str, text: str) -> bool:
+    """Whether the value so far may be closed."""
+    if kind in ("integer", "number"):
+        return _number_state(text, kind == "integer") in ("zero", "int", "frac", "exp_digits")
+    if kind in ("object", "array"):
+        return _as_type(text, kind)[0]
+    return bool(text.strip())
+
+
+class _ToolChoicePlan:
+    """Everything a program needs that is shared by the choices of one request."""
+
+    def __init__(self, facts, functions, mode, names=(), parallel=False, in_reasoning=False, max_tokens=0,
+                 eos_ids=(), tool_parser="qwen_xml"):
+        self.facts, self.functions, self.mode, self.names, self.parallel = facts, functions, mode, list(names), parallel
+        self.in_reasoning, self.max_tokens, self.eos_ids = in_reasoning, max_tokens, list(eos_ids)
+        self.tool_parser = tool_parser
+
+    def program(self, run: _CallProgram):
+        return {"force": self._forced_calls, "one_call": self._one_call, "no_call": self._no_call}[self.mode](run)
+
+    def cost(self, text: str) -> int:
+        """Tokens `text` takes in canonical tokenization (what the programs force)."""
+        return len(self.facts.encode(text))
+
+    @staticmethod
+    def header(lead: str, name: str) -> str:
+        return f"{lead}<tool_call>\n<function={name}>\n"
+
+    def call_cost(self, lead: str, name: str) -> int:
+        """Tokens the smallest call to `name` takes, the end-of-sequence token included."""
+        return self.cost(self.header(lead, name)) + self.min_arguments_cost(name) + 1
+
+    def min_arguments_cost(self, name, params=None) -> int:
+        """Tokens the smallest valid arguments of `name` take (its required parameters), closers included."""
+        properties, required = self.functions[name]
+        total = self.cost(_XML_CALL_CLOSE)
+        for p in required if params is None else params:
+            kind, choices = _forced_value_shape(properties.get(p))
+            value = max(self.cost(c + _XML_VALUE_CLOSE) for c in choices) if choices else 2 + self.cost(_XML_VALUE_CLOSE)
+            total += self.cost(f"<parameter={p}>\n") + value
+        return total
+
+    def _forced_calls(self, run: _CallProgram):
+        """tool_choice required / named: [reasoning] <tool_call> <function=NAME> parameters </function> </tool_call>,
+        then (required with parallel calls) another call or the end."""
+        lead = ""
+        if self.in_reasoning:
+            yield from run.think(max(self.call_cost("\n\n", n) for n in self.names))
+            lead = "\n\n"
+        names = [n for n in self.names if self.call_cost(lead, n) <= run.left()] or self.names
+        name = names[(yield from run.choose([self.header(lead, n) for n in names]))]
+        while True:
+            yield from self._xml_arguments(run, name)
+            names = [n for n in self.names if self.call_cost("\n", n) <= run.left() - 1] if self.parallel else []
+            if not names:
+                break
+            choice = yield from run.choose([_EOS] + [self.header("\n", n) for n in names])
+            if choice == 0:
+                break
+            name = names[choice - 1]
+        while True:
+            yield _Allowed(allow=self.eos_ids)
+
+    def _xml_arguments(self, run, name):
+        properties, required = self.functions[name]
+        for i, p in enumerate(required):
+            yield from run.force(f"<parameter={p}>\n")
+            yield from run.xml_value(properties.get(p), self.min_arguments_cost(name, required[i + 1:]) + 1)
+        optional = [p for p in properties if p not in required]
+        while optional:
+            closing = self.cost(_XML_CALL_CLOSE) + 1
+            fits = [p for p in optional if self.min_arguments_cost(name, [p]) + closing <= run.left()]
+            choice = yield from run.choose([_XML_CALL_CLOSE] + [f"<parameter={p}>\n" for p in fits])
+            if choice == 0:
+                return
+            p = fits[choice - 1]
+            optional.remove(p)
+            yield from run.xml_value(properties.get(p), closing)
+        yield from run.force(_XML_CALL_CLOSE)
+
+    def _one_call(self, run: _CallProgram):
+        """parallel_tool_calls=false under auto: free text until the first call closes, then the end."""
+        tools = [{"type": "function", "function": {"name": name}} for name in self.functions]
+        parser = ChatOutputParser(tools, self.tool_parser, self.in_reasoning)   # reads the text as the server will
+        while True:
+            scan = parser._scan
+            if scan.calls and scan.calls[-1].closed:
+                if scan.mode in ("start", "think", "text"):
+                    break
+                token = yield _Allowed(ban=self.facts.call_open)   # let </tool_call> come, but no second call
+            else:
+                token = yield _Allowed()
+            parser.feed(self.facts.text(token))
+        while True:
+            yield _Allowed(allow=self.eos_ids)
+
+    def _no_call(self, run: _CallProgram):
+        """tool_choice none: the model may not open a call."""
+        while True:
+            yield _Allowed(ban=self.facts.call_open)
+
+
+class _ToolChoiceProcessor:
+    """The SamplingParams.logits_processors entry. It is called with each choice's generated ids; programs
+    are kept per choice, keyed by (length, last 16 ids), and rebuilt by replay when a key is unknown."""
+
+    def __init__(self, plan: _ToolChoicePlan):
+        self.plan = plan
+        self._programs: dict[tuple, _CallProgram] = {}
+
+    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        program = self._program(token_ids)
+        if program.constraint is None:
+            return logits
+        return program.constraint.apply(logits, self.plan.facts)
+
+    def _program(self, ids: list[int]) -> _CallProgram:
+        key = (len(ids), tuple(ids[-16:]))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs.pop((len(ids) - 1, tuple(ids[-17:-1])), None) if ids else None
+            if program is not None:
+                program.advance(ids[-1])
+            else:                          # first call for this choice, or choices that shared a prefix split
+                program = _CallProgram(self.plan)
+                for token in ids:
+                    program.advance(token)
+            self._programs[key] = program
+        return program
+
+
+def _resolve_tool_choice(tool_choice, names: list[str]):
+    """tool_choice -> "none" | "auto" | "required" | a function name. RequestError(param="tool_choice")."""
+    if tool_choice is None:
+        return "auto" if names else "none"
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise RequestError(f"tool_choice must be \"none\", \"auto\", \"required\" or "
+                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {tool_choice!r}",
+                               param="tool_choice")
+        if tool_choice == "required" and not names:
+            raise RequestError("tool_choice \"required\" needs a non-empty tools list", param="tool_choice")
+        return tool_choice
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise RequestError("tool_choice object must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           param="tool_choice")
+    if name not in names:
+        raise RequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+    return name
+
+
+def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, parallel_tool_calls: bool,
+                          in_reasoning: bool, max_tokens: int, *, eos_token_ids=None) -> Callable | None:
+    """A SamplingParams.logits_processors entry enforcing tool_choice and parallel_tool_calls, or None.
+
+    - "required" / {"type": "function", "function": {"name": X}}: the answer is a complete call (to X),
+      closed before max_tokens; with reasoning on, the model reasons first and </think> is forced when the
+      budget left is what the call needs. Required parameters come first in schema order, then the model may
+      add optional ones or close. RequestError(param="max_tokens") when even the smallest call cannot fit.
+    - parallel_tool_calls=false: "required" forces one call; "auto" ends the answer once a call has closed.
+    - "none": the <tool_call> token is banned.
+    The call is written in the Qwen XML form whatever `tool_parser` says: ChatOutputParser reads either form
+    after <tool_call>. eos_token_ids: the ids that end the answer (default: the tokenizer's eos and
+    <|im_end|>). The processor receives each choice's generated ids (not the prompt), as the engine passes.
+    """
+    if tool_parser not in ("qwen_xml", "hermes"):
+        raise PocketError(f"unknown tool parser {tool_parser!r}: use qwen_xml or hermes")
+    functions = _forced_functions(tools)
+    choice = _resolve_tool_choice(tool_choice, list(functions))
+    if choice == "auto" and parallel_tool_calls is not False:
+        return None
+    eos_ids = list(eos_token_ids or [i for i in (tokenizer.token_to_id(t) for t in (tokenizer.eos_token, "<|im_end|>"))
+                                     if i is not None])
+    facts = _token_facts(tokenizer)
+    if choice == "none":
+        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "no_call")) if facts.call_open else None
+    if choice == "auto":
+        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "one_call", in_reasoning=in_reasoning,
+                                                    max_tokens=max_tokens, eos_ids=eos_ids, tool_parser=tool_parser))
+    names = list(functions) if choice == "required" else [choice]
+    plan = _ToolChoicePlan(facts, functions, "force", names, parallel=bool(parallel_tool_calls) and choice == "required",
+                           in_reasoning=in_reasoning, max_tokens=max_tokens, eos_ids=eos_ids, tool_parser=tool_parser)
+    smallest = min(plan.call_cost("\n\n" if in_reasoning else "", n) for n in names)
+    smallest += plan.cost(_THINK_FORCED_CLOSE) if in_reasoning else 0
+    if max_tokens < smallest:
+        raise RequestError(f"max_tokens {max_tokens} is too small for the call tool_choice requires "
+                           f"(at least {smallest} tokens)", param="max_tokens")
+    return _ToolChoiceProcessor(plan)
+
+
+def _forced_functions(tools) -> dict[str, tuple[dict, list[str]]]:
+    """name -> (properties, required parameters in schema order, then any required ones not described)."""
+    functions = {}
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            parameters = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
+            properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+            required = [p for p in parameters.get("required") or [] if isinstance(p, str)]
+            ordered = [p for p in properties if p in required] + [p for p in required if p not in properties]
+            functions[function["name"]] = (properties, list(dict.fromkeys(ordered)))
+    return functions
+
 
 # ===== SECTION 12-13: OpenAI protocol and HTTP server (owner: server) =====
 
