@@ -3248,7 +3248,8 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     if tools:                             # enforces required / named / parallel_tool_calls=false, bans calls for none
         try:
             processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
-                                              parallel_tool_calls, in_reasoning, params.max_tokens)
+                                              parallel_tool_calls, in_reasoning, params.max_tokens,
+                                              eos_token_ids=llm.eos_token_ids)
         except RequestError as e:
             raise _as_sent(e, body, max_tokens_field) from None
         if processor is not None:

@@ -40,7 +40,7 @@ TIME = {"type": "function", "function": {
 @pytest.fixture(scope="module")
 def llm(ckpt_factory):
     path, _ = ckpt_factory("qwen3_5")
-    return pocketllm.LLM(str(path), quiet=True, max_context=384, max_batch_size=8)
+    return pocketllm.LLM(str(path), quiet=True, max_context=640, max_batch_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,7 @@ def test_max_tokens_and_max_completion_tokens(client, llm):
                                              **{field: n})
         assert out.usage.completion_tokens == n and out.choices[0].finish_reason == "length"
     # Neither: the rest of the context (a long prompt keeps that short).
-    long = [{"role": "user", "content": "Paris " * 140}]
+    long = [{"role": "user", "content": "Paris " * 290}]
     out = client.chat.completions.create(model=llm.model_name, messages=long, extra_body={"ignore_eos": True})
     assert out.usage.total_tokens == llm.options.max_context and out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens < 100
