@@ -234,7 +234,7 @@ def test_langchain_tool_loop(server, llm):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
     chat = ChatOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, model=llm.model_name,
-                      max_tokens=96, temperature=0, max_retries=0)
+                      max_tokens=56, temperature=0, max_retries=0)
     # bind_tools -> forced call -> ToolMessage -> answer (a template that iterates arguments|items).
     bound = chat.bind_tools([WEATHER], tool_choice="get_weather")
     first = bound.invoke([HumanMessage("Weather in Paris for two days?")])
@@ -412,7 +412,7 @@ def test_replay_of_an_sdk_message_object(client, llm):
 def test_forced_tool_call_then_replay(server, llm):
     """A named tool_choice yields a call even from a random model; the assistant message exactly as returned,
     then a tool message, renders and is answered; the request objects are not modified."""
-    first_body = {"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 96, "temperature": 0,
+    first_body = {"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 56, "temperature": 0,
                   "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     status, _, first = request(server, "POST", "/v1/chat/completions", first_body)
     assert status == 200, first
@@ -436,7 +436,7 @@ def test_forced_tool_call_then_replay(server, llm):
 
 def test_required_and_parallel_false(client, llm):
     out = client.chat.completions.create(model=llm.model_name, messages=USER, tools=[WEATHER, TIME],
-                                         tool_choice="required", parallel_tool_calls=False, max_tokens=128, seed=1)
+                                         tool_choice="required", parallel_tool_calls=False, max_tokens=56, seed=1)
     calls = out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1
     assert calls[0].function.name in ("get_weather", "get_time")
@@ -444,7 +444,7 @@ def test_required_and_parallel_false(client, llm):
 
 
 def test_streamed_tool_call_with_sdk_helper(client, llm):
-    kwargs = dict(model=llm.model_name, messages=USER, tools=[WEATHER], temperature=0, max_tokens=96,
+    kwargs = dict(model=llm.model_name, messages=USER, tools=[WEATHER], temperature=0, max_tokens=56,
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     whole = client.chat.completions.create(**kwargs)
     with client.chat.completions.stream(**kwargs) as stream:
