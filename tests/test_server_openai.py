@@ -507,6 +507,18 @@ def test_health_auth_and_routing(server, llm):
         llm.dead_reason = None
 
 
+def test_a_bug_is_a_logged_500_and_the_server_goes_on(server, llm, capfd):
+    llm.stats = lambda: 1 / 0                                # a bug inside /metrics
+    try:
+        status, _, body = request(server, "GET", "/metrics")
+    finally:
+        del llm.stats
+    assert status == 500 and body["error"]["type"] == "internal_server_error"
+    assert "ZeroDivisionError" not in body["error"]["message"]            # the client gets a generic message
+    assert "ZeroDivisionError" in capfd.readouterr().err                  # the server log gets the traceback
+    assert request(server, "GET", "/metrics")[0] == 200
+
+
 def test_keep_alive_tokenize_detokenize(server, llm):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     auth = {"Authorization": f"Bearer {KEY}"}
