@@ -251,7 +251,8 @@ def test_langchain_tool_loop(server, llm):
 
 CHAT_REFUSALS = [
     ({"temprature": 0.5}, "temprature"),
-    ({"temperature": 2.5}, "temperature"), ({"temperature": "hot"}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"temperature": 2.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"temperature": True}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
@@ -295,8 +296,8 @@ CHAT_REFUSALS = [
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x", "colour": 1}]}, "messages[0].colour"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-                                                                          "function": {"name": "f", "arguments": 5}}]}]},
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": 5}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
