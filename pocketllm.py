@@ -3672,7 +3672,10 @@ class PocketServer(http.server.ThreadingHTTPServer):
                  log_requests: bool = True):
         if ":" in host:
             self.address_family = socket.AF_INET6
-        super().__init__((host, port), Handler)
+        try:
+            super().__init__((host, port), Handler)
+        except OSError as e:
+            raise PocketError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.llm, self.api_key, self.max_request_bytes = llm, api_key, max_request_bytes
         self.socket_timeout, self.log_requests = socket_timeout, log_requests
         self.metrics, self.started, self.serving = ServerMetrics(), int(time.time()), False
