@@ -226,8 +226,9 @@ def test_langchain(server, llm):
                       max_tokens=4, temperature=0, max_retries=0, extra_body={"ignore_eos": True})
     answer = chat.invoke("Hello")
     assert answer.usage_metadata["output_tokens"] == 4            # max_completion_tokens honoured
-    streamed = "".join(str(c.content) for c in chat.stream("Hello"))
-    assert streamed == answer.content
+    chunks = list(chat.stream("Hello", stream_usage=True))            # sends stream_options.include_usage
+    assert "".join(str(c.content) for c in chunks) == answer.content
+    assert sum(c.usage_metadata["output_tokens"] for c in chunks if c.usage_metadata) == 4
 
 
 def test_langchain_tool_loop(server, llm):
