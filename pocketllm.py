@@ -459,16 +459,16 @@ def load_dense(ckpt: Checkpoint, name: str, shape: tuple[int, ...], rows: Ranges
 # -----------------------------------------------------------------------------------------------
 
 def dequantize(w: Linear, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 weight * its 128x128 block scale -> dense (N, K), for one layer at a time. Ragged edges padded."""
+    """FP8 weight * its 128x128 block scale -> dense (N, K), for one layer at a time. One (N, K) buffer is
+    allocated and scaled in place, one row of blocks at a time (edge blocks may be ragged)."""
     if w.scale is None:
         return w.weight.to(dtype)
     (n, k), (bn, bk) = w.weight.shape, w.block
-    sn, sk = w.scale.shape
-    x = w.weight.to(torch.float32)
-    if n % bn or k % bk:
-        x = F.pad(x, (0, sk * bk - k, 0, sn * bn - n))
-    x = (x.view(sn, bn, sk, bk) * w.scale.view(sn, 1, sk, 1)).view(sn * bn, sk * bk)
-    return x[:n, :k].to(dtype)
+    out = w.weight.to(dtype)                                             # (N, K)
+    cols = w.scale.to(dtype).repeat_interleave(bk, dim=1)[:, :k]         # (N/bn, K): each scale over its columns
+    for i in range(cols.shape[0]):
+        out[i * bn:(i + 1) * bn].mul_(cols[i])
+    return out
 
 
 class TorchOps:
@@ -487,7 +487,15 @@ class TorchOps:
         return self.rmsnorm(residual, w, eps).to(x.dtype), residual
 
     def linear(self, x, w: Linear):
-        return x @ dequantize(w, x.dtype).t()                            # (T, N)
+        if w.scale is None:
+            return x @ w.weight.to(x.dtype).t()                          # (T, N)
+        (n, k), bn = w.weight.shape, w.block[0]
+        step = max(1, (1 << 20) // (k * bn)) * bn                        # FP8: dequantise ~1M weights at a time
+        out = x.new_empty(x.shape[0], n)
+        for r in range(0, n, step):
+            tile = Linear(w.weight[r:r + step], w.scale[r // bn:(r + step) // bn], w.block)
+            out[:, r:r + step] = x @ dequantize(tile, x.dtype).t()
+        return out
 
     def silu_mul(self, g, u):
         return (F.silu(g.float()) * u.float()).to(g.dtype)
