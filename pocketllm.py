@@ -2231,6 +2231,7 @@ class ChatOutputParser:
 _XML_VALUE_CLOSE = "\n</parameter>\n"
 _XML_CALL_CLOSE = "</function>\n</tool_call>"
 _THINK_FORCED_CLOSE = "\n</think>"
+_HERMES_CALL_CLOSE = "}}\n</tool_call>"
 _VALUE_TOKEN_CAP = {"integer": 12, "number": 16, "string": 256, "object": 256, "array": 256}
 _NUMBER_CHARS = frozenset("0123456789.-+eE")
 _BIG_EXPONENT = re.compile(r"[eE][+-]?\d{3}")
@@ -2272,7 +2273,11 @@ class _TokenFacts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.texts = tokenizer.token_texts()
-        self.free = torch.tensor([bool(t) and "<" not in t for t in self.texts])   # may appear in a string value
+        self.free = {   # tokens that may appear inside a string value: raw (Qwen XML) or in a JSON string (Hermes)
+            "xml": torch.tensor([bool(t) and "<" not in t for t in self.texts]),
+            "json": torch.tensor([bool(t) and "<" not in t and '"' not in t and "\\" not in t and
+                                  all(c >= " " for c in t) for t in self.texts])}
+        self.quote = [i for i, t in enumerate(self.texts) if t == '"']
         self.numeric = [i for i, t in enumerate(self.texts) if t and set(t) <= _NUMBER_CHARS]
         self.openers = {c: [i for i, t in enumerate(self.texts) if t.lstrip().startswith(c) and "<" not in t]
                         for c in "{["}
@@ -2296,14 +2301,14 @@ class _TokenFacts:
             ids = self._encoded[text] = self.tokenizer.encode(text)
         return ids
 
-    def free_mask(self, size: int, device) -> torch.Tensor:
-        """`free` padded (or cut) to the logits' length, on their device."""
-        mask = self._masks.get((size, str(device)))
+    def free_mask(self, kind: str, size: int, device) -> torch.Tensor:
+        """free[kind] padded (or cut) to the logits' length, on their device."""
+        mask = self._masks.get((kind, size, str(device)))
         if mask is None:
             mask = torch.zeros(size, dtype=torch.bool)
-            n = min(size, len(self.free))
-            mask[:n] = self.free[:n]
-            mask = self._masks[(size, str(device))] = mask.to(device)
+            n = min(size, len(self.texts))
+            mask[:n] = self.free[kind][:n]
+            mask = self._masks[(kind, size, str(device))] = mask.to(device)
         return mask
 
 
@@ -2319,17 +2324,18 @@ def _token_facts(tokenizer) -> _TokenFacts:
 
 @dataclass
 class _Allowed:
-    """A constraint on the next token: `free` (string-value tokens) and/or the ids in `allow`; None = all
-    tokens but those in `ban`."""
+    """A constraint on the next token: the string-value tokens of `free` ("xml" | "json") and/or the ids in
+    `allow`; neither = all tokens but those in `ban`."""
     allow: list[int] | None = None
-    free: bool = False
+    free: str | None = None
     ban: list[int] = field(default_factory=list)
 
     def apply(self, logits: torch.Tensor, facts: _TokenFacts) -> torch.Tensor:
         if self.allow is None and not self.free:
             out = logits.clone()
         else:
-            out = logits.masked_fill(~facts.free_mask(logits.numel(), logits.device), float("-inf")) if self.free \
+            out = logits.masked_fill(~facts.free_mask(self.free, logits.numel(), logits.device), float("-inf")) \
+                if self.free \
                 else torch.full_like(logits, float("-inf"))
             ids = [i for i in self.allow or () if i < logits.numel()]
             if ids:
@@ -2369,11 +2375,12 @@ class _CallProgram:
 
     # Building blocks, each a sub-generator.
 
-    def choose(self, alternatives: list):
+    def choose(self, alternatives: list, taken: tuple = ()):
         """Let the model pick one alternative (texts, or _EOS), forced token by token in canonical
-        tokenization; returns its index."""
+        tokenization; returns its index. `taken`: its first tokens, already sampled."""
         seqs = [[_EOS] if a is _EOS else self.facts.encode(a) for a in alternatives]
-        alive, depth = [i for i, s in enumerate(seqs) if s], 0
+        alive = [i for i, s in enumerate(seqs) if len(s) > len(taken) and tuple(s[:len(taken)]) == tuple(taken)]
+        depth = len(taken)
         while True:
             done = [i for i in alive if len(seqs[i]) == depth]
             if done:
@@ -2435,15 +2442,45 @@ class _CallProgram:
                 return _Allowed(allow=list(closers), ban=ban)
             if not text.strip():
                 return _Allowed(allow=self.facts.openers["{" if kind == "object" else "["], ban=ban)
-        return _Allowed(free=True, allow=list(closers) if done else [], ban=ban)
+        return _Allowed(free="xml", allow=list(closers) if done else [], ban=ban)
+
+    def json_string(self, reserve: int):
+        """A Hermes string value: "text" without quotes, backslashes, control characters or '<'."""
+        yield from self.force('"')
+        text, count = "", 0
+        while count < _VALUE_TOKEN_CAP["string"] and self.left() - 1 >= reserve + 1:
+            token = yield _Allowed(free="json", allow=self.facts.quote if text.strip() else [], ban=self.plan.eos_ids)
+            if token in self.facts.quote:
+                return
+            text, count = text + self.facts.text(token), count + 1
+        yield from self.force('"')
+
+    def json_number_then(self, kind: str, alternatives: list, reserve: int):
+        """A Hermes number value, which ends where the model starts one of `alternatives` (what may follow
+        it: a separator or the closing); returns the index of that alternative."""
+        text, count = "", 0
+        firsts = {self.facts.encode(a)[0] for a in alternatives}
+        while True:
+            done = _value_done(kind, text)
+            if count >= _VALUE_TOKEN_CAP[kind] or self.left() - 1 < reserve + 1:
+                yield from self.force("0" if not text[-1:].isdigit() else "")
+                return (yield from self.choose(alternatives))
+            digits = [i for i in self.facts.numeric if _number_state(text + self.facts.texts[i], kind == "integer")
+                      and not _BIG_EXPONENT.search(text + self.facts.texts[i])]
+            token = yield _Allowed(allow=digits + (sorted(firsts) if done else []), ban=self.plan.eos_ids)
+            if done and token in firsts:
+                return (yield from self.choose(alternatives, taken=(token,)))
+            text, count = text + self.facts.text(token), count + 1
 
 
-def _forced_value_shape(schema) -> tuple[str, list[str] | None]:
-    """(kind, choices): the value kind a forced call writes for this schema, or the fixed texts to pick from."""
+def _forced_value_shape(schema, json_form: bool = False) -> tuple[str, list[str] | None]:
+    """(kind, choices): the value kind a forced call writes for this schema, or the fixed texts to pick from
+    (as raw text for Qwen XML, as JSON for Hermes)."""
     schema = schema if isinstance(schema, dict) else {}
     values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
     if values:
-        return "string", [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in values]
+        return "string", [v if isinstance(v, str) and not json_form else json.dumps(v, ensure_ascii=False)
+                          for v in values]
     types = [t for t in _schema_types(schema) if t in ("string", "integer", "number", "boolean", "object", "array", "null")]
     kind = next((t for t in types if t != "null"), "null" if types else "string")
     if kind == "boolean":
@@ -2478,8 +2515,9 @@ class _ToolChoicePlan:
         """Tokens `text` takes in canonical tokenization (what the programs force)."""
         return len(self.facts.encode(text))
 
-    @staticmethod
-    def header(lead: str, name: str) -> str:
+    def header(self, lead: str, name: str) -> str:
+        if self.tool_parser == "hermes":
+            return f'{lead}<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
         return f"{lead}<tool_call>\n<function={name}>\n"
 
     def call_cost(self, lead: str, name: str) -> int:
@@ -2489,11 +2527,17 @@ class _ToolChoicePlan:
     def min_arguments_cost(self, name, params=None) -> int:
         """Tokens the smallest valid arguments of `name` take (its required parameters), closers included."""
         properties, required = self.functions[name]
-        total = self.cost(_XML_CALL_CLOSE)
+        hermes = self.tool_parser == "hermes"
+        total = self.cost(_HERMES_CALL_CLOSE if hermes else _XML_CALL_CLOSE)
         for p in required if params is None else params:
-            kind, choices = _forced_value_shape(properties.get(p))
-            value = max(self.cost(c + _XML_VALUE_CLOSE) for c in choices) if choices else 2 + self.cost(_XML_VALUE_CLOSE)
-            total += self.cost(f"<parameter={p}>\n") + value
+            kind, choices = _forced_value_shape(properties.get(p), json_form=hermes)
+            if hermes:
+                value = max(map(self.cost, choices)) if choices else 3 + self.cost("{}")
+                total += self.cost(", " + json.dumps(p, ensure_ascii=False) + ": ") + value
+            else:
+                value = max(self.cost(c + _XML_VALUE_CLOSE) for c in choices) if choices else \
+                    2 + self.cost(_XML_VALUE_CLOSE)
+                total += self.cost(f"<parameter={p}>\n") + value
         return total
 
     def _forced_calls(self, run: _CallProgram):
@@ -2506,7 +2550,7 @@ class _ToolChoicePlan:
         names = [n for n in self.names if self.call_cost(lead, n) <= run.left()] or self.names
         name = names[(yield from run.choose([self.header(lead, n) for n in names]))]
         while True:
-            yield from self._xml_arguments(run, name)
+            yield from (self._hermes_arguments if self.tool_parser == "hermes" else self._xml_arguments)(run, name)
             names = [n for n in self.names if self.call_cost("\n", n) <= run.left() - 1] if self.parallel else []
             if not names:
                 break
@@ -2533,6 +2577,42 @@ class _ToolChoicePlan:
             optional.remove(p)
             yield from run.xml_value(properties.get(p), closing)
         yield from run.force(_XML_CALL_CLOSE)
+
+    def _hermes_arguments(self, run, name):
+        """The arguments object after '"arguments": {': required members first, then optional ones while they
+        fit, then '}}' and </tool_call>. A number has no closing mark: it ends where the next separator starts."""
+        properties, required = self.functions[name]
+        todo, optional = list(required), [p for p in properties if p not in required]
+        separator, number = "", None
+        while True:
+            key = lambda p: separator + json.dumps(p, ensure_ascii=False) + ": "   # noqa: E731
+            closing = self.cost(_HERMES_CALL_CLOSE) + 1
+            if todo:
+                candidates = todo[:1]
+                alternatives = [key(todo[0])]
+                reserve = self.min_arguments_cost(name, todo) + 1
+            else:
+                candidates = [p for p in optional if self.min_arguments_cost(name, [p]) + closing + 2 <= run.left()]
+                alternatives = [_HERMES_CALL_CLOSE] + [key(p) for p in candidates]
+                reserve = closing
+            choice = yield from (run.json_number_then(number, alternatives, reserve) if number
+                                 else run.choose(alternatives))
+            if not todo and choice == 0:
+                return
+            p = candidates[choice - (0 if todo else 1)]
+            (todo if todo else optional).remove(p)
+            kind, choices = _forced_value_shape(properties.get(p), json_form=True)
+            rest = self.min_arguments_cost(name, todo) + 1
+            number = None
+            if choices:
+                yield from run.choose(choices)
+            elif kind == "string":
+                yield from run.json_string(rest)
+            elif kind in ("integer", "number"):
+                number = kind                       # written with the next separator
+            else:
+                yield from run.force("{}" if kind == "object" else "[]")
+            separator = ", "
 
     def _one_call(self, run: _CallProgram):
         """parallel_tool_calls=false under auto: free text until the first call closes, then the end."""
@@ -2617,8 +2697,7 @@ def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, paral
       add optional ones or close. RequestError(param="max_tokens") when even the smallest call cannot fit.
     - parallel_tool_calls=false: "required" forces one call; "auto" ends the answer once a call has closed.
     - "none": the <tool_call> token is banned.
-    The call is written in the Qwen XML form whatever `tool_parser` says: ChatOutputParser reads either form
-    after <tool_call>. eos_token_ids: the ids that end the answer (default: the tokenizer's eos and
+    The call is written in the form of `tool_parser` ("qwen_xml" or "hermes"). eos_token_ids: the ids that end the answer (default: the tokenizer's eos and
     <|im_end|>). The processor receives each choice's generated ids (not the prompt), as the engine passes.
     """
     if tool_parser not in ("qwen_xml", "hermes"):
