@@ -2434,15 +2434,19 @@ class _CallProgram:
     def _value_allowed(self, kind, text, done, closers) -> _Allowed:
         ban = self.plan.eos_ids
         if kind in ("integer", "number"):
-            ok = [i for i in self.facts.numeric if _number_state(text + self.facts.texts[i], kind == "integer")
-                  and not _BIG_EXPONENT.search(text + self.facts.texts[i])]   # 1e999 would parse as infinity
-            return _Allowed(allow=ok + (list(closers) if done else []), ban=ban)
+            return _Allowed(allow=self._number_tokens(kind, text) + (list(closers) if done else []), ban=ban)
         if kind in ("object", "array"):
             if done:
                 return _Allowed(allow=list(closers), ban=ban)
             if not text.strip():
                 return _Allowed(allow=self.facts.openers["{" if kind == "object" else "["], ban=ban)
         return _Allowed(free="xml", allow=list(closers) if done else [], ban=ban)
+
+    def _number_tokens(self, kind: str, text: str) -> list[int]:
+        """The tokens that keep `text` a prefix of a JSON number (of an integer), exponents under 3 digits
+        (1e999 would parse as infinity)."""
+        return [i for i in self.facts.numeric if _number_state(text + self.facts.texts[i], kind == "integer")
+                and not _BIG_EXPONENT.search(text + self.facts.texts[i])]
 
     def json_string(self, reserve: int):
         """A Hermes string value: "text" without quotes, backslashes, control characters or '<'."""
@@ -2465,9 +2469,8 @@ class _CallProgram:
             if count >= _VALUE_TOKEN_CAP[kind] or self.left() - 1 < reserve + 1:
                 yield from self.force("0" if not text[-1:].isdigit() else "")
                 return (yield from self.choose(alternatives))
-            digits = [i for i in self.facts.numeric if _number_state(text + self.facts.texts[i], kind == "integer")
-                      and not _BIG_EXPONENT.search(text + self.facts.texts[i])]
-            token = yield _Allowed(allow=digits + (sorted(firsts) if done else []), ban=self.plan.eos_ids)
+            allow = self._number_tokens(kind, text) + (sorted(firsts) if done else [])
+            token = yield _Allowed(allow=allow, ban=self.plan.eos_ids)
             if done and token in firsts:
                 return (yield from self.choose(alternatives, taken=(token,)))
             text, count = text + self.facts.text(token), count + 1
