@@ -2027,47 +2027,21 @@ class _OutputScan:
     # Hermes JSON calls: {"name": ..., "arguments": {...}}, the arguments streamed member by member.
 
     def _hermes_keys(self, text, final):
-        call = self.calls[-1]
-        j = _skip_ws(text, self.pos)
-        if j == len(text):
-            return False
-        if text[j] == ",":
-            self.pos = j + 1
-            return True
-        if text[j] == "}":
-            call.closed, self.pos, self.mode = True, j + 1, "call_end"
-            return True
-        member = self._json_member(text, j, final)
-        if member is None:
-            return False
-        if member is False:
-            return self._junk(call)
-        key, v = member
-        if key in ("arguments", "parameters") and text[v] == "{" and not call.closed:
-            self.pos, self.mode = v + 1, "hermes_args"
-            return True
-        value = self._json_value(text, v, final)
-        if value is None:
-            return False
-        if value is False:
-            return self._junk(call)
-        if key in ("arguments", "parameters") and isinstance(value[0], str):   # arguments sent as a JSON string
-            inner = _json_or_text(value[0])
-            for name, item in (inner.items() if isinstance(inner, dict) else ()):
-                call.add(name, item)
-        self.pos = value[1]
-        return True
+        return self._hermes_object(text, final, inner=False)
 
     def _hermes_args(self, text, final):
+        return self._hermes_object(text, final, inner=True)
+
+    def _hermes_object(self, text, final, inner):
+        """One member of the call object {"name", "arguments"} (outer) or of its arguments object (inner)."""
         call = self.calls[-1]
         j = _skip_ws(text, self.pos)
         if j == len(text):
             return False
-        if text[j] == ",":
+        if text[j] in ",}":
+            if text[j] == "}":
+                call.closed, self.mode = True, "hermes_keys" if inner else "call_end"
             self.pos = j + 1
-            return True
-        if text[j] == "}":
-            call.closed, self.pos, self.mode = True, j + 1, "hermes_keys"
             return True
         member = self._json_member(text, j, final)
         if member is None:
@@ -2075,7 +2049,11 @@ class _OutputScan:
         if member is False:
             return self._junk(call)
         key, v = member
-        if text[v] == '"' and not _JSON_STRING.match(text, v):  # a string value still arriving: stream it
+        arguments = not inner and key in ("arguments", "parameters")
+        if arguments and text[v] == "{" and not call.closed:
+            self.pos, self.mode = v + 1, "hermes_args"
+            return True
+        if inner and text[v] == '"' and not _JSON_STRING.match(text, v):   # a string value still arriving: stream it
             value = _json_string_prefix(text, v + 1)
             if final:
                 call.add(key, value)
@@ -2089,7 +2067,12 @@ class _OutputScan:
             return False
         if value is False:
             return self._junk(call)
-        call.add(key, value[0])
+        if inner:
+            call.add(key, value[0])
+        elif arguments and isinstance(value[0], str):                    # arguments sent as a JSON string
+            inner_value = _json_or_text(value[0])
+            for name, item in (inner_value.items() if isinstance(inner_value, dict) else ()):
+                call.add(name, item)
         self.pos = value[1]
         return True
 
