@@ -2318,17 +2318,17 @@ class _Allowed:
             out = logits.clone()
         else:
             out = logits.masked_fill(~facts.free_mask(self.free, logits.numel(), logits.device), float("-inf")) \
-                if self.free \
-                else torch.full_like(logits, float("-inf"))
+                if self.free else torch.full_like(logits, float("-inf"))
             ids = [i for i in self.allow or () if i < logits.numel()]
-            if ids:
-                index = torch.tensor(ids, device=logits.device)
-                out[index] = logits[index]
+            index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            if not self.free and not bool(torch.isfinite(logits[index]).any()):
+                return logits          # everything we allow is banned by another constraint: do not block sampling
+            out[index] = logits[index]
         ban = [i for i in self.ban if i < logits.numel()]
         if ban:
             out[torch.tensor(ban, device=logits.device)] = float("-inf")
         out[len(facts.texts):] = float("-inf")                     # padding rows of the embedding are no tokens
-        return out if bool(torch.isfinite(out).any()) else logits   # never leave nothing to sample
+        return out
 
 
 class _Deviation(Exception):
