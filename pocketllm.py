@@ -2137,8 +2137,8 @@ class ChatOutputParser:
     feed(text) -> OpenAI delta fragments; finish() flushes what was held back; message() is the non-streamed
     parse of everything fed. Text is held back only while it could still be markup (a partial <tool_call>,
     a header not yet confirmed by <function=NAME> or {"name": ...}) or whitespace that is trimmed around
-    content. tool_parser ("qwen_xml" | "hermes") picks the form tool_choice forces and whether a bare
-    <function=NAME> (no <tool_call>) counts; calls in either form are recognised after <tool_call>.
+    content. Calls in either form are recognised after <tool_call>; tool_parser ("qwen_xml" | "hermes")
+    decides whether a bare <function=NAME> (no <tool_call>, NAME a known tool) counts as a call.
 
     >>> p = ChatOutputParser(None, "qwen_xml", in_reasoning=True)
     >>> p.feed("Paris?\\n</think>\\n\\nIt is ") + p.feed("Paris.") + p.finish()

@@ -48,14 +48,14 @@ def tokenizer(tmp_path_factory):
     return P.Tokenizer(path)
 
 
-def run(processor, tokenizer, max_tokens, seed, scale=4.0, vocab_pad=16):
+def run(processor, tokenizer, max_tokens, seed, scale=4.0, vocab_pad=16, device="cpu"):
     """Sample max_tokens tokens from random logits through the processor; stop at an end-of-sequence id."""
     gen = torch.Generator().manual_seed(seed)
     eos = {tokenizer.token_to_id("<|im_end|>")}
     ids = []
     while len(ids) < max_tokens:
         logits = torch.randn(tokenizer.vocab_size + vocab_pad, generator=gen) * scale   # padded vocab, as checkpoints
-        out = processor(list(ids), logits)
+        out = processor(list(ids), logits.to(device)).cpu()
         token = int(torch.multinomial(out.softmax(-1), 1, generator=gen))
         ids.append(token)
         if token in eos:
@@ -263,3 +263,11 @@ def test_processor_step_is_cheap(tokenizer):
     per_step = (time.perf_counter() - start) / len(ids)
     check_call(tokenizer, ids, 3000, True, ["get_weather", "set_rate", "ping"], "hermes")
     assert per_step < 0.005, f"{per_step * 1e3:.2f} ms per token"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the engine's logits live there)")
+@pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
+def test_forced_call_with_logits_on_gpu(tokenizer, fmt):
+    processor = P.tool_choice_processor(tokenizer, TOOLS, "required", fmt, False, True, 300)
+    ids = run(processor, tokenizer, 300, seed=2, device="cuda")
+    check_call(tokenizer, ids, 300, True, ["get_weather", "set_rate", "ping"], fmt)
