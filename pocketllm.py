@@ -296,8 +296,11 @@ class Linear:
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)
 
-    def to(self, device) -> "Linear":
-        return Linear(self.weight.to(device), None if self.scale is None else self.scale.to(device), self.block)
+    def to(self, device, dtype: torch.dtype | None = None) -> "Linear":
+        """Move to a device; a dense weight also takes the activation dtype (FP8 stays FP8)."""
+        if self.scale is None:
+            return Linear(self.weight.to(device, dtype or self.weight.dtype))
+        return Linear(self.weight.to(device), self.scale.to(device), self.block)
 
 
 class Checkpoint:
@@ -456,16 +459,16 @@ def load_dense(ckpt: Checkpoint, name: str, shape: tuple[int, ...], rows: Ranges
 # -----------------------------------------------------------------------------------------------
 
 def dequantize(w: Linear, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 weight * its 128x128 block scale -> dense (N, K), for one layer at a time. Ragged edges padded."""
+    """FP8 weight * its 128x128 block scale -> dense (N, K), for one layer at a time. One (N, K) buffer is
+    allocated and scaled in place, one row of blocks at a time (edge blocks may be ragged)."""
     if w.scale is None:
         return w.weight.to(dtype)
     (n, k), (bn, bk) = w.weight.shape, w.block
-    sn, sk = w.scale.shape
-    x = w.weight.to(torch.float32)
-    if n % bn or k % bk:
-        x = F.pad(x, (0, sk * bk - k, 0, sn * bn - n))
-    x = (x.view(sn, bn, sk, bk) * w.scale.view(sn, 1, sk, 1)).view(sn * bn, sk * bk)
-    return x[:n, :k].to(dtype)
+    out = w.weight.to(dtype)                                             # (N, K)
+    cols = w.scale.to(dtype).repeat_interleave(bk, dim=1)[:, :k]         # (N/bn, K): each scale over its columns
+    for i in range(cols.shape[0]):
+        out[i * bn:(i + 1) * bn].mul_(cols[i])
+    return out
 
 
 class TorchOps:
@@ -484,7 +487,15 @@ class TorchOps:
         return self.rmsnorm(residual, w, eps).to(x.dtype), residual
 
     def linear(self, x, w: Linear):
-        return x @ dequantize(w, x.dtype).t()                            # (T, N)
+        if w.scale is None:
+            return x @ w.weight.to(x.dtype).t()                          # (T, N)
+        (n, k), bn = w.weight.shape, w.block[0]
+        step = max(1, (1 << 20) // (k * bn)) * bn                        # FP8: dequantise ~1M weights at a time
+        out = x.new_empty(x.shape[0], n)
+        for r in range(0, n, step):
+            tile = Linear(w.weight[r:r + step], w.scale[r // bn:(r + step) // bn], w.block)
+            out[:, r:r + step] = x @ dequantize(tile, x.dtype).t()
+        return out
 
     def silu_mul(self, g, u):
         return (F.silu(g.float()) * u.float()).to(g.dtype)
@@ -522,8 +533,13 @@ class TorchOps:
         return out
 
     def conv1d(self, x, w, conv_state, slot_ids, query_start):
-        out = torch.empty_like(x)                                        # (T, C)
         width = w.shape[1]
+        if x.shape[0] == slot_ids.numel():                               # decode: one token per sequence
+            slots = slot_ids.long()
+            xs = torch.cat([conv_state[slots].to(x.dtype), x[:, :, None]], -1).float()   # (B, C, W)
+            conv_state[slots] = xs[:, :, 1:].to(conv_state.dtype)
+            return F.silu((xs * w.float()).sum(-1)).to(x.dtype)
+        out = torch.empty_like(x)                                        # (T, C)
         for b in range(len(slot_ids)):
             q0, q1, s = int(query_start[b]), int(query_start[b + 1]), int(slot_ids[b])
             xs = torch.cat([conv_state[s].t().to(x.dtype), x[q0:q1]], 0).float()   # (W-1 + m, C)
@@ -625,6 +641,7 @@ class Batch:
     slot_mapping: torch.Tensor    # (T,) int64, KV-cache slot (block * block_size + offset) of each token
     state_slots: torch.Tensor     # (B,) int32, recurrent-state slot of each sequence
     logit_rows: torch.Tensor      # (R,) int64, rows whose logits are wanted (usually each sequence's last)
+    fresh_slots: torch.Tensor     # (F,) int64, state slots of sequences starting at position 0: zeroed first
 
     @property
     def is_decode(self) -> bool:
@@ -730,12 +747,12 @@ class Model:
         V, D, p = cfg.vocab_size, cfg.hidden_size, cfg.weight_prefix
         self.embed_tokens = load_dense(ckpt, p + "embed_tokens.weight", (V, D)).to(device)   # (V, D) stored dtype
         head = p + "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        self.lm_head = load_linear(ckpt, head, (V, D)).to(device)          # replicated: sampling sees full logits
+        self.lm_head = load_linear(ckpt, head, (V, D)).to(device, dtype)   # replicated: sampling sees full logits
         self.norm = load_norm(ckpt, cfg, p + "norm.weight", (D,)).to(device)
         self.layers = []
         t0 = time.time()
         for i in range(n):
-            self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device))
+            self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype))
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
@@ -745,6 +762,9 @@ class Model:
 
     def forward(self, batch: Batch, cache: Cache) -> torch.Tensor:
         ops, eps = self.ops, self.cfg.rms_norm_eps
+        if batch.fresh_slots.numel():                                      # a slot's previous owner's state
+            for t in itertools.chain(cache.conv.values(), cache.ssm.values()):
+                t[batch.fresh_slots] = 0
         x = ops.embed(batch.token_ids, self.embed_tokens, self.dtype)      # (T, D)
         residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for L in self.layers:
@@ -795,9 +815,11 @@ class Model:
         return ops.linear(o, L.out_proj)
 
 
-def _to_device(L: Layer, device) -> Layer:
+def _to_device(L: Layer, device, dtype: torch.dtype) -> Layer:
     for k, v in vars(L).items():
-        if isinstance(v, (torch.Tensor, Linear)):
+        if isinstance(v, Linear):
+            setattr(L, k, v.to(device, dtype))
+        elif isinstance(v, torch.Tensor):
             setattr(L, k, v.to(device))
     return L
 
@@ -1066,9 +1088,10 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
     width = max(len(p.seq.blocks) for p in plan)
     tables = [p.seq.blocks + [0] * (width - len(p.seq.blocks)) for p in plan]
     t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    fresh = [p.seq.slot for p in plan if p.start == 0]
     return Batch(t(ids, torch.long), t(pos, torch.long), t(starts, torch.int32), t(ctx, torch.int32),
                  t(tables, torch.int32), t(slots, torch.long), t([p.seq.slot for p in plan], torch.int32),
-                 t(rows, torch.long))
+                 t(rows, torch.long), t(fresh, torch.long))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1225,6 +1248,9 @@ class Engine:
                 "prompt_tokens_total": self.counters["prompt_tokens"],
                 "generation_tokens_total": self.counters["generation_tokens"]}
 
+
+
+# ===== SECTION 8b: tensor parallelism (owner: tp) =====
 
 
 # ===== SECTION 10: text (owner: core: tokenizer + detokenizer; text: chat templates) =====
@@ -2793,11 +2819,18 @@ class LLM:
         self.device = device = torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
         kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
-        ops, why = select_ops(opts, device)
-        _log(opts, f"backend: {why}")
-        self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None, progress=not opts.quiet)
+        self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
+        if opts.devices:
+            self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
+            self.model, run_batch = self.group.model, lambda batch: self.group.run_batch(batch, self.engine.cache)
+        else:
+            ops, why = select_ops(opts, device)
+            _log(opts, f"backend: {why}")
+            self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None,
+                               progress=not opts.quiet)
+            run_batch = None
         ckpt.close()
-        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype)
+        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
@@ -2879,6 +2912,9 @@ class LLM:
         """float32 logits (len, vocab) for every position of token_ids, computed as one prefill, or as
         prefill chunks of chunk_size tokens (chunk_size=1 runs the decode path at every position)."""
         ids = list(token_ids)
+        if self.group is not None:
+            with self._lock:
+                return self.group.logits(ids, chunk_size)
         bs = self.options.kv_block_size
         nblocks = -(-len(ids) // bs)
         cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.engine.cache.k[
@@ -2891,7 +2927,7 @@ class LLM:
                 batch = Batch(dev(ids[s:s + n], torch.long), dev(list(range(s, s + n)), torch.long),
                               dev([0, n], torch.int32), dev([s + n], torch.int32), dev([blocks], torch.int32),
                               dev([blocks[i // bs] * bs + i % bs for i in range(s, s + n)], torch.long),
-                              dev([0], torch.int32), dev(list(range(n)), torch.long))
+                              dev([0], torch.int32), dev(list(range(n)), torch.long), dev([0] if s == 0 else [], torch.long))
                 out.append(self.model.forward(batch, cache))
         return torch.cat(out).float().cpu()
 
