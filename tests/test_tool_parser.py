@@ -427,10 +427,12 @@ PROSE = SAFE_TEXT.filter(lambda s: not any(m in s for m in ("<tool_call>", "<fun
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(calls=st.lists(tool_and_call(), min_size=1, max_size=3), fmt=st.sampled_from(["qwen_xml", "hermes"]),
-       reasoning=st.one_of(st.none(), PROSE), content=PROSE, seed=st.integers(0, 2**32 - 1))
-def test_property_stream_equals_parse(calls, fmt, reasoning, content, seed):
+       reasoning=st.one_of(st.none(), PROSE), close_think=st.booleans(), content=PROSE, seed=st.integers(0, 2**32 - 1))
+def test_property_stream_equals_parse(calls, fmt, reasoning, close_think, content, seed):
     tools, text = [], ""
-    if reasoning is not None:
+    if reasoning is not None and not close_think:     # the calls come inside the reasoning
+        text, content = reasoning + "\n", ""
+    elif reasoning is not None:
         text += reasoning + "\n</think>\n\n"
     text += content + ("\n\n" if content else "")
     for i, (schema, args) in enumerate(calls):
