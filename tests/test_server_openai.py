@@ -342,6 +342,21 @@ def test_no_effect_fields_are_accepted(server):
     assert status == 200, body
 
 
+def test_reasoning_effort_reaches_a_template_that_reads_it(llm):
+    """Top-level reasoning_effort is refused (400, in the table above) for a template that ignores it and
+    passed to one that reads it."""
+    original = pocketllm.render_chat_prompt(llm, {"messages": USER}, None) and llm.chat_template
+    source = CHAT_TEMPLATE.replace("{%- for m in messages %}", "effort={{ reasoning_effort }}\n{%- for m in messages %}")
+    llm.chat_template = pocketllm.ChatTemplate(source, llm.tokenizer)
+    try:
+        assert "effort=low" in pocketllm.render_chat_prompt(llm, {"messages": USER, "reasoning_effort": "low"}, None)
+        with pytest.raises(pocketllm.RequestError) as e:
+            pocketllm.render_chat_prompt(llm, {"messages": USER, "reasoning_effort": "extreme"}, None)
+        assert e.value.param == "reasoning_effort"
+    finally:
+        llm.chat_template = original
+
+
 ODD_VALUES = [True, -1, 2.5, 1e308, "", "\u0000", [1], ["x"], {}, {"a": 1}, [{"type": "function"}], [[[]]]]
 
 
