@@ -3962,6 +3962,16 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    # The OpenAI surface (sections 12-13): exactly what the HTTP endpoints send.
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, stream: bool = False, **params):
+        """An OpenAI chat completion: the response dict, or an iterator of chunk dicts when stream=True."""
+        return llm_chat(self, messages, tools, stream, **params)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, block: bool = True, **server_options):
+        """Serve the OpenAI API over HTTP; with block=False returns the running server (.port, .shutdown())."""
+        return serve(self, host, port, block=block, **server_options)
+
     # Offline API.
 
     def generate(self, prompt: str | list[int], **sampling) -> dict:
