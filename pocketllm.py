@@ -3894,7 +3894,8 @@ class LLM:
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
         self.device = device = torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
-        kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+        self.kv_dtype = kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device,
+                                                                                           "kv-dtype")
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
             self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
@@ -4003,8 +4004,7 @@ class LLM:
                 return self.group.logits(ids, chunk_size)
         bs = self.options.kv_block_size
         nblocks = -(-len(ids) // bs)
-        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.engine.cache.k[
-            next(iter(self.engine.cache.k))].dtype if self.engine.cache.k else self.dtype, self.device)
+        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.kv_dtype, self.device)
         blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
         with self._lock:
             for s in range(0, len(ids), step):
