@@ -3909,7 +3909,8 @@ class LLM:
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
         self.device = device = torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
-        kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+        self.kv_dtype = kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device,
+                                                                                           "kv-dtype")
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
             self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
@@ -3977,6 +3978,16 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    # The OpenAI surface (sections 12-13): exactly what the HTTP endpoints send.
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, stream: bool = False, **params):
+        """An OpenAI chat completion: the response dict, or an iterator of chunk dicts when stream=True."""
+        return llm_chat(self, messages, tools, stream, **params)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, block: bool = True, **server_options):
+        """Serve the OpenAI API over HTTP; with block=False returns the running server (.port, .shutdown())."""
+        return serve(self, host, port, block=block, **server_options)
+
     # Offline API.
 
     def generate(self, prompt: str | list[int], **sampling) -> dict:
@@ -4008,8 +4019,7 @@ class LLM:
                 return self.group.logits(ids, chunk_size)
         bs = self.options.kv_block_size
         nblocks = -(-len(ids) // bs)
-        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.engine.cache.k[
-            next(iter(self.engine.cache.k))].dtype if self.engine.cache.k else self.dtype, self.device)
+        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.kv_dtype, self.device)
         blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
         with self._lock:
             for s in range(0, len(ids), step):
