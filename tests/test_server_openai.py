@@ -45,7 +45,7 @@ def llm(ckpt_factory):
 
 @pytest.fixture(scope="module")
 def server(llm):
-    srv = pocketllm.serve(llm, port=0, api_key=KEY, block=False, log_requests=False)
+    srv = llm.serve(port=0, api_key=KEY, block=False, log_requests=False)
     yield srv
     srv.shutdown()
 
@@ -482,13 +482,12 @@ def test_tool_choice_none_parses_no_calls(client, llm):
 
 
 def test_python_api_chat(llm):
-    """llm_chat (behind LLM.chat) returns what the endpoint sends; closing a stream early aborts it."""
-    out = pocketllm.llm_chat(llm, USER, max_tokens=3, ignore_eos=True)
+    """LLM.chat returns what the endpoint sends; closing a stream early aborts it."""
+    out = llm.chat(USER, max_tokens=3, ignore_eos=True)
     assert out["object"] == "chat.completion" and out["usage"]["completion_tokens"] == 3
-    chunks = list(pocketllm.llm_chat(llm, USER, stream=True, max_tokens=3, ignore_eos=True,
-                                     stream_options={"include_usage": True}))
+    chunks = list(llm.chat(USER, stream=True, max_tokens=3, ignore_eos=True, stream_options={"include_usage": True}))
     assert chunks[0]["object"] == "chat.completion.chunk" and chunks[-1]["usage"] == out["usage"]
-    stream = pocketllm.llm_chat(llm, USER, stream=True, max_tokens=300, ignore_eos=True)
+    stream = llm.chat(USER, stream=True, max_tokens=300, ignore_eos=True)
     next(stream), next(stream)
     stream.close()
     stats = wait_idle(llm)
