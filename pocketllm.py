@@ -296,8 +296,11 @@ class Linear:
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)
 
-    def to(self, device) -> "Linear":
-        return Linear(self.weight.to(device), None if self.scale is None else self.scale.to(device), self.block)
+    def to(self, device, dtype: torch.dtype | None = None) -> "Linear":
+        """Move to a device; a dense weight also takes the activation dtype (FP8 stays FP8)."""
+        if self.scale is None:
+            return Linear(self.weight.to(device, dtype or self.weight.dtype))
+        return Linear(self.weight.to(device), self.scale.to(device), self.block)
 
 
 class Checkpoint:
@@ -456,16 +459,16 @@ def load_dense(ckpt: Checkpoint, name: str, shape: tuple[int, ...], rows: Ranges
 # -----------------------------------------------------------------------------------------------
 
 def dequantize(w: Linear, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 weight * its 128x128 block scale -> dense (N, K), for one layer at a time. Ragged edges padded."""
+    """FP8 weight * its 128x128 block scale -> dense (N, K), for one layer at a time. One (N, K) buffer is
+    allocated and scaled in place, one row of blocks at a time (edge blocks may be ragged)."""
     if w.scale is None:
         return w.weight.to(dtype)
     (n, k), (bn, bk) = w.weight.shape, w.block
-    sn, sk = w.scale.shape
-    x = w.weight.to(torch.float32)
-    if n % bn or k % bk:
-        x = F.pad(x, (0, sk * bk - k, 0, sn * bn - n))
-    x = (x.view(sn, bn, sk, bk) * w.scale.view(sn, 1, sk, 1)).view(sn * bn, sk * bk)
-    return x[:n, :k].to(dtype)
+    out = w.weight.to(dtype)                                             # (N, K)
+    cols = w.scale.to(dtype).repeat_interleave(bk, dim=1)[:, :k]         # (N/bn, K): each scale over its columns
+    for i in range(cols.shape[0]):
+        out[i * bn:(i + 1) * bn].mul_(cols[i])
+    return out
 
 
 class TorchOps:
@@ -484,7 +487,15 @@ class TorchOps:
         return self.rmsnorm(residual, w, eps).to(x.dtype), residual
 
     def linear(self, x, w: Linear):
-        return x @ dequantize(w, x.dtype).t()                            # (T, N)
+        if w.scale is None:
+            return x @ w.weight.to(x.dtype).t()                          # (T, N)
+        (n, k), bn = w.weight.shape, w.block[0]
+        step = max(1, (1 << 20) // (k * bn)) * bn                        # FP8: dequantise ~1M weights at a time
+        out = x.new_empty(x.shape[0], n)
+        for r in range(0, n, step):
+            tile = Linear(w.weight[r:r + step], w.scale[r // bn:(r + step) // bn], w.block)
+            out[:, r:r + step] = x @ dequantize(tile, x.dtype).t()
+        return out
 
     def silu_mul(self, g, u):
         return (F.silu(g.float()) * u.float()).to(g.dtype)
@@ -522,8 +533,13 @@ class TorchOps:
         return out
 
     def conv1d(self, x, w, conv_state, slot_ids, query_start):
-        out = torch.empty_like(x)                                        # (T, C)
         width = w.shape[1]
+        if x.shape[0] == slot_ids.numel():                               # decode: one token per sequence
+            slots = slot_ids.long()
+            xs = torch.cat([conv_state[slots].to(x.dtype), x[:, :, None]], -1).float()   # (B, C, W)
+            conv_state[slots] = xs[:, :, 1:].to(conv_state.dtype)
+            return F.silu((xs * w.float()).sum(-1)).to(x.dtype)
+        out = torch.empty_like(x)                                        # (T, C)
         for b in range(len(slot_ids)):
             q0, q1, s = int(query_start[b]), int(query_start[b + 1]), int(slot_ids[b])
             xs = torch.cat([conv_state[s].t().to(x.dtype), x[q0:q1]], 0).float()   # (W-1 + m, C)
@@ -731,12 +747,12 @@ class Model:
         V, D, p = cfg.vocab_size, cfg.hidden_size, cfg.weight_prefix
         self.embed_tokens = load_dense(ckpt, p + "embed_tokens.weight", (V, D)).to(device)   # (V, D) stored dtype
         head = p + "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        self.lm_head = load_linear(ckpt, head, (V, D)).to(device)          # replicated: sampling sees full logits
+        self.lm_head = load_linear(ckpt, head, (V, D)).to(device, dtype)   # replicated: sampling sees full logits
         self.norm = load_norm(ckpt, cfg, p + "norm.weight", (D,)).to(device)
         self.layers = []
         t0 = time.time()
         for i in range(n):
-            self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device))
+            self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype))
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
@@ -799,9 +815,11 @@ class Model:
         return ops.linear(o, L.out_proj)
 
 
-def _to_device(L: Layer, device) -> Layer:
+def _to_device(L: Layer, device, dtype: torch.dtype) -> Layer:
     for k, v in vars(L).items():
-        if isinstance(v, (torch.Tensor, Linear)):
+        if isinstance(v, Linear):
+            setattr(L, k, v.to(device, dtype))
+        elif isinstance(v, torch.Tensor):
             setattr(L, k, v.to(device))
     return L
 
@@ -2035,47 +2053,21 @@ class _OutputScan:
     # Hermes JSON calls: {"name": ..., "arguments": {...}}, the arguments streamed member by member.
 
     def _hermes_keys(self, text, final):
-        call = self.calls[-1]
-        j = _skip_ws(text, self.pos)
-        if j == len(text):
-            return False
-        if text[j] == ",":
-            self.pos = j + 1
-            return True
-        if text[j] == "}":
-            call.closed, self.pos, self.mode = True, j + 1, "call_end"
-            return True
-        member = self._json_member(text, j, final)
-        if member is None:
-            return False
-        if member is False:
-            return self._junk(call)
-        key, v = member
-        if key in ("arguments", "parameters") and text[v] == "{" and not call.closed:
-            self.pos, self.mode = v + 1, "hermes_args"
-            return True
-        value = self._json_value(text, v, final)
-        if value is None:
-            return False
-        if value is False:
-            return self._junk(call)
-        if key in ("arguments", "parameters") and isinstance(value[0], str):   # arguments sent as a JSON string
-            inner = _json_or_text(value[0])
-            for name, item in (inner.items() if isinstance(inner, dict) else ()):
-                call.add(name, item)
-        self.pos = value[1]
-        return True
+        return self._hermes_object(text, final, inner=False)
 
     def _hermes_args(self, text, final):
+        return self._hermes_object(text, final, inner=True)
+
+    def _hermes_object(self, text, final, inner):
+        """One member of the call object {"name", "arguments"} (outer) or of its arguments object (inner)."""
         call = self.calls[-1]
         j = _skip_ws(text, self.pos)
         if j == len(text):
             return False
-        if text[j] == ",":
+        if text[j] in ",}":
+            if text[j] == "}":
+                call.closed, self.mode = True, "hermes_keys" if inner else "call_end"
             self.pos = j + 1
-            return True
-        if text[j] == "}":
-            call.closed, self.pos, self.mode = True, j + 1, "hermes_keys"
             return True
         member = self._json_member(text, j, final)
         if member is None:
@@ -2083,7 +2075,11 @@ class _OutputScan:
         if member is False:
             return self._junk(call)
         key, v = member
-        if text[v] == '"' and not _JSON_STRING.match(text, v):  # a string value still arriving: stream it
+        arguments = not inner and key in ("arguments", "parameters")
+        if arguments and text[v] == "{" and not call.closed:
+            self.pos, self.mode = v + 1, "hermes_args"
+            return True
+        if inner and text[v] == '"' and not _JSON_STRING.match(text, v):   # a string value still arriving: stream it
             value = _json_string_prefix(text, v + 1)
             if final:
                 call.add(key, value)
@@ -2097,7 +2093,12 @@ class _OutputScan:
             return False
         if value is False:
             return self._junk(call)
-        call.add(key, value[0])
+        if inner:
+            call.add(key, value[0])
+        elif arguments and isinstance(value[0], str):                    # arguments sent as a JSON string
+            inner_value = _json_or_text(value[0])
+            for name, item in (inner_value.items() if isinstance(inner_value, dict) else ()):
+                call.add(name, item)
         self.pos = value[1]
         return True
 
@@ -2162,8 +2163,8 @@ class ChatOutputParser:
     feed(text) -> OpenAI delta fragments; finish() flushes what was held back; message() is the non-streamed
     parse of everything fed. Text is held back only while it could still be markup (a partial <tool_call>,
     a header not yet confirmed by <function=NAME> or {"name": ...}) or whitespace that is trimmed around
-    content. tool_parser ("qwen_xml" | "hermes") picks the form tool_choice forces and whether a bare
-    <function=NAME> (no <tool_call>) counts; calls in either form are recognised after <tool_call>.
+    content. Calls in either form are recognised after <tool_call>; tool_parser ("qwen_xml" | "hermes")
+    decides whether a bare <function=NAME> (no <tool_call>, NAME a known tool) counts as a call.
 
     >>> p = ChatOutputParser(None, "qwen_xml", in_reasoning=True)
     >>> p.feed("Paris?\\n</think>\\n\\nIt is ") + p.feed("Paris.") + p.finish()
@@ -2239,6 +2240,7 @@ class ChatOutputParser:
 _XML_VALUE_CLOSE = "\n</parameter>\n"
 _XML_CALL_CLOSE = "</function>\n</tool_call>"
 _THINK_FORCED_CLOSE = "\n</think>"
+_HERMES_CALL_CLOSE = "}}\n</tool_call>"
 _VALUE_TOKEN_CAP = {"integer": 12, "number": 16, "string": 256, "object": 256, "array": 256}
 _NUMBER_CHARS = frozenset("0123456789.-+eE")
 _BIG_EXPONENT = re.compile(r"[eE][+-]?\d{3}")
@@ -2280,7 +2282,11 @@ class _TokenFacts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.texts = tokenizer.token_texts()
-        self.free = torch.tensor([bool(t) and "<" not in t for t in self.texts])   # may appear in a string value
+        self.free = {   # tokens that may appear inside a string value: raw (Qwen XML) or in a JSON string (Hermes)
+            "xml": torch.tensor([bool(t) and "<" not in t for t in self.texts]),
+            "json": torch.tensor([bool(t) and "<" not in t and '"' not in t and "\\" not in t and
+                                  all(c >= " " for c in t) for t in self.texts])}
+        self.quote = [i for i, t in enumerate(self.texts) if t == '"']
         self.numeric = [i for i, t in enumerate(self.texts) if t and set(t) <= _NUMBER_CHARS]
         self.openers = {c: [i for i, t in enumerate(self.texts) if t.lstrip().startswith(c) and "<" not in t]
                         for c in "{["}
@@ -2304,14 +2310,14 @@ class _TokenFacts:
             ids = self._encoded[text] = self.tokenizer.encode(text)
         return ids
 
-    def free_mask(self, size: int, device) -> torch.Tensor:
-        """`free` padded (or cut) to the logits' length, on their device."""
-        mask = self._masks.get((size, str(device)))
+    def free_mask(self, kind: str, size: int, device) -> torch.Tensor:
+        """free[kind] padded (or cut) to the logits' length, on their device."""
+        mask = self._masks.get((kind, size, str(device)))
         if mask is None:
             mask = torch.zeros(size, dtype=torch.bool)
-            n = min(size, len(self.free))
-            mask[:n] = self.free[:n]
-            mask = self._masks[(size, str(device))] = mask.to(device)
+            n = min(size, len(self.texts))
+            mask[:n] = self.free[kind][:n]
+            mask = self._masks[(kind, size, str(device))] = mask.to(device)
         return mask
 
 
@@ -2327,27 +2333,28 @@ def _token_facts(tokenizer) -> _TokenFacts:
 
 @dataclass
 class _Allowed:
-    """A constraint on the next token: `free` (string-value tokens) and/or the ids in `allow`; None = all
-    tokens but those in `ban`."""
+    """A constraint on the next token: the string-value tokens of `free` ("xml" | "json") and/or the ids in
+    `allow`; neither = all tokens but those in `ban`."""
     allow: list[int] | None = None
-    free: bool = False
+    free: str | None = None
     ban: list[int] = field(default_factory=list)
 
     def apply(self, logits: torch.Tensor, facts: _TokenFacts) -> torch.Tensor:
         if self.allow is None and not self.free:
             out = logits.clone()
         else:
-            out = logits.masked_fill(~facts.free_mask(logits.numel(), logits.device), float("-inf")) if self.free \
-                else torch.full_like(logits, float("-inf"))
+            out = logits.masked_fill(~facts.free_mask(self.free, logits.numel(), logits.device), float("-inf")) \
+                if self.free else torch.full_like(logits, float("-inf"))
             ids = [i for i in self.allow or () if i < logits.numel()]
-            if ids:
-                index = torch.tensor(ids, device=logits.device)
-                out[index] = logits[index]
+            index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            if not self.free and not bool(torch.isfinite(logits[index]).any()):
+                return logits          # everything we allow is banned by another constraint: do not block sampling
+            out[index] = logits[index]
         ban = [i for i in self.ban if i < logits.numel()]
         if ban:
             out[torch.tensor(ban, device=logits.device)] = float("-inf")
         out[len(facts.texts):] = float("-inf")                     # padding rows of the embedding are no tokens
-        return out if bool(torch.isfinite(out).any()) else logits   # never leave nothing to sample
+        return out
 
 
 class _Deviation(Exception):
@@ -2377,11 +2384,12 @@ class _CallProgram:
 
     # Building blocks, each a sub-generator.
 
-    def choose(self, alternatives: list):
+    def choose(self, alternatives: list, taken: tuple = ()):
         """Let the model pick one alternative (texts, or _EOS), forced token by token in canonical
-        tokenization; returns its index."""
+        tokenization; returns its index. `taken`: its first tokens, already sampled."""
         seqs = [[_EOS] if a is _EOS else self.facts.encode(a) for a in alternatives]
-        alive, depth = [i for i, s in enumerate(seqs) if s], 0
+        alive = [i for i, s in enumerate(seqs) if len(s) > len(taken) and tuple(s[:len(taken)]) == tuple(taken)]
+        depth = len(taken)
         while True:
             done = [i for i in alive if len(seqs[i]) == depth]
             if done:
@@ -2435,23 +2443,56 @@ class _CallProgram:
     def _value_allowed(self, kind, text, done, closers) -> _Allowed:
         ban = self.plan.eos_ids
         if kind in ("integer", "number"):
-            ok = [i for i in self.facts.numeric if _number_state(text + self.facts.texts[i], kind == "integer")
-                  and not _BIG_EXPONENT.search(text + self.facts.texts[i])]   # 1e999 would parse as infinity
-            return _Allowed(allow=ok + (list(closers) if done else []), ban=ban)
+            return _Allowed(allow=self._number_tokens(kind, text) + (list(closers) if done else []), ban=ban)
         if kind in ("object", "array"):
             if done:
                 return _Allowed(allow=list(closers), ban=ban)
             if not text.strip():
                 return _Allowed(allow=self.facts.openers["{" if kind == "object" else "["], ban=ban)
-        return _Allowed(free=True, allow=list(closers) if done else [], ban=ban)
+        return _Allowed(free="xml", allow=list(closers) if done else [], ban=ban)
+
+    def _number_tokens(self, kind: str, text: str) -> list[int]:
+        """The tokens that keep `text` a prefix of a JSON number (of an integer), exponents under 3 digits
+        (1e999 would parse as infinity)."""
+        return [i for i in self.facts.numeric if _number_state(text + self.facts.texts[i], kind == "integer")
+                and not _BIG_EXPONENT.search(text + self.facts.texts[i])]
+
+    def json_string(self, reserve: int):
+        """A Hermes string value: "text" without quotes, backslashes, control characters or '<'."""
+        yield from self.force('"')
+        text, count = "", 0
+        while count < _VALUE_TOKEN_CAP["string"] and self.left() - 1 >= reserve + 1:
+            token = yield _Allowed(free="json", allow=self.facts.quote if text.strip() else [], ban=self.plan.eos_ids)
+            if token in self.facts.quote:
+                return
+            text, count = text + self.facts.text(token), count + 1
+        yield from self.force('"')
+
+    def json_number_then(self, kind: str, alternatives: list, reserve: int):
+        """A Hermes number value, which ends where the model starts one of `alternatives` (what may follow
+        it: a separator or the closing); returns the index of that alternative."""
+        text, count = "", 0
+        firsts = {self.facts.encode(a)[0] for a in alternatives}
+        while True:
+            done = _value_done(kind, text)
+            if count >= _VALUE_TOKEN_CAP[kind] or self.left() - 1 < reserve + 1:
+                yield from self.force("0" if not text[-1:].isdigit() else "")
+                return (yield from self.choose(alternatives))
+            allow = self._number_tokens(kind, text) + (sorted(firsts) if done else [])
+            token = yield _Allowed(allow=allow, ban=self.plan.eos_ids)
+            if done and token in firsts:
+                return (yield from self.choose(alternatives, taken=(token,)))
+            text, count = text + self.facts.text(token), count + 1
 
 
-def _forced_value_shape(schema) -> tuple[str, list[str] | None]:
-    """(kind, choices): the value kind a forced call writes for this schema, or the fixed texts to pick from."""
+def _forced_value_shape(schema, json_form: bool = False) -> tuple[str, list[str] | None]:
+    """(kind, choices): the value kind a forced call writes for this schema, or the fixed texts to pick from
+    (as raw text for Qwen XML, as JSON for Hermes)."""
     schema = schema if isinstance(schema, dict) else {}
     values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
     if values:
-        return "string", [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in values]
+        return "string", [v if isinstance(v, str) and not json_form else json.dumps(v, ensure_ascii=False)
+                          for v in values]
     types = [t for t in _schema_types(schema) if t in ("string", "integer", "number", "boolean", "object", "array", "null")]
     kind = next((t for t in types if t != "null"), "null" if types else "string")
     if kind == "boolean":
@@ -2486,8 +2527,9 @@ class _ToolChoicePlan:
         """Tokens `text` takes in canonical tokenization (what the programs force)."""
         return len(self.facts.encode(text))
 
-    @staticmethod
-    def header(lead: str, name: str) -> str:
+    def header(self, lead: str, name: str) -> str:
+        if self.tool_parser == "hermes":
+            return f'{lead}<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
         return f"{lead}<tool_call>\n<function={name}>\n"
 
     def call_cost(self, lead: str, name: str) -> int:
@@ -2497,11 +2539,17 @@ class _ToolChoicePlan:
     def min_arguments_cost(self, name, params=None) -> int:
         """Tokens the smallest valid arguments of `name` take (its required parameters), closers included."""
         properties, required = self.functions[name]
-        total = self.cost(_XML_CALL_CLOSE)
+        hermes = self.tool_parser == "hermes"
+        total = self.cost(_HERMES_CALL_CLOSE if hermes else _XML_CALL_CLOSE)
         for p in required if params is None else params:
-            kind, choices = _forced_value_shape(properties.get(p))
-            value = max(self.cost(c + _XML_VALUE_CLOSE) for c in choices) if choices else 2 + self.cost(_XML_VALUE_CLOSE)
-            total += self.cost(f"<parameter={p}>\n") + value
+            kind, choices = _forced_value_shape(properties.get(p), json_form=hermes)
+            if hermes:
+                value = max(map(self.cost, choices)) if choices else 3 + self.cost("{}")
+                total += self.cost(", " + json.dumps(p, ensure_ascii=False) + ": ") + value
+            else:
+                value = max(self.cost(c + _XML_VALUE_CLOSE) for c in choices) if choices else \
+                    2 + self.cost(_XML_VALUE_CLOSE)
+                total += self.cost(f"<parameter={p}>\n") + value
         return total
 
     def _forced_calls(self, run: _CallProgram):
@@ -2514,7 +2562,7 @@ class _ToolChoicePlan:
         names = [n for n in self.names if self.call_cost(lead, n) <= run.left()] or self.names
         name = names[(yield from run.choose([self.header(lead, n) for n in names]))]
         while True:
-            yield from self._xml_arguments(run, name)
+            yield from (self._hermes_arguments if self.tool_parser == "hermes" else self._xml_arguments)(run, name)
             names = [n for n in self.names if self.call_cost("\n", n) <= run.left() - 1] if self.parallel else []
             if not names:
                 break
@@ -2542,9 +2590,46 @@ class _ToolChoicePlan:
             yield from run.xml_value(properties.get(p), closing)
         yield from run.force(_XML_CALL_CLOSE)
 
+    def _hermes_arguments(self, run, name):
+        """The arguments object after '"arguments": {': required members first, then optional ones while they
+        fit, then '}}' and </tool_call>. A number has no closing mark: it ends where the next separator starts."""
+        properties, required = self.functions[name]
+        todo, optional = list(required), [p for p in properties if p not in required]
+        separator, number = "", None
+        while True:
+            key = lambda p: separator + json.dumps(p, ensure_ascii=False) + ": "   # noqa: E731
+            closing = self.cost(_HERMES_CALL_CLOSE) + 1
+            if todo:
+                candidates = todo[:1]
+                alternatives = [key(todo[0])]
+                reserve = self.min_arguments_cost(name, todo) + 1
+            else:
+                candidates = [p for p in optional if self.min_arguments_cost(name, [p]) + closing + 2 <= run.left()]
+                alternatives = [_HERMES_CALL_CLOSE] + [key(p) for p in candidates]
+                reserve = closing
+            choice = yield from (run.json_number_then(number, alternatives, reserve) if number
+                                 else run.choose(alternatives))
+            if not todo and choice == 0:
+                return
+            p = candidates[choice - (0 if todo else 1)]
+            (todo if todo else optional).remove(p)
+            kind, choices = _forced_value_shape(properties.get(p), json_form=True)
+            rest = self.min_arguments_cost(name, todo) + 1
+            number = None
+            if choices:
+                yield from run.choose(choices)
+            elif kind == "string":
+                yield from run.json_string(rest)
+            elif kind in ("integer", "number"):
+                number = kind                       # written with the next separator
+            else:
+                yield from run.force("{}" if kind == "object" else "[]")
+            separator = ", "
+
     def _one_call(self, run: _CallProgram):
         """parallel_tool_calls=false under auto: free text until the first call closes, then the end."""
-        parser = ChatOutputParser(None, self.tool_parser, self.in_reasoning)
+        tools = [{"type": "function", "function": {"name": name}} for name in self.functions]
+        parser = ChatOutputParser(tools, self.tool_parser, self.in_reasoning)   # reads the text as the server will
         while True:
             scan = parser._scan
             if scan.calls and scan.calls[-1].closed:
@@ -2624,8 +2709,7 @@ def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, paral
       add optional ones or close. RequestError(param="max_tokens") when even the smallest call cannot fit.
     - parallel_tool_calls=false: "required" forces one call; "auto" ends the answer once a call has closed.
     - "none": the <tool_call> token is banned.
-    The call is written in the Qwen XML form whatever `tool_parser` says: ChatOutputParser reads either form
-    after <tool_call>. eos_token_ids: the ids that end the answer (default: the tokenizer's eos and
+    The call is written in the form of `tool_parser` ("qwen_xml" or "hermes"). eos_token_ids: the ids that end the answer (default: the tokenizer's eos and
     <|im_end|>). The processor receives each choice's generated ids (not the prompt), as the engine passes.
     """
     if tool_parser not in ("qwen_xml", "hermes"):
@@ -2690,13 +2774,13 @@ NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_k
 # OpenAI fields we do not implement: accepted only at the values that leave the answer unchanged.
 CHAT_DEFAULT_ONLY = {"audio": [None], "modalities": [None, ["text"]], "prediction": [None],
                      "functions": [None, []], "function_call": [None, "none", "auto"],
-                     "web_search_options": [None], "verbosity": [None], "reasoning_effort": [None]}
+                     "web_search_options": [None], "verbosity": [None]}
 COMPLETION_DEFAULT_ONLY = {"echo": [None, False], "suffix": [None, ""]}      # best_of is checked against n
 SAMPLING_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed",
                    "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
                    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos"}
 CHAT_FIELDS = (SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(CHAT_DEFAULT_ONLY) |
-               {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+               {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "reasoning_effort",
                 "parallel_tool_calls", "response_format", "chat_template_kwargs", "add_generation_prompt",
                 "continue_final_message"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(COMPLETION_DEFAULT_ONLY) | {"prompt", "best_of"}
@@ -2706,6 +2790,7 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 MESSAGE_NULL_ONLY_KEYS = {"refusal", "annotations", "audio", "function_call", "reasoning"}
 RENDER_ARGUMENTS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 # The field readers: each checks one JSON value's type and range and names it in the error.
@@ -2994,6 +3079,17 @@ def _chat_template(llm):
     return template
 
 
+def _reasoning_effort(llm, effort: str) -> str:
+    """OpenAI's reasoning_effort, honoured by templates that read it (newer Qwen templates do), else refused."""
+    if effort not in REASONING_EFFORTS:
+        raise RequestError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                           param="reasoning_effort")
+    if "reasoning_effort" not in "".join(getattr(_chat_template(llm), "sources", {}).values()):
+        raise RequestError("'reasoning_effort' is not supported: this model's chat template does not read it",
+                           param="reasoning_effort", code="unsupported_field")
+    return effort
+
+
 def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
     """The prompt text for a chat body: the template rendered on a converted copy of the messages."""
     messages = _check_messages(body.get("messages"))
@@ -3007,6 +3103,9 @@ def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
     if continue_final and (add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise RequestError("'continue_final_message' needs a final assistant message and "
                            "'add_generation_prompt' false", param="continue_final_message")
+    effort = _field(body, "reasoning_effort", str)
+    if effort is not None:
+        template_kwargs = {**template_kwargs, "reasoning_effort": _reasoning_effort(llm, effort)}
     copy = messages_for_template(messages)
     for message in copy:                     # OpenAI's developer role is the system role of older templates
         if message["role"] == "developer":
@@ -3237,7 +3336,8 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     if tools:                             # enforces required / named / parallel_tool_calls=false, bans calls for none
         try:
             processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
-                                              parallel_tool_calls, in_reasoning, params.max_tokens)
+                                              parallel_tool_calls, in_reasoning, params.max_tokens,
+                                              eos_token_ids=llm.eos_token_ids)
         except RequestError as e:
             raise _as_sent(e, body, max_tokens_field) from None
         if processor is not None:
@@ -3660,7 +3760,10 @@ class PocketServer(http.server.ThreadingHTTPServer):
                  log_requests: bool = True):
         if ":" in host:
             self.address_family = socket.AF_INET6
-        super().__init__((host, port), Handler)
+        try:
+            super().__init__((host, port), Handler)
+        except OSError as e:
+            raise PocketError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.llm, self.api_key, self.max_request_bytes = llm, api_key, max_request_bytes
         self.socket_timeout, self.log_requests = socket_timeout, log_requests
         self.metrics, self.started, self.serving = ServerMetrics(), int(time.time()), False
@@ -3806,7 +3909,8 @@ class LLM:
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
         self.device = device = torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
-        kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+        self.kv_dtype = kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device,
+                                                                                           "kv-dtype")
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
             self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
@@ -3874,6 +3978,16 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    # The OpenAI surface (sections 12-13): exactly what the HTTP endpoints send.
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, stream: bool = False, **params):
+        """An OpenAI chat completion: the response dict, or an iterator of chunk dicts when stream=True."""
+        return llm_chat(self, messages, tools, stream, **params)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, block: bool = True, **server_options):
+        """Serve the OpenAI API over HTTP; with block=False returns the running server (.port, .shutdown())."""
+        return serve(self, host, port, block=block, **server_options)
+
     # Offline API.
 
     def generate(self, prompt: str | list[int], **sampling) -> dict:
@@ -3905,8 +4019,7 @@ class LLM:
                 return self.group.logits(ids, chunk_size)
         bs = self.options.kv_block_size
         nblocks = -(-len(ids) // bs)
-        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.engine.cache.k[
-            next(iter(self.engine.cache.k))].dtype if self.engine.cache.k else self.dtype, self.device)
+        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.kv_dtype, self.device)
         blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
         with self._lock:
             for s in range(0, len(ids), step):

@@ -40,12 +40,12 @@ TIME = {"type": "function", "function": {
 @pytest.fixture(scope="module")
 def llm(ckpt_factory):
     path, _ = ckpt_factory("qwen3_5")
-    return pocketllm.LLM(str(path), quiet=True, max_context=384, max_batch_size=8)
+    return pocketllm.LLM(str(path), quiet=True, max_context=640, max_batch_size=8)
 
 
 @pytest.fixture(scope="module")
 def server(llm):
-    srv = pocketllm.serve(llm, port=0, api_key=KEY, block=False, log_requests=False)
+    srv = llm.serve(port=0, api_key=KEY, block=False, log_requests=False)
     yield srv
     srv.shutdown()
 
@@ -200,7 +200,7 @@ def test_max_tokens_and_max_completion_tokens(client, llm):
                                              **{field: n})
         assert out.usage.completion_tokens == n and out.choices[0].finish_reason == "length"
     # Neither: the rest of the context (a long prompt keeps that short).
-    long = [{"role": "user", "content": "Paris " * 140}]
+    long = [{"role": "user", "content": "Paris " * 290}]
     out = client.chat.completions.create(model=llm.model_name, messages=long, extra_body={"ignore_eos": True})
     assert out.usage.total_tokens == llm.options.max_context and out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens < 100
@@ -226,15 +226,16 @@ def test_langchain(server, llm):
                       max_tokens=4, temperature=0, max_retries=0, extra_body={"ignore_eos": True})
     answer = chat.invoke("Hello")
     assert answer.usage_metadata["output_tokens"] == 4            # max_completion_tokens honoured
-    streamed = "".join(str(c.content) for c in chat.stream("Hello"))
-    assert streamed == answer.content
+    chunks = list(chat.stream("Hello", stream_usage=True))            # sends stream_options.include_usage
+    assert "".join(str(c.content) for c in chunks) == answer.content
+    assert sum(c.usage_metadata["output_tokens"] for c in chunks if c.usage_metadata) == 4
 
 
 def test_langchain_tool_loop(server, llm):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
     chat = ChatOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, model=llm.model_name,
-                      max_tokens=96, temperature=0, max_retries=0)
+                      max_tokens=56, temperature=0, max_retries=0)
     # bind_tools -> forced call -> ToolMessage -> answer (a template that iterates arguments|items).
     bound = chat.bind_tools([WEATHER], tool_choice="get_weather")
     first = bound.invoke([HumanMessage("Weather in Paris for two days?")])
@@ -251,7 +252,8 @@ def test_langchain_tool_loop(server, llm):
 
 CHAT_REFUSALS = [
     ({"temprature": 0.5}, "temprature"),
-    ({"temperature": 2.5}, "temperature"), ({"temperature": "hot"}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"temperature": 2.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"temperature": True}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
@@ -295,8 +297,8 @@ CHAT_REFUSALS = [
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x", "colour": 1}]}, "messages[0].colour"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-                                                                          "function": {"name": "f", "arguments": 5}}]}]},
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": 5}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
@@ -338,6 +340,21 @@ def test_no_effect_fields_are_accepted(server):
     status, _, body = request(server, "POST", "/v1/completions",
                               {"prompt": "Hi", "max_tokens": 2, "best_of": 1, "echo": False, "user": "u"})
     assert status == 200, body
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(llm):
+    """Top-level reasoning_effort is refused (400, in the table above) for a template that ignores it and
+    passed to one that reads it."""
+    original = pocketllm.render_chat_prompt(llm, {"messages": USER}, None) and llm.chat_template
+    source = CHAT_TEMPLATE.replace("{%- for m in messages %}", "effort={{ reasoning_effort }}\n{%- for m in messages %}")
+    llm.chat_template = pocketllm.ChatTemplate(source, llm.tokenizer)
+    try:
+        assert "effort=low" in pocketllm.render_chat_prompt(llm, {"messages": USER, "reasoning_effort": "low"}, None)
+        with pytest.raises(pocketllm.RequestError) as e:
+            pocketllm.render_chat_prompt(llm, {"messages": USER, "reasoning_effort": "extreme"}, None)
+        assert e.value.param == "reasoning_effort"
+    finally:
+        llm.chat_template = original
 
 
 ODD_VALUES = [True, -1, 2.5, 1e308, "", "\u0000", [1], ["x"], {}, {"a": 1}, [{"type": "function"}], [[[]]]]
@@ -412,7 +429,7 @@ def test_replay_of_an_sdk_message_object(client, llm):
 def test_forced_tool_call_then_replay(server, llm):
     """A named tool_choice yields a call even from a random model; the assistant message exactly as returned,
     then a tool message, renders and is answered; the request objects are not modified."""
-    first_body = {"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 96, "temperature": 0,
+    first_body = {"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 56, "temperature": 0,
                   "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     status, _, first = request(server, "POST", "/v1/chat/completions", first_body)
     assert status == 200, first
@@ -436,7 +453,7 @@ def test_forced_tool_call_then_replay(server, llm):
 
 def test_required_and_parallel_false(client, llm):
     out = client.chat.completions.create(model=llm.model_name, messages=USER, tools=[WEATHER, TIME],
-                                         tool_choice="required", parallel_tool_calls=False, max_tokens=128, seed=1)
+                                         tool_choice="required", parallel_tool_calls=False, max_tokens=56, seed=1)
     calls = out.choices[0].message.tool_calls
     assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1
     assert calls[0].function.name in ("get_weather", "get_time")
@@ -444,7 +461,7 @@ def test_required_and_parallel_false(client, llm):
 
 
 def test_streamed_tool_call_with_sdk_helper(client, llm):
-    kwargs = dict(model=llm.model_name, messages=USER, tools=[WEATHER], temperature=0, max_tokens=96,
+    kwargs = dict(model=llm.model_name, messages=USER, tools=[WEATHER], temperature=0, max_tokens=56,
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     whole = client.chat.completions.create(**kwargs)
     with client.chat.completions.stream(**kwargs) as stream:
@@ -465,13 +482,12 @@ def test_tool_choice_none_parses_no_calls(client, llm):
 
 
 def test_python_api_chat(llm):
-    """llm_chat (behind LLM.chat) returns what the endpoint sends; closing a stream early aborts it."""
-    out = pocketllm.llm_chat(llm, USER, max_tokens=3, ignore_eos=True)
+    """LLM.chat returns what the endpoint sends; closing a stream early aborts it."""
+    out = llm.chat(USER, max_tokens=3, ignore_eos=True)
     assert out["object"] == "chat.completion" and out["usage"]["completion_tokens"] == 3
-    chunks = list(pocketllm.llm_chat(llm, USER, stream=True, max_tokens=3, ignore_eos=True,
-                                     stream_options={"include_usage": True}))
+    chunks = list(llm.chat(USER, stream=True, max_tokens=3, ignore_eos=True, stream_options={"include_usage": True}))
     assert chunks[0]["object"] == "chat.completion.chunk" and chunks[-1]["usage"] == out["usage"]
-    stream = pocketllm.llm_chat(llm, USER, stream=True, max_tokens=300, ignore_eos=True)
+    stream = llm.chat(USER, stream=True, max_tokens=300, ignore_eos=True)
     next(stream), next(stream)
     stream.close()
     stats = wait_idle(llm)
@@ -505,6 +521,18 @@ def test_health_auth_and_routing(server, llm):
         assert status == 503 and "illegal memory access" in body["error"]["message"]
     finally:
         llm.dead_reason = None
+
+
+def test_a_bug_is_a_logged_500_and_the_server_goes_on(server, llm, capfd):
+    llm.stats = lambda: 1 / 0                                # a bug inside /metrics
+    try:
+        status, _, body = request(server, "GET", "/metrics")
+    finally:
+        del llm.stats
+    assert status == 500 and body["error"]["type"] == "internal_server_error"
+    assert "ZeroDivisionError" not in body["error"]["message"]            # the client gets a generic message
+    assert "ZeroDivisionError" in capfd.readouterr().err                  # the server log gets the traceback
+    assert request(server, "GET", "/metrics")[0] == 200
 
 
 def test_keep_alive_tokenize_detokenize(server, llm):

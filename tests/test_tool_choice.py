@@ -5,6 +5,7 @@ the processor's doing. Each produced text is decoded and parsed by ChatOutputPar
 """
 
 import json
+import re
 import time
 
 import pytest
@@ -47,14 +48,14 @@ def tokenizer(tmp_path_factory):
     return P.Tokenizer(path)
 
 
-def run(processor, tokenizer, max_tokens, seed, scale=4.0, vocab_pad=16):
+def run(processor, tokenizer, max_tokens, seed, scale=4.0, vocab_pad=16, device="cpu"):
     """Sample max_tokens tokens from random logits through the processor; stop at an end-of-sequence id."""
     gen = torch.Generator().manual_seed(seed)
     eos = {tokenizer.token_to_id("<|im_end|>")}
     ids = []
     while len(ids) < max_tokens:
         logits = torch.randn(tokenizer.vocab_size + vocab_pad, generator=gen) * scale   # padded vocab, as checkpoints
-        out = processor(list(ids), logits)
+        out = processor(list(ids), logits.to(device)).cpu()
         token = int(torch.multinomial(out.softmax(-1), 1, generator=gen))
         ids.append(token)
         if token in eos:
@@ -62,9 +63,9 @@ def run(processor, tokenizer, max_tokens, seed, scale=4.0, vocab_pad=16):
     return ids
 
 
-def parse(tokenizer, ids, in_reasoning):
+def parse(tokenizer, ids, in_reasoning, fmt="qwen_xml"):
     text = tokenizer.decode([i for i in ids if i != tokenizer.token_to_id("<|im_end|>")])
-    parser = P.ChatOutputParser(TOOLS, "qwen_xml", in_reasoning)
+    parser = P.ChatOutputParser(TOOLS, fmt, in_reasoning)
     parser.feed(text)
     return parser.message(), text
 
@@ -87,10 +88,14 @@ def check_value(schema, value):
         assert isinstance(value, str) and value.strip()
 
 
-def check_call(tokenizer, ids, max_tokens, in_reasoning, names, calls=1):
+def check_call(tokenizer, ids, max_tokens, in_reasoning, names, fmt="qwen_xml"):
     assert len(ids) <= max_tokens and ids[-1] == tokenizer.token_to_id("<|im_end|>"), "call not closed in budget"
-    message, text = parse(tokenizer, ids, in_reasoning)
-    assert message["tool_calls"] and len(message["tool_calls"]) >= calls, text
+    message, text = parse(tokenizer, ids, in_reasoning, fmt)
+    assert ('"arguments": {' in text) == (fmt == "hermes") and ("<function=" in text) == (fmt == "qwen_xml"), text
+    if fmt == "hermes":      # the body is JSON a Hermes model knows, not just something our parser tolerates
+        for body in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S):
+            assert set(json.loads(body)) == {"name", "arguments"}, body
+    assert message["tool_calls"], text
     for call in message["tool_calls"]:
         name = call["function"]["name"]
         assert name in names, text
@@ -104,28 +109,35 @@ def check_call(tokenizer, ids, max_tokens, in_reasoning, names, calls=1):
     return message, text
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
+@pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_rate"}},
                                     {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_call_from_random_logits(tokenizer, choice, seed):
+def test_forced_call_from_random_logits(tokenizer, choice, seed, fmt):
     max_tokens = 200
-    processor = P.tool_choice_processor(tokenizer, TOOLS, choice, "qwen_xml", parallel_tool_calls=False,
+    processor = P.tool_choice_processor(tokenizer, TOOLS, choice, fmt, parallel_tool_calls=False,
                                         in_reasoning=False, max_tokens=max_tokens)
     ids = run(processor, tokenizer, max_tokens, seed)
     names = [t["function"]["name"] for t in TOOLS] if choice == "required" else [choice["function"]["name"]]
-    message, _ = check_call(tokenizer, ids, max_tokens, False, names)
+    message, _ = check_call(tokenizer, ids, max_tokens, False, names, fmt)
     assert len(message["tool_calls"]) == 1 and message["content"] is None
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("max_tokens", [48, 52, 120, 400])
-def test_forced_call_with_reasoning_and_small_budgets(tokenizer, seed, max_tokens):
-    processor = P.tool_choice_processor(tokenizer, TOOLS, {"type": "function", "function": {"name": "get_weather"}},
-                                        "qwen_xml", parallel_tool_calls=True, in_reasoning=True, max_tokens=max_tokens)
+@pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("extra", [0, 4, 70, 350])
+def test_forced_call_with_reasoning_and_small_budgets(tokenizer, seed, extra, fmt):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with pytest.raises(P.RequestError) as err:
+        P.tool_choice_processor(tokenizer, TOOLS, named, fmt, True, True, max_tokens=10)
+    smallest = int(re.search(r"at least (\d+)", str(err.value)).group(1))
+    max_tokens = smallest + extra
+    processor = P.tool_choice_processor(tokenizer, TOOLS, named, fmt, parallel_tool_calls=True, in_reasoning=True,
+                                        max_tokens=max_tokens)
     ids = run(processor, tokenizer, max_tokens, seed)
-    message, text = check_call(tokenizer, ids, max_tokens, True, ["get_weather"])
+    message, text = check_call(tokenizer, ids, max_tokens, True, ["get_weather"], fmt)
     assert "</think>" in text and len(message["tool_calls"]) == 1
-    assert bool(message["reasoning_content"]) == (max_tokens > 48)     # at the bare minimum, no room to think
+    assert bool(message["reasoning_content"]) == (extra > 0)     # at the bare minimum, no room to think
 
 
 def test_reasoning_closed_by_the_model_is_respected(tokenizer):
@@ -142,12 +154,13 @@ def test_reasoning_closed_by_the_model_is_respected(tokenizer):
     assert text.count("</think>") == 1 and text.index("</think>") < text.index("<tool_call>")
 
 
-def test_required_with_parallel_calls_may_add_calls(tokenizer):
+@pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
+def test_required_with_parallel_calls_may_add_calls(tokenizer, fmt):
     counts = set()
     for seed in range(8):
-        processor = P.tool_choice_processor(tokenizer, TOOLS, "required", "qwen_xml", True, False, 400)
+        processor = P.tool_choice_processor(tokenizer, TOOLS, "required", fmt, True, False, 400)
         ids = run(processor, tokenizer, 400, seed)
-        message, _ = check_call(tokenizer, ids, 400, False, ["get_weather", "set_rate", "ping"])
+        message, _ = check_call(tokenizer, ids, 400, False, ["get_weather", "set_rate", "ping"], fmt)
         counts.add(len(message["tool_calls"]))
     assert 1 in counts and max(counts) > 1
 
@@ -199,12 +212,19 @@ def test_none_bans_tool_call_token(tokenizer):
 
 
 def scripted(tokenizer, processor, script, limit=400):
-    """A teacher-forced 'model' that wants to write `script`: it strongly prefers the script's next token."""
-    want = tokenizer.encode(script) + [tokenizer.token_to_id("<|im_end|>")]
-    ids = []
-    while len(ids) < limit and (not ids or ids[-1] != tokenizer.token_to_id("<|im_end|>")):
+    """A 'model' that wants to write `script`: it prefers the longest token continuing the script from the text
+    so far (whatever tokens were forced before), and the end of sequence once the script is written."""
+    pieces, eos = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)], tokenizer.token_to_id("<|im_end|>")
+    goal, ids = script.encode(), []
+    while len(ids) < limit and (not ids or ids[-1] != eos):
+        done = b"".join(pieces[i] for i in ids)
+        rest = goal[len(done):] if goal.startswith(done) else b""
         logits = torch.zeros(tokenizer.vocab_size)
-        logits[want[min(len(ids), len(want) - 1)]] = 30.0
+        for i, piece in enumerate(pieces):
+            if piece and rest.startswith(piece) and i != eos:
+                logits[i] = 30.0 + len(piece)
+        if goal == done:
+            logits[eos] = 30.0
         ids.append(int(processor(list(ids), logits).argmax()))
     return ids
 
@@ -221,21 +241,71 @@ def test_parallel_false_stops_after_first_call(tokenizer):
     assert len(parse(tokenizer, unconstrained, False)[0]["tool_calls"]) == 2      # the script really has two
 
 
-def test_forced_call_follows_a_willing_model(tokenizer):
+@pytest.mark.parametrize("fmt, script", [
+    ("qwen_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nKöln am Rhein\n</parameter>\n<parameter=days>\n"
+                 "10\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n</tool_call>"),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln am Rhein", "days": 10, '
+               '"unit": "fahrenheit"}}\n</tool_call>'),
+])
+def test_forced_call_follows_a_willing_model(tokenizer, fmt, script):
     """A model that writes a good call on its own is not disturbed: the values are its own."""
-    script = "<tool_call>\n<function=get_weather>\n<parameter=city>\nKöln am Rhein\n</parameter>\n<parameter=days>\n" \
-             "10\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n</tool_call>"
-    processor = P.tool_choice_processor(tokenizer, TOOLS, "required", "qwen_xml", False, False, 300)
-    message, text = parse(tokenizer, scripted(tokenizer, processor, script), False)
+    processor = P.tool_choice_processor(tokenizer, TOOLS, "required", fmt, False, False, 300)
+    message, text = parse(tokenizer, scripted(tokenizer, processor, script), False, fmt)
     assert text == script
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == \
         {"city": "Köln am Rhein", "days": 10, "unit": "fahrenheit"}
 
 
 def test_processor_step_is_cheap(tokenizer):
-    processor = P.tool_choice_processor(tokenizer, TOOLS, "required", "qwen_xml", False, True, 3000)
+    processor = P.tool_choice_processor(tokenizer, TOOLS, "required", "hermes", False, True, 3000)
     start = time.perf_counter()
     ids = run(processor, tokenizer, 3000, seed=3)
     per_step = (time.perf_counter() - start) / len(ids)
-    check_call(tokenizer, ids, 3000, True, ["get_weather", "set_rate", "ping"])
+    check_call(tokenizer, ids, 3000, True, ["get_weather", "set_rate", "ping"], "hermes")
     assert per_step < 0.005, f"{per_step * 1e3:.2f} ms per token"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the engine's logits live there)")
+@pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
+def test_forced_call_with_logits_on_gpu(tokenizer, fmt):
+    processor = P.tool_choice_processor(tokenizer, TOOLS, "required", fmt, False, True, 300)
+    ids = run(processor, tokenizer, 300, seed=2, device="cuda")
+    check_call(tokenizer, ids, 300, True, ["get_weather", "set_rate", "ping"], fmt)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(ckpt_factory):
+    return P.LLM(ckpt_factory("qwen3_5")[0], backend="torch", quiet=True, max_context=1024, max_batch_size=4)
+
+
+@pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
+def test_forced_call_through_the_engine(tiny_llm, fmt):
+    """A random tiny checkpoint (which never calls on its own) served by the real engine and sampler, n=2:
+    the processor rides in SamplingParams.logits_processors and every choice is a call to the named tool."""
+    llm = tiny_llm
+    template = P.load_chat_template(llm.tokenizer)
+    tools = TOOLS[:1]
+    prompt = template.render([{"role": "user", "content": "Weather in Paris?"}], tools=tools)
+    in_reasoning = P.prompt_ends_in_reasoning(prompt)
+    processor = P.tool_choice_processor(llm.tokenizer, tools, {"type": "function", "function": {"name": "get_weather"}},
+                                        fmt, False, in_reasoning, max_tokens=120, eos_token_ids=llm.eos_token_ids)
+    out = llm.generate(prompt, max_tokens=120, temperature=1.0, seed=3, n=2, logits_processors=[processor])
+    assert in_reasoning                              # the template opens <think>: reasoning first, then the call
+    for choice in out["choices"]:
+        parser = P.ChatOutputParser(tools, fmt, in_reasoning)
+        parser.feed(choice["text"])
+        message = parser.message()
+        assert choice["finish_reason"] == "stop" and choice["completion_tokens"] <= 120, choice
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"], choice["text"]
+        args = json.loads(message["tool_calls"][0]["function"]["arguments"])
+        assert isinstance(args["city"], str) and type(args["days"]) is int, choice["text"]
+
+
+def test_tiny_model_does_not_call_on_its_own(tiny_llm):
+    """The control for the test above: the same prompt and seed without the processor give no call."""
+    prompt = P.load_chat_template(tiny_llm.tokenizer).render([{"role": "user", "content": "Weather in Paris?"}],
+                                                             tools=TOOLS[:1])
+    for choice in tiny_llm.generate(prompt, max_tokens=120, temperature=1.0, seed=3, n=2)["choices"]:
+        parser = P.ChatOutputParser(TOOLS[:1], "qwen_xml", True)
+        parser.feed(choice["text"])
+        assert parser.message()["tool_calls"] is None

@@ -427,10 +427,12 @@ PROSE = SAFE_TEXT.filter(lambda s: not any(m in s for m in ("<tool_call>", "<fun
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(calls=st.lists(tool_and_call(), min_size=1, max_size=3), fmt=st.sampled_from(["qwen_xml", "hermes"]),
-       reasoning=st.one_of(st.none(), PROSE), content=PROSE, seed=st.integers(0, 2**32 - 1))
-def test_property_stream_equals_parse(calls, fmt, reasoning, content, seed):
+       reasoning=st.one_of(st.none(), PROSE), close_think=st.booleans(), content=PROSE, seed=st.integers(0, 2**32 - 1))
+def test_property_stream_equals_parse(calls, fmt, reasoning, close_think, content, seed):
     tools, text = [], ""
-    if reasoning is not None:
+    if reasoning is not None and not close_think:     # the calls come inside the reasoning
+        text, content = reasoning + "\n", ""
+    elif reasoning is not None:
         text += reasoning + "\n</think>\n\n"
     text += content + ("\n\n" if content else "")
     for i, (schema, args) in enumerate(calls):
@@ -450,3 +452,22 @@ def test_property_stream_equals_parse(calls, fmt, reasoning, content, seed):
     for call, (schema, args) in zip(message["tool_calls"], calls):
         parsed = json.loads(call["function"]["arguments"])
         assert parsed == args and list(parsed) == list(args)
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=run_code>", "<function=", "</function>",
+             "<parameter=city>", "<parameter=days>", "<parameter=code>", "</parameter>", "<think>", "</think>", "\n",
+             " ", "Paris", "12", "3.5", "{", "}", "[", "]", '"name"', '"get_weather"', ":", ",", '"arguments"',
+             '"city"', '"', "\\", "<", ">", "/", "x", "é"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=40), fmt=st.sampled_from(["qwen_xml", "hermes"]),
+       in_reasoning=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_property_malformed_markup_never_raises_and_streams_consistently(parts, fmt, in_reasoning, seed):
+    """Arbitrary mixtures of markup fragments: no exception, and the stream still equals the parse."""
+    text = "".join(parts)
+    rng = random.Random(seed)
+    chunks = list(text) if rng.random() < 0.5 else [text[i:i + 3] for i in range(0, len(text), 3)]
+    message, _ = check_stream_equals_message(text, chunks, literal_markup=True, parser=fmt, in_reasoning=in_reasoning)
+    for call in message["tool_calls"] or []:
+        assert isinstance(json.loads(call["function"]["arguments"]), dict)
