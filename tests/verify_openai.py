@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--concurrency", type=int, default=8, help="simultaneous streams in the concurrency check")
     p.add_argument("--checks", help="comma-separated subset of checks to run (default: all)")
     p.add_argument("--expect-model-name", help="the `models` check also requires this served model id")
+    p.add_argument("--strict-arguments", action="store_true",
+                   help="the tool_call check also requires the argument values asked for (Paris, 3 days)")
     args, server_flags = p.parse_known_args(argv)
     if args.checks:
         unknown = sorted(set(args.checks.split(",")) - set(CHECKS))
@@ -403,8 +405,7 @@ WEATHER_PROMPTS = ["What's the weather in Paris for the next 3 days?",
                    "Give me a 3-day forecast for Paris.",
                    "Find the forecast for Paris for 3 days."]
 WEATHER_EXPECT = {"city": "Paris", "days": 3}
-WEATHER_RESULT = json.dumps({"city": "Paris", "days": 3, "forecast": "sunny", "high_c": 21})
-WEATHER_FACTS = ("sunny", "21")
+WEATHER_REPORT = {"forecast": "sunny", "high_c": 21}          # what the "tool" answers, after the call's arguments
 TWO_CITY_PROMPT = "What's the weather in Paris and in Tokyo for the next 2 days?"
 NO_TOOL_PROMPT = "Tell me a joke."
 OTHER_TOOL = "convert_currency"
@@ -463,9 +464,22 @@ def no_markup(text: str | None, where: str) -> None:
             raise CheckFailed(f"{where} contains {mark!r}: {text[:80]!r}")
 
 
-def weather_call_ok(args: dict) -> bool:
-    return (str(args.get("city", "")).strip().lower() == WEATHER_EXPECT["city"].lower()
-            and args.get("days") == WEATHER_EXPECT["days"] and not isinstance(args.get("days"), bool))
+def is_weather_call(call: dict) -> bool:
+    """A get_weather call whose arguments fit its schema (the model chose the tool and filled it in)."""
+    return (call["function"]["name"] == "get_weather"
+            and schema_mismatch(TOOLS[0], json.loads(call["function"]["arguments"])) is None)
+
+
+def as_asked(call: dict) -> bool:
+    """The call's values are the ones the prompt asked for (Paris, 3 days)."""
+    args = json.loads(call["function"]["arguments"])
+    return str(args.get("city", "")).strip().lower() == WEATHER_EXPECT["city"].lower() \
+        and args.get("days") == WEATHER_EXPECT["days"]
+
+
+def weather_result(call: dict) -> str:
+    """The tool's answer to this call: its own arguments plus a forecast."""
+    return json.dumps({**json.loads(call["function"]["arguments"]), **WEATHER_REPORT})
 
 
 # -----------------------------------------------------------------------------------------------
@@ -476,22 +490,24 @@ def weather_call_ok(args: dict) -> bool:
 class Context:
     def __init__(self, args: argparse.Namespace, api: Api, log_dir: Path):
         self.args, self.api, self.log_dir = args, api, log_dir
-        self.weather: tuple[str, dict] | None = None     # (prompt, response) with get_weather(Paris, 3)
+        self.weather: tuple[str, dict] | None = None     # (prompt, response) that called get_weather
         self.missing_clients: list[str] = []
         self.max_model_len = 4096                          # from the model card, once the server is up
 
     def weather_call(self) -> tuple[str, dict]:
-        """(prompt, response) of the first phrasing answered with get_weather(Paris, 3); memoized."""
+        """(prompt, response) of the first phrasing answered with a get_weather call; memoized."""
         if self.weather is None:
             for prompt in WEATHER_PROMPTS:
                 resp = self.api.chat(messages=[{"role": "user", "content": prompt}], tools=TOOLS,
                                      temperature=0, max_tokens=self.args.max_tokens)
                 calls = resp["choices"][0]["message"].get("tool_calls") or []
-                if calls and weather_call_ok(check_call_shape(calls[0], "tool call")):
+                for call in calls:
+                    check_call_shape(call, "tool call")
+                if calls and is_weather_call(calls[0]):
                     self.weather = (prompt, resp)
                     break
             else:
-                raise CheckFailed("no phrasing produced get_weather(city='Paris', days=3) to build on")
+                raise CheckFailed("no phrasing produced a get_weather call to build on")
         return self.weather
 
 
@@ -653,8 +669,10 @@ def check_streaming(ctx: Context) -> str:
 
 
 def check_tool_call(ctx: Context) -> str:
-    """Every phrasing's answer must be well-formed; at least one must be get_weather(Paris, 3)."""
-    right = []
+    """Every phrasing's answer must be well-formed; at least one must call get_weather with schema-valid
+    arguments (the model decides). The values asked for (Paris, 3) are reported, and required with
+    --strict-arguments: a tiny model may call the right tool yet copy a value wrongly."""
+    right, exact = [], []
     for prompt in WEATHER_PROMPTS:
         resp = ctx.api.chat(messages=[{"role": "user", "content": prompt}], tools=TOOLS, temperature=0,
                             max_tokens=ctx.args.max_tokens)
@@ -666,13 +684,16 @@ def check_tool_call(ctx: Context) -> str:
             raise CheckFailed(f"{prompt!r}: finish_reason {choice['finish_reason']!r} with tool calls")
         for call in calls:
             check_call_shape(call, prompt)
-        if calls and weather_call_ok(json.loads(calls[0]["function"]["arguments"])):
-            right.append(prompt)
+        if calls and is_weather_call(calls[0]):
+            right.append(calls[0]["function"]["arguments"])
+            exact += [prompt] if as_asked(calls[0]) else []
             ctx.weather = ctx.weather or (prompt, resp)
+    n = len(WEATHER_PROMPTS)
     if not right:
-        raise CheckFailed(f"none of {len(WEATHER_PROMPTS)} phrasings produced get_weather(city='Paris', days=3)")
-    args = ctx.weather_call()[1]["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
-    return f"{len(right)}/{len(WEATHER_PROMPTS)} phrasings -> get_weather({args})"
+        raise CheckFailed(f"none of {n} phrasings produced a schema-valid get_weather call")
+    if ctx.args.strict_arguments and not exact:
+        raise CheckFailed(f"no phrasing called get_weather(city='Paris', days=3): {'; '.join(right)}")
+    return f"{len(right)}/{n} phrasings -> get_weather ({right[0]}); {len(exact)}/{n} with the values asked for"
 
 
 def check_tool_call_multi_turn(ctx: Context) -> str:
@@ -682,7 +703,7 @@ def check_tool_call_multi_turn(ctx: Context) -> str:
     assistant = first["choices"][0]["message"]                     # untouched: content null/"", string arguments
     call = assistant["tool_calls"][0]
     messages = [{"role": "user", "content": prompt}, assistant,
-                {"role": "tool", "tool_call_id": call["id"], "content": WEATHER_RESULT}]
+                {"role": "tool", "tool_call_id": call["id"], "content": weather_result(call)}]
     resp = ctx.api.chat(messages=messages, tools=TOOLS, temperature=0, max_tokens=ctx.args.max_tokens)
     answer = resp["choices"][0]["message"]
     before, after = first["usage"]["prompt_tokens"], resp["usage"]["prompt_tokens"]
@@ -691,9 +712,9 @@ def check_tool_call_multi_turn(ctx: Context) -> str:
     if not (answer.get("content") or "").strip():
         raise CheckFailed(f"no content after the tool result; tool_calls={answer.get('tool_calls')}")
     no_markup(answer["content"], "content")
-    facts = [f for f in WEATHER_FACTS if f in answer["content"]]
+    facts = [f for f in map(str, WEATHER_REPORT.values()) if f in answer["content"]]
     return (f"prompt_tokens {before} -> {after}; answer {answer['content'][:60]!r} "
-            f"(restates {len(facts)}/{len(WEATHER_FACTS)} facts of the result)")
+            f"(restates {len(facts)}/{len(WEATHER_REPORT)} facts of the result)")
 
 
 def check_tool_call_streaming(ctx: Context) -> str:
@@ -917,7 +938,8 @@ if not message.tool_calls:
 call = message.tool_calls[0]
 json.loads(call.function.arguments)
 messages.append(message)                              # the SDK's own object, replayed as received
-messages.append({"role": "tool", "tool_call_id": call.id, "content": cfg["tool_result"]})
+result = {**json.loads(call.function.arguments), **cfg["tool_report"]}
+messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
 second = client.chat.completions.create(model=cfg["model"], messages=messages, tools=cfg["tools"],
                                         temperature=0, max_tokens=cfg["max_tokens"])
 answer = second.choices[0].message
@@ -941,7 +963,7 @@ ai = bound.invoke(history)
 if not ai.tool_calls:
     sys.exit(f"no tool call (content {ai.content!r})")
 call = ai.tool_calls[0]
-history += [ai, ToolMessage(cfg["tool_result"], tool_call_id=call["id"])]
+history += [ai, ToolMessage(json.dumps({**call["args"], **cfg["tool_report"]}), tool_call_id=call["id"])]
 final = bound.invoke(history)
 if not final.content or final.tool_calls:
     sys.exit(f"second turn: content {final.content!r}, tool_calls {final.tool_calls}")
@@ -970,7 +992,7 @@ def run_client(ctx: Context, client: str) -> str:
         raise NotRun(message)
     prompt = ctx.weather[0] if ctx.weather else WEATHER_PROMPTS[0]
     cfg = {"base_url": ctx.api.base_url, "api_key": ctx.api.api_key or "not-needed", "model": ctx.api.model,
-           "tools": TOOLS, "prompt": prompt, "tool_result": WEATHER_RESULT, "max_tokens": ctx.args.max_tokens,
+           "tools": TOOLS, "prompt": prompt, "tool_report": WEATHER_REPORT, "max_tokens": ctx.args.max_tokens,
            "timeout": ctx.args.request_timeout}
     try:
         out = subprocess.run([python, "-c", script, json.dumps(cfg)], capture_output=True, text=True,
