@@ -1234,6 +1234,418 @@ class Engine:
 
 # ===== SECTION 8b: tensor parallelism (owner: tp) =====
 
+import atexit
+import datetime
+import subprocess
+
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------------------------
+# 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
+#     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
+#     worker processes that replay rank 0's step plans on their shard and their own cache. Activations cross
+#     ranks only in the model's two all-reduces per layer (after the mixer's output projection and after
+#     down_proj). The embedding and lm_head are replicated, not vocab-parallel: rank 0's own lm_head gives
+#     the full logits, so sampling needs no gather and the embedding no all-reduce; the price is one copy of
+#     each per rank (2 x 2.5 GB bf16 at 27B), and the workers' logits rows are computed and dropped.
+#
+#     Lifecycle: one group, one lifetime. start_group returns only after every rank has loaded; a worker
+#     that fails or dies ends the group (named in the message); workers stop when rank 0 says so, when rank 0
+#     disappears, or when their connection to it breaks. See docs/architecture.md, "Tensor parallelism".
+# -----------------------------------------------------------------------------------------------
+
+def parse_devices(spec: str) -> list[torch.device]:
+    """--devices: "cpu,cpu" (CPU ranks, gloo) or "0,1,2,3" / "cuda:0,cuda:1" (one GPU each, NCCL)."""
+    names = [s.strip() for s in spec.split(",")]
+    if not all(names):
+        raise PocketError(f"--devices {spec!r}: empty entry (expected e.g. cpu,cpu or 0,1)")
+    devices = []
+    for name in names:
+        try:
+            devices.append(torch.device("cuda", int(name)) if name.isdigit() else torch.device(name))
+        except (RuntimeError, ValueError):
+            raise PocketError(f"--devices {spec!r}: {name!r} is not a device (expected cpu, 0, cuda:1, ...)") from None
+    kinds = {d.type for d in devices}
+    if kinds - {"cpu", "cuda"} or len(kinds) > 1:
+        raise PocketError(f"--devices {spec!r}: every rank must be a cpu, or every rank a cuda device")
+    if "cuda" in kinds:
+        indices = [d.index or 0 for d in devices]
+        devices = [torch.device("cuda", i) for i in indices]
+        if len(set(indices)) < len(indices):
+            raise PocketError(f"--devices {spec!r}: one rank per GPU (NCCL refuses two ranks on one device); "
+                              f"for tests on one machine use --devices cpu,cpu")
+        if max(indices) >= torch.cuda.device_count():
+            raise PocketError(f"--devices {spec!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return devices
+
+
+def _cache_blocks(opts: EngineOptions) -> int:
+    """The KV blocks of the engine cache: the same count on every rank (see Engine.__init__)."""
+    return opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // opts.kv_block_size)
+
+
+# Every rank needs a step's Batch. Rank 0 broadcasts it as a fixed header (command and sizes), then one
+# int64 payload holding the Batch's tensors end to end; the workers rebuild the Batch on their device.
+
+PLAN_STEP, PLAN_SCRATCH, PLAN_COPY, PLAN_STOP = range(4)
+HEADER_WORDS = 8                      # command, then up to 7 integer arguments
+ENGINE_CACHE, SCRATCH_CACHE = 0, 1    # which cache a step runs on: the engine's, or logits()'s temporary one
+_BATCH_WIRE = (("token_ids", torch.long), ("positions", torch.long), ("query_start", torch.int32),
+               ("context_lens", torch.int32), ("block_tables", torch.int32), ("slot_mapping", torch.long),
+               ("state_slots", torch.int32), ("logit_rows", torch.long), ("fresh_slots", torch.long))
+
+
+def pack_batch(batch: Batch) -> tuple[list[int], torch.Tensor]:
+    """-> ([T, B, W, R, F], payload (n,) int64 on the CPU)."""
+    B, W = batch.block_tables.shape
+    sizes = [batch.token_ids.numel(), B, W, batch.logit_rows.numel(), batch.fresh_slots.numel()]
+    payload = torch.cat([getattr(batch, name).reshape(-1).to("cpu", torch.long) for name, _ in _BATCH_WIRE])
+    return sizes, payload
+
+
+def unpack_batch(sizes: list[int], payload: torch.Tensor, device) -> Batch:
+    T, B, W, R, F = sizes
+    parts = payload.to(device).split([T, T, B + 1, B, B * W, T, B, R, F])
+    fields = {name: part.to(dtype) for (name, dtype), part in zip(_BATCH_WIRE, parts)}
+    fields["block_tables"] = fields["block_tables"].view(B, W)
+    return Batch(**fields)
+
+
+def batch_wire_words(sizes: list[int]) -> int:
+    T, B, W, R, F = sizes
+    return 3 * T + (B + 1) + 2 * B + B * W + R + F
+
+
+class Comm:
+    """One rank's collectives. Plans travel over gloo (CPU tensors, from rank 0). Activations are summed over
+    the same gloo group on CPU ranks, and over NCCL on GPU ranks: the native library's when the native ops
+    run (it must have NCCL), torch.distributed's when the torch ops do."""
+
+    # Workers wait for the next plan for as long as the server idles; a dead peer still fails at once
+    # (its sockets close), so the timeout only bounds a peer that hangs.
+    TIMEOUT = datetime.timedelta(days=30)
+
+    def __init__(self, store, rank: int, world: int, device: torch.device, ops):
+        self.rank, self.world, self.device = rank, world, device
+        self.plans = dist.ProcessGroupGloo(dist.PrefixStore("plans/", store), rank, world, self.TIMEOUT)
+        self.all_reduce = self._gloo_all_reduce
+        if device.type == "cuda" and hasattr(ops, "nccl_init"):
+            self.comm = ops.nccl_init(store.get("nccl_id"), world, rank, device.index)
+            self.all_reduce = lambda x: ops.all_reduce(x, self.comm)        # in place, on the ops' stream
+        elif device.type == "cuda":
+            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world)
+            self.all_reduce = self._torch_nccl_all_reduce
+
+    def _gloo_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.plans.allreduce([x]).wait()
+        return x
+
+    def _torch_nccl_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.nccl.allreduce([x]).wait()
+        return x
+
+    def send_plan(self, command: int, args: list[int], payload: torch.Tensor | None = None):
+        header = torch.tensor((command, *args) + (0,) * (HEADER_WORDS - 1 - len(args)), dtype=torch.long)
+        self.plans.broadcast(header, 0).wait()
+        if payload is not None and payload.numel():
+            self.plans.broadcast(payload, 0).wait()
+
+    def recv_plan(self) -> tuple[int, list[int], torch.Tensor | None]:
+        header = torch.empty(HEADER_WORDS, dtype=torch.long)
+        self.plans.broadcast(header, 0).wait()
+        command, args = int(header[0]), header[1:].tolist()
+        payload = None
+        if command == PLAN_STEP:
+            payload = torch.empty(batch_wire_words(args[1:6]), dtype=torch.long)
+            if payload.numel():
+                self.plans.broadcast(payload, 0).wait()
+        return command, args, payload
+
+
+def _load_rank_model(ckpt_dir, opts: EngineOptions, dtype, device, rank: int, world: int, all_reduce, quiet: bool):
+    ckpt = Checkpoint(ckpt_dir)
+    try:
+        ops, why = select_ops(opts, device)
+        if not quiet:
+            _log(opts, f"backend: {why}; tensor parallelism over {world} ranks")
+        return Model(ckpt, ops, dtype, device, shard=Shard(rank, world), num_layers=opts.smoke_layers or None,
+                     all_reduce=all_reduce, progress=not quiet)
+    finally:
+        ckpt.close()
+
+
+def _is_program() -> bool:
+    """pocketllm.py is the program (the CLI), not a library imported into someone else's process."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return main_file is not None and Path(main_file).resolve() == Path(__file__).resolve()
+
+
+# Workers run this file as a fresh program, whatever imported it in rank 0 (a script without a __main__
+# guard, a notebook): subprocess + a bootstrap that loads the file by path, never multiprocessing, whose
+# spawn mode re-imports the parent's __main__. The worker is in rank 0's process group, so a terminal's
+# Ctrl-C reaches it; it ignores SIGINT and lets rank 0 decide.
+_WORKER_BOOT = ("import importlib.util, sys\n"
+                "spec = importlib.util.spec_from_file_location('pocketllm', sys.argv[1])\n"
+                "mod = importlib.util.module_from_spec(spec); sys.modules['pocketllm'] = mod\n"
+                "spec.loader.exec_module(mod)\n"
+                "sys.exit(mod.run_rank_worker(sys.argv[2]))")
+
+
+class RankGroup:
+    """Rank 0's side of the group: its own Model shard, the worker processes, and the step protocol.
+    run_batch / logits / copy_state mirror every cache operation on every rank; close() stops them all."""
+
+    POLL_S = 0.2
+
+    def __init__(self, ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: torch.dtype):
+        self.opts, self.dtype, self.kv_dtype = opts, dtype, kv_dtype
+        self.devices = parse_devices(opts.devices)
+        self.world = len(self.devices)
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.dead_reason: str | None = None     # set once a rank has failed; every later call raises
+        self.comm: Comm | None = None
+        self.model: Model | None = None
+        self._lock = threading.Lock()           # one plan + forward at a time, in the same order on every rank
+        self._closing = False
+        self._scratch: Cache | None = None
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
+                                   wait_for_workers=False)   # port 0: the OS picks a free port
+        atexit.register(self.close)
+
+    # Start: spawn the workers, load rank 0's shard meanwhile, wait until every rank has loaded, connect.
+
+    def start(self, ckpt_dir):
+        device = self.devices[0]
+        ops, _ = select_ops(self.opts, device)
+        if device.type == "cuda":   # GPU ranks without NCCL are refused, never run without their all-reduce
+            if hasattr(ops, "nccl_unique_id"):
+                self.store.set("nccl_id", ops.nccl_unique_id())   # rank 0 makes the id; raises without NCCL
+            elif not dist.is_nccl_available():
+                raise PocketError(f"--devices {self.opts.devices}: tensor parallelism on GPUs needs NCCL, and this "
+                                  f"torch build has none (torch.distributed.is_nccl_available() is False)")
+        for rank in range(1, self.world):
+            spec = {"ckpt": str(Path(ckpt_dir).resolve()), "rank": rank, "world": self.world,
+                    "device": str(self.devices[rank]), "dtype": str(self.dtype).removeprefix("torch."),
+                    "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "port": self.store.port,
+                    "parent": os.getpid(), "options": dataclasses.asdict(self.opts)}
+            self.workers[rank] = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(Path(__file__).resolve()),
+                                                   json.dumps(spec)], stdin=subprocess.DEVNULL)
+        self.model = _load_rank_model(ckpt_dir, self.opts, self.dtype, device, 0, self.world,
+                                      lambda x: self.comm.all_reduce(x), self.opts.quiet)
+        self._wait_until_loaded()
+        self.comm = Comm(self.store, 0, self.world, device, ops)
+        threading.Thread(target=self._watch, name="pocketllm-ranks", daemon=True).start()
+
+    def _wait_until_loaded(self):
+        pending = set(self.workers)
+        while pending:
+            for rank in list(pending):
+                if self.store.check([f"ready/{rank}"]):
+                    pending.discard(rank)
+                elif self.workers[rank].poll() is not None:
+                    kind, message = self._rank_error(rank)
+                    raise (CheckpointError if kind == "CheckpointError" else PocketError)(message)
+            time.sleep(0.05)
+
+    def _rank_error(self, rank: int) -> tuple[str, str]:
+        """(error type name, one line naming the rank and what happened to it)."""
+        where = f"rank {rank} ({self.devices[rank]})"
+        if self.store.check([f"error/{rank}"]):
+            err = json.loads(self.store.get(f"error/{rank}"))
+            return err["type"], f"{where} failed: {err['type']}: {err['message']}"
+        code = self.workers[rank].returncode
+        if code is not None and code < 0:
+            return "", f"{where} was killed by {signal.Signals(-code).name}"
+        return "", f"{where} exited with code {code}"
+
+    # Any rank's death ends the group. In the CLI it ends the program (exit code 1); in a library user's
+    # process the group is marked dead and every later call raises PocketError naming the rank.
+
+    def _watch(self):
+        while not self._closing:
+            for rank, proc in self.workers.items():
+                if proc.poll() is not None and not self._closing:
+                    self._fail(self._rank_error(rank)[1])
+                    return
+            time.sleep(self.POLL_S)
+
+    def _fail(self, reason: str):
+        self.dead_reason = reason
+        self._stop_workers(grace_s=0)
+        if _is_program():
+            print(f"pocketllm: error: {reason}; stopped every rank", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def _check_alive(self):
+        if self.dead_reason:
+            raise PocketError(f"the tensor-parallel group has stopped: {self.dead_reason}")
+        if self._closing:
+            raise PocketError("the tensor-parallel group is closed")
+
+    def _failed(self, error: Exception) -> Exception:
+        """A step raised. A peer's death surfaces as a collective error: wait for the watcher to name the rank.
+        Anything else is rank 0's own failure, which also ends the group."""
+        deadline = time.time() + 3.0
+        while self.dead_reason is None and time.time() < deadline and not self._closing:
+            time.sleep(self.POLL_S)
+        if self.dead_reason is None:
+            self._fail(f"rank 0 ({self.devices[0]}) failed: {type(error).__name__}: {error}")
+            return error
+        return PocketError(f"the tensor-parallel group has stopped: {self.dead_reason}")
+
+    # The steps. Every rank runs the same Batch in the same order, so the all-reduces inside forward pair up.
+
+    def run_batch(self, batch: Batch, cache: Cache) -> torch.Tensor:
+        with self._lock:
+            return self._step(batch, cache, ENGINE_CACHE)
+
+    def _step(self, batch: Batch, cache: Cache, which: int) -> torch.Tensor:
+        self._check_alive()
+        try:
+            sizes, payload = pack_batch(batch)
+            self.comm.send_plan(PLAN_STEP, [which, *sizes], payload)
+            return self.model.forward(batch, cache)                        # (R, V): full logits, rank 0 only
+        except Exception as e:
+            raise self._failed(e) from e
+
+    def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
+        """copy_state (section 5) on every rank's engine cache: forked choices (n > 1) start from the parent's
+        state. The engine calls this in place of copy_state when a group runs the model."""
+        with self._lock:
+            self._check_alive()
+            try:
+                self.comm.send_plan(PLAN_COPY, [src_slot, dst_slot, -1 if src_block is None else src_block,
+                                                -1 if dst_block is None else dst_block])
+            except Exception as e:
+                raise self._failed(e) from e
+            copy_state(cache, src_slot, dst_slot, src_block, dst_block)
+
+    def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """LLM.logits over the group: every rank runs the prefill chunks on a temporary cache of its own."""
+        ids, bs, device = list(token_ids), self.opts.kv_block_size, self.devices[0]
+        nblocks = -(-len(ids) // bs)
+        with self._lock:
+            self._set_scratch(nblocks)
+            try:
+                blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
+                for s in range(0, len(ids), step):
+                    n = min(step, len(ids) - s)
+                    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+                    batch = Batch(t(ids[s:s + n], torch.long), t(list(range(s, s + n)), torch.long),
+                                  t([0, n], torch.int32), t([s + n], torch.int32), t([blocks], torch.int32),
+                                  t([blocks[i // bs] * bs + i % bs for i in range(s, s + n)], torch.long),
+                                  t([0], torch.int32), t(list(range(n)), torch.long),
+                                  t([0] if s == 0 else [], torch.long))
+                    out.append(self._step(batch, self._scratch, SCRATCH_CACHE))
+            finally:
+                if self.dead_reason is None and not self._closing:
+                    self._set_scratch(0)
+        return torch.cat(out).float().cpu()                                 # (len, V)
+
+    def _set_scratch(self, nblocks: int):
+        self._check_alive()
+        try:
+            self.comm.send_plan(PLAN_SCRATCH, [nblocks])
+        except Exception as e:
+            raise self._failed(e) from e
+        self._scratch = allocate_cache(self.model.cfg, self.model.layers, nblocks, self.opts.kv_block_size, 1,
+                                       self.kv_dtype, self.devices[0]) if nblocks else None
+
+    # Shutdown: tell the workers to stop, give them a moment, then make sure.
+
+    def close(self):
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.close)
+        told = False
+        if self.comm is not None and self.dead_reason is None and self._lock.acquire(timeout=2.0):
+            try:
+                self.comm.send_plan(PLAN_STOP, [])
+                told = True
+            except Exception:       # a worker already gone: the kill below covers it
+                pass
+            finally:
+                self._lock.release()
+        self._stop_workers(grace_s=5.0 if told else 0.0)
+
+    def _stop_workers(self, grace_s: float):
+        deadline = time.time() + grace_s
+        for proc in self.workers.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def start_group(ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: torch.dtype) -> RankGroup:
+    """Start every rank of --devices and return once all have loaded their shard (rank 0 is this process)."""
+    bs = opts.kv_block_size
+    if _cache_blocks(opts) * bs < opts.max_context:     # Engine.__init__'s check, before any worker starts
+        raise PocketError(f"--num-kv-blocks {_cache_blocks(opts)} x --kv-block-size {bs} cannot hold one "
+                          f"sequence of --max-context {opts.max_context} tokens")
+    group = RankGroup(ckpt_dir, opts, dtype, kv_dtype)
+    try:
+        group.start(ckpt_dir)
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+# A worker rank: load the shard, say so, then replay plans until told to stop.
+
+def run_rank_worker(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    rank, world, parent = spec["rank"], spec["world"], spec["parent"]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="pocketllm-parent", daemon=True).start()
+    store = dist.TCPStore("127.0.0.1", spec["port"], None, False, datetime.timedelta(days=1))
+    try:
+        opts = EngineOptions(**spec["options"])
+        device = torch.device(spec["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dtype, kv_dtype = _DTYPES[spec["dtype"]], _DTYPES[spec["kv_dtype"]]
+        comm: list[Comm] = []          # set once every rank has loaded; forward only runs after that
+        model = _load_rank_model(spec["ckpt"], opts, dtype, device, rank, world, lambda x: comm[0].all_reduce(x),
+                                 quiet=True)
+        caches = {ENGINE_CACHE: allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
+                                               opts.max_batch_size, kv_dtype, device)}
+        store.set(f"ready/{rank}", "1")
+        comm.append(Comm(store, rank, world, device, model.ops))
+        while True:
+            command, args, payload = comm[0].recv_plan()
+            if command == PLAN_STOP:
+                return 0
+            if command == PLAN_STEP:
+                model.forward(unpack_batch(args[1:6], payload, device), caches[args[0]])
+            elif command == PLAN_SCRATCH:
+                caches[SCRATCH_CACHE] = allocate_cache(model.cfg, model.layers, args[0], opts.kv_block_size, 1,
+                                                       kv_dtype, device) if args[0] else None
+            elif command == PLAN_COPY:
+                src_block, dst_block = (None if b < 0 else b for b in args[2:4])
+                copy_state(caches[ENGINE_CACHE], args[0], args[1], src_block, dst_block)
+    except Exception as e:
+        time.sleep(0.5)             # rank 0 gone too (its sockets close before we are re-parented)? then quietly
+        if os.getppid() != parent:
+            return 1
+        if not isinstance(e, PocketError):
+            traceback.print_exc()
+        store.set(f"error/{rank}", json.dumps({"type": type(e).__name__, "message": str(e)}))
+        return 2 if isinstance(e, PocketError) else 1
+
+
+def _exit_with_parent(parent: int):
+    """Rank 0 gone (killed, crashed): this rank has nothing left to do."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 
 # ===== SECTION 10: text (owner: core: tokenizer + detokenizer; text: chat templates) =====
 
