@@ -1362,12 +1362,10 @@ class Comm:
         return command, args, payload
 
 
-def _load_rank_model(ckpt_dir, opts: EngineOptions, dtype, device, rank: int, world: int, all_reduce, quiet: bool):
+def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: int, world: int, all_reduce,
+                     quiet: bool) -> Model:
     ckpt = Checkpoint(ckpt_dir)
     try:
-        ops, why = select_ops(opts, device)
-        if not quiet:
-            _log(opts, f"backend: {why}; tensor parallelism over {world} ranks")
         return Model(ckpt, ops, dtype, device, shard=Shard(rank, world), num_layers=opts.smoke_layers or None,
                      all_reduce=all_reduce, progress=not quiet)
     finally:
@@ -1403,6 +1401,7 @@ class RankGroup:
         self.world = len(self.devices)
         self.workers: dict[int, subprocess.Popen] = {}
         self.dead_reason: str | None = None     # set once a rank has failed; every later call raises
+        self.on_death: Callable[[str], None] | None = None   # told the reason (e.g. to mark the LLM dead)
         self.comm: Comm | None = None
         self.model: Model | None = None
         self._lock = threading.Lock()           # one plan + forward at a time, in the same order on every rank
@@ -1416,7 +1415,8 @@ class RankGroup:
 
     def start(self, ckpt_dir):
         device = self.devices[0]
-        ops, _ = select_ops(self.opts, device)
+        ops, why = select_ops(self.opts, device)
+        _log(self.opts, f"backend: {why}; tensor parallelism over {self.world} ranks ({self.opts.devices})")
         if device.type == "cuda":   # GPU ranks without NCCL are refused, never run without their all-reduce
             if hasattr(ops, "nccl_unique_id"):
                 self.store.set("nccl_id", ops.nccl_unique_id())   # rank 0 makes the id; raises without NCCL
@@ -1427,10 +1427,11 @@ class RankGroup:
             spec = {"ckpt": str(Path(ckpt_dir).resolve()), "rank": rank, "world": self.world,
                     "device": str(self.devices[rank]), "dtype": str(self.dtype).removeprefix("torch."),
                     "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "port": self.store.port,
-                    "parent": os.getpid(), "options": dataclasses.asdict(self.opts)}
+                    "parent": os.getpid(),   # every rank runs rank 0's backend, so their all-reduces match
+                    "options": dict(dataclasses.asdict(self.opts), backend=ops.name)}
             self.workers[rank] = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(Path(__file__).resolve()),
                                                    json.dumps(spec)], stdin=subprocess.DEVNULL)
-        self.model = _load_rank_model(ckpt_dir, self.opts, self.dtype, device, 0, self.world,
+        self.model = _load_rank_model(ckpt_dir, self.opts, ops, self.dtype, device, 0, self.world,
                                       lambda x: self.comm.all_reduce(x), self.opts.quiet)
         self._wait_until_loaded()
         self.comm = Comm(self.store, 0, self.world, device, ops)
@@ -1472,6 +1473,8 @@ class RankGroup:
     def _fail(self, reason: str):
         self.dead_reason = reason
         self._stop_workers(grace_s=0)
+        if self.on_death is not None:
+            self.on_death(reason)
         if _is_program():
             print(f"pocketllm: error: {reason}; stopped every rank", file=sys.stderr, flush=True)
             os._exit(1)
@@ -1611,12 +1614,13 @@ def run_rank_worker(spec_json: str) -> int:
             torch.cuda.set_device(device)
         dtype, kv_dtype = _DTYPES[spec["dtype"]], _DTYPES[spec["kv_dtype"]]
         comm: list[Comm] = []          # set once every rank has loaded; forward only runs after that
-        model = _load_rank_model(spec["ckpt"], opts, dtype, device, rank, world, lambda x: comm[0].all_reduce(x),
-                                 quiet=True)
+        ops, _ = select_ops(opts, device)
+        model = _load_rank_model(spec["ckpt"], opts, ops, dtype, device, rank, world,
+                                 lambda x: comm[0].all_reduce(x), quiet=True)
         caches = {ENGINE_CACHE: allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
                                                opts.max_batch_size, kv_dtype, device)}
         store.set(f"ready/{rank}", "1")
-        comm.append(Comm(store, rank, world, device, model.ops))
+        comm.append(Comm(store, rank, world, device, ops))
         while True:
             command, args, payload = comm[0].recv_plan()
             if command == PLAN_STOP:
