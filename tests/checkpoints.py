@@ -152,7 +152,7 @@ def make_checkpoint(path: Path, model_type: str = "qwen3_5", fp8: bool = False, 
     path.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(path)
     torch.manual_seed(seed)
-    cfg = text_config(model_type, vocab + 3, **over)
+    cfg = text_config(model_type, over.pop("vocab_size", vocab + 3), **over)
     ref = reference_model(model_type, cfg)
     with torch.no_grad():   # random, non-trivial weights everywhere (norms included)
         for name, p in ref.named_parameters():

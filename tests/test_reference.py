@@ -60,8 +60,9 @@ def test_fp8_weights_stay_fp8(loaded):
     L = llm.model.layers[0]
     assert L.in_proj_qkv.weight.dtype == torch.float8_e4m3fn and L.in_proj_qkv.scale is not None
     assert L.gate.weight.dtype == torch.float8_e4m3fn
-    assert L.in_proj_a.weight.dtype == torch.bfloat16 and L.in_proj_a.scale is None   # kept bf16, as stored
-    assert llm.model.lm_head.weight.dtype == torch.bfloat16
+    # unquantised linears take the activation dtype (float32 here); the embedding stays as stored
+    assert L.in_proj_a.weight.dtype == torch.float32 and L.in_proj_a.scale is None
+    assert llm.model.lm_head.weight.dtype == torch.float32 and llm.model.embed_tokens.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
