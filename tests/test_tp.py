@@ -176,45 +176,22 @@ def test_killed_worker_ends_the_group(group):
         tpn.generate([1, 2, 3], max_tokens=2)
 
 
-DRIVER = """
-import sys, time
-sys.path.insert(0, {root!r})
-import pocketllm
-llm = pocketllm.LLM({ckpt!r}, devices="cpu,cpu", quiet=True)
-llm.generate([5, 6, 7], max_tokens=2, temperature=0)
-print("ready", flush=True)
-time.sleep(600)
-"""
-
-
-def test_sigterm_to_rank0_stops_every_rank(bf16):
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER.format(root=str(ROOT), ckpt=str(bf16))],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        assert len(rank_processes(bf16, 2, proc.pid)) == 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == -signal.SIGTERM
-        assert wait_no_ranks(bf16, 2, proc.pid) < 5.0
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-# The CLI: HTTP answers equal TP1's; a killed rank ends the server with a message naming it.
-
-def test_cli_serves_and_exits_when_a_rank_dies(bf16):
-    if not hasattr(pocketllm, "run_server"):
-        pytest.skip("the HTTP server (sections 12-13) is not merged into this branch yet")
-    tp1 = pocketllm.LLM(bf16, **ENGINE)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "pocketllm.py"), "--ckpt", str(bf16), "--devices",
+def start_cli(ckpt) -> tuple[subprocess.Popen, str]:
+    """`python pocketllm.py --devices cpu,cpu` on a free port; returns once it serves (every rank loaded)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pocketllm.py"), "--ckpt", str(ckpt), "--devices",
                              cpu_ranks(2), "--port", "0", "--quiet", "--max-context", "256",
                              "--prefill-token-budget", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert "http://" in line, line + proc.stderr.read()
+    assert len(rank_processes(ckpt, 2, proc.pid)) == 1
+    return proc, line.strip().split()[-1]
+
+
+def test_cli_serves_tp1_answers_and_exits_when_a_rank_dies(bf16):
+    tp1 = pocketllm.LLM(bf16, **ENGINE)
+    proc, url = start_cli(bf16)
     try:
-        line = proc.stdout.readline()
-        assert "http://" in line, line + proc.stderr.read()
-        url = line.strip().split()[-1]
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             assert r.status == 200
         prompts = ["The quick brown fox", "Bonjour, ça va? emoji and CJK text."]
@@ -235,6 +212,43 @@ def test_cli_serves_and_exits_when_a_rank_dies(bf16):
         os.kill(worker, signal.SIGKILL)
         assert proc.wait(timeout=10) == 1
         assert "rank 1 (cpu) was killed by SIGKILL" in proc.stderr.read()
+        assert wait_no_ranks(bf16, 2, proc.pid) < 5.0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_cli_sigterm_stops_every_rank(bf16):
+    proc, _ = start_cli(bf16)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert wait_no_ranks(bf16, 2, proc.pid) < 1.0      # stopped by rank 0 before it exited
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+DRIVER = """
+import sys, time
+sys.path.insert(0, {root!r})
+import pocketllm
+llm = pocketllm.LLM({ckpt!r}, devices="cpu,cpu", quiet=True)
+llm.generate([5, 6, 7], max_tokens=2, temperature=0)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_rank0_leaves_no_orphans(bf16):
+    """Rank 0 gets no chance to clean up (SIGKILL, the OOM killer): the workers notice and exit."""
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER.format(root=str(ROOT), ckpt=str(bf16))],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert len(rank_processes(bf16, 2, proc.pid)) == 1
+        proc.kill()
+        proc.wait()
         assert wait_no_ranks(bf16, 2, proc.pid) < 5.0
     finally:
         proc.kill()
