@@ -176,22 +176,27 @@ def test_killed_worker_ends_the_group(group):
         tpn.generate([1, 2, 3], max_tokens=2)
 
 
-def start_cli(ckpt) -> tuple[subprocess.Popen, str]:
-    """`python pocketllm.py --devices cpu,cpu` on a free port; returns once it serves (every rank loaded)."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "pocketllm.py"), "--ckpt", str(ckpt), "--devices",
+def spawn_cli(ckpt) -> subprocess.Popen:
+    """`python pocketllm.py --devices cpu,cpu` on a free port."""
+    return subprocess.Popen([sys.executable, str(ROOT / "pocketllm.py"), "--ckpt", str(ckpt), "--devices",
                              cpu_ranks(2), "--port", "0", "--quiet", "--max-context", "256",
                              "--prefill-token-budget", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_serving(proc: subprocess.Popen, ckpt) -> str:
+    """The server's URL, once it prints it: every rank has loaded by then."""
     line = proc.stdout.readline()
     assert "http://" in line, line + proc.stderr.read()
     assert len(rank_processes(ckpt, 2, proc.pid)) == 1
-    return proc, line.strip().split()[-1]
+    return line.strip().split()[-1]
 
 
 def test_cli_serves_tp1_answers_and_exits_when_a_rank_dies(bf16):
-    tp1 = pocketllm.LLM(bf16, **ENGINE)
-    proc, url = start_cli(bf16)
+    proc = spawn_cli(bf16)
     try:
+        tp1 = pocketllm.LLM(bf16, **ENGINE)
+        url = wait_serving(proc, bf16)
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             assert r.status == 200
         prompts = ["The quick brown fox", "Bonjour, ça va? emoji and CJK text."]
@@ -218,17 +223,6 @@ def test_cli_serves_tp1_answers_and_exits_when_a_rank_dies(bf16):
         proc.wait()
 
 
-def test_cli_sigterm_stops_every_rank(bf16):
-    proc, _ = start_cli(bf16)
-    try:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
-        assert wait_no_ranks(bf16, 2, proc.pid) < 1.0      # stopped by rank 0 before it exited
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 DRIVER = """
 import sys, time
 sys.path.insert(0, {root!r})
@@ -240,16 +234,23 @@ time.sleep(600)
 """
 
 
-def test_killed_rank0_leaves_no_orphans(bf16):
-    """Rank 0 gets no chance to clean up (SIGKILL, the OOM killer): the workers notice and exit."""
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER.format(root=str(ROOT), ckpt=str(bf16))],
-                            stdout=subprocess.PIPE, text=True)
+def test_rank0_terminated_or_killed_leaves_no_ranks(bf16):
+    """SIGTERM to the CLI: rank 0 stops its ranks, then exits 0. SIGKILL to a rank 0 that embeds the library
+    (no chance to clean up, like the OOM killer): its workers notice and exit. Both groups start together to
+    share the start-up time."""
+    cli = spawn_cli(bf16)
+    embedded = subprocess.Popen([sys.executable, "-c", DRIVER.format(root=str(ROOT), ckpt=str(bf16))],
+                                stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "ready"
-        assert len(rank_processes(bf16, 2, proc.pid)) == 1
-        proc.kill()
-        proc.wait()
-        assert wait_no_ranks(bf16, 2, proc.pid) < 5.0
+        wait_serving(cli, bf16)
+        assert embedded.stdout.readline().strip() == "ready"
+        assert len(rank_processes(bf16, 2, embedded.pid)) == 1
+        cli.send_signal(signal.SIGTERM)
+        embedded.kill()
+        assert cli.wait(timeout=15) == 0
+        assert wait_no_ranks(bf16, 2, cli.pid) < 1.0          # stopped by rank 0 before it exited
+        assert wait_no_ranks(bf16, 2, embedded.pid) < 5.0
     finally:
-        proc.kill()
-        proc.wait()
+        for proc in (cli, embedded):
+            proc.kill()
+            proc.wait()
