@@ -1419,6 +1419,7 @@ class RankGroup:
         self.world = len(self.devices)
         self.workers: dict[int, subprocess.Popen] = {}
         self.dead_reason: str | None = None     # set once a rank has failed; every later call raises
+        self.dead_kind = ""                     # the failed rank's error type, when it reported one
         self.on_death: Callable[[str], None] | None = None   # told the reason (e.g. to mark the LLM dead)
         self.comm: Comm | None = None
         self.model: Model | None = None
@@ -1449,21 +1450,19 @@ class RankGroup:
                     "options": dict(dataclasses.asdict(self.opts), backend=ops.name)}
             self.workers[rank] = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(Path(__file__).resolve()),
                                                    json.dumps(spec)], stdin=subprocess.DEVNULL)
+        threading.Thread(target=self._watch, name="pocketllm-ranks", daemon=True).start()
         self.model = _load_rank_model(ckpt_dir, self.opts, ops, self.dtype, device, 0, self.world,
                                       lambda x: self.comm.all_reduce(x), self.opts.quiet)
         self._wait_until_loaded()
         self.comm = Comm(self.store, 0, self.world, device, ops)
-        threading.Thread(target=self._watch, name="pocketllm-ranks", daemon=True).start()
 
     def _wait_until_loaded(self):
+        """Until every worker says it has loaded; a worker that failed (seen by the watcher) fails the start."""
         pending = set(self.workers)
         while pending:
-            for rank in list(pending):
-                if self.store.check([f"ready/{rank}"]):
-                    pending.discard(rank)
-                elif self.workers[rank].poll() is not None:
-                    kind, message = self._rank_error(rank)
-                    raise (CheckpointError if kind == "CheckpointError" else PocketError)(message)
+            if self.dead_reason:
+                raise (CheckpointError if self.dead_kind == "CheckpointError" else PocketError)(self.dead_reason)
+            pending = {rank for rank in pending if not self.store.check([f"ready/{rank}"])}
             time.sleep(0.05)
 
     def _rank_error(self, rank: int) -> tuple[str, str]:
@@ -1477,25 +1476,26 @@ class RankGroup:
             return "", f"{where} was killed by {signal.Signals(-code).name}"
         return "", f"{where} exited with code {code}"
 
-    # Any rank's death ends the group. In the CLI it ends the program (exit code 1); in a library user's
-    # process the group is marked dead and every later call raises PocketError naming the rank.
+    # Any rank's death ends the group, while loading or serving. In the CLI it ends the program (exit code 2
+    # for a checkpoint or option error, as main() gives, else 1); in a library user's process the group is
+    # marked dead and every later call raises PocketError naming the rank.
 
     def _watch(self):
         while not self._closing:
             for rank, proc in self.workers.items():
                 if proc.poll() is not None and not self._closing:
-                    self._fail(self._rank_error(rank)[1])
+                    self._fail(*self._rank_error(rank))
                     return
             time.sleep(self.POLL_S)
 
-    def _fail(self, reason: str):
-        self.dead_reason = reason
+    def _fail(self, kind: str, reason: str):
+        self.dead_kind, self.dead_reason = kind, reason
         self._stop_workers(grace_s=0)
         if self.on_death is not None:
             self.on_death(reason)
         if _is_program():
             print(f"pocketllm: error: {reason}; stopped every rank", file=sys.stderr, flush=True)
-            os._exit(1)
+            os._exit(2 if kind in ("PocketError", "CheckpointError") else 1)
 
     def _check_alive(self):
         if self.dead_reason:
@@ -1510,7 +1510,7 @@ class RankGroup:
         while self.dead_reason is None and time.time() < deadline and not self._closing:
             time.sleep(self.POLL_S)
         if self.dead_reason is None:
-            self._fail(f"rank 0 ({self.devices[0]}) failed: {type(error).__name__}: {error}")
+            self._fail("", f"rank 0 ({self.devices[0]}) failed: {type(error).__name__}: {error}")
             return error
         return PocketError(f"the tensor-parallel group has stopped: {self.dead_reason}")
 

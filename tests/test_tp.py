@@ -7,6 +7,7 @@ destructive tests run last on a group that is done anyway."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,6 +132,14 @@ def test_forked_choices_match_tp1(group):
 # Refusals and failures while starting.
 
 def test_non_dividing_degree_is_refused(bf16):
+    """Heads (and the intermediate size, 200) do not divide by 3: refused at load, naming tensor and degree;
+    the CLI exits with 2 like any checkpoint error."""
+    cli = subprocess.Popen([sys.executable, str(ROOT / "pocketllm.py"), "--ckpt", str(bf16), "--devices",
+                            cpu_ranks(3), "--port", "0"], stderr=subprocess.PIPE, text=True)
+    _, stderr = cli.communicate(timeout=120)
+    assert cli.returncode == 2
+    assert re.search(r"pocketllm: error: tensor '.*'.*tensor-parallel degree 3", stderr), stderr
+    assert rank_processes(bf16, 3, cli.pid) == []
     with pytest.raises(pocketllm.CheckpointError, match=r"tensor '.*'.*tensor-parallel degree 3"):
         pocketllm.LLM(bf16, devices=cpu_ranks(3), **ENGINE)
     wait_no_ranks(bf16, 3)
