@@ -3190,13 +3190,13 @@ NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_k
 # OpenAI fields we do not implement: accepted only at the values that leave the answer unchanged.
 CHAT_DEFAULT_ONLY = {"audio": [None], "modalities": [None, ["text"]], "prediction": [None],
                      "functions": [None, []], "function_call": [None, "none", "auto"],
-                     "web_search_options": [None], "verbosity": [None], "reasoning_effort": [None]}
+                     "web_search_options": [None], "verbosity": [None]}
 COMPLETION_DEFAULT_ONLY = {"echo": [None, False], "suffix": [None, ""]}      # best_of is checked against n
 SAMPLING_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed",
                    "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
                    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos"}
 CHAT_FIELDS = (SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(CHAT_DEFAULT_ONLY) |
-               {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+               {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "reasoning_effort",
                 "parallel_tool_calls", "response_format", "chat_template_kwargs", "add_generation_prompt",
                 "continue_final_message"})
 COMPLETION_FIELDS = SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(COMPLETION_DEFAULT_ONLY) | {"prompt", "best_of"}
@@ -3206,6 +3206,7 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 MESSAGE_NULL_ONLY_KEYS = {"refusal", "annotations", "audio", "function_call", "reasoning"}
 RENDER_ARGUMENTS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 # The field readers: each checks one JSON value's type and range and names it in the error.
@@ -3494,6 +3495,17 @@ def _chat_template(llm):
     return template
 
 
+def _reasoning_effort(llm, effort: str) -> str:
+    """OpenAI's reasoning_effort, honoured by templates that read it (newer Qwen templates do), else refused."""
+    if effort not in REASONING_EFFORTS:
+        raise RequestError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                           param="reasoning_effort")
+    if "reasoning_effort" not in "".join(getattr(_chat_template(llm), "sources", {}).values()):
+        raise RequestError("'reasoning_effort' is not supported: this model's chat template does not read it",
+                           param="reasoning_effort", code="unsupported_field")
+    return effort
+
+
 def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
     """The prompt text for a chat body: the template rendered on a converted copy of the messages."""
     messages = _check_messages(body.get("messages"))
@@ -3507,6 +3519,9 @@ def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
     if continue_final and (add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise RequestError("'continue_final_message' needs a final assistant message and "
                            "'add_generation_prompt' false", param="continue_final_message")
+    effort = _field(body, "reasoning_effort", str)
+    if effort is not None:
+        template_kwargs = {**template_kwargs, "reasoning_effort": _reasoning_effort(llm, effort)}
     copy = messages_for_template(messages)
     for message in copy:                     # OpenAI's developer role is the system role of older templates
         if message["role"] == "developer":
@@ -4310,7 +4325,8 @@ class LLM:
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
         self.device = device = torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
-        kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+        self.kv_dtype = kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device,
+                                                                                           "kv-dtype")
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
             self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
@@ -4378,6 +4394,16 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    # The OpenAI surface (sections 12-13): exactly what the HTTP endpoints send.
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, stream: bool = False, **params):
+        """An OpenAI chat completion: the response dict, or an iterator of chunk dicts when stream=True."""
+        return llm_chat(self, messages, tools, stream, **params)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, block: bool = True, **server_options):
+        """Serve the OpenAI API over HTTP; with block=False returns the running server (.port, .shutdown())."""
+        return serve(self, host, port, block=block, **server_options)
+
     # Offline API.
 
     def generate(self, prompt: str | list[int], **sampling) -> dict:
@@ -4409,8 +4435,7 @@ class LLM:
                 return self.group.logits(ids, chunk_size)
         bs = self.options.kv_block_size
         nblocks = -(-len(ids) // bs)
-        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.engine.cache.k[
-            next(iter(self.engine.cache.k))].dtype if self.engine.cache.k else self.dtype, self.device)
+        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.kv_dtype, self.device)
         blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
         with self._lock:
             for s in range(0, len(ids), step):

@@ -45,7 +45,7 @@ def llm(ckpt_factory):
 
 @pytest.fixture(scope="module")
 def server(llm):
-    srv = pocketllm.serve(llm, port=0, api_key=KEY, block=False, log_requests=False)
+    srv = llm.serve(port=0, api_key=KEY, block=False, log_requests=False)
     yield srv
     srv.shutdown()
 
@@ -226,8 +226,9 @@ def test_langchain(server, llm):
                       max_tokens=4, temperature=0, max_retries=0, extra_body={"ignore_eos": True})
     answer = chat.invoke("Hello")
     assert answer.usage_metadata["output_tokens"] == 4            # max_completion_tokens honoured
-    streamed = "".join(str(c.content) for c in chat.stream("Hello"))
-    assert streamed == answer.content
+    chunks = list(chat.stream("Hello", stream_usage=True))            # sends stream_options.include_usage
+    assert "".join(str(c.content) for c in chunks) == answer.content
+    assert sum(c.usage_metadata["output_tokens"] for c in chunks if c.usage_metadata) == 4
 
 
 def test_langchain_tool_loop(server, llm):
@@ -339,6 +340,21 @@ def test_no_effect_fields_are_accepted(server):
     status, _, body = request(server, "POST", "/v1/completions",
                               {"prompt": "Hi", "max_tokens": 2, "best_of": 1, "echo": False, "user": "u"})
     assert status == 200, body
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(llm):
+    """Top-level reasoning_effort is refused (400, in the table above) for a template that ignores it and
+    passed to one that reads it."""
+    original = pocketllm.render_chat_prompt(llm, {"messages": USER}, None) and llm.chat_template
+    source = CHAT_TEMPLATE.replace("{%- for m in messages %}", "effort={{ reasoning_effort }}\n{%- for m in messages %}")
+    llm.chat_template = pocketllm.ChatTemplate(source, llm.tokenizer)
+    try:
+        assert "effort=low" in pocketllm.render_chat_prompt(llm, {"messages": USER, "reasoning_effort": "low"}, None)
+        with pytest.raises(pocketllm.RequestError) as e:
+            pocketllm.render_chat_prompt(llm, {"messages": USER, "reasoning_effort": "extreme"}, None)
+        assert e.value.param == "reasoning_effort"
+    finally:
+        llm.chat_template = original
 
 
 ODD_VALUES = [True, -1, 2.5, 1e308, "", "\u0000", [1], ["x"], {}, {"a": 1}, [{"type": "function"}], [[[]]]]
@@ -466,13 +482,12 @@ def test_tool_choice_none_parses_no_calls(client, llm):
 
 
 def test_python_api_chat(llm):
-    """llm_chat (behind LLM.chat) returns what the endpoint sends; closing a stream early aborts it."""
-    out = pocketllm.llm_chat(llm, USER, max_tokens=3, ignore_eos=True)
+    """LLM.chat returns what the endpoint sends; closing a stream early aborts it."""
+    out = llm.chat(USER, max_tokens=3, ignore_eos=True)
     assert out["object"] == "chat.completion" and out["usage"]["completion_tokens"] == 3
-    chunks = list(pocketllm.llm_chat(llm, USER, stream=True, max_tokens=3, ignore_eos=True,
-                                     stream_options={"include_usage": True}))
+    chunks = list(llm.chat(USER, stream=True, max_tokens=3, ignore_eos=True, stream_options={"include_usage": True}))
     assert chunks[0]["object"] == "chat.completion.chunk" and chunks[-1]["usage"] == out["usage"]
-    stream = pocketllm.llm_chat(llm, USER, stream=True, max_tokens=300, ignore_eos=True)
+    stream = llm.chat(USER, stream=True, max_tokens=300, ignore_eos=True)
     next(stream), next(stream)
     stream.close()
     stats = wait_idle(llm)

@@ -271,3 +271,41 @@ def test_forced_call_with_logits_on_gpu(tokenizer, fmt):
     processor = P.tool_choice_processor(tokenizer, TOOLS, "required", fmt, False, True, 300)
     ids = run(processor, tokenizer, 300, seed=2, device="cuda")
     check_call(tokenizer, ids, 300, True, ["get_weather", "set_rate", "ping"], fmt)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(ckpt_factory):
+    return P.LLM(ckpt_factory("qwen3_5")[0], backend="torch", quiet=True, max_context=1024, max_batch_size=4)
+
+
+@pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
+def test_forced_call_through_the_engine(tiny_llm, fmt):
+    """A random tiny checkpoint (which never calls on its own) served by the real engine and sampler, n=2:
+    the processor rides in SamplingParams.logits_processors and every choice is a call to the named tool."""
+    llm = tiny_llm
+    template = P.load_chat_template(llm.tokenizer)
+    tools = TOOLS[:1]
+    prompt = template.render([{"role": "user", "content": "Weather in Paris?"}], tools=tools)
+    in_reasoning = P.prompt_ends_in_reasoning(prompt)
+    processor = P.tool_choice_processor(llm.tokenizer, tools, {"type": "function", "function": {"name": "get_weather"}},
+                                        fmt, False, in_reasoning, max_tokens=120, eos_token_ids=llm.eos_token_ids)
+    out = llm.generate(prompt, max_tokens=120, temperature=1.0, seed=3, n=2, logits_processors=[processor])
+    assert in_reasoning                              # the template opens <think>: reasoning first, then the call
+    for choice in out["choices"]:
+        parser = P.ChatOutputParser(tools, fmt, in_reasoning)
+        parser.feed(choice["text"])
+        message = parser.message()
+        assert choice["finish_reason"] == "stop" and choice["completion_tokens"] <= 120, choice
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"], choice["text"]
+        args = json.loads(message["tool_calls"][0]["function"]["arguments"])
+        assert isinstance(args["city"], str) and type(args["days"]) is int, choice["text"]
+
+
+def test_tiny_model_does_not_call_on_its_own(tiny_llm):
+    """The control for the test above: the same prompt and seed without the processor give no call."""
+    prompt = P.load_chat_template(tiny_llm.tokenizer).render([{"role": "user", "content": "Weather in Paris?"}],
+                                                             tools=TOOLS[:1])
+    for choice in tiny_llm.generate(prompt, max_tokens=120, temperature=1.0, seed=3, n=2)["choices"]:
+        parser = P.ChatOutputParser(TOOLS[:1], "qwen_xml", True)
+        parser.feed(choice["text"])
+        assert parser.message()["tool_calls"] is None
