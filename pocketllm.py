@@ -1321,17 +1321,17 @@ def pack_batch(batch: Batch) -> tuple[list[int], torch.Tensor]:
     return sizes, payload
 
 
+def wire_lengths(sizes: list[int]) -> list[int]:
+    """The payload length of each _BATCH_WIRE field, from [T, B, W, R, F]."""
+    T, B, W, R, F = sizes
+    return [T, T, B + 1, B, B * W, T, B, R, F]
+
+
 def unpack_batch(sizes: list[int], payload: torch.Tensor, device) -> Batch:
-    T, B, W, R, F = sizes
-    parts = payload.to(device).split([T, T, B + 1, B, B * W, T, B, R, F])
+    parts = payload.to(device).split(wire_lengths(sizes))
     fields = {name: part.to(dtype) for (name, dtype), part in zip(_BATCH_WIRE, parts)}
-    fields["block_tables"] = fields["block_tables"].view(B, W)
+    fields["block_tables"] = fields["block_tables"].view(sizes[1], sizes[2])   # (B, W)
     return Batch(**fields)
-
-
-def batch_wire_words(sizes: list[int]) -> int:
-    T, B, W, R, F = sizes
-    return 3 * T + (B + 1) + 2 * B + B * W + R + F
 
 
 class Comm:
@@ -1344,7 +1344,6 @@ class Comm:
     TIMEOUT = datetime.timedelta(days=30)
 
     def __init__(self, store, rank: int, world: int, device: torch.device, ops):
-        self.rank, self.world, self.device = rank, world, device
         self.plans = dist.ProcessGroupGloo(dist.PrefixStore("plans/", store), rank, world, self.TIMEOUT)
         self.all_reduce = self._gloo_all_reduce
         if device.type == "cuda" and hasattr(ops, "nccl_init"):
@@ -1374,7 +1373,7 @@ class Comm:
         command, args = int(header[0]), header[1:].tolist()
         payload = None
         if command == PLAN_STEP:
-            payload = torch.empty(batch_wire_words(args[1:6]), dtype=torch.long)
+            payload = torch.empty(sum(wire_lengths(args[1:6])), dtype=torch.long)
             if payload.numel():
                 self.plans.broadcast(payload, 0).wait()
         return command, args, payload

@@ -129,6 +129,18 @@ def test_forked_choices_match_tp1(group):
     assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in want["choices"]]
 
 
+def test_one_rank_group_is_tp1(bf16):
+    """--devices cpu: the group machinery with nothing to reduce (on a GPU, TP1 through the NCCL path)."""
+    tp1, one = pocketllm.LLM(bf16, **ENGINE), pocketllm.LLM(bf16, devices="cpu", **ENGINE)
+    try:
+        assert one.group.workers == {}
+        assert torch.equal(tp1.logits(PROMPTS[0], 4), one.logits(PROMPTS[0], 4))
+        assert generate_together(one, PROMPTS, max_tokens=6, temperature=0) == \
+            generate_together(tp1, PROMPTS, max_tokens=6, temperature=0)
+    finally:
+        one.group.close()
+
+
 # Refusals and failures while starting.
 
 def test_non_dividing_degree_is_refused(bf16):
