@@ -1505,8 +1505,10 @@ class RankGroup:
     def _failed(self, error: Exception) -> Exception:
         """A step raised. A peer's death surfaces as a collective error: wait for the watcher to name the rank.
         Anything else is rank 0's own failure, which also ends the group."""
+        if self._closing:                  # close() stopped the workers under a step still in flight
+            return PocketError("the tensor-parallel group is closed")
         deadline = time.time() + 3.0
-        while self.dead_reason is None and time.time() < deadline and not self._closing:
+        while self.dead_reason is None and time.time() < deadline:
             time.sleep(self.POLL_S)
         if self.dead_reason is None:
             self._fail("", f"rank 0 ({self.devices[0]}) failed: {type(error).__name__}: {error}")
