@@ -275,3 +275,40 @@ def test_rank0_terminated_or_killed_leaves_no_ranks(bf16):
         for proc in (cli, embedded):
             proc.kill()
             proc.wait()
+
+
+# GPU ranks (skipped without GPUs): NCCL from the backend that runs the ops.
+
+def gpus(n: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA device(s)")
+
+
+@pytest.mark.gpu
+@gpus(1)
+def test_gpu_tp1_through_nccl_equals_plain(bf16):
+    """--devices 0: one rank, its all-reduce through NCCL (a sum over one rank), otherwise the plain engine."""
+    plain = pocketllm.LLM(bf16, **dict(ENGINE, device="cuda:0"))
+    one = pocketllm.LLM(bf16, **dict(ENGINE, device="cuda:0", devices="0"))
+    try:
+        assert torch.equal(plain.logits(PROMPTS[2], 4), one.logits(PROMPTS[2], 4))
+        assert generate_together(one, PROMPTS, max_tokens=8, temperature=0) == \
+            generate_together(plain, PROMPTS, max_tokens=8, temperature=0)
+    finally:
+        one.group.close()
+
+
+@pytest.mark.gpu
+@gpus(2)
+def test_gpu_tp2_matches_tp1(bf16):
+    """Two GPU ranks against one GPU: torch ops in float32 (torch.distributed's NCCL), so that the order of
+    the sums is the only difference."""
+    opts = dict(ENGINE, device="cuda:0", dtype="float32", backend="torch")
+    tp1 = pocketllm.LLM(bf16, **opts)
+    tp2 = pocketllm.LLM(bf16, **dict(opts, devices="0,1"))
+    try:
+        assert relative_error(tp1.logits(PROMPTS[2]), tp2.logits(PROMPTS[2], 5)) < REL_TOL
+        assert generate_together(tp2, PROMPTS, max_tokens=8, temperature=0, ignore_eos=True) == \
+            generate_together(tp1, PROMPTS, max_tokens=8, temperature=0, ignore_eos=True)
+    finally:
+        tp2.group.close()
+    wait_no_ranks(bf16, 2)
