@@ -1385,6 +1385,10 @@ def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: in
     try:
         return Model(ckpt, ops, dtype, device, shard=Shard(rank, world), num_layers=opts.smoke_layers or None,
                      all_reduce=all_reduce, progress=not quiet)
+    except CheckpointError as e:
+        if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. an FP8 slice off its 128-blocks
+            raise CheckpointError(f"{e} at tensor-parallel degree {world}") from None
+        raise
     finally:
         ckpt.close()
 

@@ -157,6 +157,15 @@ def test_non_dividing_degree_is_refused(bf16):
     wait_no_ranks(bf16, 3)
 
 
+def test_fp8_slices_off_block_boundaries_are_refused(ckpt_factory):
+    """intermediate 200 at TP2: 100 gate_proj rows per rank, not whole 128-row FP8 blocks."""
+    path = ckpt_factory("qwen3_5", fp8=True, **HEADS)[0]
+    with pytest.raises(pocketllm.CheckpointError, match=r"tensor '.*gate_proj.weight'.*128-element block.*"
+                                                         r"tensor-parallel degree 2"):
+        pocketllm.LLM(path, devices=cpu_ranks(2), **ENGINE)
+    wait_no_ranks(path, 2)
+
+
 @pytest.mark.parametrize("spec, message", [("cpu,", "empty entry"), ("cpu,0", "every rank must be a cpu"),
                                            ("cpu,tpu", "not a device")])
 def test_bad_devices_are_refused(bf16, spec, message):
