@@ -1124,7 +1124,7 @@ class Engine:
     """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
 
     def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
-                 run_batch: Callable | None = None):
+                 run_batch: Callable | None = None, copy: Callable = copy_state):
         self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
         bs = opts.kv_block_size
         num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
@@ -1136,6 +1136,7 @@ class Engine:
                                     model.device)
         self.scheduler = Scheduler(opts, self.blocks, self.slots)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
+        self.copy_state = copy                    # with tensor parallelism: on every rank's cache
         self.requests: dict[str, Request] = {}
         self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -1221,7 +1222,7 @@ class Engine:
                 continue
             shared = parent.blocks[:-1] if partial else parent.blocks
             child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
-            copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
+            self.copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
             child.slot, child.num_computed = slot, parent.num_computed
             self.scheduler.running.append(child)
             self._append(child, raw)
@@ -4328,13 +4329,16 @@ class LLM:
         self.tokenizer = Tokenizer(self.ckpt_dir)
         _check_options(opts, cfg)
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
-        self.device = device = torch.device(opts.device)
+        # With --devices, rank 0 runs on the first listed device.
+        self.device = device = parse_devices(opts.devices)[0] if opts.devices else torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
         self.kv_dtype = kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device,
                                                                                            "kv-dtype")
+        self.dead_reason: str | None = None
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
             self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
+            self.group.on_death = lambda reason: setattr(self, "dead_reason", reason)
             self.model, run_batch = self.group.model, lambda batch: self.group.run_batch(batch, self.engine.cache)
         else:
             ops, why = select_ops(opts, device)
@@ -4343,11 +4347,11 @@ class LLM:
                                progress=not opts.quiet)
             run_batch = None
         ckpt.close()
-        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch)
+        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch,
+                             self.group.copy_state if self.group else copy_state)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
-        self.dead_reason: str | None = None
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -4398,6 +4402,11 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def close(self):
+        """Stop the tensor-parallel ranks, if any (the engine thread is a daemon and needs nothing)."""
+        if self.group is not None:
+            self.group.close()
 
     # The OpenAI surface (sections 12-13): exactly what the HTTP endpoints send.
 
