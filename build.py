@@ -1,0 +1,153 @@
+"""Build libpocketllm from csrc/*.cu.
+
+    python build.py                    # CUDA build: build/libpocketllm.so for sm_75 and sm_90 (nvcc)
+    python build.py --arch 75,80,86,89,90
+    python build.py --cpu              # CPU test build: build/libpocketllm_cpu.so (g++ + AddressSanitizer)
+
+Both builds compile the same sources; the CPU build runs the kernels through the execution layer in
+csrc/runtime.cuh (docs/native.md). A build is skipped when the sources and the command are unchanged: a hash
+of both is stamped next to the output. The exact compiler command is printed.
+
+Loading the CPU build: it is compiled with -fsanitize=address against the shared libasan. Best is to start the
+process with `LD_PRELOAD=$(g++ -print-file-name=libasan.so)` (see asan_env()); then ASan also checks heap memory
+such as torch's tensors. Loaded into a process without the preload, pocketllm.py sets
+ASAN_OPTIONS=verify_asan_link_order=0 first: stack, global and shared-memory checks still work, heap checks do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+BUILD = ROOT / "build"
+DEFAULT_ARCH = "75,90"
+NVCC_CANDIDATES = ("nvcc", "/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc")
+
+
+class BuildError(RuntimeError):
+    """A compiler is missing or a compile failed; the message holds the command and the compiler's output."""
+
+
+def find_nvcc() -> str | None:
+    """The nvcc to use: $NVCC, then PATH, then the usual install places."""
+    for cand in ((os.environ.get("NVCC"),) if os.environ.get("NVCC") else ()) + NVCC_CANDIDATES:
+        path = shutil.which(cand)
+        if path:
+            return path
+    return None
+
+
+def find_cxx() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def asan_runtime() -> str | None:
+    """Path of the shared AddressSanitizer runtime that the CPU build links against (None if unknown)."""
+    cxx = find_cxx()
+    if not cxx:
+        return None
+    out = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    return out if out and os.path.isabs(out) and os.path.exists(out) else None
+
+
+def asan_env(base: dict | None = None) -> dict:
+    """Environment for a subprocess that loads the CPU build with full ASan checking (heap included)."""
+    env = dict(os.environ if base is None else base)
+    runtime = asan_runtime()
+    if runtime:
+        env["LD_PRELOAD"] = runtime
+    # Python itself "leaks" by design, and torch installs its own signal handlers.
+    env.setdefault("ASAN_OPTIONS", "detect_leaks=0:verify_asan_link_order=0")
+    return env
+
+
+def gencode_flags(arch: str) -> list[str]:
+    """SASS for every listed arch, plus PTX of the lowest so that newer GPUs (e.g. sm_86) can JIT it."""
+    archs = sorted({int(a) for a in arch.replace(" ", "").split(",") if a})
+    if not archs:
+        raise BuildError(f"--arch {arch!r} names no architecture (expected e.g. 75,90)")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    flags.append(f"-gencode=arch=compute_{archs[0]},code=compute_{archs[0]}")
+    return flags
+
+
+def command(cpu: bool, arch: str, sources: list[Path], out: Path) -> list[str]:
+    """The exact compiler command for one build."""
+    srcs = [str(s) for s in sources]
+    if cpu:
+        cxx = find_cxx()
+        if not cxx:
+            raise BuildError("no host C++ compiler found (set CXX or install g++)")
+        return [cxx, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-fsanitize=address", "-fno-omit-frame-pointer",
+                "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-x", "c++", *srcs, "-o", str(out), "-ldl"]
+    nvcc = find_nvcc()
+    if not nvcc:
+        raise BuildError("nvcc not found (install the CUDA toolkit, put nvcc on PATH or set NVCC)")
+    return [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", *gencode_flags(arch),
+            "-Xlinker", "--exclude-libs,ALL",  # keep the static CUDA runtime private next to torch's own
+            *srcs, "-o", str(out), "-ldl"]
+
+
+def source_hash(src_dir: Path, cmd: list[str]) -> str:
+    h = hashlib.sha256(" ".join(cmd).encode())
+    for path in sorted(p for p in src_dir.iterdir() if p.suffix in (".cu", ".cuh", ".h")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def build(arch: str = DEFAULT_ARCH, cpu: bool = False, src_dir: Path | str = CSRC, out_dir: Path | str = BUILD,
+          force: bool = False, quiet: bool = False) -> Path:
+    """Compile src_dir/*.cu into out_dir/libpocketllm.so (or libpocketllm_cpu.so) and return its path.
+
+    Rebuilds only when the sources or the command changed. Raises BuildError with the compiler output.
+    """
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    sources = sorted(src_dir.glob("*.cu"))
+    if not sources:
+        raise BuildError(f"no .cu sources in {src_dir}")
+    out = out_dir / ("libpocketllm_cpu.so" if cpu else "libpocketllm.so")
+    cmd = command(cpu, arch, sources, out)
+    stamp = out.with_name(out.name + ".stamp")
+    digest = source_hash(src_dir, cmd)
+    if not force and out.exists() and stamp.exists() and stamp.read_text().strip() == digest:
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(shlex.join(cmd), flush=True)
+    tmp = out.with_name(out.name + ".tmp")
+    # Write aside, then rename: a half-built library is never loaded.
+    proc = subprocess.run(command(cpu, arch, sources, tmp), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"build failed ({proc.returncode}): {shlex.join(cmd)}\n{proc.stdout}{proc.stderr}")
+    if proc.stderr.strip() and not quiet:
+        print(proc.stderr, file=sys.stderr, end="")
+    tmp.replace(out)
+    stamp.write_text(digest + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default=DEFAULT_ARCH, help="comma-separated SM versions (default %(default)s)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU test build with g++ and AddressSanitizer")
+    ap.add_argument("--force", action="store_true", help="rebuild even when nothing changed")
+    args = ap.parse_args(argv)
+    try:
+        out = build(arch=args.arch, cpu=args.cpu, force=args.force)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
