@@ -186,3 +186,34 @@ extern "C" int pl_nccl_destroy(uint64_t comm) {
 // library list; this hook lets it start anyway (heap checks then need LD_PRELOAD, see build.py).
 extern "C" const char* __asan_default_options() { return "verify_asan_link_order=0:detect_leaks=0"; }
 #endif
+
+#if PL_CPU_EMU
+// ---------------------------------------------------------------------------------------------------------
+// The CPU execution layer's fiber switch (declared in runtime.cuh): push the System V callee-saved registers,
+// swap stack pointers, pop the other fiber's registers and return into it.
+// ---------------------------------------------------------------------------------------------------------
+asm(R"(
+    .text
+    .globl pl_cpu_switch
+    .type pl_cpu_switch, @function
+pl_cpu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size pl_cpu_switch, .-pl_cpu_switch
+    .section .note.GNU-stack,"",@progbits
+    .text
+)");
+#endif

@@ -2,7 +2,7 @@
 //
 // Under nvcc (__CUDACC__) everything here is the real CUDA: chevron launches, __half, mma.sync, ldmatrix.
 // Under a host C++ compiler (the CPU test build, `python build.py --cpu`) this header is a small CUDA
-// execution layer: blocks run one after another; the threads of a block are cooperative fibers (ucontext),
+// execution layer: blocks run one after another; the threads of a block are cooperative fibers (own stacks),
 // so __syncthreads() is a real barrier; the 32 lanes of a warp exchange values at a warp barrier; tensor-core
 // and fp8/fp16 wrappers compute the documented results on the CPU. A barrier that not every thread reaches is
 // reported as a launch error (cudaGetLastError), never a hang. See docs/native.md.
@@ -115,7 +115,6 @@ __device__ __forceinline__ void pl_ldmatrix_x2_trans(uint32_t r[2], const void* 
 // =========================================================================================================
 // The CPU build: a CUDA execution layer on fibers.
 // =========================================================================================================
-#include <ucontext.h>
 #include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -136,6 +135,9 @@ __device__ __forceinline__ void pl_ldmatrix_x2_trans(uint32_t r[2], const void* 
 #endif
 
 #define PL_CPU_EMU 1
+#if !defined(__x86_64__)
+#error "the CPU execution layer switches fibers with x86-64 assembly (pl_cpu_switch in runtime.cu)"
+#endif
 
 // Qualifiers vanish; __shared__ becomes function-static storage (one block runs at a time).
 #define __global__
@@ -214,7 +216,7 @@ struct Warp {
 };
 
 struct Fiber {
-    ucontext_t ctx;
+    void* sp = nullptr;        // saved stack pointer while switched out
     char* stack = nullptr;     // usable stack (a guard page lies below it)
     uint3 tid;
     int linear = 0;
@@ -230,7 +232,7 @@ inline size_t g_stack_bytes = 0;
 inline std::vector<Fiber> g_fibers;
 inline std::vector<Warp> g_warps;
 inline Fiber* g_cur = nullptr;
-inline ucontext_t g_sched_ctx;
+inline void* g_sched_sp = nullptr;
 inline void* g_sched_fake = nullptr;
 inline const void* g_sched_stack_bottom = nullptr;
 inline size_t g_sched_stack_size = 0;
@@ -252,11 +254,15 @@ inline void fail(int code, const std::string& msg) {
 }
 
 // ---- Fiber switching (with ASan's fiber annotations so it follows the stacks) ----
+// pl_cpu_switch (runtime.cu, x86-64 assembly) saves the callee-saved registers on the current stack, stores
+// the stack pointer in *save and resumes the stack `to`. ucontext's swapcontext would do, but it makes a
+// system call per switch and ASan clears a whole stack's shadow on each; this is ~20x faster.
+extern "C" void pl_cpu_switch(void** save, void* to);
 inline void switch_to_scheduler(Fiber* f, bool finished) {
 #if PL_ASAN
     __sanitizer_start_switch_fiber(finished ? nullptr : &f->fake_stack, g_sched_stack_bottom, g_sched_stack_size);
 #endif
-    swapcontext(&f->ctx, &g_sched_ctx);
+    pl_cpu_switch(&f->sp, g_sched_sp);
 #if PL_ASAN
     __sanitizer_finish_switch_fiber(f->fake_stack, &g_sched_stack_bottom, &g_sched_stack_size);
 #endif
@@ -267,7 +273,7 @@ inline void switch_to_fiber(Fiber* f) {
 #if PL_ASAN
     __sanitizer_start_switch_fiber(&g_sched_fake, f->stack, g_stack_bytes);
 #endif
-    swapcontext(&g_sched_ctx, &f->ctx);
+    pl_cpu_switch(&g_sched_sp, f->sp);
 #if PL_ASAN
     __sanitizer_finish_switch_fiber(g_sched_fake, nullptr, nullptr);
 #endif
@@ -375,14 +381,13 @@ inline bool run_block(int n, const uint3& bdim, const std::vector<int>& order) {
         f.tid = {(unsigned)(i % bdim.x), (unsigned)((i / bdim.x) % bdim.y), (unsigned)(i / (bdim.x * bdim.y))};
         f.state = RUNNABLE;
         f.fake_stack = nullptr;
-#if PL_ASAN
-        ASAN_UNPOISON_MEMORY_REGION(f.stack, g_stack_bytes);  // frames abandoned by an earlier failure
-#endif
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack;
-        f.ctx.uc_stack.ss_size = g_stack_bytes;
-        f.ctx.uc_link = nullptr;
-        makecontext(&f.ctx, fiber_main, 0);
+        // A fresh stack that "returns" into fiber_main: the six callee-saved registers pl_cpu_switch pops, the
+        // address it returns to, and a null return address for fiber_main (so it starts 16-byte aligned).
+        void** top = reinterpret_cast<void**>(f.stack + g_stack_bytes);
+        top[-1] = nullptr;
+        top[-2] = reinterpret_cast<void*>(&fiber_main);
+        for (int r = 3; r <= 8; r++) top[-r] = nullptr;
+        f.sp = top - 8;
     }
     int nwarps = (n + kWarp - 1) / kWarp;
     g_warps.assign(nwarps, Warp());
@@ -461,7 +466,13 @@ inline void run_grid(const void* fn, dim3 grid, dim3 block, size_t smem, void (*
                 ASAN_POISON_MEMORY_REGION(g_dyn_smem, kSmemRedzone);
                 ASAN_POISON_MEMORY_REGION(g_dyn_smem + kSmemRedzone + smem, g_dyn_smem_cap - kSmemRedzone - smem);
 #endif
-                if (!run_block(n, g_block_dim, order)) return;
+                if (!run_block(n, g_block_dim, order)) {
+#if PL_ASAN
+                    // The abandoned fibers' frames are still poisoned; clean the stacks for the next launch.
+                    for (Fiber& f : g_fibers) ASAN_UNPOISON_MEMORY_REGION(f.stack, g_stack_bytes);
+#endif
+                    return;
+                }
             }
 }
 
