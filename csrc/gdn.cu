@@ -1,0 +1,148 @@
+// Gated DeltaNet: the causal depthwise conv1d with per-slot conv state, and the gated delta rule with
+// per-slot recurrent state. Both run prefill and decode through one kernel that walks each sequence's rows in
+// order (decode is the one-row case). The delta rule here is the sequential per-token form, not the chunked
+// (WY) form: exact, and for decode it is the whole story; long prefills are slower than a chunked kernel.
+#include "ops_common.cuh"
+
+// ---- conv1d: thread per channel; the W-1 previous inputs live in registers while it walks the rows. -------
+
+static const int CONV_MAX_W = 8;
+
+template <typename TA>
+__global__ void conv1d_kernel(const TA* x, const void* w, int wdt, void* conv_state, int sdt, const int32_t* slot_ids,
+                              const int32_t* query_start, int C, int W, TA* out) {
+  int c = blockIdx.x * blockDim.x + threadIdx.x;
+  int b = blockIdx.y;
+  if (c >= C) return;
+  float wc[CONV_MAX_W], win[CONV_MAX_W];              // win[0 .. W-2] = previous inputs, oldest first
+  for (int j = 0; j < CONV_MAX_W; j++) wc[j] = j < W ? load_any(w, wdt, (int64_t)c * W + j) : 0.f;
+  int64_t st = ((int64_t)slot_ids[b] * C + c) * (W - 1);
+  for (int j = 0; j < CONV_MAX_W - 1; j++) win[j] = j < W - 1 ? load_any(conv_state, sdt, st + j) : 0.f;
+  for (int64_t t = query_start[b]; t < query_start[b + 1]; t++) {
+    float xt = to_f(x[t * C + c]);
+    float y = wc[W - 1] * xt;
+    for (int j = 0; j < CONV_MAX_W - 1; j++)
+      if (j < W - 1) y += wc[j] * win[j];
+    out[t * C + c] = from_f<TA>(silu_f(y));
+    for (int j = 0; j < CONV_MAX_W - 1; j++)
+      if (j < W - 1) win[j] = j + 1 < W - 1 ? win[j + 1] : xt;
+  }
+  for (int j = 0; j < CONV_MAX_W - 1; j++)
+    if (j < W - 1) store_any(conv_state, sdt, st + j, win[j]);
+}
+
+extern "C" int pl_conv1d(uint64_t x, int32_t act_dtype, int64_t T, int32_t C, uint64_t w, int32_t w_dtype,
+                         int32_t W, uint64_t conv_state, int32_t state_dtype, uint64_t slot_ids,
+                         uint64_t query_start, int32_t B, uint64_t out, uint64_t stream) {
+  PL_REQUIRE(W >= 2 && W <= CONV_MAX_W, "conv kernel width must be in 2..8");
+  PL_REQUIRE(state_dtype >= PL_F32 && state_dtype <= PL_BF16, "conv state dtype must be fp32, fp16 or bf16");
+  if (B == 0 || C == 0) return 0;
+  PL_DISPATCH_ACT(act_dtype, TA,
+    PL_LAUNCH(conv1d_kernel<TA>, dim3((unsigned)((C + 127) / 128), (unsigned)B), dim3(128), 0, stream,
+              (const TA*)x, (const void*)w, (int)w_dtype, (void*)conv_state, (int)state_dtype,
+              (const int32_t*)slot_ids, (const int32_t*)query_start, (int)C, (int)W, (TA*)out));
+  PL_CHECK_LAUNCH();
+  return 0;
+}
+
+// ---- The gated delta rule. One block per (32 value columns, value head, sequence); warp w holds rows
+// w*RPT .. w*RPT+RPT-1 of those 32 columns of S (Dk, Dv) in registers, lane = column. Per token:
+//   S = exp(g) S;  delta_j = beta (v_j - sum_i S_ij k_i);  S_ij += k_i delta_j;  o_j = sum_i S_ij q_i
+// with the column sums reduced across the warps through shared memory. ---------------------------------------
+
+static const int GDN_WARPS = 4;
+static const int GDN_MAX_DK = 256;
+
+template <typename TA, int RPT>
+__global__ void gated_delta_kernel(const TA* q, const TA* k, const TA* v, const float* g, const float* beta,
+                                   float* state, const int32_t* slot_ids, const int32_t* query_start, int Hk,
+                                   int Hv, int Dk, int Dv, TA* out) {
+  __shared__ float q_s[GDN_WARPS * RPT], k_s[GDN_WARPS * RPT];
+  __shared__ float red[GDN_WARPS][32];
+  __shared__ float red_q[32], red_k[32];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int j = blockIdx.x * 32 + lane, h = blockIdx.y, b = blockIdx.z;
+  int kh = h / (Hv / Hk);
+  bool col = j < Dv;
+  float* S_g = state + ((int64_t)slot_ids[b] * Hv + h) * Dk * Dv;
+  float S[RPT];
+  for (int rr = 0; rr < RPT; rr++) {
+    int i = warp * RPT + rr;
+    S[rr] = (col && i < Dk) ? S_g[(int64_t)i * Dv + j] : 0.f;
+  }
+  float q_scale = rsqrtf((float)Dk);
+  for (int64_t t = query_start[b]; t < query_start[b + 1]; t++) {
+    // L2-normalised q (times Dk^-0.5) and k of key head kh, staged in shared memory.
+    const TA* qt = q + (t * Hk + kh) * Dk;
+    const TA* kt = k + (t * Hk + kh) * Dk;
+    float sq = 0.f, sk = 0.f;
+    for (int i = threadIdx.x; i < GDN_WARPS * RPT; i += blockDim.x) {
+      float qi = i < Dk ? to_f(qt[i]) : 0.f, ki = i < Dk ? to_f(kt[i]) : 0.f;
+      q_s[i] = qi; k_s[i] = ki;
+      sq += qi * qi; sk += ki * ki;
+    }
+    float inv_q = rsqrtf(block_sum(sq, red_q) + 1e-6f) * q_scale;
+    float inv_k = rsqrtf(block_sum(sk, red_k) + 1e-6f);
+    float decay = expf(g[t * Hv + h]), bt = beta[t * Hv + h];
+    float vj = col ? to_f(v[(t * Hv + h) * Dv + j]) : 0.f;
+    // Decay, then this warp's share of S^T k.
+    float part = 0.f;
+    for (int rr = 0; rr < RPT; rr++) {
+      S[rr] *= decay;
+      part += S[rr] * k_s[warp * RPT + rr];
+    }
+    red[warp][lane] = part * inv_k;
+    __syncthreads();
+    float kS = 0.f;
+    for (int w = 0; w < GDN_WARPS; w++) kS += red[w][lane];
+    float delta = bt * (vj - kS);
+    __syncthreads();                                   // red is reused below
+    part = 0.f;
+    for (int rr = 0; rr < RPT; rr++) {
+      S[rr] += k_s[warp * RPT + rr] * inv_k * delta;
+      part += S[rr] * q_s[warp * RPT + rr];
+    }
+    red[warp][lane] = part * inv_q;
+    __syncthreads();
+    if (warp == 0 && col) {
+      float o = 0.f;
+      for (int w = 0; w < GDN_WARPS; w++) o += red[w][lane];
+      out[(t * Hv + h) * Dv + j] = from_f<TA>(o);
+    }
+    __syncthreads();                                   // red, q_s, k_s are rewritten by the next token
+  }
+  for (int rr = 0; rr < RPT; rr++) {
+    int i = warp * RPT + rr;
+    if (col && i < Dk) S_g[(int64_t)i * Dv + j] = S[rr];
+  }
+}
+
+template <typename TA, int RPT>
+static void launch_gated_delta(const TA* q, const TA* k, const TA* v, const float* g, const float* beta, float* state,
+                               const int32_t* slots, const int32_t* qs, int B, int Hk, int Hv, int Dk, int Dv,
+                               TA* out, uint64_t stream) {
+  PL_LAUNCH((gated_delta_kernel<TA, RPT>), dim3((unsigned)((Dv + 31) / 32), (unsigned)Hv, (unsigned)B),
+            dim3(32 * GDN_WARPS), 0, stream, q, k, v, g, beta, state, slots, qs, Hk, Hv, Dk, Dv, out);
+}
+
+extern "C" int pl_gated_delta(uint64_t q, uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk,
+                              int32_t Hv, int32_t Dk, int32_t Dv, uint64_t g, uint64_t beta, uint64_t state,
+                              uint64_t slot_ids, uint64_t query_start, int32_t B, uint64_t out, uint64_t stream) {
+  PL_REQUIRE(Dk > 0 && Dk <= GDN_MAX_DK, "key head dim must be in 1..256");
+  PL_REQUIRE(Hk > 0 && Hv % Hk == 0, "value heads must be a multiple of key heads");
+  if (B == 0 || T == 0) return 0;
+  PL_DISPATCH_ACT(act_dtype, TA, {
+    const TA *qp = (const TA*)q, *kp = (const TA*)k, *vp = (const TA*)v;
+    const float *gp = (const float*)g, *bp = (const float*)beta;
+    const int32_t *sl = (const int32_t*)slot_ids, *qs = (const int32_t*)query_start;
+    float* st = (float*)state;
+    TA* op = (TA*)out;
+    if (Dk <= 16) launch_gated_delta<TA, 4>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    else if (Dk <= 32) launch_gated_delta<TA, 8>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    else if (Dk <= 64) launch_gated_delta<TA, 16>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    else if (Dk <= 128) launch_gated_delta<TA, 32>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    else launch_gated_delta<TA, 64>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+  });
+  PL_CHECK_LAUNCH();
+  return 0;
+}
