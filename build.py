@@ -5,8 +5,9 @@
     python build.py --cpu              # CPU test build: build/libpocketllm_cpu.so (g++ + AddressSanitizer)
 
 Both builds compile the same sources; the CPU build runs the kernels through the execution layer in
-csrc/runtime.cuh (docs/native.md). A build is skipped when the sources and the command are unchanged: a hash
-of both is stamped next to the output. The exact compiler command is printed.
+csrc/runtime.cuh (docs/native.md). Each source compiles to a cached object (keyed by a hash of its
+text, the headers and the flags), so only changed files recompile; the link is skipped when nothing changed.
+The exact compiler commands are printed.
 
 Loading the CPU build: it is compiled with -fsanitize=address against the shared libasan. Best is to start the
 process with `LD_PRELOAD=$(g++ -print-file-name=libasan.so)` (see asan_env()); then ASan also checks heap memory
@@ -17,6 +18,7 @@ ASAN_OPTIONS=verify_asan_link_order=0 first: stack, global and shared-memory che
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import hashlib
 import os
 import shlex
@@ -79,56 +81,84 @@ def gencode_flags(arch: str) -> list[str]:
     return flags
 
 
-def command(cpu: bool, arch: str, sources: list[Path], out: Path) -> list[str]:
-    """The exact compiler command for one build."""
-    srcs = [str(s) for s in sources]
+def compile_command(cpu: bool, arch: str, source: Path, obj: Path) -> list[str]:
+    """The exact command that compiles one source file into an object file."""
     if cpu:
         cxx = find_cxx()
         if not cxx:
             raise BuildError("no host C++ compiler found (set CXX or install g++)")
-        return [cxx, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-fsanitize=address", "-fno-omit-frame-pointer",
-                "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-x", "c++", *srcs, "-o", str(out), "-ldl"]
+        return [cxx, "-std=c++17", "-O1", "-g", "-fPIC", "-fsanitize=address", "-fno-omit-frame-pointer", "-Wall",
+                "-Wno-unknown-pragmas", "-Wno-unused-function", "-x", "c++", "-c", str(source), "-o", str(obj)]
     nvcc = find_nvcc()
     if not nvcc:
         raise BuildError("nvcc not found (install the CUDA toolkit, put nvcc on PATH or set NVCC)")
-    return [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", *gencode_flags(arch),
-            "-Xlinker", "--exclude-libs,ALL",  # keep the static CUDA runtime private next to torch's own
-            *srcs, "-o", str(out), "-ldl"]
+    return [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *gencode_flags(arch), "-c", str(source), "-o", str(obj)]
 
 
-def source_hash(src_dir: Path, cmd: list[str]) -> str:
-    h = hashlib.sha256(" ".join(cmd).encode())
-    for path in sorted(p for p in src_dir.iterdir() if p.suffix in (".cu", ".cuh", ".h")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+def link_command(cpu: bool, objects: list[Path], out: Path) -> list[str]:
+    """The exact command that links the objects into the shared library."""
+    objs = [str(o) for o in objects]
+    if cpu:
+        return [find_cxx(), "-shared", "-fsanitize=address", *objs, "-o", str(out), "-ldl"]
+    # -cudart static: no libcudart needed at run time; --exclude-libs keeps that runtime private next to torch's.
+    return [find_nvcc(), "-shared", "-cudart", "static", "-Xlinker", "--exclude-libs,ALL", *objs, "-o", str(out),
+            "-ldl"]
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part + b"\0")
     return h.hexdigest()
 
 
-def build(arch: str = DEFAULT_ARCH, cpu: bool = False, src_dir: Path | str = CSRC, out_dir: Path | str = BUILD,
-          force: bool = False, quiet: bool = False) -> Path:
-    """Compile src_dir/*.cu into out_dir/libpocketllm.so (or libpocketllm_cpu.so) and return its path.
-
-    Rebuilds only when the sources or the command changed. Raises BuildError with the compiler output.
-    """
-    src_dir, out_dir = Path(src_dir), Path(out_dir)
-    sources = sorted(src_dir.glob("*.cu"))
-    if not sources:
-        raise BuildError(f"no .cu sources in {src_dir}")
-    out = out_dir / ("libpocketllm_cpu.so" if cpu else "libpocketllm.so")
-    cmd = command(cpu, arch, sources, out)
-    stamp = out.with_name(out.name + ".stamp")
-    digest = source_hash(src_dir, cmd)
-    if not force and out.exists() and stamp.exists() and stamp.read_text().strip() == digest:
-        return out
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _run(cmd: list[str], quiet: bool) -> None:
     if not quiet:
         print(shlex.join(cmd), flush=True)
-    tmp = out.with_name(out.name + ".tmp")
-    # Write aside, then rename: a half-built library is never loaded.
-    proc = subprocess.run(command(cpu, arch, sources, tmp), capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise BuildError(f"build failed ({proc.returncode}): {shlex.join(cmd)}\n{proc.stdout}{proc.stderr}")
     if proc.stderr.strip() and not quiet:
         print(proc.stderr, file=sys.stderr, end="")
+
+
+def build(arch: str = DEFAULT_ARCH, cpu: bool = False, src_dir: Path | str = CSRC, out_dir: Path | str = BUILD,
+          obj_dir: Path | str | None = None, force: bool = False, quiet: bool = False) -> Path:
+    """Compile src_dir/*.cu into out_dir/libpocketllm.so (or libpocketllm_cpu.so) and return its path.
+
+    Each source compiles to an object cached in obj_dir (default out_dir/obj) by a hash of its text, every header in src_dir
+    and the flags, so a change to one kernel file recompiles that file only (in parallel, one job per core).
+    Raises BuildError with the command and the compiler output.
+    """
+    src_dir, out_dir = Path(src_dir).resolve(), Path(out_dir).resolve()
+    sources = sorted(src_dir.glob("*.cu"))
+    if not sources:
+        raise BuildError(f"no .cu sources in {src_dir}")
+    out = out_dir / ("libpocketllm_cpu.so" if cpu else "libpocketllm.so")
+    obj_dir = Path(obj_dir).resolve() if obj_dir else out_dir / "obj"
+    headers = b"".join(p.name.encode() + p.read_bytes() for p in sorted(src_dir.iterdir())
+                       if p.suffix in (".cuh", ".h"))
+    flags = " ".join(compile_command(cpu, arch, Path("SRC"), Path("OBJ"))).encode()
+    objects = [obj_dir / f"{s.stem}.{_digest(flags, headers, s.read_bytes())[:20]}.o" for s in sources]
+    link = link_command(cpu, objects, out)
+    stamp = out.with_name(out.name + ".stamp")
+    digest = _digest(" ".join(link).encode(), *(o.name.encode() for o in objects))
+    if not force and out.exists() and stamp.exists() and stamp.read_text().strip() == digest:
+        return out
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    todo = [(s, o) for s, o in zip(sources, objects) if force or not o.exists()]
+
+    def compile_one(job):
+        src, obj = job
+        tmp = obj.with_name(obj.name + ".tmp")  # written aside, renamed when complete
+        _run(compile_command(cpu, arch, src, tmp), quiet)
+        tmp.replace(obj)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(compile_one, job) for job in todo]:
+            f.result()
+    tmp = out.with_name(out.name + ".tmp")
+    _run(link_command(cpu, objects, tmp), quiet)
     tmp.replace(out)
     stamp.write_text(digest + "\n")
     return out
