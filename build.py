@@ -143,6 +143,8 @@ def build(arch: str = DEFAULT_ARCH, cpu: bool = False, src_dir: Path | str = CSR
     link = link_command(cpu, objects, out)
     stamp = out.with_name(out.name + ".stamp")
     digest = _digest(" ".join(link).encode(), *(o.name.encode() for o in objects))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src_dir / "pocketllm.h", out_dir / "pocketllm.h")  # pocketllm.py reads the ABI from here
     if not force and out.exists() and stamp.exists() and stamp.read_text().strip() == digest:
         return out
     obj_dir.mkdir(parents=True, exist_ok=True)
