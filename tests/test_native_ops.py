@@ -312,8 +312,10 @@ def fp8_weight(N, K, device, gen=None):
     return w.to(device), scale.to(device)
 
 
-LINEAR_SHAPES = [  # (T, N, K): ragged N and K, K not a multiple of 16 (scalar path), odd T, both paths
-    (1, 130, 256), (3, 257, 384), (16, 64, 200), (5, 200, 136), (1, 96, 90), (17, 130, 300), (40, 70, 128)]
+LINEAR_SHAPES = [  # (T, N, K): ragged N and K (K % 16 != 0 takes the element-wise paths), odd T, every path:
+    (1, 130, 256), (3, 257, 384), (12, 150, 320), (9, 40, 144),        # GEMV (fp16: tensor-core GEMV, 1-2 tiles)
+    (16, 64, 200), (5, 200, 136), (1, 96, 90),                         # GEMV, K % 16 != 0
+    (17, 130, 300), (40, 70, 128), (70, 200, 384)]                     # tiled (fp16: mma), ragged tiles
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -330,7 +332,7 @@ def test_linear_fp8(lib, act, T, N, K):
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("T,N,K", [(2, 48, 80), (19, 33, 70)])
+@pytest.mark.parametrize("T,N,K", [(2, 48, 80), (19, 33, 70), (33, 96, 256)])
 def test_linear_dense(lib, act, wdt, T, N, K):
     dev = lib.device
     w = rnd(N, K, dtype=wdt, device=dev, scale=0.1)
