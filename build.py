@@ -87,12 +87,14 @@ def compile_command(cpu: bool, arch: str, source: Path, obj: Path) -> list[str]:
         cxx = find_cxx()
         if not cxx:
             raise BuildError("no host C++ compiler found (set CXX or install g++)")
-        return [cxx, "-std=c++17", "-O1", "-g", "-fPIC", "-fsanitize=address", "-fno-omit-frame-pointer", "-Wall",
+        return [cxx, "-std=c++17", "-O1", "-g", "-fPIC", "-fsanitize=address", "-fno-omit-frame-pointer",
+                "-fvisibility=hidden", "-fno-gnu-unique", "-Wall",
                 "-Wno-unknown-pragmas", "-Wno-unused-function", "-x", "c++", "-c", str(source), "-o", str(obj)]
     nvcc = find_nvcc()
     if not nvcc:
         raise BuildError("nvcc not found (install the CUDA toolkit, put nvcc on PATH or set NVCC)")
-    return [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *gencode_flags(arch), "-c", str(source), "-o", str(obj)]
+    return [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden", *gencode_flags(arch),
+            "-c", str(source), "-o", str(obj)]
 
 
 def link_command(cpu: bool, objects: list[Path], out: Path) -> list[str]:

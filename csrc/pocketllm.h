@@ -18,6 +18,10 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#if defined(__GNUC__)
+/* The library is compiled with -fvisibility=hidden: exactly the functions declared here are exported. */
+#pragma GCC visibility push(default)
+#endif
 
 /* ---- cdef begin ---- */
 
@@ -122,6 +126,9 @@ int pl_gated_rmsnorm(uint64_t x, uint64_t z, uint64_t w, int32_t w_dtype, uint64
 
 /* ---- cdef end ---- */
 
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 #ifdef __cplusplus
 }
 #endif

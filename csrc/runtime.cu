@@ -184,7 +184,9 @@ extern "C" int pl_nccl_destroy(uint64_t comm) {
 #if PL_ASAN
 // The CPU build is usually dlopen'ed into a running python, where the ASan runtime cannot come first in the
 // library list; this hook lets it start anyway (heap checks then need LD_PRELOAD, see build.py).
-extern "C" const char* __asan_default_options() { return "verify_asan_link_order=0:detect_leaks=0"; }
+extern "C" __attribute__((visibility("default"))) const char* __asan_default_options() {
+    return "verify_asan_link_order=0:detect_leaks=0";
+}
 #endif
 
 #if PL_CPU_EMU
@@ -195,6 +197,7 @@ extern "C" const char* __asan_default_options() { return "verify_asan_link_order
 asm(R"(
     .text
     .globl pl_cpu_switch
+    .hidden pl_cpu_switch
     .type pl_cpu_switch, @function
 pl_cpu_switch:
     pushq %rbp

@@ -121,7 +121,6 @@ __device__ __forceinline__ void pl_ldmatrix_x2_trans(uint32_t r[2], const void* 
 #include <stdarg.h>
 #include <algorithm>
 #include <mutex>
-#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -207,11 +206,12 @@ struct Lane {
     uint32_t in[8];   // inputs: value bits, or mma fragments a0 a1 b c0..c3
     uint32_t out[8];  // results for this lane
     const void* ptr;  // ldmatrix row address
+    int arg;          // this lane's source lane / delta / lane mask
 };
 struct Warp {
     uint32_t arrived = 0;   // lanes that have deposited for the pending op
     uint32_t mask = 0;      // the pending op's member mask
-    int op = -1, arg = 0, width = 0;
+    int op = -1, arg = 0, width = 0;   // arg: the first lane's (for ops whose argument must be uniform)
     Lane lane[kWarp];
 };
 
@@ -242,15 +242,20 @@ inline uint3 g_block_idx, g_block_dim, g_grid_dim;
 inline unsigned char* g_dyn_smem = nullptr;
 inline size_t g_dyn_smem_cap = 0;
 inline std::unordered_map<const void*, size_t> g_smem_optin;
-inline thread_local std::string g_error;   // detail of the last emulated launch failure
+// The first failure of a launch (code and message), read by cudaGetLastError. Fixed buffers, no std::string:
+// when the ASan runtime is loaded late (dlopen into python), std::string's allocations inside libstdc++ and
+// its frees inline here would meet different allocators.
 inline thread_local int g_error_code = cudaSuccess;
-inline thread_local std::string g_error_text;
+inline thread_local char g_error[1024];
+inline thread_local char g_error_text[1024];   // the message of the error cudaGetLastError last returned
 
-inline void fail(int code, const std::string& msg) {
-    if (g_error_code == cudaSuccess) {
-        g_error_code = code;
-        g_error = msg;
-    }
+__attribute__((format(printf, 2, 3))) inline void fail(int code, const char* fmt, ...) {
+    if (g_error_code != cudaSuccess) return;
+    g_error_code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_error, sizeof g_error, fmt, ap);
+    va_end(ap);
 }
 
 // ---- Fiber switching (with ASan's fiber annotations so it follows the stacks) ----
@@ -325,12 +330,14 @@ inline void schedule_order(std::vector<int>& order, int n, unsigned launch_no) {
     }
 }
 
-inline std::string describe(const Fiber& f) {
-    char b[160];
-    snprintf(b, sizeof b, "thread (%u,%u,%u) of block (%u,%u,%u)", f.tid.x, f.tid.y, f.tid.z,
-             g_block_idx.x, g_block_idx.y, g_block_idx.z);
-    return b;
-}
+// "thread (x,y,z) of block (x,y,z)" in a caller's buffer.
+struct Who {
+    char text[96];
+    explicit Who(const Fiber& f) {
+        snprintf(text, sizeof text, "thread (%u,%u,%u) of block (%u,%u,%u)", f.tid.x, f.tid.y, f.tid.z,
+                 g_block_idx.x, g_block_idx.y, g_block_idx.z);
+    }
+};
 
 // After a round in which no fiber could run: release a block barrier everyone reached, or report why not.
 // Returns false when the block can never finish (the error is recorded).
@@ -347,10 +354,9 @@ inline bool release_or_report(int n) {
             at_sync++;
             if (!first_sync) first_sync = &f;
             else if (f.sync_line != first_sync->sync_line || strcmp(f.sync_file, first_sync->sync_file)) {
-                fail(cudaErrorLaunchFailure,
-                     "divergent __syncthreads(): " + describe(*first_sync) + " waits at " + first_sync->sync_file +
-                         ":" + std::to_string(first_sync->sync_line) + " but " + describe(f) + " waits at " +
-                         f.sync_file + ":" + std::to_string(f.sync_line));
+                fail(cudaErrorLaunchFailure, "divergent __syncthreads(): %s waits at %s:%d but %s waits at %s:%d",
+                     Who(*first_sync).text, first_sync->sync_file, first_sync->sync_line, Who(f).text, f.sync_file,
+                     f.sync_line);
                 return false;
             }
         }
@@ -359,17 +365,18 @@ inline bool release_or_report(int n) {
         for (int i = 0; i < n; i++) g_fibers[i].state = RUNNABLE;
         return true;
     }
-    std::string msg = "deadlock in block: ";
     if (at_sync && done)
-        msg += describe(*first_sync) + " waits at __syncthreads() (" + first_sync->sync_file + ":" +
-               std::to_string(first_sync->sync_line) + ") but " + describe(*first_done) +
-               " has exited without reaching it (" + std::to_string(done) + " exited, " + std::to_string(at_sync) +
-               " waiting)";
+        fail(cudaErrorLaunchFailure,
+             "deadlock in block: %s waits at __syncthreads() (%s:%d) but %s has exited without reaching it "
+             "(%d exited, %d waiting)",
+             Who(*first_sync).text, first_sync->sync_file, first_sync->sync_line, Who(*first_done).text, done,
+             at_sync);
     else if (at_warp)
-        msg += describe(*first_warp) + " waits at a warp operation that some lane named in its mask never reaches";
+        fail(cudaErrorLaunchFailure,
+             "deadlock in block: %s waits at a warp operation that some lane named in its mask never reaches",
+             Who(*first_warp).text);
     else
-        msg += "no thread can proceed";
-    fail(cudaErrorLaunchFailure, msg);
+        fail(cudaErrorLaunchFailure, "deadlock in block: no thread can proceed");
     return false;
 }
 
@@ -410,24 +417,21 @@ inline bool run_block(int n, const uint3& bdim, const std::vector<int>& order) {
 inline size_t* smem_optin_slot(const void* fn) { return &g_smem_optin[fn]; }
 
 inline bool check_config(const dim3& grid, const dim3& block, size_t smem, const void* fn) {
-    char b[256];
     unsigned long long nthreads = (unsigned long long)block.x * block.y * block.z;
     if (grid.x == 0 || grid.y == 0 || grid.z == 0 || nthreads == 0 || nthreads > (unsigned)kMaxThreads ||
         block.x > 1024 || block.y > 1024 || block.z > 64 || grid.y > 65535 || grid.z > 65535 ||
         grid.x > 2147483647u) {
-        snprintf(b, sizeof b, "invalid configuration argument: grid (%u,%u,%u) block (%u,%u,%u)", grid.x, grid.y,
-                 grid.z, block.x, block.y, block.z);
-        fail(cudaErrorInvalidConfiguration, b);
+        fail(cudaErrorInvalidConfiguration, "invalid configuration argument: grid (%u,%u,%u) block (%u,%u,%u)",
+             grid.x, grid.y, grid.z, block.x, block.y, block.z);
         return false;
     }
     auto it = g_smem_optin.find(fn);
     size_t allowed = it == g_smem_optin.end() ? kDefaultSmem : std::max(kDefaultSmem, it->second);
     if (smem > allowed || smem > kMaxSmemOptin) {
-        snprintf(b, sizeof b,
-                 "invalid configuration argument: %zu bytes of dynamic shared memory (limit %zu; above 48 KiB "
-                 "needs cudaFuncSetAttribute, and sm_75 allows at most 64 KiB)",
-                 smem, allowed < kMaxSmemOptin ? allowed : kMaxSmemOptin);
-        fail(cudaErrorInvalidConfiguration, b);
+        fail(cudaErrorInvalidConfiguration,
+             "invalid configuration argument: %zu bytes of dynamic shared memory (limit %zu; above 48 KiB "
+             "needs cudaFuncSetAttribute, and sm_75 allows at most 64 KiB)",
+             smem, allowed < kMaxSmemOptin ? allowed : kMaxSmemOptin);
         return false;
     }
     return true;
@@ -507,25 +511,25 @@ inline Lane& warp_collective(int op, uint32_t mask, int arg, int width, const ui
     int n = (int)(g_block_dim.x * g_block_dim.y * g_block_dim.z);
     int lanes_here = std::min(kWarp, n - warp_no * kWarp);
     uint32_t existing = lanes_here == kWarp ? 0xffffffffu : ((1u << lanes_here) - 1u);
-    char b[200];
     if (!(mask >> lane & 1u) || (mask & ~existing)) {
-        snprintf(b, sizeof b, "warp operation with mask 0x%08x: %s lane %d (the warp has %d lanes)", mask,
-                 (mask >> lane & 1u) ? "names a missing lane; called from" : "does not name the calling", lane,
-                 lanes_here);
-        fail(cudaErrorLaunchFailure, describe(*f) + ": " + b);
+        fail(cudaErrorLaunchFailure, "%s: warp operation with mask 0x%08x %s lane %d (the warp has %d lanes)",
+             Who(*f).text, mask, (mask >> lane & 1u) ? "names a missing lane; called from" : "does not name the calling",
+             lane, lanes_here);
         switch_to_scheduler(f, false);  // the launch is abandoned
     }
     if (w.arrived == 0) {
         w.mask = mask; w.op = op; w.arg = arg; w.width = width;
-    } else if (w.mask != mask || w.op != op) {
-        snprintf(b, sizeof b, "warp %d: lane %d calls warp op %d with mask 0x%08x while op %d with mask 0x%08x is pending",
-                 warp_no, lane, op, mask, w.op, w.mask);
-        fail(cudaErrorLaunchFailure, describe(*f) + ": divergent warp operation: " + b);
+    } else if (w.mask != mask || w.op != op || w.width != width) {
+        fail(cudaErrorLaunchFailure,
+             "%s: divergent warp operation: lane %d calls op %d (mask 0x%08x, width %d) while op %d (mask 0x%08x, "
+             "width %d) is pending",
+             Who(*f).text, lane, op, mask, width, w.op, w.mask, w.width);
         switch_to_scheduler(f, false);
     }
     Lane& me = w.lane[lane];
     if (nin) memcpy(me.in, in, sizeof(uint32_t) * nin);
     me.ptr = ptr;
+    me.arg = arg;
     w.arrived |= 1u << lane;
     if (w.arrived == mask) {
         warp_compute(w, warp_no);
@@ -546,15 +550,14 @@ inline void warp_shfl_results(Warp& w) {
         if (!(w.mask >> l & 1u)) continue;
         int base = l & ~(width - 1), src = l;
         switch (w.op) {
-            case W_SHFL: src = base + (w.arg & (width - 1)); break;
-            case W_SHFL_UP: src = (l - base) - w.arg < 0 ? l : l - w.arg; break;
-            case W_SHFL_DOWN: src = (l - base) + w.arg >= width ? l : l + w.arg; break;
-            case W_SHFL_XOR: src = l ^ w.arg; if (src >= base + width) src = l; break;
+            case W_SHFL: src = base + (w.lane[l].arg & (width - 1)); break;
+            case W_SHFL_UP: src = (l - base) - w.lane[l].arg < 0 ? l : l - w.lane[l].arg; break;
+            case W_SHFL_DOWN: src = (l - base) + w.lane[l].arg >= width ? l : l + w.lane[l].arg; break;
+            case W_SHFL_XOR: src = l ^ w.lane[l].arg; if (src >= base + width) src = l; break;
         }
         if (!(w.mask >> src & 1u)) {
-            char b[120];
-            snprintf(b, sizeof b, "lane %d reads lane %d, which is not in the shuffle mask 0x%08x", l, src, w.mask);
-            fail(cudaErrorLaunchFailure, b);
+            fail(cudaErrorLaunchFailure, "shuffle: lane %d reads lane %d, which is not in the mask 0x%08x", l, src,
+                 w.mask);
             src = l;
         }
         w.lane[l].out[0] = w.lane[src].in[0];
@@ -636,6 +639,10 @@ inline void warp_compute(Warp& w, int warp_no) {
 template <class T>
 inline T shfl(int op, uint32_t mask, T v, int arg, int width) {
     static_assert(sizeof(T) <= 8, "warp shuffles move at most 8 bytes");
+    if (width < 1 || width > kWarp || (width & (width - 1))) {
+        fail(cudaErrorLaunchFailure, "%s: shuffle width %d is not a power of two in 1..32", Who(*self()).text, width);
+        switch_to_scheduler(self(), false);
+    }
     uint32_t in[2] = {0, 0};
     memcpy(in, &v, sizeof(T));
     Lane& me = warp_collective(op, mask, arg, width, in, 2, nullptr);
@@ -724,9 +731,9 @@ template <class A, class B> inline auto max(A a, B b) -> decltype(a < b ? a : b)
 // The runtime API calls the library may make. Memory always comes from the caller, so there is no malloc.
 inline cudaError_t cudaGetLastError() {
     cudaError_t e = pl_cpu::g_error_code;
-    if (e != cudaSuccess) pl_cpu::g_error_text = pl_cpu::g_error;
+    if (e != cudaSuccess) memcpy(pl_cpu::g_error_text, pl_cpu::g_error, sizeof pl_cpu::g_error_text);
     pl_cpu::g_error_code = cudaSuccess;
-    pl_cpu::g_error.clear();
+    pl_cpu::g_error[0] = 0;
     return e;
 }
 inline cudaError_t cudaPeekAtLastError() { return pl_cpu::g_error_code; }
@@ -737,7 +744,7 @@ inline const char* cudaGetErrorString(cudaError_t e) {
         case cudaErrorNoDevice: return "no CUDA-capable device is detected";
         case cudaErrorInvalidConfiguration:
         case cudaErrorLaunchFailure:
-            return pl_cpu::g_error_text.empty() ? "unspecified launch failure" : pl_cpu::g_error_text.c_str();
+            return pl_cpu::g_error_text[0] ? pl_cpu::g_error_text : "unspecified launch failure";
         default: return "unknown error (CPU execution layer)";
     }
 }
