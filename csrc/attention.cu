@@ -1,7 +1,8 @@
 // Paged attention over the KV cache, (num_blocks, block_size, Hk, Dh), for prefill and decode alike.
-// One block of 4 warps handles one query row, one q head and one split of the row's visible positions:
-// each warp takes every 4th position, computes the q.k dot with a warp reduction, and keeps a running
-// (max, sum, acc) online softmax; the warps merge through shared memory. With several splits (decode, or few
+// One block of 4 warps handles one query row, the q heads of one kv group (up to 8: every K/V row is read once
+// for the whole group) and one split of the row's visible positions: each warp takes every 4th position,
+// computes the q.k dots with warp reductions, and keeps a running (max, sum, acc) online softmax per head; the
+// warps merge through shared memory. With several splits (decode, or few
 // rows: flash-decoding) every block writes its normalised partial output and log-sum-exp terms to the
 // workspace and a second kernel merges the splits. Softmax and accumulation in fp32.
 #include "ops_common.cuh"
@@ -42,69 +43,141 @@ __device__ __forceinline__ int find_seq(const int32_t* query_start, int B, int64
   return lo;
 }
 
-// DPL = head dims per lane (Dh <= 32 * DPL); lane l owns dims l*DPL .. l*DPL + DPL - 1.
-template <typename TA, int DPL>
+// DPL values at p (lane's share of a K or V row) to fp32; FULL: the row is exactly 32 * DPL wide and aligned,
+// so one vector load serves (16 bytes for fp16 at DPL 8).
+template <int DPL, bool FULL>
+__device__ __forceinline__ void load_dpl(const pl_half* p, int d0, int Dh, float* v) {
+  if (FULL && DPL % 2 == 0) {
+    uint32_t u[DPL / 2 > 0 ? DPL / 2 : 1];
+    if (DPL == 8) { uint4 x = *(const uint4*)(p + d0); u[0] = x.x; u[1] = x.y; u[2] = x.z; u[3] = x.w; }
+    else if (DPL == 4) { uint2 x = *(const uint2*)(p + d0); u[0] = x.x; u[1] = x.y; }
+    else u[0] = *(const uint32_t*)(p + d0);
+#pragma unroll
+    for (int j = 0; j < DPL / 2; j++) {
+      pl_half2 h = pl_bits_half2(u[j]);
+      const pl_half* hp = (const pl_half*)&h;
+      v[2 * j] = pl_h2f(hp[0]);
+      v[2 * j + 1] = pl_h2f(hp[1]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < DPL; j++) v[j] = d0 + j < Dh ? pl_h2f(p[d0 + j]) : 0.f;
+  }
+}
+
+template <int DPL, bool FULL>
+__device__ __forceinline__ void load_dpl(const float* p, int d0, int Dh, float* v) {
+  if (FULL && DPL % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < DPL; j += 4) {
+      float4 x = *(const float4*)(p + d0 + j);
+      v[j] = x.x; v[j + 1] = x.y; v[j + 2] = x.z; v[j + 3] = x.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < DPL; j++) v[j] = d0 + j < Dh ? p[d0 + j] : 0.f;
+  }
+}
+
+// One block = one query row, up to GM q heads of one kv group (GQA: each K/V row is loaded once for all of
+// them), one split. DPL = head dims per lane (Dh <= 32 * DPL); lane l owns dims l*DPL .. l*DPL + DPL - 1.
+// blockIdx.y = kv head * head_chunks + chunk; the chunk holds q heads kvh*G + chunk*GM .. (+GM, < G).
+template <typename TA, int DPL, int GM, bool FULL>
 __global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cache, const int32_t* block_tables,
                                  int max_blocks, const int32_t* context_lens, const int32_t* query_start, int B,
                                  int Hq, int Hk, int Dh, int block_size, float scale, int64_t split_tokens,
                                  TA* out, float* ws) {
-  __shared__ float q_s[32 * DPL];
-  __shared__ float m_w[ATT_WARPS], l_w[ATT_WARPS];
-  __shared__ float acc_w[ATT_WARPS][32 * DPL];
+  __shared__ float m_x[ATT_WARPS / 2][GM], l_x[ATT_WARPS / 2][GM];
+  __shared__ float acc_x[ATT_WARPS / 2][GM][32 * DPL];
   int64_t r = blockIdx.x;
-  int h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int G = Hq / Hk, chunks = (G + GM - 1) / GM;
+  int kvh = blockIdx.y / chunks, h0 = kvh * G + (blockIdx.y % chunks) * GM;
+  int nh = G - (blockIdx.y % chunks) * GM < GM ? G - (blockIdx.y % chunks) * GM : GM;   // heads in this chunk
+  int split = blockIdx.z, splits = gridDim.z;
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d0 = lane * DPL;
   int b = find_seq(query_start, B, r);
   int qlen = query_start[b + 1] - query_start[b];
   int64_t visible = (int64_t)context_lens[b] - qlen + (r - query_start[b]) + 1;   // positions 0 .. visible-1
   int64_t p0 = split * split_tokens, p1 = p0 + split_tokens < visible ? p0 + split_tokens : visible;
-  float* part = splits > 1 ? ws + ((r * Hq + h) * splits + split) * (int64_t)(Dh + 2) : 0;  // [o (Dh) | m | l]
-  if (p0 >= p1) {                                     // an empty split (only when splits > 1)
-    if (threadIdx.x == 0) { part[Dh] = -INFINITY; part[Dh + 1] = 0.f; }
+  if (p0 >= p1) {                                     // an empty split (only when splits > 1): l = 0 marks it
+    for (int i = threadIdx.x; i < nh; i += blockDim.x) {
+      float* part = ws + ((r * Hq + h0 + i) * splits + split) * (int64_t)(Dh + 2);
+      part[Dh] = -INFINITY;
+      part[Dh + 1] = 0.f;
+    }
     return;
   }
-  int kvh = h / (Hq / Hk);
-  const TA* qrow = q + (r * Hq + h) * Dh;
-  for (int d = threadIdx.x; d < 32 * DPL; d += blockDim.x) q_s[d] = d < Dh ? to_f(qrow[d]) * scale : 0.f;
-  __syncthreads();
-  float qv[DPL], acc[DPL];
-  for (int j = 0; j < DPL; j++) { qv[j] = q_s[lane * DPL + j]; acc[j] = 0.f; }
-  float m = -INFINITY, l = 0.f;
+  float qv[GM][DPL], acc[GM][DPL], m[GM], l[GM];
+#pragma unroll
+  for (int i = 0; i < GM; i++) {
+    if (i < nh) load_dpl<DPL, FULL>(q + (r * Hq + h0 + i) * Dh, d0, Dh, qv[i]);
+#pragma unroll
+    for (int j = 0; j < DPL; j++) { qv[i][j] = i < nh ? qv[i][j] * scale : 0.f; acc[i][j] = 0.f; }
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+  }
   const int32_t* table = block_tables + (int64_t)b * max_blocks;
   for (int64_t p = p0 + warp; p < p1; p += ATT_WARPS) {
     int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-    const TA* kp = k_cache + (slot * Hk + kvh) * Dh;
-    const TA* vp = v_cache + (slot * Hk + kvh) * Dh;
-    float dot = 0.f;
-    for (int j = 0; j < DPL; j++) {
-      int d = lane * DPL + j;
-      if (d < Dh) dot += qv[j] * to_f(kp[d]);
+    float kv[DPL], vv[DPL];
+    load_dpl<DPL, FULL>(k_cache + (slot * Hk + kvh) * Dh, d0, Dh, kv);
+    load_dpl<DPL, FULL>(v_cache + (slot * Hk + kvh) * Dh, d0, Dh, vv);
+#pragma unroll
+    for (int i = 0; i < GM; i++) {
+      if (i < nh) {                                   // uniform across the warp
+        float dot = 0.f;
+#pragma unroll
+        for (int j = 0; j < DPL; j++) dot += qv[i][j] * kv[j];
+        float s = warp_sum(dot);
+        float m_new = fmaxf(m[i], s);
+        float corr = expf(m[i] - m_new), e = expf(s - m_new);
+        l[i] = l[i] * corr + e;
+#pragma unroll
+        for (int j = 0; j < DPL; j++) acc[i][j] = acc[i][j] * corr + e * vv[j];
+        m[i] = m_new;
+      }
     }
-    float s = warp_sum(dot);
-    float m_new = fmaxf(m, s);
-    float corr = expf(m - m_new), e = expf(s - m_new);
-    l = l * corr + e;
-    for (int j = 0; j < DPL; j++) {
-      int d = lane * DPL + j;
-      acc[j] = acc[j] * corr + (d < Dh ? e * to_f(vp[d]) : 0.f);
+  }
+  // Merge the warps' (m, l, acc) per head in a tree (warps 2,3 into 0,1, then 1 into 0) through a shared buffer
+  // of two warps' worth; a warp that saw no position has l = 0 and weighs nothing.
+  for (int half = ATT_WARPS / 2; half >= 1; half /= 2) {
+    if (warp >= half && warp < 2 * half) {
+#pragma unroll
+      for (int i = 0; i < GM; i++) {
+        if (lane == 0) { m_x[warp - half][i] = m[i]; l_x[warp - half][i] = l[i]; }
+#pragma unroll
+        for (int j = 0; j < DPL; j++) acc_x[warp - half][i][d0 + j] = acc[i][j];
+      }
     }
-    m = m_new;
+    __syncthreads();
+    if (warp < half) {
+#pragma unroll
+      for (int i = 0; i < GM; i++) {
+        float mo = m_x[warp][i], lo = l_x[warp][i], M = fmaxf(m[i], mo);
+        float c_me = l[i] > 0.f ? expf(m[i] - M) : 0.f, c_o = lo > 0.f ? expf(mo - M) : 0.f;
+        l[i] = l[i] * c_me + lo * c_o;
+        m[i] = M;
+#pragma unroll
+        for (int j = 0; j < DPL; j++) acc[i][j] = acc[i][j] * c_me + acc_x[warp][i][d0 + j] * c_o;
+      }
+    }
+    __syncthreads();
   }
-  if (lane == 0) { m_w[warp] = m; l_w[warp] = l; }
-  for (int j = 0; j < DPL; j++) acc_w[warp][lane * DPL + j] = acc[j];
-  __syncthreads();
-  float M = -INFINITY;
-  for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, m_w[w]);
-  float L = 0.f;
-  for (int w = 0; w < ATT_WARPS; w++) L += l_w[w] > 0.f ? l_w[w] * expf(m_w[w] - M) : 0.f;
-  for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
-    float o = 0.f;
-    for (int w = 0; w < ATT_WARPS; w++)
-      if (l_w[w] > 0.f) o += acc_w[w][d] * expf(m_w[w] - M);
-    if (splits == 1) out[(r * Hq + h) * Dh + d] = from_f<TA>(o / L);
-    else part[d] = o / L;
+  if (warp != 0) return;
+#pragma unroll
+  for (int i = 0; i < GM; i++) {
+    if (i >= nh) continue;
+    int64_t row = r * Hq + h0 + i;
+    float* part = splits > 1 ? ws + (row * splits + split) * (int64_t)(Dh + 2) : 0;   // [o (Dh) | m | l]
+#pragma unroll
+    for (int j = 0; j < DPL; j++) {
+      int d = d0 + j;
+      if (d >= Dh) continue;
+      if (splits == 1) out[row * Dh + d] = from_f<TA>(acc[i][j] / l[i]);
+      else part[d] = acc[i][j] / l[i];
+    }
+    if (splits > 1 && lane == 0) { part[Dh] = m[i]; part[Dh + 1] = l[i]; }
   }
-  if (splits > 1 && threadIdx.x == 0) { part[Dh] = M; part[Dh + 1] = L; }
 }
 
 // Merge of the splits: weights l_s * exp(m_s - max m); empty splits (l = 0) are skipped, their o unwritten.
@@ -129,16 +202,39 @@ __global__ void attention_merge_kernel(const float* ws, int Hq, int Dh, int spli
   }
 }
 
-template <typename TA, int DPL>
+template <typename TA, int DPL, int GM>
 static void launch_attention(const TA* q, const TA* kc, const TA* vc, const int32_t* bt, int max_blocks,
                              const int32_t* cl, const int32_t* qs, int B, int64_t T, int Hq, int Hk, int Dh,
                              int block_size, float scale, int splits, TA* out, float* ws, uint64_t stream) {
   int64_t split_tokens = split_len(splits, max_blocks, block_size);
-  PL_LAUNCH((attention_kernel<TA, DPL>), dim3((unsigned)T, (unsigned)Hq, (unsigned)splits), dim3(32 * ATT_WARPS),
-            0, stream, q, kc, vc, bt, max_blocks, cl, qs, B, Hq, Hk, Dh, block_size, scale, split_tokens, out, ws);
+  int chunks = (Hq / Hk + GM - 1) / GM;
+  bool full = Dh == 32 * DPL && ((uintptr_t)q & 15) == 0 && ((uintptr_t)kc & 15) == 0 && ((uintptr_t)vc & 15) == 0;
+  dim3 grid((unsigned)T, (unsigned)(Hk * chunks), (unsigned)splits), block(32 * ATT_WARPS);
+  if (full)
+    PL_LAUNCH((attention_kernel<TA, DPL, GM, true>), grid, block, 0, stream, q, kc, vc, bt, max_blocks, cl, qs, B,
+              Hq, Hk, Dh, block_size, scale, split_tokens, out, ws);
+  else
+    PL_LAUNCH((attention_kernel<TA, DPL, GM, false>), grid, block, 0, stream, q, kc, vc, bt, max_blocks, cl, qs, B,
+              Hq, Hk, Dh, block_size, scale, split_tokens, out, ws);
   if (splits > 1)
     PL_LAUNCH(attention_merge_kernel<TA>, dim3((unsigned)T, (unsigned)Hq), dim3(128), 0, stream,
               (const float*)ws, Hq, Dh, splits, out);
+}
+
+// Head-group size GM by the GQA ratio: 1, 2, 4 or 8 heads per block (larger groups run in chunks of 8).
+template <typename TA, int DPL>
+static void launch_attention_g(const TA* q, const TA* kc, const TA* vc, const int32_t* bt, int max_blocks,
+                               const int32_t* cl, const int32_t* qs, int B, int64_t T, int Hq, int Hk, int Dh,
+                               int block_size, float scale, int splits, TA* out, float* ws, uint64_t stream) {
+  int G = Hq / Hk;
+  if (G == 1)
+    launch_attention<TA, DPL, 1>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, stream);
+  else if (G == 2)
+    launch_attention<TA, DPL, 2>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, stream);
+  else if (G <= 4)
+    launch_attention<TA, DPL, 4>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, stream);
+  else
+    launch_attention<TA, DPL, 8>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, stream);
 }
 
 extern "C" int pl_attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
@@ -159,10 +255,10 @@ extern "C" int pl_attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq
                   *qs = (const int32_t*)query_start;
     TA* op = (TA*)out;
     float* ws = (float*)workspace;
-    if (Dh <= 32) launch_attention<TA, 1>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
-    else if (Dh <= 64) launch_attention<TA, 2>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
-    else if (Dh <= 128) launch_attention<TA, 4>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
-    else launch_attention<TA, 8>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
+    if (Dh <= 32) launch_attention_g<TA, 1>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
+    else if (Dh <= 64) launch_attention_g<TA, 2>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
+    else if (Dh <= 128) launch_attention_g<TA, 4>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
+    else launch_attention_g<TA, 8>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
   });
   PL_CHECK_LAUNCH();
   return 0;

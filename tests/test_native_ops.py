@@ -418,6 +418,7 @@ ATTN_CASES = [  # (Hq, Hk, Dh, context lens, query lens, max_blocks, expect spli
     (4, 2, 32, [33, 18, 1], [5, 18, 1], 3, False),             # mixed prefill/decode rows
     (3, 1, 32, [290, 17], [11, 17], 20, True),                 # chunked prefill with split-K
     (16, 2, 16, [40, 30], [37, 29], 3, False),                 # T * Hq >= 1024 rows: one split
+    (10, 1, 48, [20, 3], [4, 1], 2, False),                    # GQA group > 8 (two chunks), ragged head_dim
 ]
 
 
