@@ -100,11 +100,13 @@ def compile_command(cpu: bool, arch: str, source: Path, obj: Path) -> list[str]:
 def link_command(cpu: bool, objects: list[Path], out: Path) -> list[str]:
     """The exact command that links the objects into the shared library."""
     objs = [str(o) for o in objects]
+    # -z nodelete: the library (and the ASan runtime it pulls in) stays loaded when cffi's handle is collected;
+    # a second load of ASan in one process cannot map its shadow memory again.
     if cpu:
-        return [find_cxx(), "-shared", "-fsanitize=address", *objs, "-o", str(out), "-ldl"]
+        return [find_cxx(), "-shared", "-fsanitize=address", "-Wl,-z,nodelete", *objs, "-o", str(out), "-ldl"]
     # -cudart static: no libcudart needed at run time; --exclude-libs keeps that runtime private next to torch's.
-    return [find_nvcc(), "-shared", "-cudart", "static", "-Xlinker", "--exclude-libs,ALL", *objs, "-o", str(out),
-            "-ldl"]
+    return [find_nvcc(), "-shared", "-cudart", "static", "-Xlinker", "--exclude-libs,ALL", "-Xlinker", "-z,nodelete",
+            *objs, "-o", str(out), "-ldl"]
 
 
 def _digest(*parts: bytes) -> str:

@@ -158,7 +158,7 @@ class NativeLibrary:
 
     def call(self, name: str, *args) -> None:
         if getattr(self.lib, name)(*args) != 0:
-            raise NativeError(f"native {name} failed: {self.last_error()}")
+            raise NativeError(f"native library: {self.last_error()}")
 
     def device_count(self) -> int:
         count = self.ffi.new("int32_t*")

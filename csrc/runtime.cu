@@ -46,7 +46,14 @@ extern "C" int pl_device_count(int32_t* count) {
     PL_FAIL("this is the CPU test build (libpocketllm_cpu.so): its kernels run on host memory, not on a GPU");
 #else
     int n = 0;
-    PL_CHECK(cudaGetDeviceCount(&n));
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice) {
+        cudaGetLastError();  // not sticky; clear it
+        PL_FAIL("no usable GPU: %s (this library carries the CUDA %d.%d runtime; it needs an NVIDIA GPU and a "
+                "driver that supports that version)",
+                cudaGetErrorString(e), CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+    }
+    PL_CHECK(e);
     *count = n;
     return 0;
 #endif
