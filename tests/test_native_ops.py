@@ -488,3 +488,82 @@ def test_gated_delta(lib, act, Hk, Hv, Dk, Dv):
                  p(slot_ids), p(query_start), 2, p(out))
         check(out, ref, TOL[act] * 2, "gated_delta out")
         check(state, ref_state, 2e-5 if act == torch.float32 else 2e-3, "gated_delta state")
+
+
+# ---- The Python binding: pocketllm.NativeOps on the CPU build against pocketllm.TorchOps, op by op. --------
+# (NativeOps allocates its outputs with torch.empty, so poisoning is left to the tests above.)
+
+def _pocketllm():
+    import pocketllm
+    if not hasattr(pocketllm, "TorchOps") or not hasattr(pocketllm, "NativeOps"):
+        pytest.skip("pocketllm.py lacks TorchOps or NativeOps (core or native section not merged yet)")
+    return pocketllm
+
+
+def _nativeops_cases(pl, act):
+    """(op name, args) for every op, at the TP4 27B head counts with small head dims; fresh tensors per call."""
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s, scale=1.0, dtype=act: rnd(*s, dtype=dtype, scale=scale, gen=g)
+    T, D, Hq, Hk, Dh = 7, 96, 6, 1, 64
+    w8, s8 = fp8_weight(150, 256, "cpu", gen=g)
+    bs, nb = 16, 8
+    block_tables = torch.tensor([[3, 5, 0], [1, 7, 2]], dtype=torch.int32)
+    Hkg, Hv, Dk, Dv, C, W = 4, 12, 16, 16, 80, 4
+    qs = torch.tensor([0, 5, 7], dtype=torch.int32)
+    return [
+        ("embed", (torch.tensor([3, 0, 36, 5, 5, 17, 1]), r(37, D, dtype=torch.bfloat16))),
+        ("rmsnorm", (r(T, D), r(D, scale=0.2, dtype=torch.float32), 1e-6)),     # norm weights load as fp32
+        ("add_rmsnorm", (r(T, D), r(T, D, dtype=torch.float32, scale=3), r(D, scale=0.2, dtype=torch.float32), 1e-6)),
+        ("linear", (r(3, 256), pl.Linear(w8, s8))),
+        ("linear", (r(20, 256), pl.Linear(w8, s8))),
+        ("linear", (r(5, 64), pl.Linear(r(48, 64, scale=0.1, dtype=torch.bfloat16), None))),
+        ("silu_mul", (r(T, 130, scale=3), r(T, 130))),
+        ("sigmoid_mul", (r(T, 130), r(T, 130, scale=3))),
+        ("qk_norm_rope", (r(T, Hq, Dh), r(T, Hk, Dh), r(Dh, scale=0.2, dtype=torch.float32),
+                          r(Dh, scale=0.2, dtype=torch.float32), 1e-6, torch.arange(T) * 37,
+                          1e7 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16))),
+        ("kv_write", (r(T, Hk, Dh), r(T, Hk, Dh), r(nb, bs, Hk, Dh), r(nb, bs, Hk, Dh),
+                      torch.tensor([48, 49, 50, 80, 81, 16, 17]))),
+        ("attention", (r(T, Hq, Dh), r(nb, bs, Hk, Dh), r(nb, bs, Hk, Dh), block_tables,
+                       torch.tensor([40, 2], dtype=torch.int32), qs, Dh ** -0.5)),
+        ("conv1d", (r(T, C), r(C, W, scale=0.5, dtype=torch.float32), r(4, C, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs)),
+        ("gdn_gates", (r(T, Hv, scale=3), r(T, Hv, scale=3), r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
+        ("gated_delta", (r(T, Hkg, Dk), r(T, Hkg, Dk), r(T, Hv, Dv), -torch.rand(T, Hv, generator=g),
+                         torch.rand(T, Hv, generator=g), r(3, Hv, Dk, Dv, dtype=torch.float32, scale=0.1),
+                         torch.tensor([2, 0], dtype=torch.int32), qs)),
+        ("gated_delta", (r(2, Hkg, Dk), r(2, Hkg, Dk), r(2, Hv, Dv), -torch.rand(2, Hv, generator=g),
+                         torch.rand(2, Hv, generator=g), r(3, Hv, Dk, Dv, dtype=torch.float32, scale=0.1),
+                         torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32))),
+        ("gated_rmsnorm", (r(T, Hv, Dv), r(T, Hv, Dv, scale=2), r(Dv, dtype=torch.float32), 1e-6)),
+    ]
+
+
+def _clone(a):
+    if isinstance(a, torch.Tensor):
+        return a.clone()
+    return a
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_nativeops_match_torchops(act):
+    """Every op through pocketllm.NativeOps (the cffi wrappers) equals pocketllm.TorchOps, including the state
+    each op updates in place (residual, KV cache, conv state, recurrent state)."""
+    pl = _pocketllm()
+    _LIBS.setdefault("cpu", _load("cpu"))
+    nops, tops = pl.NativeOps(act_dtype=act, cpu_build=True), pl.TorchOps()
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3}[act]
+    for name, args in _nativeops_cases(pl, act):
+        a_n, a_t = [_clone(a) for a in args], [_clone(a) for a in args]
+        if name == "embed":
+            a_t.append(act)
+            if "dtype" in __import__("inspect").signature(nops.embed).parameters:
+                a_n.append(act)
+        out_n, out_t = getattr(nops, name)(*a_n), getattr(tops, name)(*a_t)
+        outs_n = out_n if isinstance(out_n, tuple) else (out_n,)
+        outs_t = out_t if isinstance(out_t, tuple) else (out_t,)
+        for i, (o_n, o_t) in enumerate(zip(outs_n, outs_t)):
+            if o_t is not None:
+                check(o_n, o_t, tol, f"{name} output {i}")
+        for i, (x_n, x_t) in enumerate(zip(a_n, a_t)):       # in-place state updates (add_rmsnorm returns its
+            if isinstance(x_t, torch.Tensor) and x_t.is_floating_point() and name != "add_rmsnorm":   # residual)
+                check(x_n, x_t, tol, f"{name} argument {i} after the call")
