@@ -709,9 +709,21 @@ def load_native(cpu_build: bool = False) -> NativeLibrary:
         return _native_libraries[path]
 
 
-def native_status() -> tuple[bool, str]:
-    """(True, what) when the native backend can run here: library loads, a GPU of sm_75+ and torch CUDA;
-    otherwise (False, why)."""
+def native_status(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """(True, what) when the native backend can run on `device`, else (False, why). select_ops uses it.
+
+    CUDA devices need the library, a GPU of sm_75 or newer and torch with CUDA. A CPU device runs the CPU test
+    build only when POCKETLLM_NATIVE_CPU=1 (tests: the same kernels, emulated and slow), never by default."""
+    device = torch.device(device or "cuda")
+    if device.type == "cpu":
+        if os.environ.get("POCKETLLM_NATIVE_CPU") != "1":
+            return False, "the native backend needs a CUDA device (set POCKETLLM_NATIVE_CPU=1 for the CPU test build)"
+        try:
+            return True, f"{load_native(cpu_build=True).path.name}: the CPU test build, kernels emulated (slow)"
+        except PocketError as e:
+            return False, str(e)
+    if device.type != "cuda":
+        return False, f"the native backend runs on CUDA devices, not {device.type}"
     try:
         lib = load_native()
         count = lib.device_count()
@@ -721,49 +733,34 @@ def native_status() -> tuple[bool, str]:
         return False, "no CUDA device is visible"
     if not torch.cuda.is_available():
         return False, f"torch {torch.__version__} has no CUDA support, so tensors cannot live on the GPU"
-    major, minor = lib.capability(torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = lib.capability(index)
     if (major, minor) < NATIVE_MIN_CAPABILITY:
         return False, f"GPU compute capability {major}.{minor} is below the required 7.5"
-    return True, f"{lib.path.name} (ABI {NATIVE_ABI_VERSION}) on {torch.cuda.get_device_name()} (sm_{major}{minor})"
-
-
-def choose_backend(requested: str = "auto") -> tuple[str, str]:
-    """Resolve --backend: returns ("native" | "torch", the reason to print at startup).
-
-    "auto" picks native only when native_status() is ok; "native" raises PocketError when it is not.
-    """
-    if requested == "torch":
-        return "torch", "torch backend (requested)"
-    if requested not in ("auto", "native"):
-        raise PocketError(f"--backend must be auto, native or torch, not {requested!r}")
-    ok, why = native_status()
-    if ok:
-        return "native", f"native backend: {why}"
-    if requested == "native":
-        raise PocketError(f"--backend native is unavailable: {why}")
-    return "torch", f"torch backend (native unavailable: {why})"
+    return True, f"{lib.path.name} (ABI {NATIVE_ABI_VERSION}) on {torch.cuda.get_device_name(index)} (sm_{major}{minor})"
 
 
 class NativeOps:
-    """The backend op list (see TorchOps) on the native library. Tensors must be contiguous and live where
-    the library runs: CUDA tensors for libpocketllm.so, CPU tensors for the CPU test build. Each method
-    passes data pointers, shapes and dtype codes, on torch's current stream."""
+    """The backend op list of TorchOps on the native library: the same methods and signatures. Each method
+    passes data pointers, shapes and dtype codes on torch's current stream. Inputs may be strided views (they
+    are made contiguous); tensors written in place (caches, states, the residual) must be contiguous. On a CPU
+    device the CPU test build runs the same kernels on host tensors."""
+    name = "native"
 
-    def __init__(self, act_dtype: torch.dtype | None = None, lib: NativeLibrary | None = None,
-                 cpu_build: bool = False):
-        self.lib = lib or load_native(cpu_build)
-        self.act_dtype = act_dtype or (torch.float32 if self.lib.is_cpu_build else torch.float16)
-        self.device = torch.device("cpu") if self.lib.is_cpu_build else None
+    def __init__(self, device: torch.device | str | None = None, lib: NativeLibrary | None = None):
+        self.device = torch.device(device or "cuda")
+        self.lib = lib or load_native(cpu_build=self.device.type == "cpu")
 
-    # ---- Plumbing: pointers, dtype codes, the stream, output allocation ----
+    # ---- Plumbing: pointers, dtype codes, the stream ----
 
     def _p(self, t: torch.Tensor) -> int:
+        """The address of a tensor the library reads or writes in place."""
         if t.is_cuda == self.lib.is_cpu_build:
             where = "CPU" if self.lib.is_cpu_build else "CUDA"
             raise PocketError(f"native backend ({self.lib.path.name}) needs {where} tensors, got one on {t.device}")
         if not t.is_contiguous():
-            raise PocketError(f"native backend needs contiguous tensors, got shape {tuple(t.shape)} "
-                              f"strides {t.stride()}")
+            raise PocketError(f"native backend: a tensor written in place must be contiguous, got shape "
+                              f"{tuple(t.shape)} strides {t.stride()}")
         return t.data_ptr()
 
     @staticmethod
@@ -777,20 +774,22 @@ class NativeOps:
         return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
     @staticmethod
-    def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return t.contiguous() if t.dtype == dtype else t.to(dtype).contiguous()
+    def _as(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An input in `dtype` (default: its own), contiguous; no copy when it already is."""
+        return t.to(dtype or t.dtype).contiguous()
 
     # ---- The ops ----
 
-    def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        ids = self._as(ids, torch.int64)
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ids, table = self._as(ids, torch.int64), self._as(table)
         (V, D), T = table.shape, ids.numel()
-        out = torch.empty(T, D, dtype=self.act_dtype, device=table.device)          # (T, D)
+        out = torch.empty(T, D, dtype=dtype, device=table.device)                   # (T, D)
         self.lib.call("pl_embed", self._p(ids), T, self._p(table), self._dt(table), V, D, self._p(out),
                       self._dt(out), self._stream(out))
         return out
 
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x, w = self._as(x), self._as(w)
         D = x.shape[-1]
         out = torch.empty_like(x)                                                    # (T, D)
         self.lib.call("pl_rmsnorm", self._p(x), self._p(w), self._dt(w), self._p(out), self._dt(x),
@@ -799,6 +798,8 @@ class NativeOps:
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual (T, D) fp32 is updated in place and returned."""
+        x, w = self._as(x), self._as(w)
         D = x.shape[-1]
         if residual.dtype != torch.float32:
             raise PocketError(f"add_rmsnorm: the residual stream must be float32, got {residual.dtype}")
@@ -807,25 +808,23 @@ class NativeOps:
                       self._dt(x), x.numel() // D, D, eps, self._stream(x))
         return out, residual
 
-    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
-        weight, scale = w.weight, w.scale
+    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        x, weight = self._as(x), self._as(w.weight)
         N, K = weight.shape
-        T = x.numel() // K
         out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)          # (T, N)
-        scale_ptr = 0
-        if scale is not None:
-            scale = self._as(scale, torch.float32)
-            scale_ptr = self._p(scale)
-        self.lib.call("pl_linear", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight), scale_ptr, N,
-                      self._p(out), self._stream(x))
+        scale = self._as(w.scale, torch.float32) if w.scale is not None else None    # (ceil(N/128), ceil(K/128))
+        self.lib.call("pl_linear", self._p(x), self._dt(x), x.numel() // K, K, self._p(weight), self._dt(weight),
+                      0 if scale is None else self._p(scale), N, self._p(out), self._stream(x))
         return out
 
     def silu_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g, u = self._as(g), self._as(u, g.dtype)
         out = torch.empty_like(g)                                                    # (T, I)
         self.lib.call("pl_silu_mul", self._p(g), self._p(u), self._p(out), self._dt(g), g.numel(), self._stream(g))
         return out
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x, gate = self._as(x), self._as(gate, x.dtype)
         out = torch.empty_like(x)                                                    # (T, N)
         self.lib.call("pl_sigmoid_mul", self._p(x), self._p(gate), self._p(out), self._dt(x), x.numel(),
                       self._stream(x))
@@ -833,10 +832,10 @@ class NativeOps:
 
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
                      positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T, Hq, Dh = q.shape
-        Hk = k.shape[1]
-        k_w = self._as(k_w, q_w.dtype)
-        positions, inv_freq = self._as(positions, torch.int64), self._as(inv_freq, torch.float32)
+        q, k, q_w = self._as(q), self._as(k, q.dtype), self._as(q_w)
+        k_w, positions = self._as(k_w, q_w.dtype), self._as(positions, torch.int64)
+        inv_freq = self._as(inv_freq, torch.float32)                                 # (R/2,)
+        (T, Hq, Dh), Hk = q.shape, k.shape[1]
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)                     # (T, Hq, Dh), (T, Hk, Dh)
         self.lib.call("pl_qk_norm_rope", self._p(q), self._p(k), self._p(q_out), self._p(k_out), self._dt(q), T, Hq,
                       Hk, Dh, self._p(q_w), self._p(k_w), self._dt(q_w), eps, self._p(positions), self._p(inv_freq),
@@ -845,20 +844,19 @@ class NativeOps:
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
+        k, v, slot_mapping = self._as(k), self._as(v, k.dtype), self._as(slot_mapping, torch.int64)
         T, Hk, Dh = k.shape
-        slot_mapping = self._as(slot_mapping, torch.int64)
         self.lib.call("pl_kv_write", self._p(k), self._p(v), self._dt(k), T, Hk, Dh, self._p(k_cache),
                       self._p(v_cache), self._dt(k_cache), self._p(slot_mapping), self._stream(k))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start: torch.Tensor, scale: float) -> torch.Tensor:
-        T, Hq, Dh = q.shape
-        _, block_size, Hk, _ = k_cache.shape
-        block_tables = self._as(block_tables, torch.int32)
+        q, block_tables = self._as(q), self._as(block_tables, torch.int32)
         context_lens, query_start = self._as(context_lens, torch.int32), self._as(query_start, torch.int32)
+        (T, Hq, Dh), (_, block_size, Hk, _) = q.shape, k_cache.shape
         B, max_blocks = block_tables.shape
         ws_bytes = self.lib.lib.pl_attention_workspace_bytes(T, Hq, Dh, max_blocks, block_size)
-        workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=q.device)
+        workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=q.device)   # split-K partials
         out = torch.empty_like(q)                                                    # (T, Hq, Dh)
         self.lib.call("pl_attention", self._p(q), self._dt(q), T, Hq, Hk, Dh, self._p(k_cache), self._p(v_cache),
                       block_size, self._p(block_tables), max_blocks, self._p(context_lens), self._p(query_start), B,
@@ -867,9 +865,9 @@ class NativeOps:
 
     def conv1d(self, x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, slot_ids: torch.Tensor,
                query_start: torch.Tensor) -> torch.Tensor:
+        x, slot_ids, query_start = self._as(x), self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
         T, C = x.shape
-        w = w.reshape(C, -1)                                                         # (C, W); HF stores (C, 1, W)
-        slot_ids, query_start = self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
+        w = self._as(w).reshape(C, -1)                                               # (C, W)
         out = torch.empty_like(x)                                                    # (T, C)
         self.lib.call("pl_conv1d", self._p(x), self._dt(x), T, C, self._p(w), self._dt(w), w.shape[1],
                       self._p(conv_state), self._dt(conv_state), self._p(slot_ids), self._p(query_start),
@@ -878,9 +876,9 @@ class NativeOps:
 
     def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self._as(a), self._as(b, a.dtype)
+        A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)   # (Hv,): one dtype code
         T, Hv = a.shape
-        if A_log.dtype != dt_bias.dtype:   # one dtype code for both: use fp32 (Hv values)
-            A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)
         g = torch.empty(T, Hv, dtype=torch.float32, device=a.device)                # (T, Hv)
         beta = torch.empty_like(g)                                                   # (T, Hv)
         self.lib.call("pl_gdn_gates", self._p(a), self._p(b), self._dt(a), T, Hv, self._p(A_log), self._p(dt_bias),
@@ -889,9 +887,10 @@ class NativeOps:
 
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, slot_ids: torch.Tensor, query_start: torch.Tensor) -> torch.Tensor:
-        T, Hk, Dk = q.shape
-        _, Hv, Dv = v.shape
+        q, k, v = self._as(q), self._as(k, q.dtype), self._as(v, q.dtype)
+        g, beta = self._as(g, torch.float32), self._as(beta, torch.float32)
         slot_ids, query_start = self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
+        (T, Hk, Dk), (_, Hv, Dv) = q.shape, v.shape
         out = torch.empty_like(v)                                                    # (T, Hv, Dv)
         self.lib.call("pl_gated_delta", self._p(q), self._p(k), self._p(v), self._dt(q), T, Hk, Hv, Dk, Dv,
                       self._p(g), self._p(beta), self._p(state), self._p(slot_ids), self._p(query_start),
@@ -899,6 +898,7 @@ class NativeOps:
         return out
 
     def gated_rmsnorm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x, z, w = self._as(x), self._as(z, x.dtype), self._as(w)
         D = x.shape[-1]
         out = torch.empty_like(x)                                                    # (T, Hv, Dv)
         self.lib.call("pl_gated_rmsnorm", self._p(x), self._p(z), self._p(w), self._dt(w), self._p(out),

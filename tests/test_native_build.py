@@ -78,18 +78,27 @@ def test_without_gpu_the_error_is_clear_and_auto_picks_torch(cuda_build):
     assert lib.lib.pl_abi_version() == pocketllm.NATIVE_ABI_VERSION and not lib.is_cpu_build
     with pytest.raises(pocketllm.PocketError, match="no usable GPU|no CUDA-capable device"):
         lib.device_count()
-    ok, why = pocketllm.native_status()
+    ok, why = pocketllm.native_status("cuda")
     assert not ok and "pl_device_count" in why
-    backend, reason = pocketllm.choose_backend("auto")
-    assert backend == "torch" and "native unavailable" in reason and "GPU" in reason
-    with pytest.raises(pocketllm.PocketError, match="--backend native is unavailable"):
-        pocketllm.choose_backend("native")
-    assert pocketllm.choose_backend("torch")[0] == "torch"
+    ops, reason = pocketllm.select_ops(pocketllm.EngineOptions(backend="auto", device="cuda"), torch.device("cuda"))
+    assert ops.name == "torch" and "no usable GPU" in reason
+    with pytest.raises(pocketllm.PocketError, match="--backend native: .*no usable GPU"):
+        pocketllm.select_ops(pocketllm.EngineOptions(backend="native", device="cuda"), torch.device("cuda"))
+
+
+def test_cpu_device_uses_the_cpu_build_only_when_asked(cpu_build, monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("POCKETLLM_NATIVE_CPU", raising=False)
+    ops, reason = pocketllm.select_ops(pocketllm.EngineOptions(backend="auto"), cpu)
+    assert ops.name == "torch" and "needs a CUDA device" in reason
+    monkeypatch.setenv("POCKETLLM_NATIVE_CPU", "1")
+    ops, reason = pocketllm.select_ops(pocketllm.EngineOptions(backend="native"), cpu)
+    assert ops.name == "native" and ops.lib.is_cpu_build
 
 
 def test_missing_library_says_how_to_build(monkeypatch, tmp_path):
     monkeypatch.setenv("POCKETLLM_NATIVE_LIB", str(tmp_path / "libpocketllm.so"))
-    ok, why = pocketllm.native_status()
+    ok, why = pocketllm.native_status("cuda")
     assert not ok and "not found" in why and "python build.py" in why
 
 
@@ -105,7 +114,7 @@ def test_cpu_build_loads_through_the_same_path(cpu_build):
     assert lib.is_cpu_build and lib.path == cpu_build.resolve()
     with pytest.raises(pocketllm.PocketError, match="CPU test build"):
         lib.device_count()
-    ops = pocketllm.NativeOps(cpu_build=True)
+    ops = pocketllm.NativeOps("cpu")
     assert ops.nccl_available() is False
     with pytest.raises(pocketllm.PocketError, match="tensor parallelism needs NCCL: .*not available in the CPU"):
         ops.nccl_unique_id()
@@ -113,7 +122,9 @@ def test_cpu_build_loads_through_the_same_path(cpu_build):
     x, w = torch.randn(3, 64), torch.randn(64)
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
     torch.testing.assert_close(ops.rmsnorm(x, w, 1e-6), ref, rtol=1e-5, atol=1e-5)
-    with pytest.raises(pocketllm.PocketError, match="contiguous"):
-        ops.rmsnorm(x.t(), w, 1e-6)
+    xt = x.t().contiguous().t()                             # a strided view of the same values is accepted
+    torch.testing.assert_close(ops.rmsnorm(xt, w, 1e-6), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(pocketllm.PocketError, match="must be contiguous"):
+        ops.add_rmsnorm(x, torch.zeros(64, 3).t(), w, 1e-6)   # but a tensor written in place must be contiguous
     with pytest.raises(pocketllm.NativeError, match=r"pl_\w+ \(\w+\.cu:\d+\)"):
         ops.rmsnorm(x.long(), w, 1e-6)                      # an activation dtype the library refuses
