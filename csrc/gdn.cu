@@ -50,7 +50,7 @@ extern "C" int pl_conv1d(uint64_t x, int32_t act_dtype, int64_t T, int32_t C, ui
 //   S = exp(g) S;  delta_j = beta (v_j - sum_i S_ij k_i);  S_ij += k_i delta_j;  o_j = sum_i S_ij q_i
 // with the column sums reduced across the warps through shared memory. ---------------------------------------
 
-static const int GDN_WARPS = 4;
+static const int GDN_WARPS = 8;
 static const int GDN_MAX_DK = 256;
 
 template <typename TA, int RPT>
@@ -137,11 +137,12 @@ extern "C" int pl_gated_delta(uint64_t q, uint64_t k, uint64_t v, int32_t act_dt
     const int32_t *sl = (const int32_t*)slot_ids, *qs = (const int32_t*)query_start;
     float* st = (float*)state;
     TA* op = (TA*)out;
-    if (Dk <= 16) launch_gated_delta<TA, 4>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
-    else if (Dk <= 32) launch_gated_delta<TA, 8>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
-    else if (Dk <= 64) launch_gated_delta<TA, 16>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
-    else if (Dk <= 128) launch_gated_delta<TA, 32>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
-    else launch_gated_delta<TA, 64>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    // RPT = rows of S per thread = ceil(Dk / GDN_WARPS).
+    if (Dk <= 16) launch_gated_delta<TA, 2>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    else if (Dk <= 32) launch_gated_delta<TA, 4>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    else if (Dk <= 64) launch_gated_delta<TA, 8>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    else if (Dk <= 128) launch_gated_delta<TA, 16>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    else launch_gated_delta<TA, 32>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
   });
   PL_CHECK_LAUNCH();
   return 0;

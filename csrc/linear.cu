@@ -166,24 +166,33 @@ __global__ void gemv_mma_kernel(const pl_half* x, int T, int K, const uint8_t* w
   int n0 = blockIdx.x * 16;
   int KB = (K + 127) >> 7;
   const float* srow = scale + (int64_t)(n0 >> 7) * KB;
-  float acc[NT][4] = {};
-  for (int c0 = warp * 64; c0 < K; c0 += GEMV_MMA_WARPS * 64) {
+  // Registers of one chunk: rows g and g+8 of the weight, and the x slices of token g (+8 for the 2nd tile).
+  struct Chunk { uint4 wa, wb, xa[NT], xb[NT]; };
+  auto load = [&](int c0, Chunk& c) {
     int k = c0 + 16 * t;
-    uint4 wa = make_uint4(0, 0, 0, 0), wb = make_uint4(0, 0, 0, 0), xa[NT], xb[NT];
+    uint4 z = make_uint4(0, 0, 0, 0);
+    c.wa = c.wb = z;
     if (k < K) {
-      if (n0 + g < N) wa = *(const uint4*)(w + (int64_t)(n0 + g) * K + k);
-      if (n0 + g + 8 < N) wb = *(const uint4*)(w + (int64_t)(n0 + g + 8) * K + k);
+      if (n0 + g < N) c.wa = *(const uint4*)(w + (int64_t)(n0 + g) * K + k);
+      if (n0 + g + 8 < N) c.wb = *(const uint4*)(w + (int64_t)(n0 + g + 8) * K + k);
     }
 #pragma unroll
     for (int j = 0; j < NT; j++) {
-      xa[j] = xb[j] = make_uint4(0, 0, 0, 0);
       int tok = 8 * j + g;
+      c.xa[j] = c.xb[j] = z;
       if (k < K && tok < T) {
-        xa[j] = *(const uint4*)(x + (int64_t)tok * K + k);
-        xb[j] = *(const uint4*)(x + (int64_t)tok * K + k + 8);
+        c.xa[j] = *(const uint4*)(x + (int64_t)tok * K + k);
+        c.xb[j] = *(const uint4*)(x + (int64_t)tok * K + k + 8);
       }
     }
-    const uint32_t wa_w[4] = {wa.x, wa.y, wa.z, wa.w}, wb_w[4] = {wb.x, wb.y, wb.z, wb.w};
+  };
+  const int step = GEMV_MMA_WARPS * 64;
+  float acc[NT][4] = {};
+  Chunk cur, nxt;
+  load(warp * 64, cur);
+  for (int c0 = warp * 64; c0 < K; c0 += step) {
+    load(c0 + step, nxt);                  // in flight while this chunk is multiplied (zeros past K)
+    const uint32_t wa_w[4] = {cur.wa.x, cur.wa.y, cur.wa.z, cur.wa.w}, wb_w[4] = {cur.wb.x, cur.wb.y, cur.wb.z, cur.wb.w};
     float part[NT][4] = {};
 #pragma unroll
     for (int s = 0; s < 8; s++) {
@@ -192,7 +201,8 @@ __global__ void gemv_mma_kernel(const pl_half* x, int T, int K, const uint8_t* w
                        pl_half2_bits(pl_e4m3x2_to_half2((uint16_t)(wb_w[s >> 1] >> sh)))};
 #pragma unroll
       for (int j = 0; j < NT; j++) {
-        const uint32_t xw[8] = {xa[j].x, xa[j].y, xa[j].z, xa[j].w, xb[j].x, xb[j].y, xb[j].z, xb[j].w};
+        const uint32_t xw[8] = {cur.xa[j].x, cur.xa[j].y, cur.xa[j].z, cur.xa[j].w,
+                                cur.xb[j].x, cur.xb[j].y, cur.xb[j].z, cur.xb[j].w};
         pl_mma_m16n8k8(part[j], a, xw[s], part[j]);
       }
     }
@@ -200,6 +210,7 @@ __global__ void gemv_mma_kernel(const pl_half* x, int T, int K, const uint8_t* w
 #pragma unroll
     for (int j = 0; j < NT; j++)
       for (int i = 0; i < 4; i++) acc[j][i] += sc * part[j][i];
+    cur = nxt;
   }
   for (int j = 0; j < NT; j++)
     for (int i = 0; i < 4; i++) red[warp][lane][j * 4 + i] = acc[j][i];
