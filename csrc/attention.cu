@@ -1,30 +1,27 @@
 // Paged attention over the KV cache, (num_blocks, block_size, Hk, Dh), for prefill and decode alike.
 // One block of 4 warps handles one query row, the q heads of one kv group (up to 8: every K/V row is read once
-// for the whole group) and one split of the row's visible positions: each warp takes every 4th position,
-// computes the q.k dots with warp reductions, and keeps a running (max, sum, acc) online softmax per head; the
-// warps merge through shared memory. With several splits (decode, or few
-// rows: flash-decoding) every block writes its normalised partial output and log-sum-exp terms to the
-// workspace and a second kernel merges the splits. Softmax and accumulation in fp32.
+// for the whole group) and one split of the row's visible positions: each warp takes every 4th pair of
+// positions, computes the q.k dots with warp reductions, and keeps a running (max, sum, acc) online softmax per
+// head; the warps merge through shared memory. With several splits (decode, or few rows: flash-decoding) every
+// block writes its normalised partial output and log-sum-exp terms to the workspace and a second kernel merges
+// the splits. Softmax and accumulation in fp32.
 #include "ops_common.cuh"
 
 static const int ATT_WARPS = 4;
 static const int ATT_MAX_DH = 256;
-static const int ATT_MIN_SPLIT = 256;        // positions per split at least
-static const int ATT_MAX_SPLITS = 32;
-static const int64_t ATT_SPLIT_ROWS = 1024;  // T * Hq at or above which one split already fills the GPU
+static const int ATT_MIN_SPLIT = 64;         // positions per split at least (bounds splits by max context)
+static const int ATT_MAX_SPLITS = 64;
+static const int64_t ATT_SPLIT_WORK = 4096;  // aim at T * Hq * splits >= this (a few hundred blocks at GQA 6-8)
 
-// Splits for a launch, from host-known sizes only (max_blocks = block_tables' width).
+// Splits for a launch, from host-known sizes only (max_blocks = block_tables' width). Each row then divides
+// ITS visible positions evenly among the splits, so a wide block table costs nothing.
 static int attention_splits(int64_t T, int32_t Hq, int32_t max_blocks, int32_t block_size) {
-  if (T * Hq >= ATT_SPLIT_ROWS) return 1;
-  int64_t max_ctx = (int64_t)max_blocks * block_size;
-  int64_t s = (max_ctx + ATT_MIN_SPLIT - 1) / ATT_MIN_SPLIT;
+  int64_t rows = T * Hq;
+  if (rows >= ATT_SPLIT_WORK) return 1;
+  int64_t s = (ATT_SPLIT_WORK + rows - 1) / rows;
+  int64_t by_ctx = (int64_t)max_blocks * block_size / ATT_MIN_SPLIT;
+  if (s > by_ctx) s = by_ctx;
   return (int)(s < 1 ? 1 : s > ATT_MAX_SPLITS ? ATT_MAX_SPLITS : s);
-}
-
-static int64_t split_len(int splits, int32_t max_blocks, int32_t block_size) {
-  int64_t max_ctx = (int64_t)max_blocks * block_size;
-  int64_t len = (max_ctx + splits - 1) / splits;
-  return (len + block_size - 1) / block_size * block_size;
 }
 
 extern "C" int64_t pl_attention_workspace_bytes(int64_t T, int32_t Hq, int32_t Dh, int32_t max_blocks,
@@ -85,7 +82,7 @@ __device__ __forceinline__ void load_dpl(const float* p, int d0, int Dh, float* 
 template <typename TA, int DPL, int GM, bool FULL>
 __global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cache, const int32_t* block_tables,
                                  int max_blocks, const int32_t* context_lens, const int32_t* query_start, int B,
-                                 int Hq, int Hk, int Dh, int block_size, float scale, int64_t split_tokens,
+                                 int Hq, int Hk, int Dh, int block_size, float scale,
                                  TA* out, float* ws) {
   __shared__ float m_x[ATT_WARPS / 2][GM], l_x[ATT_WARPS / 2][GM];
   __shared__ float acc_x[ATT_WARPS / 2][GM][32 * DPL];
@@ -98,12 +95,19 @@ __global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cac
   int b = find_seq(query_start, B, r);
   int qlen = query_start[b + 1] - query_start[b];
   int64_t visible = (int64_t)context_lens[b] - qlen + (r - query_start[b]) + 1;   // positions 0 .. visible-1
-  int64_t p0 = split * split_tokens, p1 = p0 + split_tokens < visible ? p0 + split_tokens : visible;
-  if (p0 >= p1) {                                     // an empty split (only when splits > 1): l = 0 marks it
+  int64_t per = (visible + splits - 1) / splits;
+  per = per < 16 ? 16 : per;
+  int64_t p0 = split * per, p1 = p0 + per < visible ? p0 + per : visible;
+  if (p0 >= p1) {                                     // an empty split: l = 0 marks it (zeros if it is the only one)
     for (int i = threadIdx.x; i < nh; i += blockDim.x) {
-      float* part = ws + ((r * Hq + h0 + i) * splits + split) * (int64_t)(Dh + 2);
-      part[Dh] = -INFINITY;
-      part[Dh + 1] = 0.f;
+      int64_t row = r * Hq + h0 + i;
+      if (splits == 1) {
+        for (int d = 0; d < Dh; d++) out[row * Dh + d] = from_f<TA>(0.f);
+      } else {
+        float* part = ws + (row * splits + split) * (int64_t)(Dh + 2);
+        part[Dh] = -INFINITY;
+        part[Dh + 1] = 0.f;
+      }
     }
     return;
   }
@@ -117,23 +121,33 @@ __global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cac
     l[i] = 0.f;
   }
   const int32_t* table = block_tables + (int64_t)b * max_blocks;
-  for (int64_t p = p0 + warp; p < p1; p += ATT_WARPS) {
-    int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-    float kv[DPL], vv[DPL];
-    load_dpl<DPL, FULL>(k_cache + (slot * Hk + kvh) * Dh, d0, Dh, kv);
-    load_dpl<DPL, FULL>(v_cache + (slot * Hk + kvh) * Dh, d0, Dh, vv);
+  // Each warp takes two positions per step (both loads in flight before the math), every 8th pair.
+  for (int64_t p = p0 + 2 * warp; p < p1; p += 2 * ATT_WARPS) {
+    bool two = p + 1 < p1;                            // uniform across the warp
+    float k0[DPL], v0[DPL], k1[DPL], v1[DPL];
+    int64_t s0 = (int64_t)table[p / block_size] * block_size + p % block_size;
+    load_dpl<DPL, FULL>(k_cache + (s0 * Hk + kvh) * Dh, d0, Dh, k0);
+    load_dpl<DPL, FULL>(v_cache + (s0 * Hk + kvh) * Dh, d0, Dh, v0);
+    if (two) {
+      int64_t s1 = (int64_t)table[(p + 1) / block_size] * block_size + (p + 1) % block_size;
+      load_dpl<DPL, FULL>(k_cache + (s1 * Hk + kvh) * Dh, d0, Dh, k1);
+      load_dpl<DPL, FULL>(v_cache + (s1 * Hk + kvh) * Dh, d0, Dh, v1);
+    } else {
+#pragma unroll
+      for (int j = 0; j < DPL; j++) k1[j] = v1[j] = 0.f;
+    }
 #pragma unroll
     for (int i = 0; i < GM; i++) {
       if (i < nh) {                                   // uniform across the warp
-        float dot = 0.f;
+        float dot0 = 0.f, dot1 = 0.f;
 #pragma unroll
-        for (int j = 0; j < DPL; j++) dot += qv[i][j] * kv[j];
-        float s = warp_sum(dot);
-        float m_new = fmaxf(m[i], s);
-        float corr = expf(m[i] - m_new), e = expf(s - m_new);
-        l[i] = l[i] * corr + e;
+        for (int j = 0; j < DPL; j++) { dot0 += qv[i][j] * k0[j]; dot1 += qv[i][j] * k1[j]; }
+        float sc0 = warp_sum(dot0), sc1 = two ? warp_sum(dot1) : -INFINITY;
+        float m_new = fmaxf(m[i], fmaxf(sc0, sc1));
+        float corr = expf(m[i] - m_new), e0 = expf(sc0 - m_new), e1 = two ? expf(sc1 - m_new) : 0.f;
+        l[i] = l[i] * corr + e0 + e1;
 #pragma unroll
-        for (int j = 0; j < DPL; j++) acc[i][j] = acc[i][j] * corr + e * vv[j];
+        for (int j = 0; j < DPL; j++) acc[i][j] = acc[i][j] * corr + e0 * v0[j] + e1 * v1[j];
         m[i] = m_new;
       }
     }
@@ -198,7 +212,7 @@ __global__ void attention_merge_kernel(const float* ws, int Hq, int Dh, int spli
         L += wgt;
       }
     }
-    out[(r * Hq + h) * Dh + d] = from_f<TA>(o / L);
+    out[(r * Hq + h) * Dh + d] = from_f<TA>(L > 0.f ? o / L : 0.f);   // no visible position: 0
   }
 }
 
@@ -206,16 +220,15 @@ template <typename TA, int DPL, int GM>
 static void launch_attention(const TA* q, const TA* kc, const TA* vc, const int32_t* bt, int max_blocks,
                              const int32_t* cl, const int32_t* qs, int B, int64_t T, int Hq, int Hk, int Dh,
                              int block_size, float scale, int splits, TA* out, float* ws, uint64_t stream) {
-  int64_t split_tokens = split_len(splits, max_blocks, block_size);
   int chunks = (Hq / Hk + GM - 1) / GM;
   bool full = Dh == 32 * DPL && ((uintptr_t)q & 15) == 0 && ((uintptr_t)kc & 15) == 0 && ((uintptr_t)vc & 15) == 0;
   dim3 grid((unsigned)T, (unsigned)(Hk * chunks), (unsigned)splits), block(32 * ATT_WARPS);
   if (full)
     PL_LAUNCH((attention_kernel<TA, DPL, GM, true>), grid, block, 0, stream, q, kc, vc, bt, max_blocks, cl, qs, B,
-              Hq, Hk, Dh, block_size, scale, split_tokens, out, ws);
+              Hq, Hk, Dh, block_size, scale, out, ws);
   else
     PL_LAUNCH((attention_kernel<TA, DPL, GM, false>), grid, block, 0, stream, q, kc, vc, bt, max_blocks, cl, qs, B,
-              Hq, Hk, Dh, block_size, scale, split_tokens, out, ws);
+              Hq, Hk, Dh, block_size, scale, out, ws);
   if (splits > 1)
     PL_LAUNCH(attention_merge_kernel<TA>, dim3((unsigned)T, (unsigned)Hq), dim3(128), 0, stream,
               (const float*)ws, Hq, Dh, splits, out);
