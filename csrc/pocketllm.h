@@ -97,7 +97,8 @@ int pl_kv_write(uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk
    to positions 0 .. that position. out (T, Hq, Dh) act. workspace: device memory of at least
    pl_attention_workspace_bytes(T, Hq, Dh, max_blocks, block_size) bytes (0 = none needed), which is
        splits == 1 ? 0 : T * Hq * splits * (Dh + 2) * 4,
-       splits = T * Hq >= 1024 ? 1 : clamp(ceil(max_blocks * block_size / 256), 1, 32). */
+       splits = T * Hq >= 4096 ? 1 : clamp(min(ceil(4096 / (T * Hq)), max_blocks * block_size / 64), 1, 64).
+   Each row divides its own visible positions among the splits. A row with no visible position gives 0. */
 int64_t pl_attention_workspace_bytes(int64_t T, int32_t Hq, int32_t Dh, int32_t max_blocks, int32_t block_size);
 int pl_attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
                  uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
