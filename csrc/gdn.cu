@@ -54,63 +54,79 @@ static const int GDN_WARPS = 8;
 static const int GDN_MAX_DK = 256;
 
 template <typename TA, int RPT>
-__global__ void gated_delta_kernel(const TA* q, const TA* k, const TA* v, const float* g, const float* beta,
-                                   float* state, const int32_t* slot_ids, const int32_t* query_start, int Hk,
-                                   int Hv, int Dk, int Dv, TA* out) {
-  __shared__ float q_s[GDN_WARPS * RPT], k_s[GDN_WARPS * RPT];
-  __shared__ float red[GDN_WARPS][32];
-  __shared__ float red_q[32], red_k[32];
+__global__ void gated_delta_kernel(const TA* __restrict__ q, const TA* __restrict__ k, const TA* __restrict__ v,
+                                   const float* __restrict__ g, const float* __restrict__ beta,
+                                   float* __restrict__ state, const int32_t* slot_ids, const int32_t* query_start,
+                                   int Hk, int Hv, int Dk, int Dv, TA* __restrict__ out) {
+  __shared__ float q_s[GDN_WARPS * RPT], k_s[GDN_WARPS * RPT];   // this token's raw q, k (zero past Dk)
+  __shared__ float red_qk[2][GDN_WARPS];                          // per-warp sums of q^2, k^2
+  __shared__ float red_k[GDN_WARPS][32], red_o[GDN_WARPS][32];    // per-warp column sums of S^T k, S^T q
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int j = blockIdx.x * 32 + lane, h = blockIdx.y, b = blockIdx.z;
   int kh = h / (Hv / Hk);
   bool col = j < Dv;
   float* S_g = state + ((int64_t)slot_ids[b] * Hv + h) * Dk * Dv;
   float S[RPT];
+#pragma unroll
   for (int rr = 0; rr < RPT; rr++) {
     int i = warp * RPT + rr;
     S[rr] = (col && i < Dk) ? S_g[(int64_t)i * Dv + j] : 0.f;
   }
   float q_scale = rsqrtf((float)Dk);
-  for (int64_t t = query_start[b]; t < query_start[b + 1]; t++) {
-    // L2-normalised q (times Dk^-0.5) and k of key head kh, staged in shared memory.
-    const TA* qt = q + (t * Hk + kh) * Dk;
-    const TA* kt = k + (t * Hk + kh) * Dk;
-    float sq = 0.f, sk = 0.f;
-    for (int i = threadIdx.x; i < GDN_WARPS * RPT; i += blockDim.x) {
-      float qi = i < Dk ? to_f(qt[i]) : 0.f, ki = i < Dk ? to_f(kt[i]) : 0.f;
-      q_s[i] = qi; k_s[i] = ki;
-      sq += qi * qi; sk += ki * ki;
-    }
-    float inv_q = rsqrtf(block_sum(sq, red_q) + 1e-6f) * q_scale;
-    float inv_k = rsqrtf(block_sum(sk, red_k) + 1e-6f);
-    float decay = expf(g[t * Hv + h]), bt = beta[t * Hv + h];
-    float vj = col ? to_f(v[(t * Hv + h) * Dv + j]) : 0.f;
+  int64_t t0 = query_start[b], t1 = query_start[b + 1];
+  // What one token needs, loaded a token ahead so the loads overlap the previous token's math: thread i < Dk
+  // holds q_i and k_i (blockDim >= GDN_WARPS * RPT >= Dk), column threads v_j; everyone g and beta.
+  struct Tok { float q, k, v, g, beta; };
+  auto fetch = [&](int64_t t, Tok& x) {
+    int i = threadIdx.x;
+    x.q = i < Dk ? to_f(q[(t * Hk + kh) * Dk + i]) : 0.f;
+    x.k = i < Dk ? to_f(k[(t * Hk + kh) * Dk + i]) : 0.f;
+    x.v = col ? to_f(v[(t * Hv + h) * Dv + j]) : 0.f;
+    x.g = g[t * Hv + h];
+    x.beta = beta[t * Hv + h];
+  };
+  Tok cur, nxt;
+  if (t0 < t1) fetch(t0, cur);
+  for (int64_t t = t0; t < t1; t++) {
+    if (t + 1 < t1) fetch(t + 1, nxt);
+    // q, k of key head kh to shared memory with their squared norms (the L2 normalisation).
+    if (threadIdx.x < GDN_WARPS * RPT) { q_s[threadIdx.x] = cur.q; k_s[threadIdx.x] = cur.k; }
+    float sq = warp_sum(cur.q * cur.q), sk = warp_sum(cur.k * cur.k);
+    if (lane == 0) { red_qk[0][warp] = sq; red_qk[1][warp] = sk; }
+    __syncthreads();
+    sq = sk = 0.f;
+    for (int w = 0; w < GDN_WARPS; w++) { sq += red_qk[0][w]; sk += red_qk[1][w]; }
+    float inv_q = rsqrtf(sq + 1e-6f) * q_scale, inv_k = rsqrtf(sk + 1e-6f);
     // Decay, then this warp's share of S^T k.
-    float part = 0.f;
+    float decay = expf(cur.g), part = 0.f;
+#pragma unroll
     for (int rr = 0; rr < RPT; rr++) {
       S[rr] *= decay;
       part += S[rr] * k_s[warp * RPT + rr];
     }
-    red[warp][lane] = part * inv_k;
+    red_k[warp][lane] = part * inv_k;
     __syncthreads();
     float kS = 0.f;
-    for (int w = 0; w < GDN_WARPS; w++) kS += red[w][lane];
-    float delta = bt * (vj - kS);
-    __syncthreads();                                   // red is reused below
+    for (int w = 0; w < GDN_WARPS; w++) kS += red_k[w][lane];
+    float delta = cur.beta * (cur.v - kS);
     part = 0.f;
+#pragma unroll
     for (int rr = 0; rr < RPT; rr++) {
       S[rr] += k_s[warp * RPT + rr] * inv_k * delta;
       part += S[rr] * q_s[warp * RPT + rr];
     }
-    red[warp][lane] = part * inv_q;
+    red_o[warp][lane] = part * inv_q;
     __syncthreads();
+    // Past the third barrier every thread is done reading this token's q_s, k_s, red_qk and red_k, so the next
+    // token rewrites them at once; red_o only after its second barrier, which warp 0 reaches after this read.
     if (warp == 0 && col) {
       float o = 0.f;
-      for (int w = 0; w < GDN_WARPS; w++) o += red[w][lane];
+      for (int w = 0; w < GDN_WARPS; w++) o += red_o[w][lane];
       out[(t * Hv + h) * Dv + j] = from_f<TA>(o);
     }
-    __syncthreads();                                   // red, q_s, k_s are rewritten by the next token
+    cur = nxt;
   }
+#pragma unroll
   for (int rr = 0; rr < RPT; rr++) {
     int i = warp * RPT + rr;
     if (col && i < Dk) S_g[(int64_t)i * Dv + j] = S[rr];
