@@ -1,32 +1,69 @@
 // Gated DeltaNet: the causal depthwise conv1d with per-slot conv state, and the gated delta rule with
-// per-slot recurrent state. Both run prefill and decode through one kernel that walks each sequence's rows in
-// order (decode is the one-row case). The delta rule here is the sequential per-token form, not the chunked
-// (WY) form: exact, and for decode it is the whole story; long prefills are slower than a chunked kernel.
+// per-slot recurrent state. Both serve prefill and decode alike (decode is the one-row case). The delta rule
+// here is the sequential per-token form, not the chunked (WY) form: exact, and for decode it is the whole story;
+// long prefills are slower than a chunked kernel would be.
 #include "ops_common.cuh"
 
-// ---- conv1d: thread per channel; the W-1 previous inputs live in registers while it walks the rows. -------
+// ---- conv1d, in two kernels on the stream. The outputs: one thread per (channel, chunk of CONV_ROWS rows of
+// the flattened batch); it walks its rows keeping the W-1 previous inputs of the row's sequence in registers,
+// taking them from x, or from the slot's state before the sequence's first row. Then the state update: one
+// thread per (channel, sequence) gathers the last W-1 inputs (state + rows) and writes them back. Splitting the
+// two keeps every old state read ahead of its overwrite. -------------------------------------------------------
 
 static const int CONV_MAX_W = 8;
+static const int CONV_ROWS = 64;
+
+// Input at position rel (relative to the sequence's first row; negative = from the state) of channel c.
+template <typename TA>
+__device__ __forceinline__ float conv_input(const TA* x, const void* conv_state, int sdt, int64_t st, int64_t row0,
+                                            int64_t rel, int C, int c, int W) {
+  return rel >= 0 ? to_f(x[(row0 + rel) * C + c]) : load_any(conv_state, sdt, st + (W - 1) + rel);
+}
 
 template <typename TA>
-__global__ void conv1d_kernel(const TA* x, const void* w, int wdt, void* conv_state, int sdt, const int32_t* slot_ids,
-                              const int32_t* query_start, int C, int W, TA* out) {
+__global__ void conv1d_kernel(const TA* __restrict__ x, const void* __restrict__ w, int wdt,
+                              const void* __restrict__ conv_state, int sdt, const int32_t* slot_ids,
+                              const int32_t* query_start, int B, int64_t T, int C, int W, TA* __restrict__ out) {
   int c = blockIdx.x * blockDim.x + threadIdx.x;
-  int b = blockIdx.y;
   if (c >= C) return;
+  int64_t r0 = (int64_t)blockIdx.y * CONV_ROWS, r1 = r0 + CONV_ROWS < T ? r0 + CONV_ROWS : T;
   float wc[CONV_MAX_W], win[CONV_MAX_W];              // win[0 .. W-2] = previous inputs, oldest first
+#pragma unroll
   for (int j = 0; j < CONV_MAX_W; j++) wc[j] = j < W ? load_any(w, wdt, (int64_t)c * W + j) : 0.f;
-  int64_t st = ((int64_t)slot_ids[b] * C + c) * (W - 1);
-  for (int j = 0; j < CONV_MAX_W - 1; j++) win[j] = j < W - 1 ? load_any(conv_state, sdt, st + j) : 0.f;
-  for (int64_t t = query_start[b]; t < query_start[b + 1]; t++) {
-    float xt = to_f(x[t * C + c]);
-    float y = wc[W - 1] * xt;
+  int b = find_seq(query_start, B, r0);
+  for (int64_t t = r0; t < r1;) {
+    while (query_start[b + 1] <= t) b++;               // the sequence of row t (skipping empty ones)
+    int64_t row0 = query_start[b], seg_end = query_start[b + 1] < r1 ? query_start[b + 1] : r1;
+    int64_t st = ((int64_t)slot_ids[b] * C + c) * (W - 1);
+#pragma unroll
     for (int j = 0; j < CONV_MAX_W - 1; j++)
-      if (j < W - 1) y += wc[j] * win[j];
-    out[t * C + c] = from_f<TA>(silu_f(y));
-    for (int j = 0; j < CONV_MAX_W - 1; j++)
-      if (j < W - 1) win[j] = j + 1 < W - 1 ? win[j + 1] : xt;
+      if (j < W - 1) win[j] = conv_input(x, conv_state, sdt, st, row0, t - row0 - (W - 1) + j, C, c, W);
+    for (; t < seg_end; t++) {
+      float xt = to_f(x[t * C + c]);
+      float y = wc[W - 1] * xt;
+#pragma unroll
+      for (int j = 0; j < CONV_MAX_W - 1; j++)
+        if (j < W - 1) y += wc[j] * win[j];
+      out[t * C + c] = from_f<TA>(silu_f(y));
+#pragma unroll
+      for (int j = 0; j < CONV_MAX_W - 1; j++)
+        if (j < W - 1) win[j] = j + 1 < W - 1 ? win[j + 1] : xt;
+    }
   }
+}
+
+template <typename TA>
+__global__ void conv_state_kernel(const TA* __restrict__ x, void* __restrict__ conv_state, int sdt,
+                                  const int32_t* slot_ids, const int32_t* query_start, int C, int W) {
+  int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (c >= C) return;
+  int64_t row0 = query_start[b], n = query_start[b + 1] - row0;
+  int64_t st = ((int64_t)slot_ids[b] * C + c) * (W - 1);
+  float win[CONV_MAX_W];
+#pragma unroll
+  for (int j = 0; j < CONV_MAX_W - 1; j++)             // all old state reads before any write
+    if (j < W - 1) win[j] = conv_input(x, conv_state, sdt, st, row0, n - (W - 1) + j, C, c, W);
+#pragma unroll
   for (int j = 0; j < CONV_MAX_W - 1; j++)
     if (j < W - 1) store_any(conv_state, sdt, st + j, win[j]);
 }
@@ -37,10 +74,16 @@ extern "C" int pl_conv1d(uint64_t x, int32_t act_dtype, int64_t T, int32_t C, ui
   PL_REQUIRE(W >= 2 && W <= CONV_MAX_W, "conv kernel width must be in 2..8");
   PL_REQUIRE(state_dtype >= PL_F32 && state_dtype <= PL_BF16, "conv state dtype must be fp32, fp16 or bf16");
   if (B == 0 || C == 0) return 0;
-  PL_DISPATCH_ACT(act_dtype, TA,
-    PL_LAUNCH(conv1d_kernel<TA>, dim3((unsigned)((C + 127) / 128), (unsigned)B), dim3(128), 0, stream,
-              (const TA*)x, (const void*)w, (int)w_dtype, (void*)conv_state, (int)state_dtype,
-              (const int32_t*)slot_ids, (const int32_t*)query_start, (int)C, (int)W, (TA*)out));
+  unsigned cblocks = (unsigned)((C + 127) / 128);
+  PL_DISPATCH_ACT(act_dtype, TA, {
+    if (T > 0)
+      PL_LAUNCH(conv1d_kernel<TA>, dim3(cblocks, (unsigned)((T + CONV_ROWS - 1) / CONV_ROWS)), dim3(128), 0, stream,
+                (const TA*)x, (const void*)w, (int)w_dtype, (const void*)conv_state, (int)state_dtype,
+                (const int32_t*)slot_ids, (const int32_t*)query_start, (int)B, T, (int)C, (int)W, (TA*)out);
+    PL_LAUNCH(conv_state_kernel<TA>, dim3(cblocks, (unsigned)B), dim3(128), 0, stream, (const TA*)x,
+              (void*)conv_state, (int)state_dtype, (const int32_t*)slot_ids, (const int32_t*)query_start, (int)C,
+              (int)W);
+  });
   PL_CHECK_LAUNCH();
   return 0;
 }

@@ -450,7 +450,7 @@ def test_conv1d(lib, act, W):
     w = rnd(C, W, device=dev, scale=0.5)
     state = rnd(S, C, W - 1, dtype=act, device=dev)
     slot_ids = torch.tensor([3, 0, 4], dtype=torch.int32, device=dev)
-    for q_lens in ([6, 1, 2], [1, 1, 1]):                       # prefill (ragged), then decode
+    for q_lens in ([6, 1, 2], [1, 1, 1], [70, 0, 5]):          # prefill (ragged), decode, rows past a 64-row chunk
         query_start = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
         T = sum(q_lens)
         x = rnd(T, C, dtype=act, device=dev)
