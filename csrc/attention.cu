@@ -30,6 +30,28 @@ extern "C" int64_t pl_attention_workspace_bytes(int64_t T, int32_t Hq, int32_t D
   return splits == 1 ? 0 : T * Hq * splits * (int64_t)(Dh + 2) * (int64_t)sizeof(float);
 }
 
+// DPL values at p (lane's share of a K or V row) to fp32; FULL: the row is exactly 32 * DPL wide and aligned,
+// so one vector load serves (16 bytes for fp16 at DPL 8).
+template <int DPL, bool FULL>
+__device__ __forceinline__ void load_dpl(const pl_half* p, int d0, int Dh, float* v) {
+  if (FULL && DPL % 2 == 0) {
+    uint32_t u[DPL / 2 > 0 ? DPL / 2 : 1];
+    if (DPL == 8) { uint4 x = *(const uint4*)(p + d0); u[0] = x.x; u[1] = x.y; u[2] = x.z; u[3] = x.w; }
+    else if (DPL == 4) { uint2 x = *(const uint2*)(p + d0); u[0] = x.x; u[1] = x.y; }
+    else u[0] = *(const uint32_t*)(p + d0);
+#pragma unroll
+    for (int j = 0; j < DPL / 2; j++) {
+      pl_half2 h = pl_bits_half2(u[j]);
+      const pl_half* hp = (const pl_half*)&h;
+      v[2 * j] = pl_h2f(hp[0]);
+      v[2 * j + 1] = pl_h2f(hp[1]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < DPL; j++) v[j] = d0 + j < Dh ? pl_h2f(p[d0 + j]) : 0.f;
+  }
+}
+
 template <int DPL, bool FULL>
 __device__ __forceinline__ void load_dpl(const float* p, int d0, int Dh, float* v) {
   if (FULL && DPL % 4 == 0) {
