@@ -81,31 +81,35 @@ def gencode_flags(arch: str) -> list[str]:
     return flags
 
 
-def compile_command(cpu: bool, arch: str, source: Path, obj: Path) -> list[str]:
-    """The exact command that compiles one source file into an object file."""
+def compiler(cpu: bool) -> str:
+    """The compiler's path; BuildError when it is missing."""
+    found = find_cxx() if cpu else find_nvcc()
+    if not found:
+        raise BuildError("no host C++ compiler found (set CXX or install g++)" if cpu else
+                         "nvcc not found (install the CUDA toolkit, put nvcc on PATH or set NVCC)")
+    return found
+
+
+def compile_command(cpu: bool, arch: str, source: Path, obj: Path, cc: str | None = None) -> list[str]:
+    """The exact command that compiles one source file into an object file (cc: the compiler to name)."""
+    cc = cc or compiler(cpu)
     if cpu:
-        cxx = find_cxx()
-        if not cxx:
-            raise BuildError("no host C++ compiler found (set CXX or install g++)")
-        return [cxx, "-std=c++17", "-O1", "-g", "-fPIC", "-fsanitize=address", "-fno-omit-frame-pointer",
+        return [cc, "-std=c++17", "-O1", "-g", "-fPIC", "-fsanitize=address", "-fno-omit-frame-pointer",
                 "-fvisibility=hidden", "-fno-gnu-unique", "-Wall",
                 "-Wno-unknown-pragmas", "-Wno-unused-function", "-x", "c++", "-c", str(source), "-o", str(obj)]
-    nvcc = find_nvcc()
-    if not nvcc:
-        raise BuildError("nvcc not found (install the CUDA toolkit, put nvcc on PATH or set NVCC)")
-    return [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden", *gencode_flags(arch),
+    return [cc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden", *gencode_flags(arch),
             "-c", str(source), "-o", str(obj)]
 
 
-def link_command(cpu: bool, objects: list[Path], out: Path) -> list[str]:
+def link_command(cpu: bool, objects: list[Path], out: Path, cc: str | None = None) -> list[str]:
     """The exact command that links the objects into the shared library."""
-    objs = [str(o) for o in objects]
+    objs, cc = [str(o) for o in objects], cc or compiler(cpu)
     # -z nodelete: the library (and the ASan runtime it pulls in) stays loaded when cffi's handle is collected;
     # a second load of ASan in one process cannot map its shadow memory again.
     if cpu:
-        return [find_cxx(), "-shared", "-fsanitize=address", "-Wl,-z,nodelete", *objs, "-o", str(out), "-ldl"]
+        return [cc, "-shared", "-fsanitize=address", "-Wl,-z,nodelete", *objs, "-o", str(out), "-ldl"]
     # -cudart static: no libcudart needed at run time; --exclude-libs keeps that runtime private next to torch's.
-    return [find_nvcc(), "-shared", "-cudart", "static", "-Xlinker", "--exclude-libs,ALL", "-Xlinker", "-z,nodelete",
+    return [cc, "-shared", "-cudart", "static", "-Xlinker", "--exclude-libs,ALL", "-Xlinker", "-z,nodelete",
             *objs, "-o", str(out), "-ldl"]
 
 
@@ -130,9 +134,11 @@ def build(arch: str = DEFAULT_ARCH, cpu: bool = False, src_dir: Path | str = CSR
           obj_dir: Path | str | None = None, force: bool = False, quiet: bool = False) -> Path:
     """Compile src_dir/*.cu into out_dir/libpocketllm.so (or libpocketllm_cpu.so) and return its path.
 
-    Each source compiles to an object cached in obj_dir (default out_dir/obj) by a hash of its text, every header in src_dir
-    and the flags, so a change to one kernel file recompiles that file only (in parallel, one job per core).
-    Raises BuildError with the command and the compiler output.
+    Each source compiles to an object cached in obj_dir (default out_dir/obj) by a hash of its text, every
+    header in src_dir and the flags, so a change to one kernel file recompiles that file only (in parallel).
+    The up-to-date check names neither paths nor the compiler's location, so a library built on one machine
+    and copied with its .stamp counts as built on another (even one without a compiler). Raises BuildError with
+    the command and the compiler output.
     """
     src_dir, out_dir = Path(src_dir).resolve(), Path(out_dir).resolve()
     sources = sorted(src_dir.glob("*.cu"))
@@ -142,11 +148,12 @@ def build(arch: str = DEFAULT_ARCH, cpu: bool = False, src_dir: Path | str = CSR
     obj_dir = Path(obj_dir).resolve() if obj_dir else out_dir / "obj"
     headers = b"".join(p.name.encode() + p.read_bytes() for p in sorted(src_dir.iterdir())
                        if p.suffix in (".cuh", ".h"))
-    flags = " ".join(compile_command(cpu, arch, Path("SRC"), Path("OBJ"))).encode()
+    cc_name = "c++" if cpu else "nvcc"
+    flags = " ".join(compile_command(cpu, arch, Path("SRC"), Path("OBJ"), cc_name)).encode()
     objects = [obj_dir / f"{s.stem}.{_digest(flags, headers, s.read_bytes())[:20]}.o" for s in sources]
-    link = link_command(cpu, objects, out)
+    link_flags = " ".join(link_command(cpu, [], Path("OUT"), cc_name)).encode()
     stamp = out.with_name(out.name + ".stamp")
-    digest = _digest(" ".join(link).encode(), *(o.name.encode() for o in objects))
+    digest = _digest(link_flags, *(o.name.encode() for o in objects))
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src_dir / "pocketllm.h", out_dir / "pocketllm.h")  # pocketllm.py reads the ABI from here
     if not force and out.exists() and stamp.exists() and stamp.read_text().strip() == digest:
@@ -156,14 +163,14 @@ def build(arch: str = DEFAULT_ARCH, cpu: bool = False, src_dir: Path | str = CSR
 
     def compile_one(job):
         src, obj = job
-        tmp = obj.with_name(obj.name + ".tmp")  # written aside, renamed when complete
+        tmp = obj.with_name(f"{obj.name}.{os.getpid()}.tmp")   # written aside, renamed when complete
         _run(compile_command(cpu, arch, src, tmp), quiet)
         tmp.replace(obj)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         for f in [pool.submit(compile_one, job) for job in todo]:
             f.result()
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")   # concurrent builds never see half a file
     _run(link_command(cpu, objects, tmp), quiet)
     tmp.replace(out)
     stamp.write_text(digest + "\n")

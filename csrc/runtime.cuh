@@ -209,6 +209,7 @@ struct Lane {
     int arg;          // this lane's source lane / delta / lane mask
 };
 struct Warp {
+    uint32_t existing = 0;  // lanes this warp has (the last warp of a block may be partial)
     uint32_t arrived = 0;   // lanes that have deposited for the pending op
     uint32_t mask = 0;      // the pending op's member mask
     int op = -1, arg = 0, width = 0;   // arg: the first lane's (for ops whose argument must be uniform)
@@ -242,21 +243,27 @@ inline uint3 g_block_idx, g_block_dim, g_grid_dim;
 inline unsigned char* g_dyn_smem = nullptr;
 inline size_t g_dyn_smem_cap = 0;
 inline std::unordered_map<const void*, size_t> g_smem_optin;
-// The first failure of a launch (code and message), read by cudaGetLastError. Fixed buffers, no std::string:
+// Errors. The first failure of the launch in progress goes to plain globals (the hot loop checks them; a
+// thread_local costs a __tls_get_addr per access in a shared library), and at the end of the launch to the
+// calling thread's pending error, which cudaGetLastError returns and clears. Fixed buffers, no std::string:
 // when the ASan runtime is loaded late (dlopen into python), std::string's allocations inside libstdc++ and
 // its frees inline here would meet different allocators.
+inline int g_launch_code = cudaSuccess;
+inline char g_launch_msg[1024];
 inline thread_local int g_error_code = cudaSuccess;
 inline thread_local char g_error[1024];
 inline thread_local char g_error_text[1024];   // the message of the error cudaGetLastError last returned
 
 __attribute__((format(printf, 2, 3))) inline void fail(int code, const char* fmt, ...) {
-    if (g_error_code != cudaSuccess) return;
-    g_error_code = code;
+    if (g_launch_code != cudaSuccess) return;
+    g_launch_code = code;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(g_error, sizeof g_error, fmt, ap);
+    vsnprintf(g_launch_msg, sizeof g_launch_msg, fmt, ap);
     va_end(ap);
 }
+
+#define PL_EMU_INTERNAL __attribute__((no_sanitize_address))
 
 // ---- Fiber switching (with ASan's fiber annotations so it follows the stacks) ----
 // pl_cpu_switch (runtime.cu, x86-64 assembly) saves the callee-saved registers on the current stack, stores
@@ -381,7 +388,7 @@ inline bool release_or_report(int n) {
 }
 
 // Run one block to completion: every fiber runs until it blocks, then barriers are released, repeatedly.
-inline bool run_block(int n, const uint3& bdim, const std::vector<int>& order) {
+PL_EMU_INTERNAL inline bool run_block(int n, const uint3& bdim, const std::vector<int>& order) {
     for (int i = 0; i < n; i++) {
         Fiber& f = g_fibers[i];
         f.linear = i;
@@ -397,12 +404,17 @@ inline bool run_block(int n, const uint3& bdim, const std::vector<int>& order) {
         f.sp = top - 8;
     }
     int nwarps = (n + kWarp - 1) / kWarp;
-    g_warps.assign(nwarps, Warp());
+    if ((int)g_warps.size() < nwarps) g_warps.resize(nwarps);
+    for (int i = 0; i < nwarps; i++) {
+        g_warps[i].arrived = 0;
+        int lanes = std::min(kWarp, n - i * kWarp);
+        g_warps[i].existing = lanes == kWarp ? 0xffffffffu : ((1u << lanes) - 1u);
+    }
     for (;;) {
         for (int i : order) {
             if (g_fibers[i].state != RUNNABLE) continue;
             switch_to_fiber(&g_fibers[i]);
-            if (g_error_code != cudaSuccess) return false;  // a warp op reported misuse
+            if (g_launch_code != cudaSuccess) return false;  // a warp op reported misuse
         }
         int live = 0, runnable = 0;
         for (int i = 0; i < n; i++) {
@@ -438,8 +450,7 @@ inline bool check_config(const dim3& grid, const dim3& block, size_t smem, const
 }
 
 // Run a whole grid: blocks in order x, then y, then z; stop at the first failing block.
-inline void run_grid(const void* fn, dim3 grid, dim3 block, size_t smem, void (*body)(void*), void* ctx) {
-    std::lock_guard<std::mutex> lock(g_mutex);
+inline void run_grid_locked(const void* fn, dim3 grid, dim3 block, size_t smem, void (*body)(void*), void* ctx) {
     static unsigned launch_no = 0;
     launch_no++;
     if (!check_config(grid, block, smem, fn)) return;
@@ -480,6 +491,16 @@ inline void run_grid(const void* fn, dim3 grid, dim3 block, size_t smem, void (*
             }
 }
 
+inline void run_grid(const void* fn, dim3 grid, dim3 block, size_t smem, void (*body)(void*), void* ctx) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_launch_code = cudaSuccess;
+    run_grid_locked(fn, grid, block, smem, body, ctx);
+    if (g_launch_code != cudaSuccess && g_error_code == cudaSuccess) {   // errors stay pending until read
+        g_error_code = g_launch_code;
+        memcpy(g_error, g_launch_msg, sizeof g_error);
+    }
+}
+
 template <class Tuple, class Fn>
 struct Closure {
     Fn fn;
@@ -504,30 +525,35 @@ inline Fiber* self() { return g_cur; }
 // Deposit this lane's inputs for op `op`; the last lane named in `mask` computes every lane's result.
 void warp_compute(Warp& w, int warp_no);
 
-inline Lane& warp_collective(int op, uint32_t mask, int arg, int width, const uint32_t* in, int nin, const void* ptr) {
-    Fiber* f = self();
-    int warp_no = f->linear / kWarp, lane = f->linear % kWarp;
-    Warp& w = g_warps[warp_no];
-    int n = (int)(g_block_dim.x * g_block_dim.y * g_block_dim.z);
-    int lanes_here = std::min(kWarp, n - warp_no * kWarp);
-    uint32_t existing = lanes_here == kWarp ? 0xffffffffu : ((1u << lanes_here) - 1u);
-    if (!(mask >> lane & 1u) || (mask & ~existing)) {
+// Misuse of a warp operation: record it and abandon the launch (this fiber is never resumed).
+__attribute__((noinline, cold)) inline void warp_misuse(Fiber* f, const Warp& w, int op, uint32_t mask, int width) {
+    int lane = f->linear % kWarp;
+    if (!(mask >> lane & 1u) || (mask & ~w.existing))
         fail(cudaErrorLaunchFailure, "%s: warp operation with mask 0x%08x %s lane %d (the warp has %d lanes)",
              Who(*f).text, mask, (mask >> lane & 1u) ? "names a missing lane; called from" : "does not name the calling",
-             lane, lanes_here);
-        switch_to_scheduler(f, false);  // the launch is abandoned
-    }
-    if (w.arrived == 0) {
-        w.mask = mask; w.op = op; w.arg = arg; w.width = width;
-    } else if (w.mask != mask || w.op != op || w.width != width) {
+             lane, __builtin_popcount(w.existing));
+    else
         fail(cudaErrorLaunchFailure,
              "%s: divergent warp operation: lane %d calls op %d (mask 0x%08x, width %d) while op %d (mask 0x%08x, "
              "width %d) is pending",
              Who(*f).text, lane, op, mask, width, w.op, w.mask, w.width);
-        switch_to_scheduler(f, false);
+    switch_to_scheduler(f, false);
+}
+
+// The layer's own bookkeeping is trusted: not instrumented by ASan (the kernels are), which halves its cost.
+PL_EMU_INTERNAL inline Lane& warp_collective(int op, uint32_t mask, int arg, int width, const uint32_t* in, int nin,
+                                             const void* ptr) {
+    Fiber* f = self();
+    int warp_no = f->linear / kWarp, lane = f->linear % kWarp;
+    Warp& w = g_warps[warp_no];
+    if (!(mask >> lane & 1u) || (mask & ~w.existing)) warp_misuse(f, w, op, mask, width);
+    if (w.arrived == 0) {
+        w.mask = mask; w.op = op; w.arg = arg; w.width = width;
+    } else if (w.mask != mask || w.op != op || w.width != width) {
+        warp_misuse(f, w, op, mask, width);
     }
     Lane& me = w.lane[lane];
-    if (nin) memcpy(me.in, in, sizeof(uint32_t) * nin);
+    for (int i = 0; i < nin; i++) me.in[i] = in[i];
     me.ptr = ptr;
     me.arg = arg;
     w.arrived |= 1u << lane;
@@ -544,7 +570,7 @@ inline Lane& warp_collective(int op, uint32_t mask, int arg, int width, const ui
     return me;
 }
 
-inline void warp_shfl_results(Warp& w) {
+PL_EMU_INTERNAL inline void warp_shfl_results(Warp& w) {
     int width = w.width;
     for (int l = 0; l < kWarp; l++) {
         if (!(w.mask >> l & 1u)) continue;
@@ -572,7 +598,7 @@ inline float half_bits_to_float(uint16_t h) { _Float16 v; memcpy(&v, &h, 2); ret
 //   A (16x8): a[0] = {A[g][2t], A[g][2t+1]}, a[1] = {A[g+8][2t], A[g+8][2t+1]} (low half first)
 //   B (8x8):  b    = {B[2t][g], B[2t+1][g]}
 //   C, D (16x8 f32): c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..2t+1]
-inline void warp_mma_results(Warp& w) {
+PL_EMU_INTERNAL inline void warp_mma_results(Warp& w) {
     float A[16][8], B[8][8], C[16][8];
     for (int l = 0; l < kWarp; l++) {
         const uint32_t* in = w.lane[l].in;
@@ -618,7 +644,7 @@ inline void warp_ldmatrix_results(Warp& w) {
     }
 }
 
-inline void warp_compute(Warp& w, int warp_no) {
+PL_EMU_INTERNAL inline void warp_compute(Warp& w, int warp_no) {
     (void)warp_no;
     switch (w.op) {
         case W_SYNC: break;

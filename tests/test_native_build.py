@@ -63,6 +63,7 @@ def test_cuda_build_exports_exactly_the_abi(cuda_build):
 
 
 def test_cuda_build_is_cached_and_targets_both_archs(cuda_build):
+    builder.build(arch=builder.DEFAULT_ARCH, quiet=True)     # up to date with the sources as they are now
     before = cuda_build.stat().st_mtime_ns
     assert builder.build(arch=builder.DEFAULT_ARCH, quiet=True) == cuda_build
     assert cuda_build.stat().st_mtime_ns == before          # nothing changed, nothing rebuilt
@@ -128,3 +129,23 @@ def test_cpu_build_loads_through_the_same_path(cpu_build):
         ops.add_rmsnorm(x, torch.zeros(64, 3).t(), w, 1e-6)   # but a tensor written in place must be contiguous
     with pytest.raises(pocketllm.NativeError, match=r"pl_\w+ \(\w+\.cu:\d+\)"):
         ops.rmsnorm(x.long(), w, 1e-6)                      # an activation dtype the library refuses
+
+
+PROMPTS = [[5 + (i * 7 + j * 13) % 380 for j in range(3 + 12 * i)] for i in range(3)]   # 3, 15, 27 tokens
+
+
+def test_cpu_build_greedy_parity_end_to_end(ckpt_factory, cpu_build, monkeypatch):
+    """The whole model through NativeOps on the CPU build (fp32) gives the torch backend's greedy tokens for 32
+    steps: one prompt alone, then all three batched with chunked prefill (an 8-token budget splits prompts)."""
+    path, _ = ckpt_factory("qwen3_5", fp8=True)
+    monkeypatch.setenv("POCKETLLM_NATIVE_CPU", "1")
+    opts = {"quiet": True, "max_context": 128, "max_batch_size": 4}
+    sampling = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    torch_llm = pocketllm.LLM(path, backend="torch", **opts)
+    native_llm = pocketllm.LLM(path, backend="native", prefill_token_budget=8, **opts)
+    assert native_llm.model.ops.name == "native" and native_llm.model.ops.lib.is_cpu_build
+    expect = [torch_llm.generate(p, **sampling)["token_ids"] for p in PROMPTS]
+    assert all(len(e) == 32 for e in expect)
+    assert native_llm.generate(PROMPTS[2], **sampling)["token_ids"] == expect[2]
+    streams = [native_llm.submit(p, pocketllm.SamplingParams(**sampling)) for p in PROMPTS]
+    assert [[t for ev in s for t in ev.token_ids] for s in streams] == expect
