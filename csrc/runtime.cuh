@@ -271,6 +271,7 @@ __attribute__((format(printf, 2, 3))) inline void fail(int code, const char* fmt
 // system call per switch and ASan clears a whole stack's shadow on each; this is ~20x faster.
 extern "C" void pl_cpu_switch(void** save, void* to);
 inline void switch_to_scheduler(Fiber* f, bool finished) {
+    (void)finished;  // used by the ASan annotation only
 #if PL_ASAN
     __sanitizer_start_switch_fiber(finished ? nullptr : &f->fake_stack, g_sched_stack_bottom, g_sched_stack_size);
 #endif
@@ -523,7 +524,7 @@ inline void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A&&
 inline Fiber* self() { return g_cur; }
 
 // Deposit this lane's inputs for op `op`; the last lane named in `mask` computes every lane's result.
-void warp_compute(Warp& w, int warp_no);
+PL_EMU_INTERNAL inline void warp_compute(Warp& w);
 
 // Misuse of a warp operation: record it and abandon the launch (this fiber is never resumed).
 __attribute__((noinline, cold)) inline void warp_misuse(Fiber* f, const Warp& w, int op, uint32_t mask, int width) {
@@ -558,7 +559,7 @@ PL_EMU_INTERNAL inline Lane& warp_collective(int op, uint32_t mask, int arg, int
     me.arg = arg;
     w.arrived |= 1u << lane;
     if (w.arrived == mask) {
-        warp_compute(w, warp_no);
+        warp_compute(w);
         for (int l = 0; l < kWarp; l++)
             if (mask >> l & 1u) g_fibers[warp_no * kWarp + l].state = RUNNABLE;
         w.arrived = 0;
@@ -644,8 +645,7 @@ inline void warp_ldmatrix_results(Warp& w) {
     }
 }
 
-PL_EMU_INTERNAL inline void warp_compute(Warp& w, int warp_no) {
-    (void)warp_no;
+PL_EMU_INTERNAL inline void warp_compute(Warp& w) {
     switch (w.op) {
         case W_SYNC: break;
         case W_SHFL: case W_SHFL_UP: case W_SHFL_DOWN: case W_SHFL_XOR: warp_shfl_results(w); break;

@@ -310,3 +310,19 @@ def test_shared_memory_overflow_is_caught_by_asan(cpu_lib):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0 and "AddressSanitizer" in proc.stderr, proc.stderr[-2000:]
     assert "dyn_smem_kernel" in proc.stderr
+
+
+def test_heap_overflow_is_caught_with_the_asan_preload(cpu_lib):
+    """With LD_PRELOAD of libasan (build.asan_env) torch's tensors get redzones too: a kernel reading past the
+    end of its input tensor is reported."""
+    if not builder.asan_runtime():
+        pytest.skip("the compiler does not report a shared libasan")
+    lib_path = ROOT / "build" / "emu-test" / "libpocketllm_cpu.so"
+    code = (f"import sys, torch; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_emu_layer as t; "
+            f"lib = t.EmuLib(__import__('pathlib').Path({str(lib_path)!r}), 'cpu'); "
+            "codes = torch.zeros(256, dtype=torch.uint8); out = torch.zeros(300); "
+            "print('status', lib.status('emu_e4m3', codes, out, 300))")   # reads 44 bytes past `codes`
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=builder.asan_env({**os.environ, "OMP_NUM_THREADS": "1"}))
+    assert proc.returncode != 0 and "heap-buffer-overflow" in proc.stderr, proc.stderr[-2000:]
+    assert "e4m3_kernel" in proc.stderr
