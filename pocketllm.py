@@ -621,7 +621,7 @@ def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
 #     The CPU test build (libpocketllm_cpu.so) runs the same kernels on host tensors; CI uses it.
 # -----------------------------------------------------------------------------------------------
 
-NATIVE_ABI_VERSION = 1          # must equal PL_ABI_VERSION in csrc/pocketllm.h
+NATIVE_ABI_VERSION = 2          # must equal PL_ABI_VERSION in csrc/pocketllm.h
 NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
 
 # torch dtype -> the library's pl_dtype code.
@@ -750,6 +750,7 @@ class NativeOps:
     def __init__(self, device: torch.device | str | None = None, lib: NativeLibrary | None = None):
         self.device = torch.device(device or "cuda")
         self.lib = lib or load_native(cpu_build=self.device.type == "cpu")
+        self._threads = threading.local()   # threads that made this device current in the library's runtime
 
     # ---- Plumbing: pointers, dtype codes, the stream ----
 
@@ -769,9 +770,15 @@ class NativeOps:
             raise PocketError(f"native backend does not handle dtype {t.dtype}")
         return NATIVE_DTYPES[t.dtype]
 
-    @staticmethod
-    def _stream(t: torch.Tensor) -> int:
-        return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    def _stream(self, t: torch.Tensor) -> int:
+        """torch's current stream on t's device, that device made current for the library on this thread."""
+        if not t.is_cuda:
+            return 0
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        if getattr(self._threads, "device", None) != index:
+            self.lib.call("pl_set_device", index)
+            self._threads.device = index
+        return torch.cuda.current_stream(t.device).cuda_stream
 
     @staticmethod
     def _as(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

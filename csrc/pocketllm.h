@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bumped on every incompatible change of the declarations below; pocketllm.py checks it on load. */
-#define PL_ABI_VERSION 1
+#define PL_ABI_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -40,6 +40,9 @@ int32_t pl_is_cpu_build(void);
 int pl_device_count(int32_t* count);
 /* Compute capability of a device, e.g. 7 5 for an RTX 2080 Ti. */
 int pl_device_capability(int32_t device, int32_t* major, int32_t* minor);
+/* Make `device` current for the calling host thread's launches. The library's CUDA runtime is its own (static),
+ * so torch.cuda.set_device does not reach it: NativeOps calls this once per thread and device. */
+int pl_set_device(int32_t device);
 
 /* NCCL is loaded at run time (dlopen), so one binary works with or without it. pl_nccl_load opens `path`
  * (NULL: the default search for libnccl.so.2) once; it fails, saying why, when NCCL is unusable. The other

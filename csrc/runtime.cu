@@ -68,6 +68,15 @@ extern "C" int pl_device_capability(int32_t device, int32_t* major, int32_t* min
     return 0;
 }
 
+extern "C" int pl_set_device(int32_t device) {
+#if PL_CPU_EMU
+    PL_REQUIRE(device == 0, "the CPU test build has only device 0, not %d", device);
+#else
+    PL_CHECK(cudaSetDevice(device));
+#endif
+    return 0;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // NCCL, opened with dlopen on first use: one binary serves machines with and without NCCL, and the library
 // can say exactly why tensor parallelism is unavailable instead of failing to load. The few NCCL types we
