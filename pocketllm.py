@@ -923,8 +923,10 @@ class NativeOps:
         self.lib.call("pl_nccl_unique_id", buf)
         return bytes(self.lib.ffi.buffer(buf))
 
-    def nccl_init(self, unique_id: bytes, nranks: int, rank: int, device: int) -> int:
+    def nccl_init(self, unique_id: bytes, nranks: int, rank: int, device: int | None) -> int:
+        """A communicator of `nranks` on `device` (None: torch's current device); returns its handle."""
         self._require_nccl()
+        device = torch.cuda.current_device() if device is None else device
         if len(unique_id) != self.lib.lib.PL_NCCL_ID_BYTES:
             raise PocketError(f"NCCL unique id must be {self.lib.lib.PL_NCCL_ID_BYTES} bytes, got {len(unique_id)}")
         comm = self.lib.ffi.new("uint64_t*")
