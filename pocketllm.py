@@ -623,6 +623,364 @@ def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
 
 # ===== SECTION 3b: native backend ops (owner: native) =====
 
+# -----------------------------------------------------------------------------------------------
+# 3b. The native backend: the same ops, run by the CUDA library in csrc/ (libpocketllm.so), reached
+#     through cffi's ABI mode, so importing pocketllm needs no compiler and any Python version works.
+#     The CPU test build (libpocketllm_cpu.so) runs the same kernels on host tensors; CI uses it.
+# -----------------------------------------------------------------------------------------------
+
+NATIVE_ABI_VERSION = 2          # must equal PL_ABI_VERSION in csrc/pocketllm.h
+NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
+
+# torch dtype -> the library's pl_dtype code.
+NATIVE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3,
+                 torch.int32: 4, torch.int64: 5}
+
+
+class NativeError(PocketError):
+    """A native library call failed; the message is the library's pl_last_error() line."""
+
+
+def native_library_path(cpu_build: bool = False) -> Path:
+    """$POCKETLLM_NATIVE_LIB, else build/libpocketllm.so (or build/libpocketllm_cpu.so) next to this file."""
+    override = os.environ.get("POCKETLLM_NATIVE_LIB")
+    if override and not cpu_build:
+        return Path(override)
+    return HERE / "build" / ("libpocketllm_cpu.so" if cpu_build else "libpocketllm.so")
+
+
+def native_cdef(header_text: str) -> str:
+    """The declarations cffi reads: the header between its "cdef begin" and "cdef end" markers."""
+    begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
+    if begin not in header_text or end not in header_text:
+        raise PocketError(f"pocketllm.h lacks the {begin!r} / {end!r} markers")
+    return header_text[header_text.index(begin) + len(begin):header_text.index(end)]
+
+
+class NativeLibrary:
+    """The loaded library: `call(name, *args)` runs a pl_* function and raises NativeError on a nonzero status."""
+
+    def __init__(self, path: Path):
+        import cffi
+        header = path.with_name("pocketllm.h")   # build.py copies it next to the library
+        if not header.exists():
+            header = HERE / "csrc" / "pocketllm.h"
+        if not path.exists():
+            hint = "python build.py --cpu" if path.name.endswith("_cpu.so") else "python build.py"
+            raise PocketError(f"native library {path} not found: build it with `{hint}`")
+        if not header.exists():
+            raise PocketError(f"native library header not found next to {path} or in {HERE / 'csrc'}")
+        self.path = path
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(native_cdef(header.read_text()))
+        try:
+            self.lib = self.ffi.dlopen(str(path))
+        except OSError as e:
+            raise PocketError(f"cannot load native library {path}: {e}") from None
+        version = self.lib.pl_abi_version()
+        if version != NATIVE_ABI_VERSION:
+            raise PocketError(f"native library {path} has ABI version {version}, this pocketllm.py needs "
+                              f"{NATIVE_ABI_VERSION}: rebuild it with `python build.py`")
+        self.is_cpu_build = bool(self.lib.pl_is_cpu_build())
+
+    def last_error(self) -> str:
+        return self.ffi.string(self.lib.pl_last_error()).decode(errors="replace")
+
+    def call(self, name: str, *args) -> None:
+        if getattr(self.lib, name)(*args) != 0:
+            raise NativeError(f"native library: {self.last_error()}")
+
+    def device_count(self) -> int:
+        count = self.ffi.new("int32_t*")
+        self.call("pl_device_count", count)
+        return int(count[0])
+
+    def capability(self, device: int = 0) -> tuple[int, int]:
+        major, minor = self.ffi.new("int32_t*"), self.ffi.new("int32_t*")
+        self.call("pl_device_capability", device, major, minor)
+        return int(major[0]), int(minor[0])
+
+
+_native_libraries: dict[Path, NativeLibrary] = {}
+_native_lock = threading.Lock()
+
+
+def load_native(cpu_build: bool = False) -> NativeLibrary:
+    """Load (once per process) the CUDA library, or with cpu_build=True the CPU test build.
+
+    Raises PocketError saying what is missing (library not built, wrong ABI version, cannot be loaded).
+    """
+    path = native_library_path(cpu_build).resolve()
+    with _native_lock:
+        if path not in _native_libraries:
+            _native_libraries[path] = NativeLibrary(path)
+        return _native_libraries[path]
+
+
+def native_status(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """(True, what) when the native backend can run on `device`, else (False, why). select_ops uses it.
+
+    CUDA devices need the library, a GPU of sm_75 or newer and torch with CUDA. A CPU device runs the CPU test
+    build only when POCKETLLM_NATIVE_CPU=1 (tests: the same kernels, emulated and slow), never by default."""
+    device = torch.device(device or "cuda")
+    if device.type == "cpu":
+        if os.environ.get("POCKETLLM_NATIVE_CPU") != "1":
+            return False, "the native backend needs a CUDA device (set POCKETLLM_NATIVE_CPU=1 for the CPU test build)"
+        try:
+            return True, f"{load_native(cpu_build=True).path.name}: the CPU test build, kernels emulated (slow)"
+        except PocketError as e:
+            return False, str(e)
+    if device.type != "cuda":
+        return False, f"the native backend runs on CUDA devices, not {device.type}"
+    try:
+        lib = load_native()
+        count = lib.device_count()
+    except PocketError as e:
+        return False, str(e)
+    if count == 0:
+        return False, "no CUDA device is visible"
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} has no CUDA support, so tensors cannot live on the GPU"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = lib.capability(index)
+    if (major, minor) < NATIVE_MIN_CAPABILITY:
+        return False, f"GPU compute capability {major}.{minor} is below the required 7.5"
+    return True, f"{lib.path.name} (ABI {NATIVE_ABI_VERSION}) on {torch.cuda.get_device_name(index)} (sm_{major}{minor})"
+
+
+class NativeOps:
+    """The backend op list of TorchOps on the native library: the same methods and signatures. Each method
+    passes data pointers, shapes and dtype codes on torch's current stream. Inputs may be strided views (they
+    are made contiguous); tensors written in place (caches, states, the residual) must be contiguous. On a CPU
+    device the CPU test build runs the same kernels on host tensors."""
+    name = "native"
+
+    def __init__(self, device: torch.device | str | None = None, lib: NativeLibrary | None = None):
+        self.device = torch.device(device or "cuda")
+        self.lib = lib or load_native(cpu_build=self.device.type == "cpu")
+        self._threads = threading.local()   # threads that made this device current in the library's runtime
+
+    # ---- Plumbing: pointers, dtype codes, the stream ----
+
+    def _p(self, t: torch.Tensor) -> int:
+        """The address of a tensor the library reads or writes in place."""
+        if t.is_cuda == self.lib.is_cpu_build:
+            where = "CPU" if self.lib.is_cpu_build else "CUDA"
+            raise PocketError(f"native backend ({self.lib.path.name}) needs {where} tensors, got one on {t.device}")
+        if not t.is_contiguous():
+            raise PocketError(f"native backend: a tensor written in place must be contiguous, got shape "
+                              f"{tuple(t.shape)} strides {t.stride()}")
+        return t.data_ptr()
+
+    @staticmethod
+    def _dt(t: torch.Tensor) -> int:
+        if t.dtype not in NATIVE_DTYPES:
+            raise PocketError(f"native backend does not handle dtype {t.dtype}")
+        return NATIVE_DTYPES[t.dtype]
+
+    def _stream(self, t: torch.Tensor) -> int:
+        """torch's current stream on t's device, that device made current for the library on this thread."""
+        if not t.is_cuda:
+            return 0
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        if getattr(self._threads, "device", None) != index:
+            self.lib.call("pl_set_device", index)
+            self._threads.device = index
+        return torch.cuda.current_stream(t.device).cuda_stream
+
+    @staticmethod
+    def _as(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An input in `dtype` (default: its own), contiguous; no copy when it already is."""
+        return t.to(dtype or t.dtype).contiguous()
+
+    # ---- The ops ----
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ids, table = self._as(ids, torch.int64), self._as(table)
+        (V, D), T = table.shape, ids.numel()
+        out = torch.empty(T, D, dtype=dtype, device=table.device)                   # (T, D)
+        self.lib.call("pl_embed", self._p(ids), T, self._p(table), self._dt(table), V, D, self._p(out),
+                      self._dt(out), self._stream(out))
+        return out
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x, w = self._as(x), self._as(w)
+        D = x.shape[-1]
+        out = torch.empty_like(x)                                                    # (T, D)
+        self.lib.call("pl_rmsnorm", self._p(x), self._p(w), self._dt(w), self._p(out), self._dt(x),
+                      x.numel() // D, D, eps, self._stream(x))
+        return out
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual (T, D) fp32 is updated in place and returned."""
+        x, w = self._as(x), self._as(w)
+        D = x.shape[-1]
+        if residual.dtype != torch.float32:
+            raise PocketError(f"add_rmsnorm: the residual stream must be float32, got {residual.dtype}")
+        out = torch.empty_like(x)                                                    # (T, D)
+        self.lib.call("pl_add_rmsnorm", self._p(x), self._p(residual), self._p(w), self._dt(w), self._p(out),
+                      self._dt(x), x.numel() // D, D, eps, self._stream(x))
+        return out, residual
+
+    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        x, weight = self._as(x), self._as(w.weight)
+        N, K = weight.shape
+        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)          # (T, N)
+        scale = self._as(w.scale, torch.float32) if w.scale is not None else None    # (ceil(N/128), ceil(K/128))
+        self.lib.call("pl_linear", self._p(x), self._dt(x), x.numel() // K, K, self._p(weight), self._dt(weight),
+                      0 if scale is None else self._p(scale), N, self._p(out), self._stream(x))
+        return out
+
+    def silu_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g, u = self._as(g), self._as(u, g.dtype)
+        out = torch.empty_like(g)                                                    # (T, I)
+        self.lib.call("pl_silu_mul", self._p(g), self._p(u), self._p(out), self._dt(g), g.numel(), self._stream(g))
+        return out
+
+    def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x, gate = self._as(x), self._as(gate, x.dtype)
+        out = torch.empty_like(x)                                                    # (T, N)
+        self.lib.call("pl_sigmoid_mul", self._p(x), self._p(gate), self._p(out), self._dt(x), x.numel(),
+                      self._stream(x))
+        return out
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+                     positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, q_w = self._as(q), self._as(k, q.dtype), self._as(q_w)
+        k_w, positions = self._as(k_w, q_w.dtype), self._as(positions, torch.int64)
+        inv_freq = self._as(inv_freq, torch.float32)                                 # (R/2,)
+        (T, Hq, Dh), Hk = q.shape, k.shape[1]
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)                     # (T, Hq, Dh), (T, Hk, Dh)
+        self.lib.call("pl_qk_norm_rope", self._p(q), self._p(k), self._p(q_out), self._p(k_out), self._dt(q), T, Hq,
+                      Hk, Dh, self._p(q_w), self._p(k_w), self._dt(q_w), eps, self._p(positions), self._p(inv_freq),
+                      inv_freq.numel(), self._stream(q))
+        return q_out, k_out
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        k, v, slot_mapping = self._as(k), self._as(v, k.dtype), self._as(slot_mapping, torch.int64)
+        T, Hk, Dh = k.shape
+        self.lib.call("pl_kv_write", self._p(k), self._p(v), self._dt(k), T, Hk, Dh, self._p(k_cache),
+                      self._p(v_cache), self._dt(k_cache), self._p(slot_mapping), self._stream(k))
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, query_start: torch.Tensor, scale: float) -> torch.Tensor:
+        q, block_tables = self._as(q), self._as(block_tables, torch.int32)
+        context_lens, query_start = self._as(context_lens, torch.int32), self._as(query_start, torch.int32)
+        (T, Hq, Dh), (_, block_size, Hk, _) = q.shape, k_cache.shape
+        B, max_blocks = block_tables.shape
+        ws_bytes = self.lib.lib.pl_attention_workspace_bytes(T, Hq, Dh, max_blocks, block_size)
+        workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=q.device)   # split-K partials
+        out = torch.empty_like(q)                                                    # (T, Hq, Dh)
+        self.lib.call("pl_attention", self._p(q), self._dt(q), T, Hq, Hk, Dh, self._p(k_cache), self._p(v_cache),
+                      block_size, self._p(block_tables), max_blocks, self._p(context_lens), self._p(query_start), B,
+                      scale, self._p(out), self._p(workspace), ws_bytes, self._stream(q))
+        return out
+
+    def conv1d(self, x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, slot_ids: torch.Tensor,
+               query_start: torch.Tensor) -> torch.Tensor:
+        x, slot_ids, query_start = self._as(x), self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
+        T, C = x.shape
+        w = self._as(w).reshape(C, -1)                                               # (C, W)
+        out = torch.empty_like(x)                                                    # (T, C)
+        self.lib.call("pl_conv1d", self._p(x), self._dt(x), T, C, self._p(w), self._dt(w), w.shape[1],
+                      self._p(conv_state), self._dt(conv_state), self._p(slot_ids), self._p(query_start),
+                      slot_ids.numel(), self._p(out), self._stream(x))
+        return out
+
+    def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self._as(a), self._as(b, a.dtype)
+        A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)   # (Hv,): one dtype code
+        T, Hv = a.shape
+        g = torch.empty(T, Hv, dtype=torch.float32, device=a.device)                # (T, Hv)
+        beta = torch.empty_like(g)                                                   # (T, Hv)
+        self.lib.call("pl_gdn_gates", self._p(a), self._p(b), self._dt(a), T, Hv, self._p(A_log), self._p(dt_bias),
+                      self._dt(A_log), self._p(g), self._p(beta), self._stream(a))
+        return g, beta
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, slot_ids: torch.Tensor, query_start: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._as(q), self._as(k, q.dtype), self._as(v, q.dtype)
+        g, beta = self._as(g, torch.float32), self._as(beta, torch.float32)
+        slot_ids, query_start = self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
+        (T, Hk, Dk), (_, Hv, Dv) = q.shape, v.shape
+        out = torch.empty_like(v)                                                    # (T, Hv, Dv)
+        self.lib.call("pl_gated_delta", self._p(q), self._p(k), self._p(v), self._dt(q), T, Hk, Hv, Dk, Dv,
+                      self._p(g), self._p(beta), self._p(state), self._p(slot_ids), self._p(query_start),
+                      slot_ids.numel(), self._p(out), self._stream(q))
+        return out
+
+    def gated_rmsnorm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x, z, w = self._as(x), self._as(z, x.dtype), self._as(w)
+        D = x.shape[-1]
+        out = torch.empty_like(x)                                                    # (T, Hv, Dv)
+        self.lib.call("pl_gated_rmsnorm", self._p(x), self._p(z), self._p(w), self._dt(w), self._p(out),
+                      self._dt(x), x.numel() // D, D, eps, self._stream(x))
+        return out
+
+    # ---- NCCL (native only): tensor parallelism refuses to start when nccl_available() is False ----
+
+    def nccl_available(self) -> bool:
+        return nccl_status(self.lib)[0]
+
+    def nccl_unique_id(self) -> bytes:
+        self._require_nccl()
+        buf = self.lib.ffi.new("uint8_t[]", self.lib.lib.PL_NCCL_ID_BYTES)
+        self.lib.call("pl_nccl_unique_id", buf)
+        return bytes(self.lib.ffi.buffer(buf))
+
+    def nccl_init(self, unique_id: bytes, nranks: int, rank: int, device: int | None) -> int:
+        """A communicator of `nranks` on `device` (None: torch's current device); returns its handle."""
+        self._require_nccl()
+        device = torch.cuda.current_device() if device is None else device
+        if len(unique_id) != self.lib.lib.PL_NCCL_ID_BYTES:
+            raise PocketError(f"NCCL unique id must be {self.lib.lib.PL_NCCL_ID_BYTES} bytes, got {len(unique_id)}")
+        comm = self.lib.ffi.new("uint64_t*")
+        self.lib.call("pl_nccl_init", unique_id, nranks, rank, device, comm)
+        return int(comm[0])
+
+    def all_reduce(self, x: torch.Tensor, comm: int) -> torch.Tensor:
+        self.lib.call("pl_nccl_all_reduce_sum", comm, self._p(x), x.numel(), self._dt(x), self._stream(x))
+        return x
+
+    def nccl_destroy(self, comm: int) -> None:
+        self.lib.call("pl_nccl_destroy", comm)
+
+    def _require_nccl(self) -> None:
+        ok, why = nccl_status(self.lib)
+        if not ok:
+            raise PocketError(f"tensor parallelism needs NCCL: {why}")
+
+
+def nccl_library_candidates() -> list[str | None]:
+    """Where to look for libnccl.so.2: $NCCL_ROOT/lib, the nvidia-nccl-cu* wheel, then the loader's search."""
+    found: list[str | None] = []
+    if os.environ.get("NCCL_ROOT"):
+        found.append(str(Path(os.environ["NCCL_ROOT"]) / "lib" / "libnccl.so.2"))
+    try:
+        import nvidia.nccl
+        found += [str(Path(p) / "lib" / "libnccl.so.2") for p in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    return found + [None]
+
+
+def nccl_status(lib: NativeLibrary) -> tuple[bool, str]:
+    """(True, "NCCL <version> from <where>") once the library has loaded NCCL, else (False, every reason)."""
+    reasons = []
+    for cand in nccl_library_candidates():
+        try:
+            lib.call("pl_nccl_load", lib.ffi.NULL if cand is None else cand.encode())
+        except NativeError:
+            reasons.append(lib.last_error())
+            continue
+        version = lib.ffi.new("int32_t*")
+        lib.call("pl_nccl_version", version)
+        return True, f"NCCL {version[0]} from {cand or 'libnccl.so.2'}"
+    return False, "; ".join(reasons)
+
 
 # ===== SECTION 4: the model (owner: core) =====
 
