@@ -4655,8 +4655,7 @@ def select_ops(opts: EngineOptions, device: torch.device):
         raise PocketError(f"--backend must be auto, torch or native (got {opts.backend!r})")
     if opts.backend == "torch":
         return TorchOps(), "torch (asked for)"
-    status = globals().get("native_status")   # section 3b; absent from builds without the native part
-    ok, reason = status(device) if status else (False, "the native backend is not part of this file")
+    ok, reason = native_status(device)
     if ok:
         return NativeOps(device), "native"
     if opts.backend == "native":
