@@ -623,6 +623,364 @@ def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
 
 # ===== SECTION 3b: native backend ops (owner: native) =====
 
+# -----------------------------------------------------------------------------------------------
+# 3b. The native backend: the same ops, run by the CUDA library in csrc/ (libpocketllm.so), reached
+#     through cffi's ABI mode, so importing pocketllm needs no compiler and any Python version works.
+#     The CPU test build (libpocketllm_cpu.so) runs the same kernels on host tensors; CI uses it.
+# -----------------------------------------------------------------------------------------------
+
+NATIVE_ABI_VERSION = 2          # must equal PL_ABI_VERSION in csrc/pocketllm.h
+NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
+
+# torch dtype -> the library's pl_dtype code.
+NATIVE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3,
+                 torch.int32: 4, torch.int64: 5}
+
+
+class NativeError(PocketError):
+    """A native library call failed; the message is the library's pl_last_error() line."""
+
+
+def native_library_path(cpu_build: bool = False) -> Path:
+    """$POCKETLLM_NATIVE_LIB, else build/libpocketllm.so (or build/libpocketllm_cpu.so) next to this file."""
+    override = os.environ.get("POCKETLLM_NATIVE_LIB")
+    if override and not cpu_build:
+        return Path(override)
+    return HERE / "build" / ("libpocketllm_cpu.so" if cpu_build else "libpocketllm.so")
+
+
+def native_cdef(header_text: str) -> str:
+    """The declarations cffi reads: the header between its "cdef begin" and "cdef end" markers."""
+    begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
+    if begin not in header_text or end not in header_text:
+        raise PocketError(f"pocketllm.h lacks the {begin!r} / {end!r} markers")
+    return header_text[header_text.index(begin) + len(begin):header_text.index(end)]
+
+
+class NativeLibrary:
+    """The loaded library: `call(name, *args)` runs a pl_* function and raises NativeError on a nonzero status."""
+
+    def __init__(self, path: Path):
+        import cffi
+        header = path.with_name("pocketllm.h")   # build.py copies it next to the library
+        if not header.exists():
+            header = HERE / "csrc" / "pocketllm.h"
+        if not path.exists():
+            hint = "python build.py --cpu" if path.name.endswith("_cpu.so") else "python build.py"
+            raise PocketError(f"native library {path} not found: build it with `{hint}`")
+        if not header.exists():
+            raise PocketError(f"native library header not found next to {path} or in {HERE / 'csrc'}")
+        self.path = path
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(native_cdef(header.read_text()))
+        try:
+            self.lib = self.ffi.dlopen(str(path))
+        except OSError as e:
+            raise PocketError(f"cannot load native library {path}: {e}") from None
+        version = self.lib.pl_abi_version()
+        if version != NATIVE_ABI_VERSION:
+            raise PocketError(f"native library {path} has ABI version {version}, this pocketllm.py needs "
+                              f"{NATIVE_ABI_VERSION}: rebuild it with `python build.py`")
+        self.is_cpu_build = bool(self.lib.pl_is_cpu_build())
+
+    def last_error(self) -> str:
+        return self.ffi.string(self.lib.pl_last_error()).decode(errors="replace")
+
+    def call(self, name: str, *args) -> None:
+        if getattr(self.lib, name)(*args) != 0:
+            raise NativeError(f"native library: {self.last_error()}")
+
+    def device_count(self) -> int:
+        count = self.ffi.new("int32_t*")
+        self.call("pl_device_count", count)
+        return int(count[0])
+
+    def capability(self, device: int = 0) -> tuple[int, int]:
+        major, minor = self.ffi.new("int32_t*"), self.ffi.new("int32_t*")
+        self.call("pl_device_capability", device, major, minor)
+        return int(major[0]), int(minor[0])
+
+
+_native_libraries: dict[Path, NativeLibrary] = {}
+_native_lock = threading.Lock()
+
+
+def load_native(cpu_build: bool = False) -> NativeLibrary:
+    """Load (once per process) the CUDA library, or with cpu_build=True the CPU test build.
+
+    Raises PocketError saying what is missing (library not built, wrong ABI version, cannot be loaded).
+    """
+    path = native_library_path(cpu_build).resolve()
+    with _native_lock:
+        if path not in _native_libraries:
+            _native_libraries[path] = NativeLibrary(path)
+        return _native_libraries[path]
+
+
+def native_status(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """(True, what) when the native backend can run on `device`, else (False, why). select_ops uses it.
+
+    CUDA devices need the library, a GPU of sm_75 or newer and torch with CUDA. A CPU device runs the CPU test
+    build only when POCKETLLM_NATIVE_CPU=1 (tests: the same kernels, emulated and slow), never by default."""
+    device = torch.device(device or "cuda")
+    if device.type == "cpu":
+        if os.environ.get("POCKETLLM_NATIVE_CPU") != "1":
+            return False, "the native backend needs a CUDA device (set POCKETLLM_NATIVE_CPU=1 for the CPU test build)"
+        try:
+            return True, f"{load_native(cpu_build=True).path.name}: the CPU test build, kernels emulated (slow)"
+        except PocketError as e:
+            return False, str(e)
+    if device.type != "cuda":
+        return False, f"the native backend runs on CUDA devices, not {device.type}"
+    try:
+        lib = load_native()
+        count = lib.device_count()
+    except PocketError as e:
+        return False, str(e)
+    if count == 0:
+        return False, "no CUDA device is visible"
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} has no CUDA support, so tensors cannot live on the GPU"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = lib.capability(index)
+    if (major, minor) < NATIVE_MIN_CAPABILITY:
+        return False, f"GPU compute capability {major}.{minor} is below the required 7.5"
+    return True, f"{lib.path.name} (ABI {NATIVE_ABI_VERSION}) on {torch.cuda.get_device_name(index)} (sm_{major}{minor})"
+
+
+class NativeOps:
+    """The backend op list of TorchOps on the native library: the same methods and signatures. Each method
+    passes data pointers, shapes and dtype codes on torch's current stream. Inputs may be strided views (they
+    are made contiguous); tensors written in place (caches, states, the residual) must be contiguous. On a CPU
+    device the CPU test build runs the same kernels on host tensors."""
+    name = "native"
+
+    def __init__(self, device: torch.device | str | None = None, lib: NativeLibrary | None = None):
+        self.device = torch.device(device or "cuda")
+        self.lib = lib or load_native(cpu_build=self.device.type == "cpu")
+        self._threads = threading.local()   # threads that made this device current in the library's runtime
+
+    # ---- Plumbing: pointers, dtype codes, the stream ----
+
+    def _p(self, t: torch.Tensor) -> int:
+        """The address of a tensor the library reads or writes in place."""
+        if t.is_cuda == self.lib.is_cpu_build:
+            where = "CPU" if self.lib.is_cpu_build else "CUDA"
+            raise PocketError(f"native backend ({self.lib.path.name}) needs {where} tensors, got one on {t.device}")
+        if not t.is_contiguous():
+            raise PocketError(f"native backend: a tensor written in place must be contiguous, got shape "
+                              f"{tuple(t.shape)} strides {t.stride()}")
+        return t.data_ptr()
+
+    @staticmethod
+    def _dt(t: torch.Tensor) -> int:
+        if t.dtype not in NATIVE_DTYPES:
+            raise PocketError(f"native backend does not handle dtype {t.dtype}")
+        return NATIVE_DTYPES[t.dtype]
+
+    def _stream(self, t: torch.Tensor) -> int:
+        """torch's current stream on t's device, that device made current for the library on this thread."""
+        if not t.is_cuda:
+            return 0
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        if getattr(self._threads, "device", None) != index:
+            self.lib.call("pl_set_device", index)
+            self._threads.device = index
+        return torch.cuda.current_stream(t.device).cuda_stream
+
+    @staticmethod
+    def _as(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An input in `dtype` (default: its own), contiguous; no copy when it already is."""
+        return t.to(dtype or t.dtype).contiguous()
+
+    # ---- The ops ----
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ids, table = self._as(ids, torch.int64), self._as(table)
+        (V, D), T = table.shape, ids.numel()
+        out = torch.empty(T, D, dtype=dtype, device=table.device)                   # (T, D)
+        self.lib.call("pl_embed", self._p(ids), T, self._p(table), self._dt(table), V, D, self._p(out),
+                      self._dt(out), self._stream(out))
+        return out
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x, w = self._as(x), self._as(w)
+        D = x.shape[-1]
+        out = torch.empty_like(x)                                                    # (T, D)
+        self.lib.call("pl_rmsnorm", self._p(x), self._p(w), self._dt(w), self._p(out), self._dt(x),
+                      x.numel() // D, D, eps, self._stream(x))
+        return out
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual (T, D) fp32 is updated in place and returned."""
+        x, w = self._as(x), self._as(w)
+        D = x.shape[-1]
+        if residual.dtype != torch.float32:
+            raise PocketError(f"add_rmsnorm: the residual stream must be float32, got {residual.dtype}")
+        out = torch.empty_like(x)                                                    # (T, D)
+        self.lib.call("pl_add_rmsnorm", self._p(x), self._p(residual), self._p(w), self._dt(w), self._p(out),
+                      self._dt(x), x.numel() // D, D, eps, self._stream(x))
+        return out, residual
+
+    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        x, weight = self._as(x), self._as(w.weight)
+        N, K = weight.shape
+        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)          # (T, N)
+        scale = self._as(w.scale, torch.float32) if w.scale is not None else None    # (ceil(N/128), ceil(K/128))
+        self.lib.call("pl_linear", self._p(x), self._dt(x), x.numel() // K, K, self._p(weight), self._dt(weight),
+                      0 if scale is None else self._p(scale), N, self._p(out), self._stream(x))
+        return out
+
+    def silu_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g, u = self._as(g), self._as(u, g.dtype)
+        out = torch.empty_like(g)                                                    # (T, I)
+        self.lib.call("pl_silu_mul", self._p(g), self._p(u), self._p(out), self._dt(g), g.numel(), self._stream(g))
+        return out
+
+    def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x, gate = self._as(x), self._as(gate, x.dtype)
+        out = torch.empty_like(x)                                                    # (T, N)
+        self.lib.call("pl_sigmoid_mul", self._p(x), self._p(gate), self._p(out), self._dt(x), x.numel(),
+                      self._stream(x))
+        return out
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+                     positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, q_w = self._as(q), self._as(k, q.dtype), self._as(q_w)
+        k_w, positions = self._as(k_w, q_w.dtype), self._as(positions, torch.int64)
+        inv_freq = self._as(inv_freq, torch.float32)                                 # (R/2,)
+        (T, Hq, Dh), Hk = q.shape, k.shape[1]
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)                     # (T, Hq, Dh), (T, Hk, Dh)
+        self.lib.call("pl_qk_norm_rope", self._p(q), self._p(k), self._p(q_out), self._p(k_out), self._dt(q), T, Hq,
+                      Hk, Dh, self._p(q_w), self._p(k_w), self._dt(q_w), eps, self._p(positions), self._p(inv_freq),
+                      inv_freq.numel(), self._stream(q))
+        return q_out, k_out
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        k, v, slot_mapping = self._as(k), self._as(v, k.dtype), self._as(slot_mapping, torch.int64)
+        T, Hk, Dh = k.shape
+        self.lib.call("pl_kv_write", self._p(k), self._p(v), self._dt(k), T, Hk, Dh, self._p(k_cache),
+                      self._p(v_cache), self._dt(k_cache), self._p(slot_mapping), self._stream(k))
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, query_start: torch.Tensor, scale: float) -> torch.Tensor:
+        q, block_tables = self._as(q), self._as(block_tables, torch.int32)
+        context_lens, query_start = self._as(context_lens, torch.int32), self._as(query_start, torch.int32)
+        (T, Hq, Dh), (_, block_size, Hk, _) = q.shape, k_cache.shape
+        B, max_blocks = block_tables.shape
+        ws_bytes = self.lib.lib.pl_attention_workspace_bytes(T, Hq, Dh, max_blocks, block_size)
+        workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=q.device)   # split-K partials
+        out = torch.empty_like(q)                                                    # (T, Hq, Dh)
+        self.lib.call("pl_attention", self._p(q), self._dt(q), T, Hq, Hk, Dh, self._p(k_cache), self._p(v_cache),
+                      block_size, self._p(block_tables), max_blocks, self._p(context_lens), self._p(query_start), B,
+                      scale, self._p(out), self._p(workspace), ws_bytes, self._stream(q))
+        return out
+
+    def conv1d(self, x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, slot_ids: torch.Tensor,
+               query_start: torch.Tensor) -> torch.Tensor:
+        x, slot_ids, query_start = self._as(x), self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
+        T, C = x.shape
+        w = self._as(w).reshape(C, -1)                                               # (C, W)
+        out = torch.empty_like(x)                                                    # (T, C)
+        self.lib.call("pl_conv1d", self._p(x), self._dt(x), T, C, self._p(w), self._dt(w), w.shape[1],
+                      self._p(conv_state), self._dt(conv_state), self._p(slot_ids), self._p(query_start),
+                      slot_ids.numel(), self._p(out), self._stream(x))
+        return out
+
+    def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self._as(a), self._as(b, a.dtype)
+        A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)   # (Hv,): one dtype code
+        T, Hv = a.shape
+        g = torch.empty(T, Hv, dtype=torch.float32, device=a.device)                # (T, Hv)
+        beta = torch.empty_like(g)                                                   # (T, Hv)
+        self.lib.call("pl_gdn_gates", self._p(a), self._p(b), self._dt(a), T, Hv, self._p(A_log), self._p(dt_bias),
+                      self._dt(A_log), self._p(g), self._p(beta), self._stream(a))
+        return g, beta
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, slot_ids: torch.Tensor, query_start: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._as(q), self._as(k, q.dtype), self._as(v, q.dtype)
+        g, beta = self._as(g, torch.float32), self._as(beta, torch.float32)
+        slot_ids, query_start = self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
+        (T, Hk, Dk), (_, Hv, Dv) = q.shape, v.shape
+        out = torch.empty_like(v)                                                    # (T, Hv, Dv)
+        self.lib.call("pl_gated_delta", self._p(q), self._p(k), self._p(v), self._dt(q), T, Hk, Hv, Dk, Dv,
+                      self._p(g), self._p(beta), self._p(state), self._p(slot_ids), self._p(query_start),
+                      slot_ids.numel(), self._p(out), self._stream(q))
+        return out
+
+    def gated_rmsnorm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x, z, w = self._as(x), self._as(z, x.dtype), self._as(w)
+        D = x.shape[-1]
+        out = torch.empty_like(x)                                                    # (T, Hv, Dv)
+        self.lib.call("pl_gated_rmsnorm", self._p(x), self._p(z), self._p(w), self._dt(w), self._p(out),
+                      self._dt(x), x.numel() // D, D, eps, self._stream(x))
+        return out
+
+    # ---- NCCL (native only): tensor parallelism refuses to start when nccl_available() is False ----
+
+    def nccl_available(self) -> bool:
+        return nccl_status(self.lib)[0]
+
+    def nccl_unique_id(self) -> bytes:
+        self._require_nccl()
+        buf = self.lib.ffi.new("uint8_t[]", self.lib.lib.PL_NCCL_ID_BYTES)
+        self.lib.call("pl_nccl_unique_id", buf)
+        return bytes(self.lib.ffi.buffer(buf))
+
+    def nccl_init(self, unique_id: bytes, nranks: int, rank: int, device: int | None) -> int:
+        """A communicator of `nranks` on `device` (None: torch's current device); returns its handle."""
+        self._require_nccl()
+        device = torch.cuda.current_device() if device is None else device
+        if len(unique_id) != self.lib.lib.PL_NCCL_ID_BYTES:
+            raise PocketError(f"NCCL unique id must be {self.lib.lib.PL_NCCL_ID_BYTES} bytes, got {len(unique_id)}")
+        comm = self.lib.ffi.new("uint64_t*")
+        self.lib.call("pl_nccl_init", unique_id, nranks, rank, device, comm)
+        return int(comm[0])
+
+    def all_reduce(self, x: torch.Tensor, comm: int) -> torch.Tensor:
+        self.lib.call("pl_nccl_all_reduce_sum", comm, self._p(x), x.numel(), self._dt(x), self._stream(x))
+        return x
+
+    def nccl_destroy(self, comm: int) -> None:
+        self.lib.call("pl_nccl_destroy", comm)
+
+    def _require_nccl(self) -> None:
+        ok, why = nccl_status(self.lib)
+        if not ok:
+            raise PocketError(f"tensor parallelism needs NCCL: {why}")
+
+
+def nccl_library_candidates() -> list[str | None]:
+    """Where to look for libnccl.so.2: $NCCL_ROOT/lib, the nvidia-nccl-cu* wheel, then the loader's search."""
+    found: list[str | None] = []
+    if os.environ.get("NCCL_ROOT"):
+        found.append(str(Path(os.environ["NCCL_ROOT"]) / "lib" / "libnccl.so.2"))
+    try:
+        import nvidia.nccl
+        found += [str(Path(p) / "lib" / "libnccl.so.2") for p in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    return found + [None]
+
+
+def nccl_status(lib: NativeLibrary) -> tuple[bool, str]:
+    """(True, "NCCL <version> from <where>") once the library has loaded NCCL, else (False, every reason)."""
+    reasons = []
+    for cand in nccl_library_candidates():
+        try:
+            lib.call("pl_nccl_load", lib.ffi.NULL if cand is None else cand.encode())
+        except NativeError:
+            reasons.append(lib.last_error())
+            continue
+        version = lib.ffi.new("int32_t*")
+        lib.call("pl_nccl_version", version)
+        return True, f"NCCL {version[0]} from {cand or 'libnccl.so.2'}"
+    return False, "; ".join(reasons)
+
 
 # ===== SECTION 4: the model (owner: core) =====
 
@@ -1124,7 +1482,7 @@ class Engine:
     """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
 
     def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
-                 run_batch: Callable | None = None):
+                 run_batch: Callable | None = None, copy: Callable = copy_state):
         self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
         bs = opts.kv_block_size
         num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
@@ -1136,6 +1494,7 @@ class Engine:
                                     model.device)
         self.scheduler = Scheduler(opts, self.blocks, self.slots)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
+        self.copy_state = copy                    # with tensor parallelism: on every rank's cache
         self.requests: dict[str, Request] = {}
         self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -1221,7 +1580,7 @@ class Engine:
                 continue
             shared = parent.blocks[:-1] if partial else parent.blocks
             child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
-            copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
+            self.copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
             child.slot, child.num_computed = slot, parent.num_computed
             self.scheduler.running.append(child)
             self._append(child, raw)
@@ -1251,6 +1610,427 @@ class Engine:
 
 
 # ===== SECTION 8b: tensor parallelism (owner: tp) =====
+
+import atexit
+import datetime
+import subprocess
+
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------------------------
+# 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
+#     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
+#     worker processes that replay rank 0's step plans on their shard and their own cache. Activations cross
+#     ranks only in the model's two all-reduces per layer (after the mixer's output projection and after
+#     down_proj). The embedding and lm_head are replicated, not vocab-parallel: rank 0's own lm_head gives
+#     the full logits, so sampling needs no gather and the embedding no all-reduce; the price is one copy of
+#     each per rank (2 x 2.5 GB bf16 at 27B), and the workers' logits rows are computed and dropped.
+#
+#     Lifecycle: one group, one lifetime. start_group returns only after every rank has loaded; a worker
+#     that fails or dies ends the group (named in the message); workers stop when rank 0 says so, when rank 0
+#     disappears, or when their connection to it breaks. See docs/architecture.md, "Tensor parallelism".
+# -----------------------------------------------------------------------------------------------
+
+def parse_devices(spec: str) -> list[torch.device]:
+    """--devices: "cpu,cpu" (CPU ranks, gloo) or "0,1,2,3" / "cuda:0,cuda:1" (one GPU each, NCCL)."""
+    names = [s.strip() for s in spec.split(",")]
+    if not all(names):
+        raise PocketError(f"--devices {spec!r}: empty entry (expected e.g. cpu,cpu or 0,1)")
+    devices = []
+    for name in names:
+        try:
+            devices.append(torch.device("cuda", int(name)) if name.isdigit() else torch.device(name))
+        except (RuntimeError, ValueError):
+            raise PocketError(f"--devices {spec!r}: {name!r} is not a device (expected cpu, 0, cuda:1, ...)") from None
+    kinds = {d.type for d in devices}
+    if kinds - {"cpu", "cuda"} or len(kinds) > 1:
+        raise PocketError(f"--devices {spec!r}: every rank must be a cpu, or every rank a cuda device")
+    if "cuda" in kinds:
+        indices = [d.index or 0 for d in devices]
+        devices = [torch.device("cuda", i) for i in indices]
+        if len(set(indices)) < len(indices):
+            raise PocketError(f"--devices {spec!r}: one rank per GPU (NCCL refuses two ranks on one device); "
+                              f"for tests on one machine use --devices cpu,cpu")
+        if max(indices) >= torch.cuda.device_count():
+            raise PocketError(f"--devices {spec!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return devices
+
+
+def _cache_blocks(opts: EngineOptions) -> int:
+    """The KV blocks of the engine cache: the same count on every rank (see Engine.__init__)."""
+    return opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // opts.kv_block_size)
+
+
+# Every rank needs a step's Batch. Rank 0 broadcasts it as a fixed header (command and sizes), then one
+# int64 payload holding the Batch's tensors end to end; the workers rebuild the Batch on their device.
+
+PLAN_STEP, PLAN_SCRATCH, PLAN_COPY, PLAN_STOP = range(4)
+HEADER_WORDS = 8                      # command, then up to 7 integer arguments
+ENGINE_CACHE, SCRATCH_CACHE = 0, 1    # which cache a step runs on: the engine's, or logits()'s temporary one
+_BATCH_WIRE = (("token_ids", torch.long), ("positions", torch.long), ("query_start", torch.int32),
+               ("context_lens", torch.int32), ("block_tables", torch.int32), ("slot_mapping", torch.long),
+               ("state_slots", torch.int32), ("logit_rows", torch.long), ("fresh_slots", torch.long))
+
+
+def pack_batch(batch: Batch) -> tuple[list[int], torch.Tensor]:
+    """-> ([T, B, W, R, F], payload (n,) int64 on the CPU)."""
+    B, W = batch.block_tables.shape
+    sizes = [batch.token_ids.numel(), B, W, batch.logit_rows.numel(), batch.fresh_slots.numel()]
+    payload = torch.cat([getattr(batch, name).reshape(-1).to("cpu", torch.long) for name, _ in _BATCH_WIRE])
+    return sizes, payload
+
+
+def wire_lengths(sizes: list[int]) -> list[int]:
+    """The payload length of each _BATCH_WIRE field, from [T, B, W, R, F]."""
+    T, B, W, R, F = sizes
+    return [T, T, B + 1, B, B * W, T, B, R, F]
+
+
+def unpack_batch(sizes: list[int], payload: torch.Tensor, device) -> Batch:
+    parts = payload.to(device).split(wire_lengths(sizes))
+    fields = {name: part.to(dtype) for (name, dtype), part in zip(_BATCH_WIRE, parts)}
+    fields["block_tables"] = fields["block_tables"].view(sizes[1], sizes[2])   # (B, W)
+    return Batch(**fields)
+
+
+class Comm:
+    """One rank's collectives. Plans travel over gloo (CPU tensors, from rank 0). Activations are summed over
+    the same gloo group on CPU ranks, and over NCCL on GPU ranks: the native library's when the native ops
+    run (it must have NCCL), torch.distributed's when the torch ops do."""
+
+    # Workers wait for the next plan for as long as the server idles; a dead peer still fails at once
+    # (its sockets close), so the timeout only bounds a peer that hangs.
+    TIMEOUT = datetime.timedelta(days=30)
+
+    def __init__(self, store, rank: int, world: int, device: torch.device, ops):
+        self.plans = dist.ProcessGroupGloo(dist.PrefixStore("plans/", store), rank, world, self.TIMEOUT)
+        self.all_reduce = self._gloo_all_reduce
+        if device.type == "cuda" and hasattr(ops, "nccl_init"):
+            self.comm = ops.nccl_init(store.get("nccl_id"), world, rank, device.index)
+            self.all_reduce = lambda x: ops.all_reduce(x, self.comm)        # in place, on the ops' stream
+        elif device.type == "cuda":
+            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world)
+            self.all_reduce = self._torch_nccl_all_reduce
+
+    def _gloo_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.plans.allreduce([x]).wait()
+        return x
+
+    def _torch_nccl_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.nccl.allreduce([x]).wait()
+        return x
+
+    def send_plan(self, command: int, args: list[int], payload: torch.Tensor | None = None):
+        header = torch.tensor((command, *args) + (0,) * (HEADER_WORDS - 1 - len(args)), dtype=torch.long)
+        self.plans.broadcast(header, 0).wait()
+        if payload is not None and payload.numel():
+            self.plans.broadcast(payload, 0).wait()
+
+    def recv_plan(self) -> tuple[int, list[int], torch.Tensor | None]:
+        header = torch.empty(HEADER_WORDS, dtype=torch.long)
+        self.plans.broadcast(header, 0).wait()
+        command, args = int(header[0]), header[1:].tolist()
+        payload = None
+        if command == PLAN_STEP:
+            payload = torch.empty(sum(wire_lengths(args[1:6])), dtype=torch.long)
+            if payload.numel():
+                self.plans.broadcast(payload, 0).wait()
+        return command, args, payload
+
+
+def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: int, world: int, all_reduce,
+                     quiet: bool) -> Model:
+    ckpt = Checkpoint(ckpt_dir)
+    try:
+        return Model(ckpt, ops, dtype, device, shard=Shard(rank, world), num_layers=opts.smoke_layers or None,
+                     all_reduce=all_reduce, progress=not quiet)
+    except CheckpointError as e:
+        if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. an FP8 slice off its 128-blocks
+            raise CheckpointError(f"{e} at tensor-parallel degree {world}") from None
+        raise
+    finally:
+        ckpt.close()
+
+
+def _is_program() -> bool:
+    """pocketllm.py is the program (the CLI), not a library imported into someone else's process."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return main_file is not None and Path(main_file).resolve() == Path(__file__).resolve()
+
+
+# Workers run this file as a fresh program, whatever imported it in rank 0 (a script without a __main__
+# guard, a notebook): subprocess + a bootstrap that loads the file by path, never multiprocessing, whose
+# spawn mode re-imports the parent's __main__. The worker is in rank 0's process group, so a terminal's
+# Ctrl-C reaches it; it ignores SIGINT and lets rank 0 decide.
+_WORKER_BOOT = ("import importlib.util, sys\n"
+                "spec = importlib.util.spec_from_file_location('pocketllm', sys.argv[1])\n"
+                "mod = importlib.util.module_from_spec(spec); sys.modules['pocketllm'] = mod\n"
+                "spec.loader.exec_module(mod)\n"
+                "sys.exit(mod.run_rank_worker(sys.argv[2]))")
+
+
+class RankGroup:
+    """Rank 0's side of the group: its own Model shard, the worker processes, and the step protocol.
+    run_batch / logits / copy_state mirror every cache operation on every rank; close() stops them all."""
+
+    POLL_S = 0.2
+
+    def __init__(self, ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: torch.dtype):
+        self.opts, self.dtype, self.kv_dtype = opts, dtype, kv_dtype
+        self.devices = parse_devices(opts.devices)
+        self.world = len(self.devices)
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.dead_reason: str | None = None     # set once a rank has failed; every later call raises
+        self.dead_kind = ""                     # the failed rank's error type, when it reported one
+        self.on_death: Callable[[str], None] | None = None   # told the reason (e.g. to mark the LLM dead)
+        self.comm: Comm | None = None
+        self.model: Model | None = None
+        self._lock = threading.Lock()           # one plan + forward at a time, in the same order on every rank
+        self._closing = False
+        self._scratch: Cache | None = None
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
+                                   wait_for_workers=False)   # port 0: the OS picks a free port
+        atexit.register(self.close)
+
+    # Start: spawn the workers, load rank 0's shard meanwhile, wait until every rank has loaded, connect.
+
+    def start(self, ckpt_dir):
+        device = self.devices[0]
+        ops, why = select_ops(self.opts, device)
+        _log(self.opts, f"backend: {why}; tensor parallelism over {self.world} ranks ({self.opts.devices})")
+        if device.type == "cuda":   # GPU ranks without NCCL are refused, never run without their all-reduce
+            if hasattr(ops, "nccl_unique_id"):
+                self.store.set("nccl_id", ops.nccl_unique_id())   # rank 0 makes the id; raises without NCCL
+            elif not dist.is_nccl_available():
+                raise PocketError(f"--devices {self.opts.devices}: tensor parallelism on GPUs needs NCCL, and this "
+                                  f"torch build has none (torch.distributed.is_nccl_available() is False)")
+        for rank in range(1, self.world):
+            spec = {"ckpt": str(Path(ckpt_dir).resolve()), "rank": rank, "world": self.world,
+                    "device": str(self.devices[rank]), "dtype": str(self.dtype).removeprefix("torch."),
+                    "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "port": self.store.port,
+                    "parent": os.getpid(),   # every rank runs rank 0's backend, so their all-reduces match
+                    "options": dict(dataclasses.asdict(self.opts), backend=ops.name)}
+            self.workers[rank] = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(Path(__file__).resolve()),
+                                                   json.dumps(spec)], stdin=subprocess.DEVNULL)
+        threading.Thread(target=self._watch, name="pocketllm-ranks", daemon=True).start()
+        self.model = _load_rank_model(ckpt_dir, self.opts, ops, self.dtype, device, 0, self.world,
+                                      lambda x: self.comm.all_reduce(x), self.opts.quiet)
+        self._wait_until_loaded()
+        self.comm = Comm(self.store, 0, self.world, device, ops)
+
+    def _wait_until_loaded(self):
+        """Until every worker says it has loaded; a worker that failed (seen by the watcher) fails the start."""
+        pending = set(self.workers)
+        while pending:
+            if self.dead_reason:
+                raise (CheckpointError if self.dead_kind == "CheckpointError" else PocketError)(self.dead_reason)
+            pending = {rank for rank in pending if not self.store.check([f"ready/{rank}"])}
+            time.sleep(0.05)
+
+    def _rank_error(self, rank: int) -> tuple[str, str]:
+        """(error type name, one line naming the rank and what happened to it)."""
+        where = f"rank {rank} ({self.devices[rank]})"
+        if self.store.check([f"error/{rank}"]):
+            err = json.loads(self.store.get(f"error/{rank}"))
+            return err["type"], f"{where} failed: {err['type']}: {err['message']}"
+        code = self.workers[rank].returncode
+        if code is not None and code < 0:
+            return "", f"{where} was killed by {signal.Signals(-code).name}"
+        return "", f"{where} exited with code {code}"
+
+    # Any rank's death ends the group, while loading or serving. In the CLI it ends the program (exit code 2
+    # for a checkpoint or option error, as main() gives, else 1); in a library user's process the group is
+    # marked dead and every later call raises PocketError naming the rank.
+
+    def _watch(self):
+        while not self._closing:
+            for rank, proc in self.workers.items():
+                if proc.poll() is not None and not self._closing:
+                    self._fail(*self._rank_error(rank))
+                    return
+            time.sleep(self.POLL_S)
+
+    def _fail(self, kind: str, reason: str):
+        self.dead_kind, self.dead_reason = kind, reason
+        self._stop_workers(grace_s=0)
+        if self.on_death is not None:
+            self.on_death(reason)
+        if _is_program():
+            print(f"pocketllm: error: {reason}; stopped every rank", file=sys.stderr, flush=True)
+            os._exit(2 if kind in ("PocketError", "CheckpointError") else 1)
+
+    def _check_alive(self):
+        if self.dead_reason:
+            raise PocketError(f"the tensor-parallel group has stopped: {self.dead_reason}")
+        if self._closing:
+            raise PocketError("the tensor-parallel group is closed")
+
+    def _failed(self, error: Exception) -> Exception:
+        """A step raised. A peer's death surfaces as a collective error: wait for the watcher to name the rank.
+        Anything else is rank 0's own failure, which also ends the group."""
+        if self._closing:                  # close() stopped the workers under a step still in flight
+            return PocketError("the tensor-parallel group is closed")
+        deadline = time.time() + 3.0
+        while self.dead_reason is None and time.time() < deadline:
+            time.sleep(self.POLL_S)
+        if self.dead_reason is None:
+            self._fail("", f"rank 0 ({self.devices[0]}) failed: {type(error).__name__}: {error}")
+            return error
+        return PocketError(f"the tensor-parallel group has stopped: {self.dead_reason}")
+
+    # The steps. Every rank runs the same Batch in the same order, so the all-reduces inside forward pair up.
+
+    def run_batch(self, batch: Batch, cache: Cache) -> torch.Tensor:
+        with self._lock:
+            return self._step(batch, cache, ENGINE_CACHE)
+
+    def _step(self, batch: Batch, cache: Cache, which: int) -> torch.Tensor:
+        self._check_alive()
+        try:
+            sizes, payload = pack_batch(batch)
+            self.comm.send_plan(PLAN_STEP, [which, *sizes], payload)
+            return self.model.forward(batch, cache)                        # (R, V): full logits, rank 0 only
+        except Exception as e:
+            raise self._failed(e) from e
+
+    def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
+        """copy_state (section 5) on every rank's engine cache: forked choices (n > 1) start from the parent's
+        state. The engine calls this in place of copy_state when a group runs the model."""
+        with self._lock:
+            self._check_alive()
+            try:
+                self.comm.send_plan(PLAN_COPY, [src_slot, dst_slot, -1 if src_block is None else src_block,
+                                                -1 if dst_block is None else dst_block])
+            except Exception as e:
+                raise self._failed(e) from e
+            copy_state(cache, src_slot, dst_slot, src_block, dst_block)
+
+    def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """LLM.logits over the group: every rank runs the prefill chunks on a temporary cache of its own."""
+        ids, bs, device = list(token_ids), self.opts.kv_block_size, self.devices[0]
+        nblocks = -(-len(ids) // bs)
+        with self._lock:
+            self._set_scratch(nblocks)
+            try:
+                blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
+                for s in range(0, len(ids), step):
+                    n = min(step, len(ids) - s)
+                    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+                    batch = Batch(t(ids[s:s + n], torch.long), t(list(range(s, s + n)), torch.long),
+                                  t([0, n], torch.int32), t([s + n], torch.int32), t([blocks], torch.int32),
+                                  t([blocks[i // bs] * bs + i % bs for i in range(s, s + n)], torch.long),
+                                  t([0], torch.int32), t(list(range(n)), torch.long),
+                                  t([0] if s == 0 else [], torch.long))
+                    out.append(self._step(batch, self._scratch, SCRATCH_CACHE))
+            finally:
+                if self.dead_reason is None and not self._closing:
+                    self._set_scratch(0)
+        return torch.cat(out).float().cpu()                                 # (len, V)
+
+    def _set_scratch(self, nblocks: int):
+        self._check_alive()
+        try:
+            self.comm.send_plan(PLAN_SCRATCH, [nblocks])
+        except Exception as e:
+            raise self._failed(e) from e
+        self._scratch = allocate_cache(self.model.cfg, self.model.layers, nblocks, self.opts.kv_block_size, 1,
+                                       self.kv_dtype, self.devices[0]) if nblocks else None
+
+    # Shutdown: tell the workers to stop, give them a moment, then make sure.
+
+    def close(self):
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.close)
+        told = False
+        if self.comm is not None and self.dead_reason is None and self._lock.acquire(timeout=2.0):
+            try:
+                self.comm.send_plan(PLAN_STOP, [])
+                told = True
+            except Exception:       # a worker already gone: the kill below covers it
+                pass
+            finally:
+                self._lock.release()
+        self._stop_workers(grace_s=5.0 if told else 0.0)
+
+    def _stop_workers(self, grace_s: float):
+        deadline = time.time() + grace_s
+        for proc in self.workers.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def start_group(ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: torch.dtype) -> RankGroup:
+    """Start every rank of --devices and return once all have loaded their shard (rank 0 is this process)."""
+    bs = opts.kv_block_size
+    if _cache_blocks(opts) * bs < opts.max_context:     # Engine.__init__'s check, before any worker starts
+        raise PocketError(f"--num-kv-blocks {_cache_blocks(opts)} x --kv-block-size {bs} cannot hold one "
+                          f"sequence of --max-context {opts.max_context} tokens")
+    group = RankGroup(ckpt_dir, opts, dtype, kv_dtype)
+    try:
+        group.start(ckpt_dir)
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+# A worker rank: load the shard, say so, then replay plans until told to stop.
+
+def run_rank_worker(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    rank, world, parent = spec["rank"], spec["world"], spec["parent"]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="pocketllm-parent", daemon=True).start()
+    store = dist.TCPStore("127.0.0.1", spec["port"], None, False, datetime.timedelta(days=1))
+    try:
+        opts = EngineOptions(**spec["options"])
+        device = torch.device(spec["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dtype, kv_dtype = _DTYPES[spec["dtype"]], _DTYPES[spec["kv_dtype"]]
+        comm: list[Comm] = []          # set once every rank has loaded; forward only runs after that
+        ops, _ = select_ops(opts, device)
+        model = _load_rank_model(spec["ckpt"], opts, ops, dtype, device, rank, world,
+                                 lambda x: comm[0].all_reduce(x), quiet=True)
+        caches = {ENGINE_CACHE: allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
+                                               opts.max_batch_size, kv_dtype, device)}
+        store.set(f"ready/{rank}", "1")
+        comm.append(Comm(store, rank, world, device, ops))
+        while True:
+            command, args, payload = comm[0].recv_plan()
+            if command == PLAN_STOP:
+                return 0
+            if command == PLAN_STEP:
+                model.forward(unpack_batch(args[1:6], payload, device), caches[args[0]])
+            elif command == PLAN_SCRATCH:
+                caches[SCRATCH_CACHE] = allocate_cache(model.cfg, model.layers, args[0], opts.kv_block_size, 1,
+                                                       kv_dtype, device) if args[0] else None
+            elif command == PLAN_COPY:
+                src_block, dst_block = (None if b < 0 else b for b in args[2:4])
+                copy_state(caches[ENGINE_CACHE], args[0], args[1], src_block, dst_block)
+    except Exception as e:
+        time.sleep(0.5)             # rank 0 gone too (its sockets close before we are re-parented)? then quietly
+        if os.getppid() != parent:
+            return 1
+        if not isinstance(e, PocketError):
+            traceback.print_exc()
+        store.set(f"error/{rank}", json.dumps({"type": type(e).__name__, "message": str(e)}))
+        return 2 if isinstance(e, PocketError) else 1
+
+
+def _exit_with_parent(parent: int):
+    """Rank 0 gone (killed, crashed): this rank has nothing left to do."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
 
 
 # ===== SECTION 10: text (owner: core: tokenizer + detokenizer; text: chat templates) =====
@@ -3875,8 +4655,7 @@ def select_ops(opts: EngineOptions, device: torch.device):
         raise PocketError(f"--backend must be auto, torch or native (got {opts.backend!r})")
     if opts.backend == "torch":
         return TorchOps(), "torch (asked for)"
-    status = globals().get("native_status")   # section 3b; absent from builds without the native part
-    ok, reason = status(device) if status else (False, "the native backend is not part of this file")
+    ok, reason = native_status(device)
     if ok:
         return NativeOps(device), "native"
     if opts.backend == "native":
@@ -3907,13 +4686,16 @@ class LLM:
         self.tokenizer = Tokenizer(self.ckpt_dir)
         _check_options(opts, cfg)
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
-        self.device = device = torch.device(opts.device)
+        # With --devices, rank 0 runs on the first listed device.
+        self.device = device = parse_devices(opts.devices)[0] if opts.devices else torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
         self.kv_dtype = kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device,
                                                                                            "kv-dtype")
+        self.dead_reason: str | None = None
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
             self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
+            self.group.on_death = lambda reason: setattr(self, "dead_reason", reason)
             self.model, run_batch = self.group.model, lambda batch: self.group.run_batch(batch, self.engine.cache)
         else:
             ops, why = select_ops(opts, device)
@@ -3922,11 +4704,11 @@ class LLM:
                                progress=not opts.quiet)
             run_batch = None
         ckpt.close()
-        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch)
+        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch,
+                             self.group.copy_state if self.group else copy_state)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
-        self.dead_reason: str | None = None
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -3977,6 +4759,11 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def close(self):
+        """Stop the tensor-parallel ranks, if any (the engine thread is a daemon and needs nothing)."""
+        if self.group is not None:
+            self.group.close()
 
     # The OpenAI surface (sections 12-13): exactly what the HTTP endpoints send.
 
