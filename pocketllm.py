@@ -459,16 +459,16 @@ def load_dense(ckpt: Checkpoint, name: str, shape: tuple[int, ...], rows: Ranges
 # -----------------------------------------------------------------------------------------------
 
 def dequantize(w: Linear, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 weight * its 128x128 block scale -> dense (N, K), for one layer at a time. Ragged edges padded."""
+    """FP8 weight * its 128x128 block scale -> dense (N, K), for one layer at a time. One (N, K) buffer is
+    allocated and scaled in place, one row of blocks at a time (edge blocks may be ragged)."""
     if w.scale is None:
         return w.weight.to(dtype)
     (n, k), (bn, bk) = w.weight.shape, w.block
-    sn, sk = w.scale.shape
-    x = w.weight.to(torch.float32)
-    if n % bn or k % bk:
-        x = F.pad(x, (0, sk * bk - k, 0, sn * bn - n))
-    x = (x.view(sn, bn, sk, bk) * w.scale.view(sn, 1, sk, 1)).view(sn * bn, sk * bk)
-    return x[:n, :k].to(dtype)
+    out = w.weight.to(dtype)                                             # (N, K)
+    cols = w.scale.to(dtype).repeat_interleave(bk, dim=1)[:, :k]         # (N/bn, K): each scale over its columns
+    for i in range(cols.shape[0]):
+        out[i * bn:(i + 1) * bn].mul_(cols[i])
+    return out
 
 
 class TorchOps:
@@ -487,7 +487,15 @@ class TorchOps:
         return self.rmsnorm(residual, w, eps).to(x.dtype), residual
 
     def linear(self, x, w: Linear):
-        return x @ dequantize(w, x.dtype).t()                            # (T, N)
+        if w.scale is None:
+            return x @ w.weight.to(x.dtype).t()                          # (T, N)
+        (n, k), bn = w.weight.shape, w.block[0]
+        step = max(1, (1 << 20) // (k * bn)) * bn                        # FP8: dequantise ~1M weights at a time
+        out = x.new_empty(x.shape[0], n)
+        for r in range(0, n, step):
+            tile = Linear(w.weight[r:r + step], w.scale[r // bn:(r + step) // bn], w.block)
+            out[:, r:r + step] = x @ dequantize(tile, x.dtype).t()
+        return out
 
     def silu_mul(self, g, u):
         return (F.silu(g.float()) * u.float()).to(g.dtype)
@@ -614,6 +622,364 @@ def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
 
 
 # ===== SECTION 3b: native backend ops (owner: native) =====
+
+# -----------------------------------------------------------------------------------------------
+# 3b. The native backend: the same ops, run by the CUDA library in csrc/ (libpocketllm.so), reached
+#     through cffi's ABI mode, so importing pocketllm needs no compiler and any Python version works.
+#     The CPU test build (libpocketllm_cpu.so) runs the same kernels on host tensors; CI uses it.
+# -----------------------------------------------------------------------------------------------
+
+NATIVE_ABI_VERSION = 2          # must equal PL_ABI_VERSION in csrc/pocketllm.h
+NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
+
+# torch dtype -> the library's pl_dtype code.
+NATIVE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3,
+                 torch.int32: 4, torch.int64: 5}
+
+
+class NativeError(PocketError):
+    """A native library call failed; the message is the library's pl_last_error() line."""
+
+
+def native_library_path(cpu_build: bool = False) -> Path:
+    """$POCKETLLM_NATIVE_LIB, else build/libpocketllm.so (or build/libpocketllm_cpu.so) next to this file."""
+    override = os.environ.get("POCKETLLM_NATIVE_LIB")
+    if override and not cpu_build:
+        return Path(override)
+    return HERE / "build" / ("libpocketllm_cpu.so" if cpu_build else "libpocketllm.so")
+
+
+def native_cdef(header_text: str) -> str:
+    """The declarations cffi reads: the header between its "cdef begin" and "cdef end" markers."""
+    begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
+    if begin not in header_text or end not in header_text:
+        raise PocketError(f"pocketllm.h lacks the {begin!r} / {end!r} markers")
+    return header_text[header_text.index(begin) + len(begin):header_text.index(end)]
+
+
+class NativeLibrary:
+    """The loaded library: `call(name, *args)` runs a pl_* function and raises NativeError on a nonzero status."""
+
+    def __init__(self, path: Path):
+        import cffi
+        header = path.with_name("pocketllm.h")   # build.py copies it next to the library
+        if not header.exists():
+            header = HERE / "csrc" / "pocketllm.h"
+        if not path.exists():
+            hint = "python build.py --cpu" if path.name.endswith("_cpu.so") else "python build.py"
+            raise PocketError(f"native library {path} not found: build it with `{hint}`")
+        if not header.exists():
+            raise PocketError(f"native library header not found next to {path} or in {HERE / 'csrc'}")
+        self.path = path
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(native_cdef(header.read_text()))
+        try:
+            self.lib = self.ffi.dlopen(str(path))
+        except OSError as e:
+            raise PocketError(f"cannot load native library {path}: {e}") from None
+        version = self.lib.pl_abi_version()
+        if version != NATIVE_ABI_VERSION:
+            raise PocketError(f"native library {path} has ABI version {version}, this pocketllm.py needs "
+                              f"{NATIVE_ABI_VERSION}: rebuild it with `python build.py`")
+        self.is_cpu_build = bool(self.lib.pl_is_cpu_build())
+
+    def last_error(self) -> str:
+        return self.ffi.string(self.lib.pl_last_error()).decode(errors="replace")
+
+    def call(self, name: str, *args) -> None:
+        if getattr(self.lib, name)(*args) != 0:
+            raise NativeError(f"native library: {self.last_error()}")
+
+    def device_count(self) -> int:
+        count = self.ffi.new("int32_t*")
+        self.call("pl_device_count", count)
+        return int(count[0])
+
+    def capability(self, device: int = 0) -> tuple[int, int]:
+        major, minor = self.ffi.new("int32_t*"), self.ffi.new("int32_t*")
+        self.call("pl_device_capability", device, major, minor)
+        return int(major[0]), int(minor[0])
+
+
+_native_libraries: dict[Path, NativeLibrary] = {}
+_native_lock = threading.Lock()
+
+
+def load_native(cpu_build: bool = False) -> NativeLibrary:
+    """Load (once per process) the CUDA library, or with cpu_build=True the CPU test build.
+
+    Raises PocketError saying what is missing (library not built, wrong ABI version, cannot be loaded).
+    """
+    path = native_library_path(cpu_build).resolve()
+    with _native_lock:
+        if path not in _native_libraries:
+            _native_libraries[path] = NativeLibrary(path)
+        return _native_libraries[path]
+
+
+def native_status(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """(True, what) when the native backend can run on `device`, else (False, why). select_ops uses it.
+
+    CUDA devices need the library, a GPU of sm_75 or newer and torch with CUDA. A CPU device runs the CPU test
+    build only when POCKETLLM_NATIVE_CPU=1 (tests: the same kernels, emulated and slow), never by default."""
+    device = torch.device(device or "cuda")
+    if device.type == "cpu":
+        if os.environ.get("POCKETLLM_NATIVE_CPU") != "1":
+            return False, "the native backend needs a CUDA device (set POCKETLLM_NATIVE_CPU=1 for the CPU test build)"
+        try:
+            return True, f"{load_native(cpu_build=True).path.name}: the CPU test build, kernels emulated (slow)"
+        except PocketError as e:
+            return False, str(e)
+    if device.type != "cuda":
+        return False, f"the native backend runs on CUDA devices, not {device.type}"
+    try:
+        lib = load_native()
+        count = lib.device_count()
+    except PocketError as e:
+        return False, str(e)
+    if count == 0:
+        return False, "no CUDA device is visible"
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} has no CUDA support, so tensors cannot live on the GPU"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = lib.capability(index)
+    if (major, minor) < NATIVE_MIN_CAPABILITY:
+        return False, f"GPU compute capability {major}.{minor} is below the required 7.5"
+    return True, f"{lib.path.name} (ABI {NATIVE_ABI_VERSION}) on {torch.cuda.get_device_name(index)} (sm_{major}{minor})"
+
+
+class NativeOps:
+    """The backend op list of TorchOps on the native library: the same methods and signatures. Each method
+    passes data pointers, shapes and dtype codes on torch's current stream. Inputs may be strided views (they
+    are made contiguous); tensors written in place (caches, states, the residual) must be contiguous. On a CPU
+    device the CPU test build runs the same kernels on host tensors."""
+    name = "native"
+
+    def __init__(self, device: torch.device | str | None = None, lib: NativeLibrary | None = None):
+        self.device = torch.device(device or "cuda")
+        self.lib = lib or load_native(cpu_build=self.device.type == "cpu")
+        self._threads = threading.local()   # threads that made this device current in the library's runtime
+
+    # ---- Plumbing: pointers, dtype codes, the stream ----
+
+    def _p(self, t: torch.Tensor) -> int:
+        """The address of a tensor the library reads or writes in place."""
+        if t.is_cuda == self.lib.is_cpu_build:
+            where = "CPU" if self.lib.is_cpu_build else "CUDA"
+            raise PocketError(f"native backend ({self.lib.path.name}) needs {where} tensors, got one on {t.device}")
+        if not t.is_contiguous():
+            raise PocketError(f"native backend: a tensor written in place must be contiguous, got shape "
+                              f"{tuple(t.shape)} strides {t.stride()}")
+        return t.data_ptr()
+
+    @staticmethod
+    def _dt(t: torch.Tensor) -> int:
+        if t.dtype not in NATIVE_DTYPES:
+            raise PocketError(f"native backend does not handle dtype {t.dtype}")
+        return NATIVE_DTYPES[t.dtype]
+
+    def _stream(self, t: torch.Tensor) -> int:
+        """torch's current stream on t's device, that device made current for the library on this thread."""
+        if not t.is_cuda:
+            return 0
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        if getattr(self._threads, "device", None) != index:
+            self.lib.call("pl_set_device", index)
+            self._threads.device = index
+        return torch.cuda.current_stream(t.device).cuda_stream
+
+    @staticmethod
+    def _as(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An input in `dtype` (default: its own), contiguous; no copy when it already is."""
+        return t.to(dtype or t.dtype).contiguous()
+
+    # ---- The ops ----
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ids, table = self._as(ids, torch.int64), self._as(table)
+        (V, D), T = table.shape, ids.numel()
+        out = torch.empty(T, D, dtype=dtype, device=table.device)                   # (T, D)
+        self.lib.call("pl_embed", self._p(ids), T, self._p(table), self._dt(table), V, D, self._p(out),
+                      self._dt(out), self._stream(out))
+        return out
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x, w = self._as(x), self._as(w)
+        D = x.shape[-1]
+        out = torch.empty_like(x)                                                    # (T, D)
+        self.lib.call("pl_rmsnorm", self._p(x), self._p(w), self._dt(w), self._p(out), self._dt(x),
+                      x.numel() // D, D, eps, self._stream(x))
+        return out
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual (T, D) fp32 is updated in place and returned."""
+        x, w = self._as(x), self._as(w)
+        D = x.shape[-1]
+        if residual.dtype != torch.float32:
+            raise PocketError(f"add_rmsnorm: the residual stream must be float32, got {residual.dtype}")
+        out = torch.empty_like(x)                                                    # (T, D)
+        self.lib.call("pl_add_rmsnorm", self._p(x), self._p(residual), self._p(w), self._dt(w), self._p(out),
+                      self._dt(x), x.numel() // D, D, eps, self._stream(x))
+        return out, residual
+
+    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        x, weight = self._as(x), self._as(w.weight)
+        N, K = weight.shape
+        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)          # (T, N)
+        scale = self._as(w.scale, torch.float32) if w.scale is not None else None    # (ceil(N/128), ceil(K/128))
+        self.lib.call("pl_linear", self._p(x), self._dt(x), x.numel() // K, K, self._p(weight), self._dt(weight),
+                      0 if scale is None else self._p(scale), N, self._p(out), self._stream(x))
+        return out
+
+    def silu_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g, u = self._as(g), self._as(u, g.dtype)
+        out = torch.empty_like(g)                                                    # (T, I)
+        self.lib.call("pl_silu_mul", self._p(g), self._p(u), self._p(out), self._dt(g), g.numel(), self._stream(g))
+        return out
+
+    def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x, gate = self._as(x), self._as(gate, x.dtype)
+        out = torch.empty_like(x)                                                    # (T, N)
+        self.lib.call("pl_sigmoid_mul", self._p(x), self._p(gate), self._p(out), self._dt(x), x.numel(),
+                      self._stream(x))
+        return out
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+                     positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, q_w = self._as(q), self._as(k, q.dtype), self._as(q_w)
+        k_w, positions = self._as(k_w, q_w.dtype), self._as(positions, torch.int64)
+        inv_freq = self._as(inv_freq, torch.float32)                                 # (R/2,)
+        (T, Hq, Dh), Hk = q.shape, k.shape[1]
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)                     # (T, Hq, Dh), (T, Hk, Dh)
+        self.lib.call("pl_qk_norm_rope", self._p(q), self._p(k), self._p(q_out), self._p(k_out), self._dt(q), T, Hq,
+                      Hk, Dh, self._p(q_w), self._p(k_w), self._dt(q_w), eps, self._p(positions), self._p(inv_freq),
+                      inv_freq.numel(), self._stream(q))
+        return q_out, k_out
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        k, v, slot_mapping = self._as(k), self._as(v, k.dtype), self._as(slot_mapping, torch.int64)
+        T, Hk, Dh = k.shape
+        self.lib.call("pl_kv_write", self._p(k), self._p(v), self._dt(k), T, Hk, Dh, self._p(k_cache),
+                      self._p(v_cache), self._dt(k_cache), self._p(slot_mapping), self._stream(k))
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, query_start: torch.Tensor, scale: float) -> torch.Tensor:
+        q, block_tables = self._as(q), self._as(block_tables, torch.int32)
+        context_lens, query_start = self._as(context_lens, torch.int32), self._as(query_start, torch.int32)
+        (T, Hq, Dh), (_, block_size, Hk, _) = q.shape, k_cache.shape
+        B, max_blocks = block_tables.shape
+        ws_bytes = self.lib.lib.pl_attention_workspace_bytes(T, Hq, Dh, max_blocks, block_size)
+        workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=q.device)   # split-K partials
+        out = torch.empty_like(q)                                                    # (T, Hq, Dh)
+        self.lib.call("pl_attention", self._p(q), self._dt(q), T, Hq, Hk, Dh, self._p(k_cache), self._p(v_cache),
+                      block_size, self._p(block_tables), max_blocks, self._p(context_lens), self._p(query_start), B,
+                      scale, self._p(out), self._p(workspace), ws_bytes, self._stream(q))
+        return out
+
+    def conv1d(self, x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, slot_ids: torch.Tensor,
+               query_start: torch.Tensor) -> torch.Tensor:
+        x, slot_ids, query_start = self._as(x), self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
+        T, C = x.shape
+        w = self._as(w).reshape(C, -1)                                               # (C, W)
+        out = torch.empty_like(x)                                                    # (T, C)
+        self.lib.call("pl_conv1d", self._p(x), self._dt(x), T, C, self._p(w), self._dt(w), w.shape[1],
+                      self._p(conv_state), self._dt(conv_state), self._p(slot_ids), self._p(query_start),
+                      slot_ids.numel(), self._p(out), self._stream(x))
+        return out
+
+    def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self._as(a), self._as(b, a.dtype)
+        A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)   # (Hv,): one dtype code
+        T, Hv = a.shape
+        g = torch.empty(T, Hv, dtype=torch.float32, device=a.device)                # (T, Hv)
+        beta = torch.empty_like(g)                                                   # (T, Hv)
+        self.lib.call("pl_gdn_gates", self._p(a), self._p(b), self._dt(a), T, Hv, self._p(A_log), self._p(dt_bias),
+                      self._dt(A_log), self._p(g), self._p(beta), self._stream(a))
+        return g, beta
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, slot_ids: torch.Tensor, query_start: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._as(q), self._as(k, q.dtype), self._as(v, q.dtype)
+        g, beta = self._as(g, torch.float32), self._as(beta, torch.float32)
+        slot_ids, query_start = self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
+        (T, Hk, Dk), (_, Hv, Dv) = q.shape, v.shape
+        out = torch.empty_like(v)                                                    # (T, Hv, Dv)
+        self.lib.call("pl_gated_delta", self._p(q), self._p(k), self._p(v), self._dt(q), T, Hk, Hv, Dk, Dv,
+                      self._p(g), self._p(beta), self._p(state), self._p(slot_ids), self._p(query_start),
+                      slot_ids.numel(), self._p(out), self._stream(q))
+        return out
+
+    def gated_rmsnorm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x, z, w = self._as(x), self._as(z, x.dtype), self._as(w)
+        D = x.shape[-1]
+        out = torch.empty_like(x)                                                    # (T, Hv, Dv)
+        self.lib.call("pl_gated_rmsnorm", self._p(x), self._p(z), self._p(w), self._dt(w), self._p(out),
+                      self._dt(x), x.numel() // D, D, eps, self._stream(x))
+        return out
+
+    # ---- NCCL (native only): tensor parallelism refuses to start when nccl_available() is False ----
+
+    def nccl_available(self) -> bool:
+        return nccl_status(self.lib)[0]
+
+    def nccl_unique_id(self) -> bytes:
+        self._require_nccl()
+        buf = self.lib.ffi.new("uint8_t[]", self.lib.lib.PL_NCCL_ID_BYTES)
+        self.lib.call("pl_nccl_unique_id", buf)
+        return bytes(self.lib.ffi.buffer(buf))
+
+    def nccl_init(self, unique_id: bytes, nranks: int, rank: int, device: int | None) -> int:
+        """A communicator of `nranks` on `device` (None: torch's current device); returns its handle."""
+        self._require_nccl()
+        device = torch.cuda.current_device() if device is None else device
+        if len(unique_id) != self.lib.lib.PL_NCCL_ID_BYTES:
+            raise PocketError(f"NCCL unique id must be {self.lib.lib.PL_NCCL_ID_BYTES} bytes, got {len(unique_id)}")
+        comm = self.lib.ffi.new("uint64_t*")
+        self.lib.call("pl_nccl_init", unique_id, nranks, rank, device, comm)
+        return int(comm[0])
+
+    def all_reduce(self, x: torch.Tensor, comm: int) -> torch.Tensor:
+        self.lib.call("pl_nccl_all_reduce_sum", comm, self._p(x), x.numel(), self._dt(x), self._stream(x))
+        return x
+
+    def nccl_destroy(self, comm: int) -> None:
+        self.lib.call("pl_nccl_destroy", comm)
+
+    def _require_nccl(self) -> None:
+        ok, why = nccl_status(self.lib)
+        if not ok:
+            raise PocketError(f"tensor parallelism needs NCCL: {why}")
+
+
+def nccl_library_candidates() -> list[str | None]:
+    """Where to look for libnccl.so.2: $NCCL_ROOT/lib, the nvidia-nccl-cu* wheel, then the loader's search."""
+    found: list[str | None] = []
+    if os.environ.get("NCCL_ROOT"):
+        found.append(str(Path(os.environ["NCCL_ROOT"]) / "lib" / "libnccl.so.2"))
+    try:
+        import nvidia.nccl
+        found += [str(Path(p) / "lib" / "libnccl.so.2") for p in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    return found + [None]
+
+
+def nccl_status(lib: NativeLibrary) -> tuple[bool, str]:
+    """(True, "NCCL <version> from <where>") once the library has loaded NCCL, else (False, every reason)."""
+    reasons = []
+    for cand in nccl_library_candidates():
+        try:
+            lib.call("pl_nccl_load", lib.ffi.NULL if cand is None else cand.encode())
+        except NativeError:
+            reasons.append(lib.last_error())
+            continue
+        version = lib.ffi.new("int32_t*")
+        lib.call("pl_nccl_version", version)
+        return True, f"NCCL {version[0]} from {cand or 'libnccl.so.2'}"
+    return False, "; ".join(reasons)
 
 
 # ===== SECTION 4: the model (owner: core) =====
@@ -1116,7 +1482,7 @@ class Engine:
     """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
 
     def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
-                 run_batch: Callable | None = None):
+                 run_batch: Callable | None = None, copy: Callable = copy_state):
         self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
         bs = opts.kv_block_size
         num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
@@ -1128,6 +1494,7 @@ class Engine:
                                     model.device)
         self.scheduler = Scheduler(opts, self.blocks, self.slots)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
+        self.copy_state = copy                    # with tensor parallelism: on every rank's cache
         self.requests: dict[str, Request] = {}
         self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -1213,7 +1580,7 @@ class Engine:
                 continue
             shared = parent.blocks[:-1] if partial else parent.blocks
             child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
-            copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
+            self.copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
             child.slot, child.num_computed = slot, parent.num_computed
             self.scheduler.running.append(child)
             self._append(child, raw)
@@ -1243,6 +1610,427 @@ class Engine:
 
 
 # ===== SECTION 8b: tensor parallelism (owner: tp) =====
+
+import atexit
+import datetime
+import subprocess
+
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------------------------
+# 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
+#     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
+#     worker processes that replay rank 0's step plans on their shard and their own cache. Activations cross
+#     ranks only in the model's two all-reduces per layer (after the mixer's output projection and after
+#     down_proj). The embedding and lm_head are replicated, not vocab-parallel: rank 0's own lm_head gives
+#     the full logits, so sampling needs no gather and the embedding no all-reduce; the price is one copy of
+#     each per rank (2 x 2.5 GB bf16 at 27B), and the workers' logits rows are computed and dropped.
+#
+#     Lifecycle: one group, one lifetime. start_group returns only after every rank has loaded; a worker
+#     that fails or dies ends the group (named in the message); workers stop when rank 0 says so, when rank 0
+#     disappears, or when their connection to it breaks. See docs/architecture.md, "Tensor parallelism".
+# -----------------------------------------------------------------------------------------------
+
+def parse_devices(spec: str) -> list[torch.device]:
+    """--devices: "cpu,cpu" (CPU ranks, gloo) or "0,1,2,3" / "cuda:0,cuda:1" (one GPU each, NCCL)."""
+    names = [s.strip() for s in spec.split(",")]
+    if not all(names):
+        raise PocketError(f"--devices {spec!r}: empty entry (expected e.g. cpu,cpu or 0,1)")
+    devices = []
+    for name in names:
+        try:
+            devices.append(torch.device("cuda", int(name)) if name.isdigit() else torch.device(name))
+        except (RuntimeError, ValueError):
+            raise PocketError(f"--devices {spec!r}: {name!r} is not a device (expected cpu, 0, cuda:1, ...)") from None
+    kinds = {d.type for d in devices}
+    if kinds - {"cpu", "cuda"} or len(kinds) > 1:
+        raise PocketError(f"--devices {spec!r}: every rank must be a cpu, or every rank a cuda device")
+    if "cuda" in kinds:
+        indices = [d.index or 0 for d in devices]
+        devices = [torch.device("cuda", i) for i in indices]
+        if len(set(indices)) < len(indices):
+            raise PocketError(f"--devices {spec!r}: one rank per GPU (NCCL refuses two ranks on one device); "
+                              f"for tests on one machine use --devices cpu,cpu")
+        if max(indices) >= torch.cuda.device_count():
+            raise PocketError(f"--devices {spec!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return devices
+
+
+def _cache_blocks(opts: EngineOptions) -> int:
+    """The KV blocks of the engine cache: the same count on every rank (see Engine.__init__)."""
+    return opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // opts.kv_block_size)
+
+
+# Every rank needs a step's Batch. Rank 0 broadcasts it as a fixed header (command and sizes), then one
+# int64 payload holding the Batch's tensors end to end; the workers rebuild the Batch on their device.
+
+PLAN_STEP, PLAN_SCRATCH, PLAN_COPY, PLAN_STOP = range(4)
+HEADER_WORDS = 8                      # command, then up to 7 integer arguments
+ENGINE_CACHE, SCRATCH_CACHE = 0, 1    # which cache a step runs on: the engine's, or logits()'s temporary one
+_BATCH_WIRE = (("token_ids", torch.long), ("positions", torch.long), ("query_start", torch.int32),
+               ("context_lens", torch.int32), ("block_tables", torch.int32), ("slot_mapping", torch.long),
+               ("state_slots", torch.int32), ("logit_rows", torch.long), ("fresh_slots", torch.long))
+
+
+def pack_batch(batch: Batch) -> tuple[list[int], torch.Tensor]:
+    """-> ([T, B, W, R, F], payload (n,) int64 on the CPU)."""
+    B, W = batch.block_tables.shape
+    sizes = [batch.token_ids.numel(), B, W, batch.logit_rows.numel(), batch.fresh_slots.numel()]
+    payload = torch.cat([getattr(batch, name).reshape(-1).to("cpu", torch.long) for name, _ in _BATCH_WIRE])
+    return sizes, payload
+
+
+def wire_lengths(sizes: list[int]) -> list[int]:
+    """The payload length of each _BATCH_WIRE field, from [T, B, W, R, F]."""
+    T, B, W, R, F = sizes
+    return [T, T, B + 1, B, B * W, T, B, R, F]
+
+
+def unpack_batch(sizes: list[int], payload: torch.Tensor, device) -> Batch:
+    parts = payload.to(device).split(wire_lengths(sizes))
+    fields = {name: part.to(dtype) for (name, dtype), part in zip(_BATCH_WIRE, parts)}
+    fields["block_tables"] = fields["block_tables"].view(sizes[1], sizes[2])   # (B, W)
+    return Batch(**fields)
+
+
+class Comm:
+    """One rank's collectives. Plans travel over gloo (CPU tensors, from rank 0). Activations are summed over
+    the same gloo group on CPU ranks, and over NCCL on GPU ranks: the native library's when the native ops
+    run (it must have NCCL), torch.distributed's when the torch ops do."""
+
+    # Workers wait for the next plan for as long as the server idles; a dead peer still fails at once
+    # (its sockets close), so the timeout only bounds a peer that hangs.
+    TIMEOUT = datetime.timedelta(days=30)
+
+    def __init__(self, store, rank: int, world: int, device: torch.device, ops):
+        self.plans = dist.ProcessGroupGloo(dist.PrefixStore("plans/", store), rank, world, self.TIMEOUT)
+        self.all_reduce = self._gloo_all_reduce
+        if device.type == "cuda" and hasattr(ops, "nccl_init"):
+            self.comm = ops.nccl_init(store.get("nccl_id"), world, rank, device.index)
+            self.all_reduce = lambda x: ops.all_reduce(x, self.comm)        # in place, on the ops' stream
+        elif device.type == "cuda":
+            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world)
+            self.all_reduce = self._torch_nccl_all_reduce
+
+    def _gloo_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.plans.allreduce([x]).wait()
+        return x
+
+    def _torch_nccl_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.nccl.allreduce([x]).wait()
+        return x
+
+    def send_plan(self, command: int, args: list[int], payload: torch.Tensor | None = None):
+        header = torch.tensor((command, *args) + (0,) * (HEADER_WORDS - 1 - len(args)), dtype=torch.long)
+        self.plans.broadcast(header, 0).wait()
+        if payload is not None and payload.numel():
+            self.plans.broadcast(payload, 0).wait()
+
+    def recv_plan(self) -> tuple[int, list[int], torch.Tensor | None]:
+        header = torch.empty(HEADER_WORDS, dtype=torch.long)
+        self.plans.broadcast(header, 0).wait()
+        command, args = int(header[0]), header[1:].tolist()
+        payload = None
+        if command == PLAN_STEP:
+            payload = torch.empty(sum(wire_lengths(args[1:6])), dtype=torch.long)
+            if payload.numel():
+                self.plans.broadcast(payload, 0).wait()
+        return command, args, payload
+
+
+def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: int, world: int, all_reduce,
+                     quiet: bool) -> Model:
+    ckpt = Checkpoint(ckpt_dir)
+    try:
+        return Model(ckpt, ops, dtype, device, shard=Shard(rank, world), num_layers=opts.smoke_layers or None,
+                     all_reduce=all_reduce, progress=not quiet)
+    except CheckpointError as e:
+        if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. an FP8 slice off its 128-blocks
+            raise CheckpointError(f"{e} at tensor-parallel degree {world}") from None
+        raise
+    finally:
+        ckpt.close()
+
+
+def _is_program() -> bool:
+    """pocketllm.py is the program (the CLI), not a library imported into someone else's process."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return main_file is not None and Path(main_file).resolve() == Path(__file__).resolve()
+
+
+# Workers run this file as a fresh program, whatever imported it in rank 0 (a script without a __main__
+# guard, a notebook): subprocess + a bootstrap that loads the file by path, never multiprocessing, whose
+# spawn mode re-imports the parent's __main__. The worker is in rank 0's process group, so a terminal's
+# Ctrl-C reaches it; it ignores SIGINT and lets rank 0 decide.
+_WORKER_BOOT = ("import importlib.util, sys\n"
+                "spec = importlib.util.spec_from_file_location('pocketllm', sys.argv[1])\n"
+                "mod = importlib.util.module_from_spec(spec); sys.modules['pocketllm'] = mod\n"
+                "spec.loader.exec_module(mod)\n"
+                "sys.exit(mod.run_rank_worker(sys.argv[2]))")
+
+
+class RankGroup:
+    """Rank 0's side of the group: its own Model shard, the worker processes, and the step protocol.
+    run_batch / logits / copy_state mirror every cache operation on every rank; close() stops them all."""
+
+    POLL_S = 0.2
+
+    def __init__(self, ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: torch.dtype):
+        self.opts, self.dtype, self.kv_dtype = opts, dtype, kv_dtype
+        self.devices = parse_devices(opts.devices)
+        self.world = len(self.devices)
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.dead_reason: str | None = None     # set once a rank has failed; every later call raises
+        self.dead_kind = ""                     # the failed rank's error type, when it reported one
+        self.on_death: Callable[[str], None] | None = None   # told the reason (e.g. to mark the LLM dead)
+        self.comm: Comm | None = None
+        self.model: Model | None = None
+        self._lock = threading.Lock()           # one plan + forward at a time, in the same order on every rank
+        self._closing = False
+        self._scratch: Cache | None = None
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
+                                   wait_for_workers=False)   # port 0: the OS picks a free port
+        atexit.register(self.close)
+
+    # Start: spawn the workers, load rank 0's shard meanwhile, wait until every rank has loaded, connect.
+
+    def start(self, ckpt_dir):
+        device = self.devices[0]
+        ops, why = select_ops(self.opts, device)
+        _log(self.opts, f"backend: {why}; tensor parallelism over {self.world} ranks ({self.opts.devices})")
+        if device.type == "cuda":   # GPU ranks without NCCL are refused, never run without their all-reduce
+            if hasattr(ops, "nccl_unique_id"):
+                self.store.set("nccl_id", ops.nccl_unique_id())   # rank 0 makes the id; raises without NCCL
+            elif not dist.is_nccl_available():
+                raise PocketError(f"--devices {self.opts.devices}: tensor parallelism on GPUs needs NCCL, and this "
+                                  f"torch build has none (torch.distributed.is_nccl_available() is False)")
+        for rank in range(1, self.world):
+            spec = {"ckpt": str(Path(ckpt_dir).resolve()), "rank": rank, "world": self.world,
+                    "device": str(self.devices[rank]), "dtype": str(self.dtype).removeprefix("torch."),
+                    "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "port": self.store.port,
+                    "parent": os.getpid(),   # every rank runs rank 0's backend, so their all-reduces match
+                    "options": dict(dataclasses.asdict(self.opts), backend=ops.name)}
+            self.workers[rank] = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(Path(__file__).resolve()),
+                                                   json.dumps(spec)], stdin=subprocess.DEVNULL)
+        threading.Thread(target=self._watch, name="pocketllm-ranks", daemon=True).start()
+        self.model = _load_rank_model(ckpt_dir, self.opts, ops, self.dtype, device, 0, self.world,
+                                      lambda x: self.comm.all_reduce(x), self.opts.quiet)
+        self._wait_until_loaded()
+        self.comm = Comm(self.store, 0, self.world, device, ops)
+
+    def _wait_until_loaded(self):
+        """Until every worker says it has loaded; a worker that failed (seen by the watcher) fails the start."""
+        pending = set(self.workers)
+        while pending:
+            if self.dead_reason:
+                raise (CheckpointError if self.dead_kind == "CheckpointError" else PocketError)(self.dead_reason)
+            pending = {rank for rank in pending if not self.store.check([f"ready/{rank}"])}
+            time.sleep(0.05)
+
+    def _rank_error(self, rank: int) -> tuple[str, str]:
+        """(error type name, one line naming the rank and what happened to it)."""
+        where = f"rank {rank} ({self.devices[rank]})"
+        if self.store.check([f"error/{rank}"]):
+            err = json.loads(self.store.get(f"error/{rank}"))
+            return err["type"], f"{where} failed: {err['type']}: {err['message']}"
+        code = self.workers[rank].returncode
+        if code is not None and code < 0:
+            return "", f"{where} was killed by {signal.Signals(-code).name}"
+        return "", f"{where} exited with code {code}"
+
+    # Any rank's death ends the group, while loading or serving. In the CLI it ends the program (exit code 2
+    # for a checkpoint or option error, as main() gives, else 1); in a library user's process the group is
+    # marked dead and every later call raises PocketError naming the rank.
+
+    def _watch(self):
+        while not self._closing:
+            for rank, proc in self.workers.items():
+                if proc.poll() is not None and not self._closing:
+                    self._fail(*self._rank_error(rank))
+                    return
+            time.sleep(self.POLL_S)
+
+    def _fail(self, kind: str, reason: str):
+        self.dead_kind, self.dead_reason = kind, reason
+        self._stop_workers(grace_s=0)
+        if self.on_death is not None:
+            self.on_death(reason)
+        if _is_program():
+            print(f"pocketllm: error: {reason}; stopped every rank", file=sys.stderr, flush=True)
+            os._exit(2 if kind in ("PocketError", "CheckpointError") else 1)
+
+    def _check_alive(self):
+        if self.dead_reason:
+            raise PocketError(f"the tensor-parallel group has stopped: {self.dead_reason}")
+        if self._closing:
+            raise PocketError("the tensor-parallel group is closed")
+
+    def _failed(self, error: Exception) -> Exception:
+        """A step raised. A peer's death surfaces as a collective error: wait for the watcher to name the rank.
+        Anything else is rank 0's own failure, which also ends the group."""
+        if self._closing:                  # close() stopped the workers under a step still in flight
+            return PocketError("the tensor-parallel group is closed")
+        deadline = time.time() + 3.0
+        while self.dead_reason is None and time.time() < deadline:
+            time.sleep(self.POLL_S)
+        if self.dead_reason is None:
+            self._fail("", f"rank 0 ({self.devices[0]}) failed: {type(error).__name__}: {error}")
+            return error
+        return PocketError(f"the tensor-parallel group has stopped: {self.dead_reason}")
+
+    # The steps. Every rank runs the same Batch in the same order, so the all-reduces inside forward pair up.
+
+    def run_batch(self, batch: Batch, cache: Cache) -> torch.Tensor:
+        with self._lock:
+            return self._step(batch, cache, ENGINE_CACHE)
+
+    def _step(self, batch: Batch, cache: Cache, which: int) -> torch.Tensor:
+        self._check_alive()
+        try:
+            sizes, payload = pack_batch(batch)
+            self.comm.send_plan(PLAN_STEP, [which, *sizes], payload)
+            return self.model.forward(batch, cache)                        # (R, V): full logits, rank 0 only
+        except Exception as e:
+            raise self._failed(e) from e
+
+    def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
+        """copy_state (section 5) on every rank's engine cache: forked choices (n > 1) start from the parent's
+        state. The engine calls this in place of copy_state when a group runs the model."""
+        with self._lock:
+            self._check_alive()
+            try:
+                self.comm.send_plan(PLAN_COPY, [src_slot, dst_slot, -1 if src_block is None else src_block,
+                                                -1 if dst_block is None else dst_block])
+            except Exception as e:
+                raise self._failed(e) from e
+            copy_state(cache, src_slot, dst_slot, src_block, dst_block)
+
+    def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """LLM.logits over the group: every rank runs the prefill chunks on a temporary cache of its own."""
+        ids, bs, device = list(token_ids), self.opts.kv_block_size, self.devices[0]
+        nblocks = -(-len(ids) // bs)
+        with self._lock:
+            self._set_scratch(nblocks)
+            try:
+                blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
+                for s in range(0, len(ids), step):
+                    n = min(step, len(ids) - s)
+                    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+                    batch = Batch(t(ids[s:s + n], torch.long), t(list(range(s, s + n)), torch.long),
+                                  t([0, n], torch.int32), t([s + n], torch.int32), t([blocks], torch.int32),
+                                  t([blocks[i // bs] * bs + i % bs for i in range(s, s + n)], torch.long),
+                                  t([0], torch.int32), t(list(range(n)), torch.long),
+                                  t([0] if s == 0 else [], torch.long))
+                    out.append(self._step(batch, self._scratch, SCRATCH_CACHE))
+            finally:
+                if self.dead_reason is None and not self._closing:
+                    self._set_scratch(0)
+        return torch.cat(out).float().cpu()                                 # (len, V)
+
+    def _set_scratch(self, nblocks: int):
+        self._check_alive()
+        try:
+            self.comm.send_plan(PLAN_SCRATCH, [nblocks])
+        except Exception as e:
+            raise self._failed(e) from e
+        self._scratch = allocate_cache(self.model.cfg, self.model.layers, nblocks, self.opts.kv_block_size, 1,
+                                       self.kv_dtype, self.devices[0]) if nblocks else None
+
+    # Shutdown: tell the workers to stop, give them a moment, then make sure.
+
+    def close(self):
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.close)
+        told = False
+        if self.comm is not None and self.dead_reason is None and self._lock.acquire(timeout=2.0):
+            try:
+                self.comm.send_plan(PLAN_STOP, [])
+                told = True
+            except Exception:       # a worker already gone: the kill below covers it
+                pass
+            finally:
+                self._lock.release()
+        self._stop_workers(grace_s=5.0 if told else 0.0)
+
+    def _stop_workers(self, grace_s: float):
+        deadline = time.time() + grace_s
+        for proc in self.workers.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def start_group(ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: torch.dtype) -> RankGroup:
+    """Start every rank of --devices and return once all have loaded their shard (rank 0 is this process)."""
+    bs = opts.kv_block_size
+    if _cache_blocks(opts) * bs < opts.max_context:     # Engine.__init__'s check, before any worker starts
+        raise PocketError(f"--num-kv-blocks {_cache_blocks(opts)} x --kv-block-size {bs} cannot hold one "
+                          f"sequence of --max-context {opts.max_context} tokens")
+    group = RankGroup(ckpt_dir, opts, dtype, kv_dtype)
+    try:
+        group.start(ckpt_dir)
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+# A worker rank: load the shard, say so, then replay plans until told to stop.
+
+def run_rank_worker(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    rank, world, parent = spec["rank"], spec["world"], spec["parent"]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="pocketllm-parent", daemon=True).start()
+    store = dist.TCPStore("127.0.0.1", spec["port"], None, False, datetime.timedelta(days=1))
+    try:
+        opts = EngineOptions(**spec["options"])
+        device = torch.device(spec["device"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dtype, kv_dtype = _DTYPES[spec["dtype"]], _DTYPES[spec["kv_dtype"]]
+        comm: list[Comm] = []          # set once every rank has loaded; forward only runs after that
+        ops, _ = select_ops(opts, device)
+        model = _load_rank_model(spec["ckpt"], opts, ops, dtype, device, rank, world,
+                                 lambda x: comm[0].all_reduce(x), quiet=True)
+        caches = {ENGINE_CACHE: allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
+                                               opts.max_batch_size, kv_dtype, device)}
+        store.set(f"ready/{rank}", "1")
+        comm.append(Comm(store, rank, world, device, ops))
+        while True:
+            command, args, payload = comm[0].recv_plan()
+            if command == PLAN_STOP:
+                return 0
+            if command == PLAN_STEP:
+                model.forward(unpack_batch(args[1:6], payload, device), caches[args[0]])
+            elif command == PLAN_SCRATCH:
+                caches[SCRATCH_CACHE] = allocate_cache(model.cfg, model.layers, args[0], opts.kv_block_size, 1,
+                                                       kv_dtype, device) if args[0] else None
+            elif command == PLAN_COPY:
+                src_block, dst_block = (None if b < 0 else b for b in args[2:4])
+                copy_state(caches[ENGINE_CACHE], args[0], args[1], src_block, dst_block)
+    except Exception as e:
+        time.sleep(0.5)             # rank 0 gone too (its sockets close before we are re-parented)? then quietly
+        if os.getppid() != parent:
+            return 1
+        if not isinstance(e, PocketError):
+            traceback.print_exc()
+        store.set(f"error/{rank}", json.dumps({"type": type(e).__name__, "message": str(e)}))
+        return 2 if isinstance(e, PocketError) else 1
+
+
+def _exit_with_parent(parent: int):
+    """Rank 0 gone (killed, crashed): this rank has nothing left to do."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
 
 
 # ===== SECTION 10: text (owner: core: tokenizer + detokenizer; text: chat templates) =====
@@ -1432,9 +2220,2409 @@ class RequestStream:
 
 
 # ===== SECTION 11: output parsing and tool_choice (owner: text) =====
+import ast
+import copy
+import datetime
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import jinja2.utils
+
+
+# -----------------------------------------------------------------------------------------------
+# Chat templates: the checkpoint's jinja2 template is untrusted code, so it runs in an immutable
+# sandbox with the globals and filters HF templates expect.
+# -----------------------------------------------------------------------------------------------
+
+def _template_raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _template_strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _template_tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """HF's tojson: keeps non-ASCII and key order, no HTML escaping (jinja2's own tojson does both)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """HF's `{% generation %}...{% endgeneration %}` (marks assistant text for training masks): renders the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller):
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2's namespace() refusing underscore names, which could shadow its internals (as HF does)."""
+
+    def __init__(*args, **kwargs):
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.sandbox.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+
+class _TemplateSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Refuses unsafe attribute access at once; the stock sandbox renders it as an empty Undefined."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise jinja2.sandbox.SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+def _named_templates(source) -> dict[str, str]:
+    """tokenizer_config.json's chat_template is a string or a list of {"name", "template"}."""
+    if isinstance(source, str):
+        return {"default": source}
+    if isinstance(source, dict):
+        return {str(k): v for k, v in source.items() if isinstance(v, str)}
+    if isinstance(source, list):
+        return {t["name"]: t["template"] for t in source
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {}
+
+
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_fn", "description": "probe", "parameters": {
+    "type": "object", "properties": {"probe_arg": {"type": "string"}}, "required": ["probe_arg"]}}}]
+_PROBE_MESSAGES = [
+    {"role": "user", "content": "probe"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_probe", "type": "function", "function": {
+        "name": "probe_fn", "arguments": {"probe_arg": "probe_value"}}}]},
+    {"role": "tool", "tool_call_id": "call_probe", "content": "probe result"},
+]
+
+
+class ChatTemplate:
+    """The checkpoint's chat template: messages (+ tools) -> prompt text.
+
+    `source` is a template string or tokenizer_config.json's list of named templates ("tool_use" is used
+    when tools are given, else "default"). `tool_parser` is the tool-call format the template teaches the
+    model ("qwen_xml" or "hermes"), found by rendering a probe conversation; callers may override it.
+    """
+
+    def __init__(self, source, tokenizer=None):
+        env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True,
+                               extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        env.filters["tojson"] = _template_tojson
+        env.globals["raise_exception"] = _template_raise_exception
+        env.globals["strftime_now"] = _template_strftime_now
+        env.globals["namespace"] = _TemplateNamespace
+        self.sources = _named_templates(source)
+        if not self.sources:
+            raise CheckpointError("chat template: expected a string or a list of {name, template} objects")
+        self.templates = {}
+        for name, text in self.sources.items():
+            try:
+                self.templates[name] = env.from_string(text)
+            except jinja2.TemplateSyntaxError as exc:
+                raise CheckpointError(f"chat template {name!r}: syntax error at line {exc.lineno}: {exc.message}") from None
+        self.special_tokens = {key: getattr(tokenizer, key, None) for key in ("bos_token", "eos_token", "pad_token")}
+        self.tool_parser = self._detect_tool_parser()
+
+    def _pick(self, tools):
+        if tools and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        return self.templates.get("default") or next(iter(self.templates.values()))
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt=True,
+               continue_final_message=False, **template_kwargs) -> str:
+        """Render in the sandbox. Any template failure is the request's fault: RequestError(param="messages")."""
+        if add_generation_prompt and continue_final_message:
+            raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
+                               param="continue_final_message")
+        messages = messages_for_template(messages)
+        if continue_final_message:
+            _tag_final_message(messages)
+        context = {**self.special_tokens, **template_kwargs, "messages": messages, "tools": tools or None,
+                   "add_generation_prompt": bool(add_generation_prompt)}
+        try:
+            text = self._pick(tools).render(**context)
+        except Exception as exc:   # the template is untrusted code: whatever it raises is reported, not a 500
+            message = str(exc).replace("\n", " ").strip() or type(exc).__name__
+            raise RequestError(f"chat template error: {message}", param="messages") from None
+        if continue_final_message:
+            text = _cut_at_continue_tag(text)
+        return text
+
+    def _detect_tool_parser(self) -> str:
+        try:
+            text = self.render(_PROBE_MESSAGES, tools=_PROBE_TOOLS, add_generation_prompt=True)
+        except RequestError:
+            text = ""
+        if "<function=probe_fn>" in text:
+            return "qwen_xml"
+        if re.search(r'<tool_call>\s*\{\s*"name"\s*:\s*"probe_fn"', text):
+            return "hermes"
+        sources = "\n".join(self.sources.values())
+        if "<function=" not in sources and "<tool_call>" in sources:
+            return "hermes"
+        return "qwen_xml"
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "   # trailing space: shows whether the template trimmed the content
+
+
+def _tag_final_message(messages: list[dict]) -> None:
+    """continue_final_message (as HF): mark where the final message's content ends, then cut the prompt there."""
+    if not messages or not isinstance(messages[-1], dict) or not isinstance(messages[-1].get("content"), str):
+        raise RequestError("continue_final_message needs a final message with text content", param="messages")
+    messages[-1]["content"] += _CONTINUE_TAG
+
+
+def _cut_at_continue_tag(text: str) -> str:
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at == -1:
+        raise RequestError("continue_final_message: the chat template does not render the final message's content",
+                           param="messages")
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+
+
+def load_chat_template(tokenizer, override_path: str | None = None, ckpt_dir=None) -> ChatTemplate | None:
+    """The chat template: --chat-template FILE (a .jinja text, or a .json with "chat_template"), else the
+    tokenizer's (chat_template.jinja before tokenizer_config.json), else those files in ckpt_dir. None if none."""
+    source = None
+    if override_path:
+        path = Path(override_path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PocketError(f"--chat-template {path}: cannot read it ({exc.strerror})") from None
+        source = text
+        if path.suffix == ".json":
+            try:
+                source = json.loads(text)["chat_template"]
+            except (ValueError, KeyError, TypeError):
+                raise PocketError(f"--chat-template {path}: a .json file must hold a \"chat_template\" key") from None
+    else:
+        source = getattr(tokenizer, "chat_template_source", None)
+        if source is None and ckpt_dir is not None:
+            source = _chat_template_from_dir(Path(ckpt_dir))
+    return ChatTemplate(source, tokenizer) if source else None
+
+
+def _chat_template_from_dir(ckpt_dir: Path):
+    if (ckpt_dir / "chat_template.jinja").is_file():
+        return (ckpt_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    if (ckpt_dir / "tokenizer_config.json").is_file():
+        try:
+            return json.loads((ckpt_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError):
+            raise CheckpointError(f"{ckpt_dir / 'tokenizer_config.json'}: not a JSON object") from None
+    return None
+
+
+def messages_for_template(messages: list[dict]) -> list[dict]:
+    """A converted deep copy of OpenAI messages for the template; the request's own objects are untouched.
+
+    - tool_calls[].function.arguments: a JSON string holding an object becomes that object (key order kept),
+      as templates iterate it with `|items`; any other string (invalid JSON, or JSON that is not an object)
+      is left as the string, so the template decides (a template that needs a mapping then fails with a 400).
+    - content parts [{"type": "text", "text": ...}, ...] become their texts joined with "\\n"; other part
+      types are refused. None content becomes "".
+
+    >>> messages_for_template([{"role": "assistant", "content": None, "tool_calls": [
+    ...     {"function": {"name": "f", "arguments": '{"b": 1, "a": 2}'}}]}])[0]["tool_calls"][0]["function"]
+    {'name': 'f', 'arguments': {'b': 1, 'a': 2}}
+    """
+    converted = copy.deepcopy(messages)
+    for i, message in enumerate(converted if isinstance(converted, list) else []):
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if content is None:
+            message["content"] = ""
+        elif isinstance(content, list):
+            message["content"] = _flatten_content(content, f"messages[{i}].content")
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    arguments = json.loads(function["arguments"])
+                except ValueError:
+                    continue
+                if isinstance(arguments, dict):
+                    function["arguments"] = arguments
+    return converted
+
+
+def _flatten_content(parts: list, where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"{where}[{j}]: content parts of type {kind!r} are not supported (text only)",
+                               param="messages")
+    return "\n".join(texts)
+
+
+def prompt_ends_in_reasoning(prompt_text: str) -> bool:
+    """True when the prompt's last turn opened <think> and did not close it (the model starts in reasoning)."""
+    turn = prompt_text[prompt_text.rfind("<|im_start|>"):] if "<|im_start|>" in prompt_text else prompt_text
+    return turn.rfind("<think>") > turn.rfind("</think>")
+
+
+# -----------------------------------------------------------------------------------------------
+# Output parsing: generated text -> reasoning_content, content and tool_calls. One scanner reads the
+# text left to right and commits only what more text cannot change. Streaming re-runs it over the
+# accumulated text (resuming where it last committed) and sends the difference, so a stream always
+# assembles to exactly the non-streamed parse.
+# -----------------------------------------------------------------------------------------------
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
+_FUNC_OPEN, _FUNC_CLOSE = "<function=", "</function>"
+_PARAM_OPEN, _PARAM_CLOSE = "<parameter=", "</parameter>"
+_VALUE_ENDS = (_PARAM_CLOSE, _PARAM_OPEN, _FUNC_CLOSE, _CALL_CLOSE)   # an XML value ends at the first of these
+_VALUE_END_RE = re.compile("|".join(map(re.escape, _VALUE_ENDS)))
+_CALL_MARKERS = (_PARAM_OPEN, _PARAM_CLOSE, _FUNC_CLOSE, _CALL_CLOSE, _CALL_OPEN, _FUNC_OPEN)
+_MAX_NAME = 256                       # a "name" longer than this is prose, not markup
+_HERMES_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"')
+_HERMES_HEAD_PREFIX = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"(?:[^"\\\n]|\\.)*\\?)?)?)?)?)?)?)?)?\Z')
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_JSON_DECODER = json.JSONDecoder(strict=False)
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _is_partial(text: str, i: int, marker: str) -> bool:
+    """text[i:] is a proper prefix of marker: more text could complete it."""
+    return len(text) - i < len(marker) and marker.startswith(text[i:])
+
+
+def _held_start(text: str, start: int, markers) -> int:
+    """Where an unfinished marker may begin at the end of text (len(text) if none). Markers start with '<'."""
+    i = text.find("<", max(start, len(text) - max(map(len, markers)) + 1))
+    while i != -1:
+        if any(_is_partial(text, i, marker) for marker in markers):
+            return i
+        i = text.find("<", i + 1)
+    return len(text)
+
+
+def _strip_format_newlines(raw: str) -> str:
+    """An XML value sits on its own lines: drop the one newline after <parameter=P> and the one before </parameter>."""
+    raw = raw[1:] if raw.startswith("\n") else raw
+    return raw[:-1] if raw.endswith("\n") else raw
+
+
+def _member_json(key: str, value) -> str:
+    return json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+
+
+# Argument values by JSON-schema type. A string parameter keeps the model's raw text; anything else is parsed,
+# and a value that does not parse as its declared type stays the raw string (never an exception).
+
+def _no_json_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _strict_json(text: str):
+    return json.loads(text, parse_constant=_no_json_constant)
+
+
+def _json_or_literal(text: str):
+    """JSON, else a Python literal (models sometimes write {'a': 1}); must serialize back to JSON."""
+    try:
+        return _strict_json(text)
+    except ValueError:
+        pass
+    try:
+        value = ast.literal_eval(text)
+        json.dumps(value, allow_nan=False)
+        return value
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def _as_type(text: str, kind: str):
+    """(True, value) when text reads as a value of JSON-schema type `kind`, else (False, None)."""
+    if kind == "string":
+        return True, text
+    word = text.strip()
+    if kind == "boolean" and word.lower() in ("true", "false"):
+        return True, word.lower() == "true"
+    if kind == "null" and word.lower() in ("null", "none"):
+        return True, None
+    if kind in ("integer", "number"):
+        try:
+            value = _strict_json(word)
+        except ValueError:
+            return False, None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False, None
+        if kind == "integer" and isinstance(value, float):
+            return (True, int(value)) if value.is_integer() else (False, None)
+        return True, value
+    if kind in ("object", "array"):
+        value = _json_or_literal(word)
+        return (True, value) if isinstance(value, dict if kind == "object" else list) else (False, None)
+    return False, None
+
+
+def _json_or_text(text: str):
+    try:
+        return _strict_json(text.strip())
+    except ValueError:
+        return text
+
+
+def _convert_value(text: str, types: list[str] | None):
+    """The value of a parameter whose schema accepts `types` (tried in order); None = not in the schema."""
+    if not types:
+        return _json_or_text(text)
+    for kind in types:
+        ok, value = _as_type(text, kind)
+        if ok:
+            return value
+    return text
+
+
+def _json_type_name(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    return {int: "integer", float: "number", str: "string", dict: "object", list: "array"}.get(type(value), "null")
+
+
+def _schema_types(schema) -> list[str]:
+    """The JSON-schema types a parameter accepts, in the order to try them: type / type lists / anyOf / oneOf,
+    else the types of its enum or const values."""
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        kinds = [kind]
+    elif isinstance(kind, list):
+        kinds = [k for k in kind if isinstance(k, str)]
+    elif isinstance(schema.get("anyOf"), list) or isinstance(schema.get("oneOf"), list):
+        kinds = [k for sub in (schema.get("anyOf") or schema.get("oneOf")) for k in _schema_types(sub)]
+    elif isinstance(schema.get("enum"), list) or "const" in schema:
+        kinds = [_json_type_name(v) for v in schema.get("enum") or [schema.get("const")]]
+    else:
+        kinds = ["object"] if "properties" in schema else ["array"] if "items" in schema else []
+    return list(dict.fromkeys(kinds))
+
+
+def _tool_schemas(tools) -> dict[str, dict]:
+    """function name -> its parameters' "properties" (empty when it declares none)."""
+    schemas = {}
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            parameters = function.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            schemas[function["name"]] = properties if isinstance(properties, dict) else {}
+    return schemas
+
+
+class _ParsedCall:
+    """One tool call as parsed so far: its name and its arguments as JSON members in generation order."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.members: list[str] = []   # '"key": value' JSON texts
+        self.keys: set[str] = set()
+        self.open_member = ""           # the member whose string value is still arriving (not committed)
+        self.closed = False
+
+    def add(self, key: str, value) -> None:
+        if key not in self.keys:        # a repeated parameter keeps its first value (it may be streamed already)
+            self.keys.add(key)
+            self.members.append(_member_json(key, value))
+
+    def arguments(self) -> str:
+        """The arguments JSON text so far: "" before the first member, closed with "}" once the call ends."""
+        parts = self.members + ([self.open_member] if self.open_member and not self.closed else [])
+        if not parts and not self.closed:
+            return ""
+        return "{" + ", ".join(parts) + ("}" if self.closed else "")
+
+
+class _OutputScan:
+    """The scanner. `run(text, final)` continues from `pos`; every step either commits text it has fully
+    understood (and advances) or returns False to wait for more. With final=True nothing waits: unfinished
+    markup is resolved the forgiving way (a truncated call is closed with what it has, an unconfirmed
+    <tool_call> is text). Modes: start, think, text (prose); xml, call_end, hermes_keys, hermes_args,
+    call_junk (inside a call)."""
+
+    def __init__(self, schemas: dict, tool_parser: str, in_reasoning: bool, parse_tools: bool):
+        self.schemas, self.tool_parser = schemas, tool_parser
+        self.pos, self.mode = 0, "think" if in_reasoning else "start"
+        self.reasoning, self.content = "", ""      # raw; shown stripped of surrounding whitespace
+        self.calls: list[_ParsedCall] = []
+        markers = [_THINK_CLOSE]
+        if parse_tools:
+            markers += [_CALL_OPEN] + ([_FUNC_OPEN] if tool_parser == "qwen_xml" else [])
+        self.markers = markers
+        self.marker_re = re.compile("|".join(map(re.escape, markers)))
+
+    def run(self, text: str, final: bool) -> None:
+        if self.calls:
+            self.calls[-1].open_member = ""
+        while self.pos < len(text) and getattr(self, "_" + self.mode)(text, final):
+            pass
+        if final and self.mode not in ("start", "think", "text"):
+            self.calls[-1].closed = True
+            self.mode = "text"
+
+    # Prose: reasoning and content, and the call headers that end them.
+
+    def _start(self, text, final):
+        rest = text[self.pos:].lstrip()
+        if rest.startswith(_THINK_OPEN):         # the template did not pre-fill <think>: the model opens it
+            self.pos, self.mode = len(text) - len(rest) + len(_THINK_OPEN), "think"
+            return True
+        if not final and _THINK_OPEN.startswith(rest):
+            return False
+        self.mode = "text"
+        return True
+
+    def _think(self, text, final):
+        return self._prose(text, final, "reasoning")
+
+    def _text(self, text, final):
+        return self._prose(text, final, "content")
+
+    def _prose(self, text, final, field):
+        match = self.marker_re.search(text, self.pos)
+        end = match.start() if match else len(text) if final else _held_start(text, self.pos, self.markers)
+        setattr(self, field, getattr(self, field) + text[self.pos:end])
+        self.pos = end
+        if not match:
+            return False
+        if match.group() == _THINK_CLOSE:        # ends reasoning; a stray one in content is dropped
+            self.pos += len(_THINK_CLOSE)
+            self.mode = "text"
+            return True
+        header = self._call_header(text, self.pos, final)
+        if header is None:                        # could still become a call: hold it back
+            return False
+        if header is False:                       # a literal <tool_call> in prose stays text
+            setattr(self, field, getattr(self, field) + match.group())
+            self.pos += len(match.group())
+            return True
+        self.pos, name, self.mode = header       # a call also ends reasoning
+        self.calls.append(_ParsedCall(name))
+        return True
+
+    def _call_header(self, text, at, final):
+        """(end, name, mode) for a confirmed call header at `at`, None while undecided, False if not a call."""
+        if not text.startswith(_CALL_OPEN, at):
+            return self._xml_header(text, at, final, bare=True)
+        j = _skip_ws(text, at + len(_CALL_OPEN))
+        if text.startswith(_FUNC_OPEN, j):
+            return self._xml_header(text, j, final, bare=False)
+        if text.startswith("{", j):
+            head = _HERMES_HEAD.match(text, j)
+            if head:
+                try:
+                    return head.end(), json.loads('"' + head.group(1) + '"'), "hermes_keys"
+                except ValueError:
+                    return False
+            return None if not final and _HERMES_HEAD_PREFIX.match(text, j) else False
+        return None if not final and (j == len(text) or _is_partial(text, j, _FUNC_OPEN)) else False
+
+    def _xml_header(self, text, at, final, bare):
+        start = at + len(_FUNC_OPEN)
+        close = text.find(">", start, start + _MAX_NAME + 1)
+        if close == -1:
+            seen = text[start:start + _MAX_NAME + 1]
+            return None if not (final or len(seen) > _MAX_NAME or "\n" in seen or "<" in seen) else False
+        name = text[start:close].strip()
+        if not name or "\n" in name or "<" in name:
+            return False
+        if bare and self.schemas and name not in self.schemas:   # a bare <function=X> only for a known tool
+            return False
+        return close + 1, name, "xml"
+
+    # Qwen XML calls: <parameter=P>\nVALUE\n</parameter> ... </function> </tool_call>.
+
+    def _xml(self, text, final):
+        call = self.calls[-1]
+        j = _skip_ws(text, self.pos)
+        if j == len(text):
+            return False
+        if text.startswith(_PARAM_OPEN, j):
+            return self._xml_parameter(text, j, final, call)
+        if text.startswith(_PARAM_CLOSE, j):                   # a duplicate </parameter>
+            self.pos = j + len(_PARAM_CLOSE)
+            return True
+        if text.startswith(_FUNC_CLOSE, j):
+            call.closed, self.pos, self.mode = True, j + len(_FUNC_CLOSE), "call_end"
+            return True
+        if text.startswith(_CALL_CLOSE, j):                    # </function> missing
+            call.closed, self.pos, self.mode = True, j + len(_CALL_CLOSE), "text"
+            return True
+        if text.startswith(_CALL_OPEN, j) or text.startswith(_FUNC_OPEN, j):   # the next call: this one ended
+            call.closed, self.pos, self.mode = True, j, "text"
+            return True
+        if not final and any(_is_partial(text, j, marker) for marker in _CALL_MARKERS):
+            self.pos = j
+            return False
+        after = text.find("<", j + 1)                           # stray text inside a call is dropped
+        self.pos = len(text) if after == -1 else after
+        return True
+
+    def _xml_parameter(self, text, j, final, call):
+        start = j + len(_PARAM_OPEN)
+        close = text.find(">", start, start + _MAX_NAME + 1)
+        if close == -1:
+            seen = text[start:start + _MAX_NAME + 1]
+            if final or len(seen) > _MAX_NAME or "\n" in seen:   # not a parameter header
+                self.pos = start
+                return True
+            self.pos = j
+            return False
+        key, start = text[start:close].strip(), close + 1
+        types = self._param_types(call.name, key)
+        end = _VALUE_END_RE.search(text, start)
+        if end:
+            call.add(key, _convert_value(_strip_format_newlines(text[start:end.start()]), types))
+            self.pos = end.end() if end.group() == _PARAM_CLOSE else end.start()
+            return True
+        value = _strip_format_newlines(text[start:_held_start(text, start, _VALUE_ENDS)])
+        if final:                                              # truncated: keep what arrived
+            call.add(key, _convert_value(value, types))
+            self.pos = len(text)
+            return True
+        if types and types[0] == "string" and key not in call.keys:   # stream a string as it grows
+            call.open_member = _member_json(key, value)[:-1]
+        self.pos = j
+        return False
+
+    def _param_types(self, function, key):
+        properties = self.schemas.get(function)
+        return _schema_types(properties[key]) if properties is not None and key in properties else None
+
+    def _call_end(self, text, final):
+        j = _skip_ws(text, self.pos)
+        if text.startswith(_CALL_CLOSE, j):
+            self.pos, self.mode = j + len(_CALL_CLOSE), "text"
+            return True
+        if j == len(text) or not final and _is_partial(text, j, _CALL_CLOSE):
+            return False
+        self.mode = "text"                                      # </tool_call> missing
+        return True
+
+    # Hermes JSON calls: {"name": ..., "arguments": {...}}, the arguments streamed member by member.
+
+    def _hermes_keys(self, text, final):
+        return self._hermes_object(text, final, inner=False)
+
+    def _hermes_args(self, text, final):
+        return self._hermes_object(text, final, inner=True)
+
+    def _hermes_object(self, text, final, inner):
+        """One member of the call object {"name", "arguments"} (outer) or of its arguments object (inner)."""
+        call = self.calls[-1]
+        j = _skip_ws(text, self.pos)
+        if j == len(text):
+            return False
+        if text[j] in ",}":
+            if text[j] == "}":
+                call.closed, self.mode = True, "hermes_keys" if inner else "call_end"
+            self.pos = j + 1
+            return True
+        member = self._json_member(text, j, final)
+        if member is None:
+            return False
+        if member is False:
+            return self._junk(call)
+        key, v = member
+        arguments = not inner and key in ("arguments", "parameters")
+        if arguments and text[v] == "{" and not call.closed:
+            self.pos, self.mode = v + 1, "hermes_args"
+            return True
+        if inner and text[v] == '"' and not _JSON_STRING.match(text, v):   # a string value still arriving: stream it
+            value = _json_string_prefix(text, v + 1)
+            if final:
+                call.add(key, value)
+                self.pos = len(text)
+                return True
+            if key not in call.keys:
+                call.open_member = _member_json(key, value)[:-1]
+            return False
+        value = self._json_value(text, v, final)
+        if value is None:
+            return False
+        if value is False:
+            return self._junk(call)
+        if inner:
+            call.add(key, value[0])
+        elif arguments and isinstance(value[0], str):                    # arguments sent as a JSON string
+            inner_value = _json_or_text(value[0])
+            for name, item in (inner_value.items() if isinstance(inner_value, dict) else ()):
+                call.add(name, item)
+        self.pos = value[1]
+        return True
+
+    def _json_member(self, text, j, final):
+        """('key', value start) for '"key" :' at j; None while incomplete, False if malformed."""
+        key = _JSON_STRING.match(text, j) if text[j] == '"' else None
+        if key is None:
+            return None if text[j] == '"' and not final else False
+        colon = _skip_ws(text, key.end())
+        if colon == len(text) or text[colon] == ":" and _skip_ws(text, colon + 1) == len(text):
+            return None if not final else False
+        if text[colon] != ":":
+            return False
+        try:
+            return _JSON_DECODER.decode(key.group()), _skip_ws(text, colon + 1)
+        except ValueError:
+            return False
+
+    def _json_value(self, text, v, final):
+        """(value, end) for the JSON value at v; None while it may still be arriving, False if malformed."""
+        try:
+            value, end = _JSON_DECODER.raw_decode(text, v)
+        except ValueError:
+            # unfinished, unless the call's closing tag has already arrived
+            return None if not final and text.find(_CALL_CLOSE, v) == -1 else False
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not final and \
+                (end == len(text) or text[end] in "0123456789.eE+-"):
+            return None                                         # a number may go on: 1 -> 12, 0 -> 0.5
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return value, end
+
+    def _junk(self, call):
+        call.closed, self.mode = True, "call_junk"
+        return True
+
+    def _call_junk(self, text, final):
+        """After malformed call JSON: drop text up to </tool_call>."""
+        end = text.find(_CALL_CLOSE, self.pos)
+        if end != -1:
+            self.pos, self.mode = end + len(_CALL_CLOSE), "text"
+            return True
+        self.pos = len(text) if final else _held_start(text, self.pos, (_CALL_CLOSE,))
+        return False
+
+
+def _json_string_prefix(text: str, start: int) -> str:
+    """The decoded part of an unterminated JSON string body text[start:], cut before an unfinished escape."""
+    body = text[start:]
+    for cut in range(len(body), max(len(body) - 7, -1), -1):
+        try:
+            value = _JSON_DECODER.decode('"' + body[:cut] + '"')
+        except ValueError:
+            continue
+        return value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value   # half a surrogate pair
+    return ""
+
+
+class ChatOutputParser:
+    """Splits one choice's generated text into reasoning_content, content and tool_calls, streaming or not.
+
+    feed(text) -> OpenAI delta fragments; finish() flushes what was held back; message() is the non-streamed
+    parse of everything fed. Text is held back only while it could still be markup (a partial <tool_call>,
+    a header not yet confirmed by <function=NAME> or {"name": ...}) or whitespace that is trimmed around
+    content. Calls in either form are recognised after <tool_call>; tool_parser ("qwen_xml" | "hermes")
+    decides whether a bare <function=NAME> (no <tool_call>, NAME a known tool) counts as a call.
+
+    >>> p = ChatOutputParser(None, "qwen_xml", in_reasoning=True)
+    >>> p.feed("Paris?\\n</think>\\n\\nIt is ") + p.feed("Paris.") + p.finish()
+    [{'reasoning_content': 'Paris?'}, {'content': 'It is'}, {'content': ' Paris.'}]
+    """
+
+    def __init__(self, tools: list[dict] | None, tool_parser: str, in_reasoning: bool, parse_tools: bool = True):
+        if tool_parser not in ("qwen_xml", "hermes"):
+            raise PocketError(f"unknown tool parser {tool_parser!r}: use qwen_xml or hermes")
+        self._options = (_tool_schemas(tools), tool_parser, in_reasoning, parse_tools)
+        self._scan = _OutputScan(*self._options)
+        self._text = ""
+        self._ids: list[str] = []
+        self._sent_reasoning = self._sent_content = ""
+        self._sent_arguments: list[str] = []
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return bool(self._scan.calls)
+
+    def feed(self, text: str) -> list[dict]:
+        self._text += text
+        self._scan.run(self._text, final=False)
+        return self._deltas()
+
+    def finish(self) -> list[dict]:
+        self._scan.run(self._text, final=True)
+        return self._deltas()
+
+    def message(self) -> dict:
+        scan = _OutputScan(*self._options)
+        scan.run(self._text, final=True)
+        calls = [{"id": self._id(i), "type": "function", "function": {"name": call.name, "arguments": call.arguments()}}
+                 for i, call in enumerate(scan.calls)]
+        content = scan.content.strip()
+        return {"content": content or (None if calls else ""), "reasoning_content": scan.reasoning.strip() or None,
+                "tool_calls": calls or None}
+
+    def _id(self, index: int) -> str:
+        while len(self._ids) <= index:
+            self._ids.append("call_" + uuid.uuid4().hex[:24])
+        return self._ids[index]
+
+    def _deltas(self) -> list[dict]:
+        """What the scan shows now minus what was already sent. Everything shown only ever grows."""
+        deltas = []
+        reasoning, content = self._scan.reasoning.strip(), self._scan.content.strip()
+        if len(reasoning) > len(self._sent_reasoning) and reasoning.startswith(self._sent_reasoning):
+            deltas.append({"reasoning_content": reasoning[len(self._sent_reasoning):]})
+            self._sent_reasoning = reasoning
+        if len(content) > len(self._sent_content) and content.startswith(self._sent_content):
+            deltas.append({"content": content[len(self._sent_content):]})
+            self._sent_content = content
+        for index, call in enumerate(self._scan.calls):
+            if index == len(self._sent_arguments):
+                deltas.append({"tool_calls": [{"index": index, "id": self._id(index), "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+                self._sent_arguments.append("")
+            arguments, sent = call.arguments(), self._sent_arguments[index]
+            if len(arguments) > len(sent) and arguments.startswith(sent):
+                deltas.append({"tool_calls": [{"index": index, "function": {"arguments": arguments[len(sent):]}}]})
+                self._sent_arguments[index] = arguments
+        return deltas
+
+
+# -----------------------------------------------------------------------------------------------
+# tool_choice by constrained decoding. A logits processor runs a small program per choice: it forces the
+# call's markup token by token and lets the model choose only where the schema leaves a choice (which
+# tool, which optional parameter, the values under masks shaped by their types), and it keeps enough of
+# max_tokens in reserve to close the call (closing reasoning early if it must).
+# -----------------------------------------------------------------------------------------------
+
+_XML_VALUE_CLOSE = "\n</parameter>\n"
+_XML_CALL_CLOSE = "</function>\n</tool_call>"
+_THINK_FORCED_CLOSE = "\n</think>"
+_HERMES_CALL_CLOSE = "}}\n</tool_call>"
+_VALUE_TOKEN_CAP = {"integer": 12, "number": 16, "string": 256, "object": 256, "array": 256}
+_NUMBER_CHARS = frozenset("0123456789.-+eE")
+_BIG_EXPONENT = re.compile(r"[eE][+-]?\d{3}")
+_EOS = -1   # an alternative of _choose that stands for "any end-of-sequence token"
+
+
+def _number_state(text: str, integer: bool):
+    """The state of a JSON-number automaton after `text` (None: not a number prefix). Complete states:
+    'zero', 'int', 'frac', 'exp_digits'."""
+    state = "start"
+    for c in text:
+        if c == "-" and state == "start":
+            state = "sign"
+        elif c.isdigit() and c.isascii():
+            if state in ("start", "sign"):
+                state = "zero" if c == "0" else "int"
+            elif state == "zero":
+                return None
+            elif state in ("int", "frac", "exp_digits"):
+                pass
+            elif state == "dot":
+                state = "frac"
+            elif state in ("exp", "exp_sign"):
+                state = "exp_digits"
+        elif c == "." and state in ("zero", "int") and not integer:
+            state = "dot"
+        elif c in "eE" and state in ("zero", "int", "frac") and not integer:
+            state = "exp"
+        elif c in "+-" and state == "exp":
+            state = "exp_sign"
+        else:
+            return None
+    return state
+
+
+class _TokenFacts:
+    """What the masks need to know about every token of a vocabulary, computed once per tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.texts = tokenizer.token_texts()
+        self.free = {   # tokens that may appear inside a string value: raw (Qwen XML) or in a JSON string (Hermes)
+            "xml": torch.tensor([bool(t) and "<" not in t for t in self.texts]),
+            "json": torch.tensor([bool(t) and "<" not in t and '"' not in t and "\\" not in t and
+                                  all(c >= " " for c in t) for t in self.texts])}
+        self.quote = [i for i, t in enumerate(self.texts) if t == '"']
+        self.numeric = [i for i, t in enumerate(self.texts) if t and set(t) <= _NUMBER_CHARS]
+        self.openers = {c: [i for i, t in enumerate(self.texts) if t.lstrip().startswith(c) and "<" not in t]
+                        for c in "{["}
+        self.close_any, self.close_lt = {}, {}   # token id -> the rest of _XML_VALUE_CLOSE after it
+        for i, t in enumerate(self.texts):
+            for skip in (0, 1):                  # the closer with or without its leading newline
+                if t and _XML_VALUE_CLOSE.startswith(t, skip):
+                    self.close_any.setdefault(i, _XML_VALUE_CLOSE[skip + len(t):])
+                    if "<" in t:
+                        self.close_lt.setdefault(i, _XML_VALUE_CLOSE[skip + len(t):])
+        self.call_open = [i for i, t in enumerate(self.texts) if t == _CALL_OPEN]
+        self._encoded: dict[str, list[int]] = {}
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def text(self, token_id: int) -> str:
+        return self.texts[token_id] if 0 <= token_id < len(self.texts) else ""
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = self._encoded[text] = self.tokenizer.encode(text)
+        return ids
+
+    def free_mask(self, kind: str, size: int, device) -> torch.Tensor:
+        """free[kind] padded (or cut) to the logits' length, on their device."""
+        mask = self._masks.get((kind, size, str(device)))
+        if mask is None:
+            mask = torch.zeros(size, dtype=torch.bool)
+            n = min(size, len(self.texts))
+            mask[:n] = self.free[kind][:n]
+            mask = self._masks[(kind, size, str(device))] = mask.to(device)
+        return mask
+
+
+_TOKEN_FACTS: dict[int, _TokenFacts] = {}
+
+
+def _token_facts(tokenizer) -> _TokenFacts:
+    facts = _TOKEN_FACTS.get(id(tokenizer))
+    if facts is None or facts.tokenizer is not tokenizer:
+        facts = _TOKEN_FACTS[id(tokenizer)] = _TokenFacts(tokenizer)
+    return facts
+
+
+@dataclass
+class _Allowed:
+    """A constraint on the next token: the string-value tokens of `free` ("xml" | "json") and/or the ids in
+    `allow`; neither = all tokens but those in `ban`."""
+    allow: list[int] | None = None
+    free: str | None = None
+    ban: list[int] = field(default_factory=list)
+
+    def apply(self, logits: torch.Tensor, facts: _TokenFacts) -> torch.Tensor:
+        if self.allow is None and not self.free:
+            out = logits.clone()
+        else:
+            out = logits.masked_fill(~facts.free_mask(self.free, logits.numel(), logits.device), float("-inf")) \
+                if self.free else torch.full_like(logits, float("-inf"))
+            ids = [i for i in self.allow or () if i < logits.numel()]
+            index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            if not self.free and not bool(torch.isfinite(logits[index]).any()):
+                return logits          # everything we allow is banned by another constraint: do not block sampling
+            out[index] = logits[index]
+        ban = [i for i in self.ban if i < logits.numel()]
+        if ban:
+            out[torch.tensor(ban, device=logits.device)] = float("-inf")
+        out[len(facts.texts):] = float("-inf")                     # padding rows of the embedding are no tokens
+        return out
+
+
+class _Deviation(Exception):
+    """The sampled token is not one the program allowed (another constraint won): stop constraining."""
+
+
+class _CallProgram:
+    """The constraint program of one choice: a generator that yields _Allowed and receives the sampled ids.
+    `used` counts the tokens generated so far."""
+
+    def __init__(self, plan: "_ToolChoicePlan"):
+        self.plan, self.facts, self.used = plan, plan.facts, 0
+        self._gen = plan.program(self)
+        self.constraint = next(self._gen)
+
+    def advance(self, token_id: int) -> None:
+        self.used += 1
+        if self._gen is None:
+            return
+        try:
+            self.constraint = self._gen.send(token_id)
+        except (StopIteration, _Deviation):
+            self._gen, self.constraint = None, None
+
+    def left(self) -> int:
+        return self.plan.max_tokens - self.used
+
+    # Building blocks, each a sub-generator.
+
+    def choose(self, alternatives: list, taken: tuple = ()):
+        """Let the model pick one alternative (texts, or _EOS), forced token by token in canonical
+        tokenization; returns its index. `taken`: its first tokens, already sampled."""
+        seqs = [[_EOS] if a is _EOS else self.facts.encode(a) for a in alternatives]
+        alive = [i for i, s in enumerate(seqs) if len(s) > len(taken) and tuple(s[:len(taken)]) == tuple(taken)]
+        depth = len(taken)
+        while True:
+            done = [i for i in alive if len(seqs[i]) == depth]
+            if done:
+                return done[0]
+            nexts = {seqs[i][depth] for i in alive}
+            allow = sorted((nexts - {_EOS}) | (set(self.plan.eos_ids) if _EOS in nexts else set()))
+            token = yield _Allowed(allow=allow)
+            if token in self.plan.eos_ids:
+                token = _EOS
+            alive = [i for i in alive if seqs[i][depth] == token]
+            if not alive:
+                raise _Deviation
+            depth += 1
+
+    def force(self, text: str):
+        if text:
+            yield from self.choose([text])
+
+    def think(self, reserve: int):
+        """Free reasoning (no end-of-sequence, no <tool_call>) until </think>, or until only `reserve`
+        tokens are left: then close it ourselves."""
+        tail, ban = "", self.plan.eos_ids + self.facts.call_open
+        while self.left() - 1 >= reserve + self.plan.cost(_THINK_FORCED_CLOSE):
+            token = yield _Allowed(ban=ban)
+            tail = (tail + self.facts.text(token))[-2 * len(_THINK_CLOSE):]
+            if _THINK_CLOSE in tail:
+                return
+        yield from self.force(_THINK_FORCED_CLOSE)
+
+    def xml_value(self, schema, reserve: int):
+        """One parameter value and its closing tag, shaped by the schema; `reserve` = tokens needed after it."""
+        kind, choices = _forced_value_shape(schema)
+        if choices is not None:
+            yield from self.choose([c + _XML_VALUE_CLOSE for c in choices])
+            return
+        text, count, close_cost = "", 0, self.plan.cost(_XML_VALUE_CLOSE) + 1
+        closers = self.facts.close_lt if kind == "string" else self.facts.close_any
+        while True:
+            done = _value_done(kind, text)
+            if count >= _VALUE_TOKEN_CAP[kind] or self.left() - 1 < reserve + close_cost:
+                fix = "0" if kind in ("integer", "number") and not text[-1:].isdigit() else ""
+                yield from self.force(fix + _XML_VALUE_CLOSE)
+                return
+            token = yield self._value_allowed(kind, text, done, closers)
+            count += 1
+            if done and token in closers:
+                yield from self.force(closers[token])
+                return
+            text += self.facts.text(token)
+
+    def _value_allowed(self, kind, text, done, closers) -> _Allowed:
+        ban = self.plan.eos_ids
+        if kind in ("integer", "number"):
+            return _Allowed(allow=self._number_tokens(kind, text) + (list(closers) if done else []), ban=ban)
+        if kind in ("object", "array"):
+            if done:
+                return _Allowed(allow=list(closers), ban=ban)
+            if not text.strip():
+                return _Allowed(allow=self.facts.openers["{" if kind == "object" else "["], ban=ban)
+        return _Allowed(free="xml", allow=list(closers) if done else [], ban=ban)
+
+    def _number_tokens(self, kind: str, text: str) -> list[int]:
+        """The tokens that keep `text` a prefix of a JSON number (of an integer), exponents under 3 digits
+        (1e999 would parse as infinity)."""
+        return [i for i in self.facts.numeric if _number_state(text + self.facts.texts[i], kind == "integer")
+                and not _BIG_EXPONENT.search(text + self.facts.texts[i])]
+
+    def json_string(self, reserve: int):
+        """A Hermes string value: "text" without quotes, backslashes, control characters or '<'."""
+        yield from self.force('"')
+        text, count = "", 0
+        while count < _VALUE_TOKEN_CAP["string"] and self.left() - 1 >= reserve + 1:
+            token = yield _Allowed(free="json", allow=self.facts.quote if text.strip() else [], ban=self.plan.eos_ids)
+            if token in self.facts.quote:
+                return
+            text, count = text + self.facts.text(token), count + 1
+        yield from self.force('"')
+
+    def json_number_then(self, kind: str, alternatives: list, reserve: int):
+        """A Hermes number value, which ends where the model starts one of `alternatives` (what may follow
+        it: a separator or the closing); returns the index of that alternative."""
+        text, count = "", 0
+        firsts = {self.facts.encode(a)[0] for a in alternatives}
+        while True:
+            done = _value_done(kind, text)
+            if count >= _VALUE_TOKEN_CAP[kind] or self.left() - 1 < reserve + 1:
+                yield from self.force("0" if not text[-1:].isdigit() else "")
+                return (yield from self.choose(alternatives))
+            allow = self._number_tokens(kind, text) + (sorted(firsts) if done else [])
+            token = yield _Allowed(allow=allow, ban=self.plan.eos_ids)
+            if done and token in firsts:
+                return (yield from self.choose(alternatives, taken=(token,)))
+            text, count = text + self.facts.text(token), count + 1
+
+
+def _forced_value_shape(schema, json_form: bool = False) -> tuple[str, list[str] | None]:
+    """(kind, choices): the value kind a forced call writes for this schema, or the fixed texts to pick from
+    (as raw text for Qwen XML, as JSON for Hermes)."""
+    schema = schema if isinstance(schema, dict) else {}
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    if values:
+        return "string", [v if isinstance(v, str) and not json_form else json.dumps(v, ensure_ascii=False)
+                          for v in values]
+    types = [t for t in _schema_types(schema) if t in ("string", "integer", "number", "boolean", "object", "array", "null")]
+    kind = next((t for t in types if t != "null"), "null" if types else "string")
+    if kind == "boolean":
+        return kind, ["true", "false"]
+    if kind == "null":
+        return kind, ["null"]
+    return kind, None
+
+
+def _value_done(kind: str, text: str) -> bool:
+    """Whether the value so far may be closed."""
+    if kind in ("integer", "number"):
+        return _number_state(text, kind == "integer") in ("zero", "int", "frac", "exp_digits")
+    if kind in ("object", "array"):
+        return _as_type(text, kind)[0]
+    return bool(text.strip())
+
+
+class _ToolChoicePlan:
+    """Everything a program needs that is shared by the choices of one request."""
+
+    def __init__(self, facts, functions, mode, names=(), parallel=False, in_reasoning=False, max_tokens=0,
+                 eos_ids=(), tool_parser="qwen_xml"):
+        self.facts, self.functions, self.mode, self.names, self.parallel = facts, functions, mode, list(names), parallel
+        self.in_reasoning, self.max_tokens, self.eos_ids = in_reasoning, max_tokens, list(eos_ids)
+        self.tool_parser = tool_parser
+
+    def program(self, run: _CallProgram):
+        return {"force": self._forced_calls, "one_call": self._one_call, "no_call": self._no_call}[self.mode](run)
+
+    def cost(self, text: str) -> int:
+        """Tokens `text` takes in canonical tokenization (what the programs force)."""
+        return len(self.facts.encode(text))
+
+    def header(self, lead: str, name: str) -> str:
+        if self.tool_parser == "hermes":
+            return f'{lead}<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
+        return f"{lead}<tool_call>\n<function={name}>\n"
+
+    def call_cost(self, lead: str, name: str) -> int:
+        """Tokens the smallest call to `name` takes, the end-of-sequence token included."""
+        return self.cost(self.header(lead, name)) + self.min_arguments_cost(name) + 1
+
+    def min_arguments_cost(self, name, params=None) -> int:
+        """Tokens the smallest valid arguments of `name` take (its required parameters), closers included."""
+        properties, required = self.functions[name]
+        hermes = self.tool_parser == "hermes"
+        total = self.cost(_HERMES_CALL_CLOSE if hermes else _XML_CALL_CLOSE)
+        for p in required if params is None else params:
+            kind, choices = _forced_value_shape(properties.get(p), json_form=hermes)
+            if hermes:
+                value = max(map(self.cost, choices)) if choices else 3 + self.cost("{}")
+                total += self.cost(", " + json.dumps(p, ensure_ascii=False) + ": ") + value
+            else:
+                value = max(self.cost(c + _XML_VALUE_CLOSE) for c in choices) if choices else \
+                    2 + self.cost(_XML_VALUE_CLOSE)
+                total += self.cost(f"<parameter={p}>\n") + value
+        return total
+
+    def _forced_calls(self, run: _CallProgram):
+        """tool_choice required / named: [reasoning] <tool_call> <function=NAME> parameters </function> </tool_call>,
+        then (required with parallel calls) another call or the end."""
+        lead = ""
+        if self.in_reasoning:
+            yield from run.think(max(self.call_cost("\n\n", n) for n in self.names))
+            lead = "\n\n"
+        names = [n for n in self.names if self.call_cost(lead, n) <= run.left()] or self.names
+        name = names[(yield from run.choose([self.header(lead, n) for n in names]))]
+        while True:
+            yield from (self._hermes_arguments if self.tool_parser == "hermes" else self._xml_arguments)(run, name)
+            names = [n for n in self.names if self.call_cost("\n", n) <= run.left() - 1] if self.parallel else []
+            if not names:
+                break
+            choice = yield from run.choose([_EOS] + [self.header("\n", n) for n in names])
+            if choice == 0:
+                break
+            name = names[choice - 1]
+        while True:
+            yield _Allowed(allow=self.eos_ids)
+
+    def _xml_arguments(self, run, name):
+        properties, required = self.functions[name]
+        for i, p in enumerate(required):
+            yield from run.force(f"<parameter={p}>\n")
+            yield from run.xml_value(properties.get(p), self.min_arguments_cost(name, required[i + 1:]) + 1)
+        optional = [p for p in properties if p not in required]
+        while optional:
+            closing = self.cost(_XML_CALL_CLOSE) + 1
+            fits = [p for p in optional if self.min_arguments_cost(name, [p]) + closing <= run.left()]
+            choice = yield from run.choose([_XML_CALL_CLOSE] + [f"<parameter={p}>\n" for p in fits])
+            if choice == 0:
+                return
+            p = fits[choice - 1]
+            optional.remove(p)
+            yield from run.xml_value(properties.get(p), closing)
+        yield from run.force(_XML_CALL_CLOSE)
+
+    def _hermes_arguments(self, run, name):
+        """The arguments object after '"arguments": {': required members first, then optional ones while they
+        fit, then '}}' and </tool_call>. A number has no closing mark: it ends where the next separator starts."""
+        properties, required = self.functions[name]
+        todo, optional = list(required), [p for p in properties if p not in required]
+        separator, number = "", None
+        while True:
+            key = lambda p: separator + json.dumps(p, ensure_ascii=False) + ": "   # noqa: E731
+            closing = self.cost(_HERMES_CALL_CLOSE) + 1
+            if todo:
+                candidates = todo[:1]
+                alternatives = [key(todo[0])]
+                reserve = self.min_arguments_cost(name, todo) + 1
+            else:
+                candidates = [p for p in optional if self.min_arguments_cost(name, [p]) + closing + 2 <= run.left()]
+                alternatives = [_HERMES_CALL_CLOSE] + [key(p) for p in candidates]
+                reserve = closing
+            choice = yield from (run.json_number_then(number, alternatives, reserve) if number
+                                 else run.choose(alternatives))
+            if not todo and choice == 0:
+                return
+            p = candidates[choice - (0 if todo else 1)]
+            (todo if todo else optional).remove(p)
+            kind, choices = _forced_value_shape(properties.get(p), json_form=True)
+            rest = self.min_arguments_cost(name, todo) + 1
+            number = None
+            if choices:
+                yield from run.choose(choices)
+            elif kind == "string":
+                yield from run.json_string(rest)
+            elif kind in ("integer", "number"):
+                number = kind                       # written with the next separator
+            else:
+                yield from run.force("{}" if kind == "object" else "[]")
+            separator = ", "
+
+    def _one_call(self, run: _CallProgram):
+        """parallel_tool_calls=false under auto: free text until the first call closes, then the end."""
+        tools = [{"type": "function", "function": {"name": name}} for name in self.functions]
+        parser = ChatOutputParser(tools, self.tool_parser, self.in_reasoning)   # reads the text as the server will
+        while True:
+            scan = parser._scan
+            if scan.calls and scan.calls[-1].closed:
+                if scan.mode in ("start", "think", "text"):
+                    break
+                token = yield _Allowed(ban=self.facts.call_open)   # let </tool_call> come, but no second call
+            else:
+                token = yield _Allowed()
+            parser.feed(self.facts.text(token))
+        while True:
+            yield _Allowed(allow=self.eos_ids)
+
+    def _no_call(self, run: _CallProgram):
+        """tool_choice none: the model may not open a call."""
+        while True:
+            yield _Allowed(ban=self.facts.call_open)
+
+
+class _ToolChoiceProcessor:
+    """The SamplingParams.logits_processors entry. It is called with each choice's generated ids; programs
+    are kept per choice, keyed by (length, last 16 ids), and rebuilt by replay when a key is unknown."""
+
+    def __init__(self, plan: _ToolChoicePlan):
+        self.plan = plan
+        self._programs: dict[tuple, _CallProgram] = {}
+
+    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        program = self._program(token_ids)
+        if program.constraint is None:
+            return logits
+        return program.constraint.apply(logits, self.plan.facts)
+
+    def _program(self, ids: list[int]) -> _CallProgram:
+        key = (len(ids), tuple(ids[-16:]))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs.pop((len(ids) - 1, tuple(ids[-17:-1])), None) if ids else None
+            if program is not None:
+                program.advance(ids[-1])
+            else:                          # first call for this choice, or choices that shared a prefix split
+                program = _CallProgram(self.plan)
+                for token in ids:
+                    program.advance(token)
+            self._programs[key] = program
+        return program
+
+
+def _resolve_tool_choice(tool_choice, names: list[str]):
+    """tool_choice -> "none" | "auto" | "required" | a function name. RequestError(param="tool_choice")."""
+    if tool_choice is None:
+        return "auto" if names else "none"
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise RequestError(f"tool_choice must be \"none\", \"auto\", \"required\" or "
+                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {tool_choice!r}",
+                               param="tool_choice")
+        if tool_choice == "required" and not names:
+            raise RequestError("tool_choice \"required\" needs a non-empty tools list", param="tool_choice")
+        return tool_choice
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise RequestError("tool_choice object must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           param="tool_choice")
+    if name not in names:
+        raise RequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+    return name
+
+
+def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, parallel_tool_calls: bool,
+                          in_reasoning: bool, max_tokens: int, *, eos_token_ids=None) -> Callable | None:
+    """A SamplingParams.logits_processors entry enforcing tool_choice and parallel_tool_calls, or None.
+
+    - "required" / {"type": "function", "function": {"name": X}}: the answer is a complete call (to X),
+      closed before max_tokens; with reasoning on, the model reasons first and </think> is forced when the
+      budget left is what the call needs. Required parameters come first in schema order, then the model may
+      add optional ones or close. RequestError(param="max_tokens") when even the smallest call cannot fit.
+    - parallel_tool_calls=false: "required" forces one call; "auto" ends the answer once a call has closed.
+    - "none": the <tool_call> token is banned.
+    The call is written in the form of `tool_parser` ("qwen_xml" or "hermes"). eos_token_ids: the ids that end the answer (default: the tokenizer's eos and
+    <|im_end|>). The processor receives each choice's generated ids (not the prompt), as the engine passes.
+    """
+    if tool_parser not in ("qwen_xml", "hermes"):
+        raise PocketError(f"unknown tool parser {tool_parser!r}: use qwen_xml or hermes")
+    functions = _forced_functions(tools)
+    choice = _resolve_tool_choice(tool_choice, list(functions))
+    if choice == "auto" and parallel_tool_calls is not False:
+        return None
+    eos_ids = list(eos_token_ids or [i for i in (tokenizer.token_to_id(t) for t in (tokenizer.eos_token, "<|im_end|>"))
+                                     if i is not None])
+    facts = _token_facts(tokenizer)
+    if choice == "none":
+        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "no_call")) if facts.call_open else None
+    if choice == "auto":
+        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "one_call", in_reasoning=in_reasoning,
+                                                    max_tokens=max_tokens, eos_ids=eos_ids, tool_parser=tool_parser))
+    names = list(functions) if choice == "required" else [choice]
+    plan = _ToolChoicePlan(facts, functions, "force", names, parallel=bool(parallel_tool_calls) and choice == "required",
+                           in_reasoning=in_reasoning, max_tokens=max_tokens, eos_ids=eos_ids, tool_parser=tool_parser)
+    smallest = min(plan.call_cost("\n\n" if in_reasoning else "", n) for n in names)
+    smallest += plan.cost(_THINK_FORCED_CLOSE) if in_reasoning else 0
+    if max_tokens < smallest:
+        raise RequestError(f"max_tokens {max_tokens} is too small for the call tool_choice requires "
+                           f"(at least {smallest} tokens)", param="max_tokens")
+    return _ToolChoiceProcessor(plan)
+
+
+def _forced_functions(tools) -> dict[str, tuple[dict, list[str]]]:
+    """name -> (properties, required parameters in schema order, then any required ones not described)."""
+    functions = {}
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            parameters = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
+            properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+            required = [p for p in parameters.get("required") or [] if isinstance(p, str)]
+            ordered = [p for p in properties if p in required] + [p for p in required if p not in properties]
+            functions[function["name"]] = (properties, list(dict.fromkeys(ordered)))
+    return functions
 
 
 # ===== SECTION 12-13: OpenAI protocol and HTTP server (owner: server) =====
+
+import select
+import urllib.parse
+
+# -----------------------------------------------------------------------------------------------
+# 12. The OpenAI protocol: request bodies checked field by field into SamplingParams and prompt ids,
+#     engine events shaped into OpenAI responses and stream chunks. No sockets here.
+# -----------------------------------------------------------------------------------------------
+
+SYSTEM_FINGERPRINT = f"pocketllm-{__version__}"
+MAX_N = 16                     # choices per request
+MAX_STOP = 16                  # stop strings per request
+MAX_TOP_LOGPROBS = 20          # alternatives per token (OpenAI's chat limit)
+LOGPROB_FLOOR = -9999.0        # JSON has no -inf: a masked token reports this instead
+
+# The fields each endpoint knows; any other field is refused as unknown (a typo such as `temprature`).
+# Accepted and ignored because they cannot change the answer (bookkeeping on OpenAI's side).
+NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                    "prompt_cache_retention", "safety_identifier"}
+# OpenAI fields we do not implement: accepted only at the values that leave the answer unchanged.
+CHAT_DEFAULT_ONLY = {"audio": [None], "modalities": [None, ["text"]], "prediction": [None],
+                     "functions": [None, []], "function_call": [None, "none", "auto"],
+                     "web_search_options": [None], "verbosity": [None]}
+COMPLETION_DEFAULT_ONLY = {"echo": [None, False], "suffix": [None, ""]}      # best_of is checked against n
+SAMPLING_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed",
+                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+                   "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos"}
+CHAT_FIELDS = (SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(CHAT_DEFAULT_ONLY) |
+               {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "reasoning_effort",
+                "parallel_tool_calls", "response_format", "chat_template_kwargs", "add_generation_prompt",
+                "continue_final_message"})
+COMPLETION_FIELDS = SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(COMPLETION_DEFAULT_ONLY) | {"prompt", "best_of"}
+
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Keys a message may carry. The null-only ones appear when a client replays an SDK message object as a dict.
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+MESSAGE_NULL_ONLY_KEYS = {"refusal", "annotations", "audio", "function_call", "reasoning"}
+RENDER_ARGUMENTS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+# The field readers: each checks one JSON value's type and range and names it in the error.
+
+def _json_type(value) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _check_type(value, kind: type, param: str):
+    """value as `kind` (bool, int, float, str, list, dict); an int is a valid float, a bool is neither."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+        raise RequestError(f"'{param}' must be {_json_type(kind())}, got {_json_type(value)}", param=param)
+    if kind is float and not math.isfinite(value):
+        raise RequestError(f"'{param}' must be a finite number", param=param)
+    return value
+
+
+def _field(body: dict, name: str, kind: type, default=None, lo=None, hi=None, param: str | None = None):
+    """body[name] checked for type and inclusive range [lo, hi]; absent or null -> default."""
+    raw = body.get(name)
+    if raw is None:
+        return default
+    param = param or name
+    value = _check_type(raw, kind, param)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"'{param}' must be between {lo} and {hi}, got {raw}", param=param)
+    return value
+
+
+def _check_fields(body: dict, known: set[str], default_only: dict[str, list]) -> None:
+    """Refuse unknown fields (typos) and unimplemented fields set to a value that would change the answer."""
+    for name in body:
+        if name not in known:
+            raise RequestError(f"unknown field '{name}'", param=name, code="unknown_field")
+    for name, allowed in default_only.items():
+        if name in body and body[name] not in allowed:
+            raise RequestError(f"'{name}' is not supported by this server (accepted only as "
+                               f"{' or '.join(json.dumps(a) for a in allowed)})", param=name, code="unsupported_field")
+
+
+def _check_model(llm, body: dict) -> None:
+    model = _field(body, "model", str)
+    if model is not None and model != llm.model_name:
+        raise RequestError(f"model '{model}' does not exist; this server serves '{llm.model_name}'",
+                           param="model", status=404, code="model_not_found")
+
+
+def _token_id(value, param: str, vocab_size: int) -> int:
+    value = _check_type(value, int, param)
+    if not 0 <= value < vocab_size:
+        raise RequestError(f"'{param}' must be a token id between 0 and {vocab_size - 1}, got {value}", param=param)
+    return value
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else _check_type(stop, list, "stop")
+    if len(stop) > MAX_STOP:
+        raise RequestError(f"'stop' holds at most {MAX_STOP} strings, got {len(stop)}", param="stop")
+    for s in stop:
+        if not _check_type(s, str, "stop"):
+            raise RequestError("'stop' strings must not be empty", param="stop")
+    return stop
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    bias = _field(body, "logit_bias", dict, {})
+    out = {}
+    for key in bias:
+        if not re.fullmatch(r"\d+", key):
+            raise RequestError(f"'logit_bias' keys must be token ids as strings, got {key!r}", param="logit_bias")
+        out[_token_id(int(key), "logit_bias", vocab_size)] = _field(bias, key, float, lo=-100, hi=100,
+                                                                    param="logit_bias")
+    return out
+
+
+def _request_sampling_params(llm, body: dict, prompt_len: int, max_tokens_field: str | None) -> SamplingParams:
+    """The sampling fields common to both endpoints, range-checked, with max_tokens resolved."""
+    vocab = llm.config.vocab_size
+    room = llm.options.max_context - prompt_len
+    if room <= 0:
+        raise RequestError(f"the prompt is {prompt_len} tokens; the context holds {llm.options.max_context}",
+                           param="messages" if "messages" in body else "prompt", code="context_length_exceeded")
+    max_tokens = room
+    if max_tokens_field is not None:
+        max_tokens = _field(body, max_tokens_field, int, lo=1)
+    n = _field(body, "n", int, 1, lo=1, hi=MAX_N)
+    top_k = _field(body, "top_k", int, 0, lo=-1)
+    top_p = _field(body, "top_p", float, 1.0, lo=0, hi=1)
+    if top_p == 0:
+        raise RequestError("'top_p' must be greater than 0 and at most 1, got 0", param="top_p")
+    repetition_penalty = _field(body, "repetition_penalty", float, 1.0, lo=0, hi=10)
+    if repetition_penalty == 0:
+        raise RequestError("'repetition_penalty' must be greater than 0 and at most 10, got 0",
+                           param="repetition_penalty")
+    min_tokens = _field(body, "min_tokens", int, 0, lo=0)
+    if min_tokens > max_tokens:
+        raise RequestError(f"'min_tokens' ({min_tokens}) must not exceed the max tokens ({max_tokens})",
+                           param="min_tokens")
+    return SamplingParams(
+        max_tokens=max_tokens, n=n, top_k=0 if top_k == -1 else top_k, top_p=top_p,
+        temperature=_field(body, "temperature", float, 1.0, lo=0, hi=2),
+        min_p=_field(body, "min_p", float, 0.0, lo=0, hi=1),
+        seed=_field(body, "seed", int, lo=-2 ** 63, hi=2 ** 64 - 1),
+        presence_penalty=_field(body, "presence_penalty", float, 0.0, lo=-2, hi=2),
+        frequency_penalty=_field(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
+        repetition_penalty=repetition_penalty, logit_bias=_logit_bias(body, vocab), min_tokens=min_tokens,
+        stop=_stop_strings(body),
+        stop_token_ids=[_token_id(t, "stop_token_ids", vocab)
+                        for t in _field(body, "stop_token_ids", list, [])],
+        ignore_eos=_field(body, "ignore_eos", bool, False))
+
+
+def _max_tokens_field(body: dict, names: tuple[str, ...]) -> str | None:
+    """Which of the max-tokens fields the client set (both set to different values is an error)."""
+    given = [name for name in names if body.get(name) is not None]
+    if len(given) == 2 and body[given[0]] != body[given[1]]:
+        raise RequestError(f"'{given[0]}' and '{given[1]}' disagree; send one of them", param=given[0])
+    return given[0] if given else None
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    """include_usage; stream_options is only meaningful on a stream."""
+    options = _field(body, "stream_options", dict)
+    if options is None:
+        return False
+    if not stream:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    for key in options:
+        if key not in ("include_usage", "include_obfuscation"):      # obfuscation: we never pad chunks
+            raise RequestError(f"unknown field 'stream_options.{key}'", param=f"stream_options.{key}")
+    _field(options, "include_obfuscation", bool, param="stream_options.include_obfuscation")
+    return _field(options, "include_usage", bool, False, param="stream_options.include_usage")
+
+
+def _check_alive(llm) -> None:
+    if getattr(llm, "dead_reason", None):
+        raise RequestError(f"the engine is down: {llm.dead_reason}", status=503, code="engine_dead")
+
+
+def _as_sent(error: RequestError, body: dict, max_tokens_field: str | None) -> RequestError:
+    """An engine-side error renamed to the field this client actually sent (max_completion_tokens, messages)."""
+    if error.param == "max_tokens" and max_tokens_field:
+        error.param = max_tokens_field
+    elif error.param in ("messages", "prompt", "max_tokens"):       # max_tokens unsent: the prompt is too long
+        error.param = "messages" if "messages" in body else "prompt"
+    return error
+
+
+def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None):
+    _check_alive(llm)
+    try:
+        return llm.submit(prompt_ids, params)
+    except RequestError as e:
+        raise _as_sent(e, body, max_tokens_field) from None
+
+
+# Chat requests: messages and tools checked, the template rendered on a converted copy.
+
+def _check_content(content, param: str, role: str) -> None:
+    if content is None:
+        if role != "assistant":
+            raise RequestError(f"'{param}' must not be null for a {role} message", param=param)
+        return
+    if isinstance(content, str):
+        return
+    for j, part in enumerate(_check_type(content, list, param)):
+        part = _check_type(part, dict, f"{param}[{j}]")
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f"'{param}[{j}]': only text content parts are supported "
+                               f"(got type {part.get('type')!r})", param=f"{param}[{j}]")
+
+
+def _check_tool_calls(calls, param: str) -> None:
+    for j, call in enumerate(_check_type(calls, list, param)):
+        where = f"{param}[{j}]"
+        call = _check_type(call, dict, where)
+        if call.get("type", "function") != "function":
+            raise RequestError(f"'{where}.type' must be \"function\"", param=f"{where}.type")
+        function = _check_type(call.get("function"), dict, f"{where}.function")
+        _check_type(function.get("name"), str, f"{where}.function.name")
+        if not isinstance(function.get("arguments"), (str, dict)):
+            raise RequestError(f"'{where}.function.arguments' must be a JSON string",
+                               param=f"{where}.function.arguments")
+
+
+def _check_messages(messages) -> list[dict]:
+    messages = _check_type(messages, list, "messages")
+    if not messages:
+        raise RequestError("'messages' must not be empty", param="messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        message = _check_type(message, dict, where)
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            raise RequestError(f"'{where}.role' must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}",
+                               param=f"{where}.role")
+        for key, value in message.items():
+            if key not in MESSAGE_KEYS and not (key in MESSAGE_NULL_ONLY_KEYS and value in (None, [])):
+                raise RequestError(f"'{where}.{key}' is not supported", param=f"{where}.{key}")
+        _check_content(message.get("content"), f"{where}.content", role)
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            _field(message, key, str, param=f"{where}.{key}")
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise RequestError(f"'{where}.tool_calls' is only allowed on assistant messages",
+                                   param=f"{where}.tool_calls")
+            _check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    return messages
+
+
+def _check_tools(body: dict) -> list[dict] | None:
+    tools = _field(body, "tools", list)
+    if not tools:
+        return None
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        tool = _check_type(tool, dict, where)
+        if tool.get("type") != "function":
+            raise RequestError(f"'{where}.type' must be \"function\" (only function tools are supported)",
+                               param=f"{where}.type")
+        for key in tool:
+            if key not in ("type", "function"):
+                raise RequestError(f"'{where}.{key}' is not supported", param=f"{where}.{key}")
+        function = _check_type(tool.get("function"), dict, f"{where}.function")
+        for key in function:
+            if key not in ("name", "description", "parameters", "strict"):
+                raise RequestError(f"'{where}.function.{key}' is not supported", param=f"{where}.function.{key}")
+        name = _check_type(function.get("name"), str, f"{where}.function.name")
+        if not name or name in names:
+            raise RequestError(f"'{where}.function.name' must be a unique non-empty name",
+                               param=f"{where}.function.name")
+        names.add(name)
+        _field(function, "description", str, param=f"{where}.function.description")
+        _field(function, "parameters", dict, param=f"{where}.function.parameters")
+        _field(function, "strict", bool, param=f"{where}.function.strict")
+    return tools
+
+
+def _check_tool_choice(body: dict, tools: list[dict] | None):
+    """'none' | 'auto' | 'required' | {"type": "function", "function": {"name": X}}."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise RequestError(f"'tool_choice' must be none, auto, required or a function, got {choice!r}",
+                               param="tool_choice")
+    else:
+        choice = _check_type(choice, dict, "tool_choice")
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or \
+                not isinstance(function.get("name"), str):
+            raise RequestError('\'tool_choice\' object must be {"type": "function", "function": {"name": ...}}',
+                               param="tool_choice")
+        if function["name"] not in {t["function"]["name"] for t in tools or []}:
+            raise RequestError(f"'tool_choice' names '{function['name']}', which is not in 'tools'",
+                               param="tool_choice")
+    if choice != "none" and not tools:
+        raise RequestError(f"'tool_choice' {json.dumps(choice)} needs 'tools'", param="tool_choice")
+    return choice
+
+
+def _check_response_format(body: dict) -> None:
+    fmt = _field(body, "response_format", dict)
+    if fmt is not None and fmt.get("type") != "text":
+        raise RequestError(f"'response_format' type {fmt.get('type')!r} is not supported yet; only \"text\"",
+                           param="response_format", code="unsupported_field")
+
+
+def _chat_template(llm):
+    """The llm's chat template, loaded on first use (run_server may have set an override)."""
+    template = getattr(llm, "chat_template", None)
+    if template is None:
+        template = llm.chat_template = load_chat_template(llm.tokenizer)
+    if template is None:
+        raise RequestError("this checkpoint has no chat template; start the server with --chat-template FILE "
+                           "or use /v1/completions", param="messages")
+    return template
+
+
+def _reasoning_effort(llm, effort: str) -> str:
+    """OpenAI's reasoning_effort, honoured by templates that read it (newer Qwen templates do), else refused."""
+    if effort not in REASONING_EFFORTS:
+        raise RequestError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                           param="reasoning_effort")
+    if "reasoning_effort" not in "".join(getattr(_chat_template(llm), "sources", {}).values()):
+        raise RequestError("'reasoning_effort' is not supported: this model's chat template does not read it",
+                           param="reasoning_effort", code="unsupported_field")
+    return effort
+
+
+def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
+    """The prompt text for a chat body: the template rendered on a converted copy of the messages."""
+    messages = _check_messages(body.get("messages"))
+    template_kwargs = _field(body, "chat_template_kwargs", dict, {})
+    for key in template_kwargs:
+        if key in RENDER_ARGUMENTS:
+            raise RequestError(f"'chat_template_kwargs.{key}' must be given as a top-level field",
+                               param="chat_template_kwargs")
+    continue_final = _field(body, "continue_final_message", bool, False)
+    add_generation_prompt = _field(body, "add_generation_prompt", bool, not continue_final)
+    if continue_final and (add_generation_prompt or messages[-1]["role"] != "assistant"):
+        raise RequestError("'continue_final_message' needs a final assistant message and "
+                           "'add_generation_prompt' false", param="continue_final_message")
+    effort = _field(body, "reasoning_effort", str)
+    if effort is not None:
+        template_kwargs = {**template_kwargs, "reasoning_effort": _reasoning_effort(llm, effort)}
+    copy = messages_for_template(messages)
+    for message in copy:                     # OpenAI's developer role is the system role of older templates
+        if message["role"] == "developer":
+            message["role"] = "system"
+    return _chat_template(llm).render(copy, tools=tools, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final, **template_kwargs)
+
+
+# The response shapes: logprobs in both formats, usage.
+
+def _logprob(value: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(value) else max(value, LOGPROB_FLOOR)
+
+
+def _chat_logprobs(logprobs: list) -> list[dict]:
+    return [{"token": lp.token, "logprob": _logprob(lp.logprob), "bytes": lp.bytes,
+             "top_logprobs": [{"token": t, "logprob": _logprob(v), "bytes": b} for _, t, b, v in lp.top]}
+            for lp in logprobs]
+
+
+def _completion_logprobs(logprobs: list, text_offset: int) -> dict:
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{t: _logprob(v) for _, t, _, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, a sum and a count, thread-safe."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts = buckets, [0] * (len(buckets) + 1)
+        self.sum, self.lock = 0.0, threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self.lock:
+            self.counts[next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))] += 1
+            self.sum += value
+
+    def lines(self, name: str) -> list[str]:
+        with self.lock:
+            counts, total = list(itertools.accumulate(self.counts)), self.sum
+        edges = [repr(b) for b in self.buckets] + ["+Inf"]
+        return ([f'{name}_bucket{{le="{e}"}} {c}' for e, c in zip(edges, counts)] +
+                [f"{name}_sum {total}", f"{name}_count {counts[-1]}"])
+
+
+class ServerMetrics:
+    """What /metrics reports beyond llm.stats(): responses by endpoint and status, latency histograms."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.responses: dict[tuple[str, int], int] = {}
+        self.time_to_first_token = Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.inter_token_latency = Histogram((0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1, 2.5))
+
+    def count(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.responses[endpoint, status] = self.responses.get((endpoint, status), 0) + 1
+
+
+# A submitted request: its engine stream plus what shapes the answer, consumed once as chunks or a response.
+
+class Completion:
+    """One validated, submitted request. `chunks()` streams it, `response()` waits for it; `abort()` cancels."""
+
+    def __init__(self, llm, stream, kind: str, stream_mode: bool, include_usage: bool, logprobs: int | None,
+                 parsers: list | None = None, metrics: ServerMetrics | None = None):
+        self.llm, self.stream, self.kind, self.stream_mode = llm, stream, kind, stream_mode
+        self.include_usage, self.logprobs, self.parsers, self.metrics = include_usage, logprobs, parsers, metrics
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+        self.created, self.submitted = int(time.time()), time.monotonic()
+        self.completion_tokens = 0
+        self.text_offsets: dict[int, int] = {}     # choice -> characters of logprob tokens streamed so far
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    def events(self) -> Iterator:
+        """The engine's events, timed for the latency histograms; an engine-side abort is an error."""
+        last: dict[int, float] = {}
+        for event in self._engine_events():
+            now = time.monotonic()
+            if event.token_ids:
+                self.completion_tokens += len(event.token_ids)
+                if self.metrics:
+                    if not last:
+                        self.metrics.time_to_first_token.observe(now - self.submitted)
+                    elif event.index in last:
+                        self.metrics.inter_token_latency.observe((now - last[event.index]) / len(event.token_ids))
+                last[event.index] = now
+            if event.finish_reason == "abort":             # we aborted it (client gone) or the engine died
+                _check_alive(self.llm)
+                raise RequestError("the request was aborted", status=503, code="aborted")
+            yield event
+
+    def _engine_events(self) -> Iterator:
+        """The stream's events; a fatal engine error while waiting becomes a 503."""
+        try:
+            yield from self.stream
+        except RequestError:
+            raise
+        except PocketError as e:
+            _check_alive(self.llm)
+            raise RequestError(str(e), status=503, code="engine_dead") from None
+
+    def _finish_reason(self, index: int, reason: str) -> str:
+        if self.parsers and self.parsers[index].has_tool_calls and reason == "stop":
+            return "tool_calls"
+        return reason
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": self.object + (".chunk" if self.kind == "chat" and self.stream_mode else ""),
+                "created": self.created, "model": self.llm.model_name, "system_fingerprint": SYSTEM_FINGERPRINT,
+                "choices": choices}
+
+    def _usage(self) -> dict:
+        return _usage(self.stream.prompt_tokens, self.completion_tokens)
+
+    def chunks(self) -> Iterator[dict]:
+        """OpenAI stream chunks; closing the iterator early aborts the request."""
+        n = len(self.parsers) if self.parsers is not None else None
+        try:
+            pending = {}                      # choice -> logprobs not yet attached to a chunk
+            if self.kind == "chat":
+                for i in range(n):
+                    yield self._chunk(i, {"role": "assistant", "content": ""})
+            for event in self.events():
+                i = event.index
+                if self.logprobs is not None and event.logprobs:
+                    pending.setdefault(i, []).extend(event.logprobs)
+                if self.kind == "chat":
+                    deltas = self.parsers[i].feed(event.text) if event.text else []
+                    if event.finish_reason:
+                        deltas += self.parsers[i].finish()
+                    for delta in deltas:
+                        yield self._chunk(i, delta, pending.pop(i, None))
+                elif event.text:
+                    yield self._chunk(i, event.text, pending.pop(i, None))
+                if event.finish_reason:
+                    yield self._chunk(i, {} if self.kind == "chat" else "", pending.pop(i, None),
+                                      self._finish_reason(i, event.finish_reason), event.stop_reason)
+            if self.include_usage:
+                yield {**self._envelope([]), "usage": self._usage()}
+        finally:
+            self.abort()                      # a no-op once finished; frees the request if the client left
+
+    def _chunk(self, index: int, delta, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
+        choice = {"index": index}
+        if self.kind == "chat":
+            choice.update(delta=delta, logprobs={"content": _chat_logprobs(logprobs)} if logprobs else None)
+        elif logprobs:
+            start = self.text_offsets.get(index, 0)
+            self.text_offsets[index] = start + sum(len(lp.token) for lp in logprobs)
+            choice.update(text=delta, logprobs=_completion_logprobs(logprobs, start))
+        else:
+            choice.update(text=delta, logprobs=None)
+        choice.update(finish_reason=finish_reason)
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        chunk = self._envelope([choice])
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def response(self) -> dict:
+        """The whole answer, once every choice has finished."""
+        texts, logprobs, finish = {}, {}, {}
+        try:
+            for event in self.events():
+                texts[event.index] = texts.get(event.index, "") + event.text
+                logprobs.setdefault(event.index, []).extend(event.logprobs or [])
+                if event.finish_reason:
+                    finish[event.index] = (event.finish_reason, event.stop_reason)
+        finally:
+            self.abort()
+        choices = []
+        for i in sorted(finish):
+            reason, stop_reason = finish[i]
+            choice = {"index": i}
+            if self.kind == "chat":
+                parser = self.parsers[i]
+                parser.feed(texts.get(i, ""))
+                parser.finish()
+                message = {"role": "assistant", **{k: v for k, v in parser.message().items()
+                                                    if k == "content" or v is not None}}
+                choice.update(message=message, logprobs={"content": _chat_logprobs(logprobs[i])}
+                              if self.logprobs is not None else None)
+            else:
+                choice.update(text=texts.get(i, ""), logprobs=_completion_logprobs(logprobs[i], 0)
+                              if self.logprobs is not None else None)
+            choice.update(finish_reason=self._finish_reason(i, reason), stop_reason=stop_reason)
+            choices.append(choice)
+        return {**self._envelope(choices), "usage": self._usage()}
+
+
+def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
+    """Validate a /v1/chat/completions body, render the prompt and submit it."""
+    body = _check_type(body, dict, "body")
+    _check_fields(body, CHAT_FIELDS, CHAT_DEFAULT_ONLY)
+    _check_model(llm, body)
+    stream = _field(body, "stream", bool, False)
+    include_usage = _stream_options(body, stream)
+    tools = _check_tools(body)
+    tool_choice = _check_tool_choice(body, tools)
+    parallel_tool_calls = _field(body, "parallel_tool_calls", bool, True)
+    _check_response_format(body)
+    want_logprobs = _field(body, "logprobs", bool, False)
+    top_logprobs = _field(body, "top_logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not want_logprobs:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    prompt_text = render_chat_prompt(llm, body, tools)
+    prompt_ids = llm.tokenizer.encode(prompt_text)
+    max_tokens_field = _max_tokens_field(body, ("max_completion_tokens", "max_tokens"))
+    params = _request_sampling_params(llm, body, len(prompt_ids), max_tokens_field)
+    params.logprobs = (top_logprobs or 0) if want_logprobs else None
+    template = _chat_template(llm)
+    in_reasoning = prompt_ends_in_reasoning(prompt_text)
+    if tools:                             # enforces required / named / parallel_tool_calls=false, bans calls for none
+        try:
+            processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
+                                              parallel_tool_calls, in_reasoning, params.max_tokens,
+                                              eos_token_ids=llm.eos_token_ids)
+        except RequestError as e:
+            raise _as_sent(e, body, max_tokens_field) from None
+        if processor is not None:
+            params.logits_processors = [*params.logits_processors, processor]
+    parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
+               for _ in range(params.n)]
+    return Completion(llm, _submit(llm, prompt_ids, params, body, max_tokens_field), "chat", stream,
+                      include_usage, params.logprobs, parsers, metrics)
+
+
+def _prompt_ids(llm, prompt) -> list[int]:
+    """A completions prompt: a string or token ids, alone or as a one-element batch."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = llm.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = [_token_id(t, "prompt", llm.config.vocab_size) for t in prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError("'prompt' batches of more than one prompt are not supported; send one request each",
+                           param="prompt", code="unsupported_field")
+    else:
+        raise RequestError(f"'prompt' must be a string or an array of token ids, got {_json_type(prompt)}",
+                           param="prompt")
+    if not ids:
+        raise RequestError("'prompt' must not be empty", param="prompt")
+    return ids
+
+
+def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
+    """Validate a /v1/completions body and submit it."""
+    body = _check_type(body, dict, "body")
+    _check_fields(body, COMPLETION_FIELDS, COMPLETION_DEFAULT_ONLY)
+    _check_model(llm, body)
+    stream = _field(body, "stream", bool, False)
+    include_usage = _stream_options(body, stream)
+    prompt_ids = _prompt_ids(llm, body.get("prompt"))
+    max_tokens_field = "max_tokens" if body.get("max_tokens") is not None else None
+    params = _request_sampling_params(llm, body, len(prompt_ids), max_tokens_field)
+    best_of = _field(body, "best_of", int)
+    if best_of not in (None, 1, params.n):
+        raise RequestError("'best_of' is not supported by this server (accepted only when equal to 'n')",
+                           param="best_of", code="unsupported_field")
+    params.logprobs = _field(body, "logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
+    return Completion(llm, _submit(llm, prompt_ids, params, body, max_tokens_field), "text", stream,
+                      include_usage, params.logprobs, None, metrics)
+
+
+def chat_completions(llm, body: dict) -> dict | Iterator[dict]:
+    """An OpenAI /v1/chat/completions body -> the response dict, or an iterator of chunks when streaming."""
+    completion = start_chat_completion(llm, body)
+    return completion.chunks() if completion.stream_mode else completion.response()
+
+
+def completions(llm, body: dict) -> dict | Iterator[dict]:
+    """An OpenAI /v1/completions body -> the response dict, or an iterator of chunks when streaming."""
+    completion = start_completion(llm, body)
+    return completion.chunks() if completion.stream_mode else completion.response()
+
+
+def llm_chat(llm, messages: list[dict], tools: list[dict] | None = None, stream: bool = False, **params):
+    """LLM.chat: the same OpenAI-shaped dict (or chunk iterator) the HTTP endpoint sends."""
+    body = {**params, "messages": messages, "stream": stream}
+    if tools is not None:
+        body["tools"] = tools
+    return chat_completions(llm, body)
+
+
+# -----------------------------------------------------------------------------------------------
+# 13. The HTTP server: ThreadingHTTPServer with one route table and one translator from exceptions to
+#     OpenAI errors. Each request runs on its own thread and blocks on its RequestStream; SSE for streams.
+# -----------------------------------------------------------------------------------------------
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
+DEFAULT_SOCKET_TIMEOUT = 60.0      # seconds a client may stay silent (idle keep-alive, a slow body or read)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
+               500: "internal_server_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def translate_error(error: Exception) -> tuple[int, dict]:
+    """Any exception -> (HTTP status, OpenAI error body). Only our own bugs are 500, logged with a traceback."""
+    if isinstance(error, RequestError):
+        return error.status, error_body(error.status, str(error), error.param, error.code)
+    if isinstance(error, PocketError):
+        return 400, error_body(400, str(error))
+    if isinstance(error, RecursionError):          # JSON nested deeper than Python will walk
+        return 400, error_body(400, "the request is nested too deeply", code="invalid_json")
+    traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    return 500, error_body(500, "internal server error (logged on the server)", code="internal_error")
+
+
+def _client_gone(error: Exception) -> bool:
+    """A failed read or write on the client's socket (reset, broken pipe, timeout)."""
+    return isinstance(error, (ConnectionError, TimeoutError))
+
+
+class DisconnectWatch:
+    """While a non-streamed request waits on the engine, call on_disconnect if the client closes its socket."""
+
+    def __init__(self, sock: socket.socket, on_disconnect: Callable[[], None]):
+        self.sock, self.on_disconnect, self.done = sock, on_disconnect, threading.Event()
+
+    def __enter__(self):
+        threading.Thread(target=self._watch, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            try:
+                if not select.select([self.sock], [], [], 0.05)[0]:
+                    continue
+                if self.sock.recv(1, socket.MSG_PEEK):
+                    return                       # a pipelined next request: the client is still there
+            except (OSError, ValueError):
+                pass                             # reset or closed: gone as well
+            if not self.done.is_set():
+                self.on_disconnect()
+            return
+
+
+# The endpoints. Each takes the handler, the path match and the raw body, and sends one response.
+
+def _json_body(raw: bytes) -> dict:
+    def refuse_constant(name):
+        raise ValueError(f"{name} is not valid JSON")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=refuse_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RequestError(f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {_json_type(body)}", code="invalid_json")
+    return body
+
+
+def _health(handler, match, raw) -> None:
+    _check_alive(handler.server.llm)
+    handler.send_json(200, {"status": "ok"})
+
+
+def _model_card(server) -> dict:
+    return {"id": server.llm.model_name, "object": "model", "created": server.started, "owned_by": "pocketllm",
+            "root": str(server.llm.ckpt_dir), "max_model_len": server.llm.options.max_context}
+
+
+def _models(handler, match, raw) -> None:
+    handler.send_json(200, {"object": "list", "data": [_model_card(handler.server)]})
+
+
+def _model(handler, match, raw) -> None:
+    _check_model(handler.server.llm, {"model": urllib.parse.unquote(match["model"])})
+    handler.send_json(200, _model_card(handler.server))
+
+
+def _chat(handler, match, raw) -> None:
+    handler.send_completion(start_chat_completion(handler.server.llm, _json_body(raw), handler.server.metrics))
+
+
+def _completions(handler, match, raw) -> None:
+    handler.send_completion(start_completion(handler.server.llm, _json_body(raw), handler.server.metrics))
+
+
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "continue_final_message", "chat_template_kwargs", "tools", "return_token_strs"}
+
+
+def _tokenize(handler, match, raw) -> None:
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the template -> token ids."""
+    llm, body = handler.server.llm, _json_body(raw)
+    _check_fields(body, TOKENIZE_FIELDS, {})
+    _check_model(llm, body)
+    if ("prompt" in body) == ("messages" in body):
+        raise RequestError("send exactly one of 'prompt' and 'messages'", param="prompt")
+    _field(body, "add_special_tokens", bool)     # our tokenizers add no special tokens either way
+    if "prompt" in body:
+        ids = llm.tokenizer.encode(_check_type(body["prompt"], str, "prompt"))
+    else:
+        ids = llm.tokenizer.encode(render_chat_prompt(llm, body, _check_tools(body)))
+    strs = [llm.tokenizer.id_to_token(t) for t in ids] if _field(body, "return_token_strs", bool, False) else None
+    handler.send_json(200, {"count": len(ids), "max_model_len": llm.options.max_context, "tokens": ids,
+                            "token_strs": strs})
+
+
+def _detokenize(handler, match, raw) -> None:
+    """vLLM's /detokenize: token ids -> text."""
+    llm, body = handler.server.llm, _json_body(raw)
+    _check_fields(body, {"model", "tokens"}, {})
+    _check_model(llm, body)
+    ids = [_token_id(t, "tokens", llm.config.vocab_size) for t in _check_type(body.get("tokens"), list, "tokens")]
+    handler.send_json(200, {"prompt": llm.tokenizer.decode(ids)})
+
+
+def metrics_text(llm, metrics: ServerMetrics) -> str:
+    """The Prometheus text exposition of the engine's counters and the server's."""
+    stats = llm.stats()
+    lines = []
+
+    def family(name: str, kind: str, help: str, samples: list[str]) -> None:
+        lines.extend([f"# HELP pocketllm_{name} {help}", f"# TYPE pocketllm_{name} {kind}"] +
+                     [f"pocketllm_{name}{s}" for s in samples])
+
+    with metrics.lock:
+        responses = sorted(metrics.responses.items())
+    family("requests_total", "counter", "HTTP responses by endpoint and status code.",
+           [f'{{endpoint="{e}",status="{s}"}} {c}' for (e, s), c in responses])
+    family("prompt_tokens_total", "counter", "Prompt tokens processed.", [f" {stats['prompt_tokens_total']}"])
+    family("generation_tokens_total", "counter", "Tokens generated.", [f" {stats['generation_tokens_total']}"])
+    family("requests_running", "gauge", "Requests being generated.", [f" {stats['running']}"])
+    family("requests_waiting", "gauge", "Requests queued for a slot.", [f" {stats['waiting']}"])
+    family("kv_blocks_used", "gauge", "Paged KV-cache blocks in use.", [f" {stats['kv_blocks_used']}"])
+    family("kv_blocks_total", "gauge", "Paged KV-cache blocks in all.", [f" {stats['kv_blocks_total']}"])
+    family("kv_cache_usage_ratio", "gauge", "Fraction of KV-cache blocks in use.",
+           [f" {stats['kv_blocks_used'] / max(1, stats['kv_blocks_total'])}"])
+    family("slots_used", "gauge", "Recurrent-state slots in use.", [f" {stats['slots_used']}"])
+    family("slots_total", "gauge", "Recurrent-state slots in all.", [f" {stats['slots_total']}"])
+    for name, histogram, help in (
+            ("time_to_first_token_seconds", metrics.time_to_first_token, "Time from submission to the first token."),
+            ("inter_token_latency_seconds", metrics.inter_token_latency, "Time between tokens of one choice.")):
+        family(name, "histogram", help, [s[len(name):] for s in histogram.lines(name)])
+    return "\n".join(lines) + "\n"
+
+
+def _metrics(handler, match, raw) -> None:
+    data = metrics_text(handler.server.llm, handler.server.metrics).encode()
+    handler.send_bytes(200, data, "text/plain; version=0.0.4; charset=utf-8")
+
+
+# The route table: (method, path pattern, endpoint). The pattern doubles as the metrics label.
+ROUTES = [
+    ("GET", "/health", _health),
+    ("GET", "/v1/models", _models),
+    ("GET", "/v1/models/{model}", _model),
+    ("POST", "/v1/chat/completions", _chat),
+    ("POST", "/v1/completions", _completions),
+    ("POST", "/tokenize", _tokenize),
+    ("POST", "/detokenize", _detokenize),
+    ("GET", "/metrics", _metrics),
+]
+ROUTE_PATTERNS = [(method, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>.+)", path) + "$"), path, endpoint)
+                  for method, path, endpoint in ROUTES]
+
+
+def find_route(method: str, path: str):
+    """(label, match, endpoint) for the request; 404 for an unknown path, 405 for a known path's wrong method."""
+    allowed = []
+    for route_method, pattern, label, endpoint in ROUTE_PATTERNS:
+        match = pattern.match(path)
+        if match and route_method == method:
+            return label, match, endpoint
+        if match:
+            allowed.append(route_method)
+    if allowed:
+        raise RequestError(f"method {method} not allowed on {path}; use {', '.join(allowed)}", status=405,
+                           code="method_not_allowed")
+    raise RequestError(f"no such endpoint: {path}", status=404, code="unknown_url")
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    """One connection: HTTP/1.1 keep-alive, each request read, authorised, routed and answered."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = f"pocketllm/{__version__}"
+    endpoint = "other"                    # the route label for metrics, set once routed
+
+    def setup(self) -> None:
+        self.timeout = self.server.socket_timeout      # applied to the socket by StreamRequestHandler
+        super().setup()
+
+    def do_GET(self): self.handle_request("GET")
+    def do_POST(self): self.handle_request("POST")
+    def do_PUT(self): self.handle_request("PUT")
+    def do_DELETE(self): self.handle_request("DELETE")
+    def do_PATCH(self): self.handle_request("PATCH")
+    def do_HEAD(self): self.handle_request("HEAD")
+    def do_OPTIONS(self): self.handle_request("OPTIONS")
+
+    def handle_request(self, method: str) -> None:
+        self.endpoint = "other"
+        try:
+            path = urllib.parse.urlsplit(self.path).path
+            raw = self.read_body()
+            if path != "/health":
+                self.check_auth()
+            self.endpoint, match, endpoint = find_route(method, path)
+            endpoint(self, match, raw)
+        except Exception as e:
+            if _client_gone(e):
+                self.close_connection = True
+                return
+            self.send_error_response(e)
+
+    def read_body(self) -> bytes:
+        """The request body, bounded by the server's limit; a body we do not read closes the connection."""
+        if "Transfer-Encoding" in self.headers:
+            self.close_connection = True
+            raise RequestError("chunked request bodies are not supported; send Content-Length", status=411)
+        length = self.headers.get("Content-Length", "0").strip()
+        if not length.isdigit():
+            self.close_connection = True
+            raise RequestError(f"invalid Content-Length header {length!r}")
+        length = int(length)
+        if length > self.server.max_request_bytes:
+            self.close_connection = True
+            raise RequestError(f"request body of {length} bytes is over the limit of "
+                               f"{self.server.max_request_bytes} bytes", status=413, code="request_too_large")
+        raw = self.rfile.read(length)
+        if len(raw) < length:
+            raise ConnectionResetError("client closed the connection while sending the body")
+        return raw
+
+    def check_auth(self) -> None:
+        key = self.server.api_key
+        if key is None:
+            return
+        given = self.headers.get("Authorization", "")
+        if not given:
+            raise RequestError("missing API key: send 'Authorization: Bearer <key>'", status=401,
+                               code="invalid_api_key")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise RequestError("invalid API key", status=401, code="invalid_api_key")
+
+    # Answers: JSON, errors, and server-sent events.
+
+    def send_bytes(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
+        self.server.metrics.count(self.endpoint, status)
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
+        self.send_bytes(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json", headers)
+
+    def send_error_response(self, error: Exception) -> None:
+        status, body = translate_error(error)
+        headers = {}
+        if status == 405:
+            allowed = [m for m, pattern, _, _ in ROUTE_PATTERNS if pattern.match(urllib.parse.urlsplit(self.path).path)]
+            headers["Allow"] = ", ".join(allowed)
+        try:
+            self.send_json(status, body, headers)
+        except Exception as e:             # the client left while we answered
+            if not _client_gone(e):
+                raise
+            self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (malformed request line, oversized headers) in the OpenAI shape."""
+        self.close_connection = True
+        self.send_json(int(code), error_body(int(code), message or explain or "bad request"))
+
+    def send_completion(self, completion: Completion) -> None:
+        if completion.stream_mode:
+            self.send_stream(completion.chunks())
+            return
+        with DisconnectWatch(self.connection, completion.abort):
+            response = completion.response()
+        self.send_json(200, response)
+
+    def send_stream(self, chunks: Iterator[dict]) -> None:
+        """SSE over chunked transfer encoding, so the connection stays alive for the next request."""
+        self.server.metrics.count(self.endpoint, 200)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            while True:
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    break
+                except Exception as e:            # after the headers an error can only travel as an event
+                    self.send_event(translate_error(e)[1])
+                    break
+                self.send_event(chunk)
+            self.send_event("[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+        except Exception as e:
+            if not _client_gone(e):
+                raise
+            self.close_connection = True
+        finally:
+            chunks.close()                        # aborts the request if the client left
+
+    def send_event(self, data: dict | str) -> None:
+        text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        payload = b"data: " + text.encode() + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+
+    def log_message(self, format: str, *args) -> None:
+        if self.server.log_requests:
+            sys.stderr.write(f"pocketllm: {self.address_string()} {format % args}\n")
+
+
+class PocketServer(http.server.ThreadingHTTPServer):
+    """The HTTP server for one LLM. `.port` is the bound port; `.shutdown()` stops and closes it."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+                 log_requests: bool = True):
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        try:
+            super().__init__((host, port), Handler)
+        except OSError as e:
+            raise PocketError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self.llm, self.api_key, self.max_request_bytes = llm, api_key, max_request_bytes
+        self.socket_timeout, self.log_requests = socket_timeout, log_requests
+        self.metrics, self.started, self.serving = ServerMetrics(), int(time.time()), False
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def start(self) -> "PocketServer":
+        """Serve on a background thread."""
+        self.serving = True
+        threading.Thread(target=self.serve_forever, name="pocketllm-http", daemon=True).start()
+        return self
+
+    def run(self) -> None:
+        """Serve on this thread until Ctrl-C or SIGTERM."""
+        self.serving = True
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main else None
+        try:
+            self.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.serving = False
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+            self.server_close()
+
+    def shutdown(self) -> None:
+        if self.serving:
+            super().shutdown()
+            self.serving = False
+        self.server_close()
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, block: bool = True,
+          **options) -> PocketServer:
+    """Serve llm over HTTP: blocking until interrupted, or (block=False) on a background thread."""
+    server = PocketServer(llm, host, port, api_key, **options)
+    if block:
+        server.run()
+        return server
+    return server.start()
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("HTTP server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free port and prints it)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                            "(default: env POCKETLLM_API_KEY)")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model id clients send (default: the checkpoint directory name)")
+    group.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a jinja chat template to use instead of the checkpoint's")
+    group.add_argument("--tool-parser", choices=("qwen_xml", "hermes"), default=None,
+                       help="tool-call format (default: detected from the chat template)")
+    group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help=f"largest request body accepted (default {DEFAULT_MAX_REQUEST_BYTES}); larger is 413")
+    group.add_argument("--socket-timeout", type=float, default=DEFAULT_SOCKET_TIMEOUT,
+                       help=f"seconds a silent client may hold a connection (default {DEFAULT_SOCKET_TIMEOUT:g})")
+
+
+def run_server(llm, args: argparse.Namespace) -> int:
+    """Apply the server flags to llm, print the address, serve until interrupted; the exit code."""
+    if args.served_model_name:
+        llm.model_name = args.served_model_name
+    if args.chat_template:
+        llm.chat_template = load_chat_template(llm.tokenizer, args.chat_template)
+    if args.tool_parser:
+        _chat_template(llm).tool_parser = args.tool_parser
+    server = PocketServer(llm, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
+                          max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout)
+    print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
+    server.run()
+    return 0
+
 
 
 # ===== SECTION 14: the LLM object and the CLI (owner: core; server adds chat/serve) =====
@@ -1467,8 +4655,7 @@ def select_ops(opts: EngineOptions, device: torch.device):
         raise PocketError(f"--backend must be auto, torch or native (got {opts.backend!r})")
     if opts.backend == "torch":
         return TorchOps(), "torch (asked for)"
-    status = globals().get("native_status")   # section 3b; absent from builds without the native part
-    ok, reason = status(device) if status else (False, "the native backend is not part of this file")
+    ok, reason = native_status(device)
     if ok:
         return NativeOps(device), "native"
     if opts.backend == "native":
@@ -1499,12 +4686,16 @@ class LLM:
         self.tokenizer = Tokenizer(self.ckpt_dir)
         _check_options(opts, cfg)
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
-        self.device = device = torch.device(opts.device)
+        # With --devices, rank 0 runs on the first listed device.
+        self.device = device = parse_devices(opts.devices)[0] if opts.devices else torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
-        kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+        self.kv_dtype = kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device,
+                                                                                           "kv-dtype")
+        self.dead_reason: str | None = None
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
             self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
+            self.group.on_death = lambda reason: setattr(self, "dead_reason", reason)
             self.model, run_batch = self.group.model, lambda batch: self.group.run_batch(batch, self.engine.cache)
         else:
             ops, why = select_ops(opts, device)
@@ -1513,11 +4704,11 @@ class LLM:
                                progress=not opts.quiet)
             run_batch = None
         ckpt.close()
-        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch)
+        self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch,
+                             self.group.copy_state if self.group else copy_state)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
-        self.dead_reason: str | None = None
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -1569,6 +4760,21 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def close(self):
+        """Stop the tensor-parallel ranks, if any (the engine thread is a daemon and needs nothing)."""
+        if self.group is not None:
+            self.group.close()
+
+    # The OpenAI surface (sections 12-13): exactly what the HTTP endpoints send.
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, stream: bool = False, **params):
+        """An OpenAI chat completion: the response dict, or an iterator of chunk dicts when stream=True."""
+        return llm_chat(self, messages, tools, stream, **params)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, block: bool = True, **server_options):
+        """Serve the OpenAI API over HTTP; with block=False returns the running server (.port, .shutdown())."""
+        return serve(self, host, port, block=block, **server_options)
+
     # Offline API.
 
     def generate(self, prompt: str | list[int], **sampling) -> dict:
@@ -1600,8 +4806,7 @@ class LLM:
                 return self.group.logits(ids, chunk_size)
         bs = self.options.kv_block_size
         nblocks = -(-len(ids) // bs)
-        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.engine.cache.k[
-            next(iter(self.engine.cache.k))].dtype if self.engine.cache.k else self.dtype, self.device)
+        cache = allocate_cache(self.config, self.model.layers, nblocks, bs, 1, self.kv_dtype, self.device)
         blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
         with self._lock:
             for s in range(0, len(ids), step):

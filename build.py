@@ -1,0 +1,196 @@
+"""Build libpocketllm from csrc/*.cu.
+
+    python build.py                    # CUDA build: build/libpocketllm.so for sm_75 and sm_90 (nvcc)
+    python build.py --arch 75,80,86,89,90
+    python build.py --cpu              # CPU test build: build/libpocketllm_cpu.so (g++ + AddressSanitizer)
+
+Both builds compile the same sources; the CPU build runs the kernels through the execution layer in
+csrc/runtime.cuh (docs/native.md). Each source compiles to a cached object (keyed by a hash of its
+text, the headers and the flags), so only changed files recompile; the link is skipped when nothing changed.
+The exact compiler commands are printed.
+
+Loading the CPU build: it is compiled with -fsanitize=address against the shared libasan. Best is to start the
+process with `LD_PRELOAD=$(g++ -print-file-name=libasan.so)` (see asan_env()); then ASan also checks heap memory
+such as torch's tensors. Loaded into a process without the preload, pocketllm.py sets
+ASAN_OPTIONS=verify_asan_link_order=0 first: stack, global and shared-memory checks still work, heap checks do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+BUILD = ROOT / "build"
+DEFAULT_ARCH = "75,90"
+NVCC_CANDIDATES = ("nvcc", "/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc")
+
+
+class BuildError(RuntimeError):
+    """A compiler is missing or a compile failed; the message holds the command and the compiler's output."""
+
+
+def find_nvcc() -> str | None:
+    """The nvcc to use: $NVCC, then PATH, then the usual install places."""
+    for cand in ((os.environ.get("NVCC"),) if os.environ.get("NVCC") else ()) + NVCC_CANDIDATES:
+        path = shutil.which(cand)
+        if path:
+            return path
+    return None
+
+
+def find_cxx() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def asan_runtime() -> str | None:
+    """Path of the shared AddressSanitizer runtime that the CPU build links against (None if unknown)."""
+    cxx = find_cxx()
+    if not cxx:
+        return None
+    out = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    return out if out and os.path.isabs(out) and os.path.exists(out) else None
+
+
+def asan_env(base: dict | None = None) -> dict:
+    """Environment for a subprocess that loads the CPU build with full ASan checking (heap included)."""
+    env = dict(os.environ if base is None else base)
+    runtime = asan_runtime()
+    if runtime:
+        env["LD_PRELOAD"] = runtime
+    # Python itself "leaks" by design, and torch installs its own signal handlers.
+    env.setdefault("ASAN_OPTIONS", "detect_leaks=0:verify_asan_link_order=0")
+    return env
+
+
+def gencode_flags(arch: str) -> list[str]:
+    """SASS for every listed arch, plus PTX of the lowest so that newer GPUs (e.g. sm_86) can JIT it."""
+    archs = sorted({int(a) for a in arch.replace(" ", "").split(",") if a})
+    if not archs:
+        raise BuildError(f"--arch {arch!r} names no architecture (expected e.g. 75,90)")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    flags.append(f"-gencode=arch=compute_{archs[0]},code=compute_{archs[0]}")
+    return flags
+
+
+def compiler(cpu: bool) -> str:
+    """The compiler's path; BuildError when it is missing."""
+    found = find_cxx() if cpu else find_nvcc()
+    if not found:
+        raise BuildError("no host C++ compiler found (set CXX or install g++)" if cpu else
+                         "nvcc not found (install the CUDA toolkit, put nvcc on PATH or set NVCC)")
+    return found
+
+
+def compile_command(cpu: bool, arch: str, source: Path, obj: Path, cc: str | None = None) -> list[str]:
+    """The exact command that compiles one source file into an object file (cc: the compiler to name)."""
+    cc = cc or compiler(cpu)
+    if cpu:
+        return [cc, "-std=c++17", "-O1", "-g", "-fPIC", "-fsanitize=address", "-fno-omit-frame-pointer",
+                "-fvisibility=hidden", "-fno-gnu-unique", "-Wall",
+                "-Wno-unknown-pragmas", "-Wno-unused-function", "-x", "c++", "-c", str(source), "-o", str(obj)]
+    return [cc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden", *gencode_flags(arch),
+            "-c", str(source), "-o", str(obj)]
+
+
+def link_command(cpu: bool, objects: list[Path], out: Path, cc: str | None = None) -> list[str]:
+    """The exact command that links the objects into the shared library."""
+    objs, cc = [str(o) for o in objects], cc or compiler(cpu)
+    # -z nodelete: the library (and the ASan runtime it pulls in) stays loaded when cffi's handle is collected;
+    # a second load of ASan in one process cannot map its shadow memory again.
+    if cpu:
+        return [cc, "-shared", "-fsanitize=address", "-Wl,-z,nodelete", *objs, "-o", str(out), "-ldl"]
+    # -cudart static: no libcudart needed at run time; --exclude-libs keeps that runtime private next to torch's.
+    return [cc, "-shared", "-cudart", "static", "-Xlinker", "--exclude-libs,ALL", "-Xlinker", "-z,nodelete",
+            *objs, "-o", str(out), "-ldl"]
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part + b"\0")
+    return h.hexdigest()
+
+
+def _run(cmd: list[str], quiet: bool) -> None:
+    if not quiet:
+        print(shlex.join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"build failed ({proc.returncode}): {shlex.join(cmd)}\n{proc.stdout}{proc.stderr}")
+    if proc.stderr.strip() and not quiet:
+        print(proc.stderr, file=sys.stderr, end="")
+
+
+def build(arch: str = DEFAULT_ARCH, cpu: bool = False, src_dir: Path | str = CSRC, out_dir: Path | str = BUILD,
+          obj_dir: Path | str | None = None, force: bool = False, quiet: bool = False) -> Path:
+    """Compile src_dir/*.cu into out_dir/libpocketllm.so (or libpocketllm_cpu.so) and return its path.
+
+    Each source compiles to an object cached in obj_dir (default out_dir/obj) by a hash of its text, every
+    header in src_dir and the flags, so a change to one kernel file recompiles that file only (in parallel).
+    The up-to-date check names neither paths nor the compiler's location, so a library built on one machine
+    and copied with its .stamp counts as built on another (even one without a compiler). Raises BuildError with
+    the command and the compiler output.
+    """
+    src_dir, out_dir = Path(src_dir).resolve(), Path(out_dir).resolve()
+    sources = sorted(src_dir.glob("*.cu"))
+    if not sources:
+        raise BuildError(f"no .cu sources in {src_dir}")
+    out = out_dir / ("libpocketllm_cpu.so" if cpu else "libpocketllm.so")
+    obj_dir = Path(obj_dir).resolve() if obj_dir else out_dir / "obj"
+    headers = b"".join(p.name.encode() + p.read_bytes() for p in sorted(src_dir.iterdir())
+                       if p.suffix in (".cuh", ".h"))
+    cc_name = "c++" if cpu else "nvcc"
+    flags = " ".join(compile_command(cpu, arch, Path("SRC"), Path("OBJ"), cc_name)).encode()
+    objects = [obj_dir / f"{s.stem}.{_digest(flags, headers, s.read_bytes())[:20]}.o" for s in sources]
+    link_flags = " ".join(link_command(cpu, [], Path("OUT"), cc_name)).encode()
+    stamp = out.with_name(out.name + ".stamp")
+    digest = _digest(link_flags, *(o.name.encode() for o in objects))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src_dir / "pocketllm.h", out_dir / "pocketllm.h")  # pocketllm.py reads the ABI from here
+    if not force and out.exists() and stamp.exists() and stamp.read_text().strip() == digest:
+        return out
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    todo = [(s, o) for s, o in zip(sources, objects) if force or not o.exists()]
+
+    def compile_one(job):
+        src, obj = job
+        tmp = obj.with_name(f"{obj.name}.{os.getpid()}.tmp")   # written aside, renamed when complete
+        _run(compile_command(cpu, arch, src, tmp), quiet)
+        tmp.replace(obj)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(compile_one, job) for job in todo]:
+            f.result()
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")   # concurrent builds never see half a file
+    _run(link_command(cpu, objects, tmp), quiet)
+    tmp.replace(out)
+    stamp.write_text(digest + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default=DEFAULT_ARCH, help="comma-separated SM versions (default %(default)s)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU test build with g++ and AddressSanitizer")
+    ap.add_argument("--force", action="store_true", help="rebuild even when nothing changed")
+    args = ap.parse_args(argv)
+    try:
+        out = build(arch=args.arch, cpu=args.cpu, force=args.force)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,458 @@
+// Linear layers, y = x W^T with W (N, K): FP8 e4m3 weights with 128x128 block scales (ragged edge blocks),
+// or dense fp32/fp16/bf16 weights. Always fp32 accumulation.
+//   decode (T <= 16), fp16 activations and e4m3 weights: tensor-core GEMV (mma m16n8k8 with the weight as
+//     the 16-row operand, tokens as the 8-column one; 16-byte loads, weights widened in registers);
+//   decode otherwise (fp32 activations, dense or ragged weights): one warp per output row streams the row once
+//     with 16-byte loads where aligned, dequantises in registers, accumulates all T tokens at once;
+//   prefill, fp16 activations: tensor cores (mma m16n8k8, fp16 A/B, fp32 accumulate) on 64x64 tiles with
+//     the weight tile dequantised to fp16 in shared memory (per-block scale applied to the fp32 partials);
+//   prefill, fp32 activations (the CPU test build): a plain fp32 tiled kernel, same tiling.
+#include "ops_common.cuh"
+
+static const int GEMV_MAX_T = 16;
+static const int GEMV_WARPS = 4;      // output rows per block
+
+// ---- Loads of 16 consecutive values to fp32 (16-byte vector loads; the caller guarantees alignment). ----
+
+__device__ __forceinline__ void load16(const float* p, float* v) {
+  for (int i = 0; i < 4; i++) {
+    float4 f = ((const float4*)p)[i];
+    v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+  }
+}
+
+__device__ __forceinline__ void load16(const pl_half* p, float* v) {
+  for (int i = 0; i < 2; i++) {
+    uint4 u = ((const uint4*)p)[i];
+    const pl_half* h = (const pl_half*)&u;
+    for (int j = 0; j < 8; j++) v[8 * i + j] = pl_h2f(h[j]);
+  }
+}
+
+__device__ __forceinline__ void dequant16(const uint8_t* p, float* v) {
+  uint4 u = *(const uint4*)p;
+  const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+  for (int i = 0; i < 4; i++)
+    for (int j = 0; j < 4; j++) v[4 * i + j] = e4m3_to_f((words[i] >> (8 * j)) & 0xff);
+}
+
+// ---- The GEMV path: warp per output row n, acc[t] for every token. ---------------------------------------
+// VEC: K % 16 == 0 and 16-byte aligned rows, so every lane loads 16 weights (one 16-byte word) per step and
+// the 16 lie inside one 128-wide scale block. Otherwise one value per lane per step.
+
+template <typename TA, bool VEC>
+__global__ void gemv_fp8_kernel(const TA* x, int T, int K, const uint8_t* w, const float* scale, int N, TA* out) {
+  int lane = threadIdx.x & 31;
+  int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+  if (n >= N) return;                                 // whole warps leave together; no block barrier follows
+  const uint8_t* wrow = w + (int64_t)n * K;
+  const float* srow = scale + (int64_t)(n >> 7) * ((K + 127) >> 7);
+  float acc[GEMV_MAX_T];
+  for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.f;
+  if (VEC) {
+    for (int k0 = lane * 16; k0 < K; k0 += 32 * 16) {
+      float wv[16], xv[16];
+      dequant16(wrow + k0, wv);
+      float s = srow[k0 >> 7];
+#pragma unroll
+      for (int t = 0; t < GEMV_MAX_T; t++) {
+        if (t < T) {
+          load16(x + (int64_t)t * K + k0, xv);
+          float dot = 0.f;
+#pragma unroll
+          for (int i = 0; i < 16; i++) dot += wv[i] * xv[i];
+          acc[t] += s * dot;
+        }
+      }
+    }
+  } else {
+    for (int k = lane; k < K; k += 32) {
+      float wk = e4m3_to_f(wrow[k]) * srow[k >> 7];
+#pragma unroll
+      for (int t = 0; t < GEMV_MAX_T; t++)
+        if (t < T) acc[t] += wk * to_f(x[(int64_t)t * K + k]);
+    }
+  }
+  for (int t = 0; t < GEMV_MAX_T; t++) {
+    if (t >= T) break;
+    float v = warp_sum(acc[t]);
+    if (lane == 0) out[(int64_t)t * N + n] = from_f<TA>(v);
+  }
+}
+
+// Dense weights (lm_head, GDN in_proj_a/b): the same warp-per-row structure. VEC (K % 8 == 0, aligned rows):
+// each lane converts 8 consecutive weights per step from one 16-byte (bf16/fp16) or two (fp32) loads.
+template <int WDT>
+__device__ __forceinline__ void load8_w(const void* w, int64_t i, float* v) {
+  if (WDT == PL_F32) {
+    float4 a = *(const float4*)((const float*)w + i), b = *(const float4*)((const float*)w + i + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  } else {
+    uint4 u = *(const uint4*)((const uint16_t*)w + i);
+    const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      if (WDT == PL_BF16) {
+        v[2 * j] = pl_bf2f((uint16_t)(words[j] & 0xffff));
+        v[2 * j + 1] = pl_bf2f((uint16_t)(words[j] >> 16));
+      } else {
+        pl_half2 h = pl_bits_half2(words[j]);
+        const pl_half* hp = (const pl_half*)&h;
+        v[2 * j] = pl_h2f(hp[0]);
+        v[2 * j + 1] = pl_h2f(hp[1]);
+      }
+    }
+  }
+}
+
+template <typename TA>
+__device__ __forceinline__ void load8_x(const TA* p, float* v) {
+  for (int j = 0; j < 8; j++) v[j] = to_f(p[j]);
+}
+
+template <typename TA, int WDT, bool VEC>
+__global__ void gemv_dense_kernel(const TA* x, int T, int K, const void* w, int N, TA* out) {
+  int lane = threadIdx.x & 31;
+  int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+  if (n >= N) return;
+  float acc[GEMV_MAX_T];
+  for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.f;
+  if (VEC) {
+    for (int k0 = lane * 8; k0 < K; k0 += 32 * 8) {
+      float wv[8], xv[8];
+      load8_w<WDT>(w, (int64_t)n * K + k0, wv);
+#pragma unroll
+      for (int t = 0; t < GEMV_MAX_T; t++) {
+        if (t < T) {
+          load8_x(x + (int64_t)t * K + k0, xv);
+#pragma unroll
+          for (int i = 0; i < 8; i++) acc[t] += wv[i] * xv[i];
+        }
+      }
+    }
+  } else {
+    for (int k = lane; k < K; k += 32) {
+      float wk = load_any(w, WDT, (int64_t)n * K + k);
+#pragma unroll
+      for (int t = 0; t < GEMV_MAX_T; t++)
+        if (t < T) acc[t] += wk * to_f(x[(int64_t)t * K + k]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < GEMV_MAX_T; t++) {
+    if (t < T) {
+      float v = warp_sum(acc[t]);
+      if (lane == 0) out[(int64_t)t * N + n] = from_f<TA>(v);
+    }
+  }
+}
+
+// ---- The tensor-core GEMV (fp16 activations, e4m3 weights, K % 16 == 0): the weight is the mma's A operand
+// (16 output rows x 8 k), the tokens its B operand (8 k x 8 tokens; two token tiles for T > 8), so each byte
+// of weight costs two integer operations to widen (pl_e4m3x2_to_half2) and the tensor core does the rest.
+// Block = 16 output rows, 8 warps splitting K into 64-wide chunks. Lane (g = lane/4, t = lane%4) loads 16
+// bytes of rows g and g+8 at k = chunk + 16t and 16 halves of token g there; mma step s (0..7) uses bytes /
+// halves 2s, 2s+1 of those: a consistent permutation of k between A and B, so the dot products are unchanged.
+// A 64-wide chunk and the 16 rows lie inside one 128x128 scale block: one scale per chunk. ---------------------
+
+static const int GEMV_MMA_WARPS = 8;
+
+template <int NT>
+__global__ void gemv_mma_kernel(const pl_half* x, int T, int K, const uint8_t* w, const float* scale, int N,
+                                pl_half* out) {
+  __shared__ float red[GEMV_MMA_WARPS][32][NT * 4];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int g = lane >> 2, t = lane & 3;
+  int n0 = blockIdx.x * 16;
+  int KB = (K + 127) >> 7;
+  const float* srow = scale + (int64_t)(n0 >> 7) * KB;
+  // Registers of one chunk: rows g and g+8 of the weight, and the x slices of token g (+8 for the 2nd tile).
+  struct Chunk { uint4 wa, wb, xa[NT], xb[NT]; };
+  auto load = [&](int c0, Chunk& c) {
+    int k = c0 + 16 * t;
+    uint4 z = make_uint4(0, 0, 0, 0);
+    c.wa = c.wb = z;
+    if (k < K) {
+      if (n0 + g < N) c.wa = *(const uint4*)(w + (int64_t)(n0 + g) * K + k);
+      if (n0 + g + 8 < N) c.wb = *(const uint4*)(w + (int64_t)(n0 + g + 8) * K + k);
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+      int tok = 8 * j + g;
+      c.xa[j] = c.xb[j] = z;
+      if (k < K && tok < T) {
+        c.xa[j] = *(const uint4*)(x + (int64_t)tok * K + k);
+        c.xb[j] = *(const uint4*)(x + (int64_t)tok * K + k + 8);
+      }
+    }
+  };
+  const int step = GEMV_MMA_WARPS * 64;
+  float acc[NT][4] = {};
+  Chunk cur, nxt;
+  load(warp * 64, cur);
+  for (int c0 = warp * 64; c0 < K; c0 += step) {
+    load(c0 + step, nxt);                  // in flight while this chunk is multiplied (zeros past K)
+    const uint32_t wa_w[4] = {cur.wa.x, cur.wa.y, cur.wa.z, cur.wa.w}, wb_w[4] = {cur.wb.x, cur.wb.y, cur.wb.z, cur.wb.w};
+    float part[NT][4] = {};
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+      int sh = 16 * (s & 1);
+      uint32_t a[2] = {pl_half2_bits(pl_e4m3x2_to_half2((uint16_t)(wa_w[s >> 1] >> sh))),
+                       pl_half2_bits(pl_e4m3x2_to_half2((uint16_t)(wb_w[s >> 1] >> sh)))};
+#pragma unroll
+      for (int j = 0; j < NT; j++) {
+        const uint32_t xw[8] = {cur.xa[j].x, cur.xa[j].y, cur.xa[j].z, cur.xa[j].w,
+                                cur.xb[j].x, cur.xb[j].y, cur.xb[j].z, cur.xb[j].w};
+        pl_mma_m16n8k8(part[j], a, xw[s], part[j]);
+      }
+    }
+    float sc = srow[c0 >> 7] * 256.f;    // the 2^8 of pl_e4m3x2_to_half2
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+      for (int i = 0; i < 4; i++) acc[j][i] += sc * part[j][i];
+    cur = nxt;
+  }
+  for (int j = 0; j < NT; j++)
+    for (int i = 0; i < 4; i++) red[warp][lane][j * 4 + i] = acc[j][i];
+  __syncthreads();
+  if (warp != 0) return;
+  // d[0..1] = D[g][2t..2t+1], d[2..3] = D[g+8][2t..2t+1]: rows n0+g(+8), tokens 8j+2t(+1).
+  for (int j = 0; j < NT; j++)
+    for (int i = 0; i < 4; i++) {
+      float v = 0.f;
+      for (int w2 = 0; w2 < GEMV_MMA_WARPS; w2++) v += red[w2][lane][j * 4 + i];
+      int n = n0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (i & 1);
+      if (n < N && tok < T) out[(int64_t)tok * N + n] = pl_f2h(v);
+    }
+}
+
+// ---- The fp32 tiled path: 64x64 output tile per block, K in steps of 32, 256 threads of 4x4 outputs. ----
+// The weight tile is dequantised (value * block scale) while it is staged, so any weight dtype works.
+
+static const int TM = 64, TN = 64, TK = 32;
+
+template <typename TA>
+__global__ void gemm_tiled_kernel(const TA* x, int T, int K, const void* w, int wdt, const float* scale, int N,
+                                  TA* out) {
+  __shared__ float xs[TK][TM + 1];
+  __shared__ float ws[TK][TN + 1];
+  int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
+  int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  int KB = (K + 127) >> 7;
+  float acc[4][4] = {};
+  for (int k0 = 0; k0 < K; k0 += TK) {
+    for (int idx = threadIdx.x; idx < TM * TK; idx += blockDim.x) {
+      int r = idx / TK, kk = idx % TK, k = k0 + kk;
+      int m = m0 + r, n = n0 + r;
+      xs[kk][r] = (m < T && k < K) ? to_f(x[(int64_t)m * K + k]) : 0.f;
+      float wv = 0.f;
+      if (n < N && k < K) {
+        wv = load_any(w, wdt, (int64_t)n * K + k);
+        if (scale) wv *= scale[(n >> 7) * KB + (k >> 7)];
+      }
+      ws[kk][r] = wv;
+    }
+    __syncthreads();
+    for (int kk = 0; kk < TK; kk++) {
+      float a[4], b[4];
+      for (int i = 0; i < 4; i++) a[i] = xs[kk][ty * 4 + i];
+      for (int j = 0; j < 4; j++) b[j] = ws[kk][tx * 4 + j];
+      for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] += a[i] * b[j];
+    }
+    __syncthreads();
+  }
+  for (int i = 0; i < 4; i++)
+    for (int j = 0; j < 4; j++) {
+      int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
+      if (m < T && n < N) out[(int64_t)m * N + n] = from_f<TA>(acc[i][j]);
+    }
+}
+
+// ---- The tensor-core path (fp16 activations; e4m3 or fp16 weights): 64x64 output tile per block, 4 warps of
+// 32x32, K in tiles of 32 staged as fp16 in shared memory, mma m16n8k8 (fp16 x fp16 -> fp32).
+// A 64-row weight tile starting at a multiple of 64 lies inside one 128-row scale block, and a 32-wide K tile
+// inside one 128-wide one, so the whole tile shares one scale: the mma accumulates the raw products of one
+// 128-wide K block into `part`, which is then scaled into `acc`. e4m3 weights are staged as value * 2^-8
+// (exact in fp16, subnormals included; the 2^8 goes into the scale). VEC (K % 16 == 0, aligned): 16-byte
+// loads; otherwise element loads with zero fill past the edges.
+
+static const int MK = 32, MPAD = 8;   // K tile; row padding in halves (keeps rows 16-byte aligned, spreads banks)
+
+template <bool FP8, bool VEC>
+__device__ __forceinline__ void stage_tiles(const pl_half* x, int T, int K, const void* w, int N, int m0, int n0, int k0,
+                                            pl_half (*xs)[MK + MPAD], pl_half (*ws)[MK + MPAD]) {
+  const pl_half zero = pl_f2h(0.f);
+  if (VEC) {
+    // x: 64 rows x 4 chunks of 8 halves; 2 chunks per thread.
+    for (int c = threadIdx.x; c < TM * 4; c += blockDim.x) {
+      int r = c >> 2, kk = (c & 3) * 8, m = m0 + r, k = k0 + kk;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (m < T && k < K) v = *(const uint4*)(x + (int64_t)m * K + k);
+      *(uint4*)&xs[r][kk] = v;
+    }
+    if (FP8) {
+      // w: 64 rows x 2 chunks of 16 bytes; one chunk per thread, widened to 16 halves.
+      for (int c = threadIdx.x; c < TN * 2; c += blockDim.x) {
+        int r = c >> 1, kk = (c & 1) * 16, n = n0 + r, k = k0 + kk;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (n < N && k < K) v = *(const uint4*)((const uint8_t*)w + (int64_t)n * K + k);
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+        uint32_t h[8];
+        for (int i = 0; i < 4; i++) {
+          h[2 * i] = pl_half2_bits(pl_e4m3x2_to_half2((uint16_t)(words[i] & 0xffff)));
+          h[2 * i + 1] = pl_half2_bits(pl_e4m3x2_to_half2((uint16_t)(words[i] >> 16)));
+        }
+        *(uint4*)&ws[r][kk] = make_uint4(h[0], h[1], h[2], h[3]);
+        *(uint4*)&ws[r][kk + 8] = make_uint4(h[4], h[5], h[6], h[7]);
+      }
+    } else {
+      for (int c = threadIdx.x; c < TN * 4; c += blockDim.x) {
+        int r = c >> 2, kk = (c & 3) * 8, n = n0 + r, k = k0 + kk;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (n < N && k < K) v = *(const uint4*)((const pl_half*)w + (int64_t)n * K + k);
+        *(uint4*)&ws[r][kk] = v;
+      }
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < TM * MK; idx += blockDim.x) {
+      int r = idx / MK, kk = idx % MK, k = k0 + kk, m = m0 + r, n = n0 + r;
+      xs[r][kk] = (m < T && k < K) ? x[(int64_t)m * K + k] : zero;
+      pl_half wv = zero;
+      if (n < N && k < K) {
+        if (FP8) wv = pl_f2h(e4m3_to_f(((const uint8_t*)w)[(int64_t)n * K + k]) * 0.00390625f);   // * 2^-8
+        else wv = ((const pl_half*)w)[(int64_t)n * K + k];
+      }
+      ws[r][kk] = wv;
+    }
+  }
+}
+
+template <bool FP8, bool VEC>
+__global__ void gemm_mma_kernel(const pl_half* x, int T, int K, const void* w, const float* scale, int N,
+                                pl_half* out) {
+  __shared__ __align__(16) pl_half xs[TM][MK + MPAD];
+  __shared__ __align__(16) pl_half ws[TN][MK + MPAD];
+  int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;       // this warp's 32x32 sub-tile
+  int g = lane >> 2, t = lane & 3;                       // fragment coordinates (PTX ISA layout)
+  int KB = (K + 127) >> 7;
+  float acc[2][4][4] = {};
+  for (int kb = 0; kb < KB; kb++) {
+    float part[2][4][4] = {};
+    for (int k0 = kb * 128; k0 < kb * 128 + 128 && k0 < K; k0 += MK) {
+      stage_tiles<FP8, VEC>(x, T, K, w, N, m0, n0, k0, xs, ws);
+      __syncthreads();
+      for (int ks = 0; ks < MK; ks += 8) {
+        uint32_t a[2][2], b[4];
+        for (int mi = 0; mi < 2; mi++) {
+          a[mi][0] = *(const uint32_t*)&xs[wm + mi * 16 + g][ks + 2 * t];
+          a[mi][1] = *(const uint32_t*)&xs[wm + mi * 16 + g + 8][ks + 2 * t];
+        }
+        for (int ni = 0; ni < 4; ni++) b[ni] = *(const uint32_t*)&ws[wn + ni * 8 + g][ks + 2 * t];
+        for (int mi = 0; mi < 2; mi++)
+          for (int ni = 0; ni < 4; ni++) pl_mma_m16n8k8(part[mi][ni], a[mi], b[ni], part[mi][ni]);
+      }
+      __syncthreads();
+    }
+    float s = FP8 ? scale[(n0 >> 7) * KB + kb] * 256.f : 1.f;
+    for (int mi = 0; mi < 2; mi++)
+      for (int ni = 0; ni < 4; ni++)
+        for (int i = 0; i < 4; i++) acc[mi][ni][i] += s * part[mi][ni][i];
+  }
+  // c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..2t+1].
+  for (int mi = 0; mi < 2; mi++)
+    for (int ni = 0; ni < 4; ni++)
+      for (int i = 0; i < 4; i++) {
+        int m = m0 + wm + mi * 16 + g + (i >= 2 ? 8 : 0), n = n0 + wn + ni * 8 + 2 * t + (i & 1);
+        if (m < T && n < N) out[(int64_t)m * N + n] = pl_f2h(acc[mi][ni][i]);
+      }
+}
+
+// ---- The launcher. ------------------------------------------------------------------------------------------
+
+// The tensor-core path takes fp16 activations with e4m3 or fp16 weights; returns false for other cases.
+static bool launch_mma(const float*, int64_t, int64_t, const void*, int, const float*, int64_t, float*, dim3,
+                       uint64_t) {
+  return false;
+}
+
+static bool launch_mma(const pl_half* x, int64_t T, int64_t K, const void* w, int wdt, const float* scale, int64_t N,
+                       pl_half* out, dim3 grid, uint64_t stream) {
+  if (wdt != PL_E4M3 && wdt != PL_F16) return false;
+  bool vec = K % 16 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0;
+  dim3 block(128);
+  if (wdt == PL_E4M3 && vec)
+    PL_LAUNCH((gemm_mma_kernel<true, true>), grid, block, 0, stream, x, (int)T, (int)K, w, scale, (int)N, out);
+  else if (wdt == PL_E4M3)
+    PL_LAUNCH((gemm_mma_kernel<true, false>), grid, block, 0, stream, x, (int)T, (int)K, w, scale, (int)N, out);
+  else if (vec)
+    PL_LAUNCH((gemm_mma_kernel<false, true>), grid, block, 0, stream, x, (int)T, (int)K, w, scale, (int)N, out);
+  else
+    PL_LAUNCH((gemm_mma_kernel<false, false>), grid, block, 0, stream, x, (int)T, (int)K, w, scale, (int)N, out);
+  return true;
+}
+
+// The tensor-core GEMV takes fp16 activations, e4m3 weights, K % 16 == 0, aligned; false for other cases.
+static bool launch_gemv_mma(const float*, int64_t, int64_t, const void*, int, const float*, int64_t, float*,
+                            uint64_t) {
+  return false;
+}
+
+static bool launch_gemv_mma(const pl_half* x, int64_t T, int64_t K, const void* w, int wdt, const float* scale,
+                            int64_t N, pl_half* out, uint64_t stream) {
+  if (wdt != PL_E4M3 || K % 16 != 0 || ((uintptr_t)x & 15) != 0 || ((uintptr_t)w & 15) != 0) return false;
+  dim3 grid((unsigned)((N + 15) / 16)), block(32 * GEMV_MMA_WARPS);
+  if (T <= 8)
+    PL_LAUNCH(gemv_mma_kernel<1>, grid, block, 0, stream, x, (int)T, (int)K, (const uint8_t*)w, scale, (int)N, out);
+  else
+    PL_LAUNCH(gemv_mma_kernel<2>, grid, block, 0, stream, x, (int)T, (int)K, (const uint8_t*)w, scale, (int)N, out);
+  return true;
+}
+
+template <typename TA>
+static void launch_linear(const TA* x, int64_t T, int64_t K, const void* w, int wdt, const float* scale,
+                          int64_t N, TA* out, uint64_t stream) {
+  if (T <= GEMV_MAX_T) {
+    if (launch_gemv_mma(x, T, K, w, wdt, scale, N, out, stream)) return;
+    dim3 grid((unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS)), block(32 * GEMV_WARPS);
+    bool vec = ((uintptr_t)w & 15) == 0 && ((uintptr_t)x & 15) == 0;
+    if (wdt == PL_E4M3 && vec && K % 16 == 0)
+      PL_LAUNCH((gemv_fp8_kernel<TA, true>), grid, block, 0, stream, x, (int)T, (int)K, (const uint8_t*)w,
+                scale, (int)N, out);
+    else if (wdt == PL_E4M3)
+      PL_LAUNCH((gemv_fp8_kernel<TA, false>), grid, block, 0, stream, x, (int)T, (int)K, (const uint8_t*)w,
+                scale, (int)N, out);
+    else if (vec && K % 8 == 0 && wdt == PL_BF16)
+      PL_LAUNCH((gemv_dense_kernel<TA, PL_BF16, true>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+    else if (vec && K % 8 == 0 && wdt == PL_F16)
+      PL_LAUNCH((gemv_dense_kernel<TA, PL_F16, true>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+    else if (vec && K % 8 == 0)
+      PL_LAUNCH((gemv_dense_kernel<TA, PL_F32, true>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+    else if (wdt == PL_BF16)
+      PL_LAUNCH((gemv_dense_kernel<TA, PL_BF16, false>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+    else if (wdt == PL_F16)
+      PL_LAUNCH((gemv_dense_kernel<TA, PL_F16, false>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+    else
+      PL_LAUNCH((gemv_dense_kernel<TA, PL_F32, false>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+    return;
+  }
+  dim3 grid((unsigned)((N + TN - 1) / TN), (unsigned)((T + TM - 1) / TM));
+  if (!launch_mma(x, T, K, w, wdt, scale, N, out, grid, stream))
+    PL_LAUNCH(gemm_tiled_kernel<TA>, grid, dim3(256), 0, stream, x, (int)T, (int)K, w, wdt,
+              wdt == PL_E4M3 ? scale : (const float*)0, (int)N, out);
+}
+
+extern "C" int pl_linear(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
+                         uint64_t scale, int64_t N, uint64_t out, uint64_t stream) {
+  PL_REQUIRE(w_dtype >= PL_F32 && w_dtype <= PL_E4M3, "weight dtype must be 0..3 (fp32, fp16, bf16, e4m3)");
+  PL_REQUIRE(w_dtype != PL_E4M3 || scale != 0, "an e4m3 weight needs its fp32 block scales");
+  PL_REQUIRE(K > 0 && K < (1ll << 31) && N < (1ll << 31) && T < 65535ll * TM, "linear shape out of range");
+  if (T == 0 || N == 0) return 0;
+  PL_DISPATCH_ACT(act_dtype, TA,
+    launch_linear<TA>((const TA*)x, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, (TA*)out,
+                      stream));
+  PL_CHECK_LAUNCH();
+  return 0;
+}

@@ -1,0 +1,140 @@
+/* pocketllm.h: the one C ABI of libpocketllm (docs/abi.md).
+ *
+ * The text between "cdef begin" and "cdef end" is handed to cffi's cdef by pocketllm.py as it stands, so it
+ * holds plain C declarations only: no preprocessor lines, fixed-width types, device pointers and CUDA streams
+ * as uint64_t (0 = the default stream), opaque handles as uint64_t.
+ *
+ * Error model: every function returns int, 0 = ok; on failure it returns nonzero and pl_last_error() holds a
+ * one-line message "function (file:line): what: why" for the calling thread. Nothing here exits or aborts.
+ */
+#ifndef POCKETLLM_H
+#define POCKETLLM_H
+
+#include <stdint.h>
+
+/* Bumped on every incompatible change of the declarations below; pocketllm.py checks it on load. */
+#define PL_ABI_VERSION 2
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+#if defined(__GNUC__)
+/* The library is compiled with -fvisibility=hidden: exactly the functions declared here are exported. */
+#pragma GCC visibility push(default)
+#endif
+
+/* ---- cdef begin ---- */
+
+/* Element types, as int32_t dtype arguments. */
+enum pl_dtype { PL_F32 = 0, PL_F16 = 1, PL_BF16 = 2, PL_E4M3 = 3, PL_I32 = 4, PL_I64 = 5 };
+
+/* ---- runtime (native-infra) ---- */
+
+/* PL_ABI_VERSION of the library. */
+int32_t pl_abi_version(void);
+/* The last error message of the calling thread ("" if none yet). */
+const char* pl_last_error(void);
+/* 1 for the CPU test build (libpocketllm_cpu.so: kernels run on host memory), 0 for the CUDA build. */
+int32_t pl_is_cpu_build(void);
+/* Visible CUDA devices. Fails, with the driver's reason, when there is no usable GPU or driver. */
+int pl_device_count(int32_t* count);
+/* Compute capability of a device, e.g. 7 5 for an RTX 2080 Ti. */
+int pl_device_capability(int32_t device, int32_t* major, int32_t* minor);
+/* Make `device` current for the calling host thread's launches. The library's CUDA runtime is its own (static),
+ * so torch.cuda.set_device does not reach it: NativeOps calls this once per thread and device. */
+int pl_set_device(int32_t device);
+
+/* NCCL is loaded at run time (dlopen), so one binary works with or without it. pl_nccl_load opens `path`
+ * (NULL: the default search for libnccl.so.2) once; it fails, saying why, when NCCL is unusable. The other
+ * NCCL functions fail until a load succeeded. A unique id is PL_NCCL_ID_BYTES opaque bytes. */
+enum { PL_NCCL_ID_BYTES = 128 };
+int pl_nccl_load(const char* path);
+int pl_nccl_version(int32_t* version);
+int pl_nccl_unique_id(uint8_t* id_out);
+int pl_nccl_init(const uint8_t* id, int32_t nranks, int32_t rank, int32_t device, uint64_t* comm_out);
+/* In-place sum over all ranks of `count` elements of dtype PL_F16 or PL_F32, on `stream`. */
+int pl_nccl_all_reduce_sum(uint64_t comm, uint64_t ptr, uint64_t count, int32_t dtype, uint64_t stream);
+int pl_nccl_destroy(uint64_t comm);
+
+/* ---- ops (native-kernels) ---- */
+/* Conventions: int status; tensors as uint64_t pointers to contiguous memory; token and element counts as
+ * int64_t, head counts and dims as int32_t; element types as int32_t pl_dtype; the stream is the last argument
+ * (uint64_t). */
+
+
+/* Dtype codes: 0 = fp32, 1 = fp16, 2 = bf16, 3 = fp8 e4m3 (weights only). Activations (act_dtype) are fp32 or
+   fp16. Pointers are device addresses (host addresses in the CPU build), streams are cudaStream_t values.
+   All tensors are contiguous. Every function returns 0, or -1 with pl_last_error() set. */
+
+/* out (T, D) act = table[ids] ; ids (T,) int64; an id outside [0, V) yields a NaN row. */
+int pl_embed(uint64_t ids, int64_t T, uint64_t table, int32_t table_dtype, int64_t V, int32_t D,
+             uint64_t out, int32_t act_dtype, uint64_t stream);
+/* out (T, D) act = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32; out may alias x. */
+int pl_rmsnorm(uint64_t x, uint64_t w, int32_t w_dtype, uint64_t out, int32_t act_dtype, int64_t T,
+               int32_t D, float eps, uint64_t stream);
+/* residual (T, D) fp32 += x (in place); out (T, D) act = rmsnorm(residual) as above. */
+int pl_add_rmsnorm(uint64_t x, uint64_t residual, uint64_t w, int32_t w_dtype, uint64_t out,
+                   int32_t act_dtype, int64_t T, int32_t D, float eps, uint64_t stream);
+/* out (T, N) act = x (T, K) act @ w^T, w (N, K) of w_dtype; for w_dtype 3, scale is the fp32
+   (ceil(N/128), ceil(K/128)) block-scale tensor, else 0. T <= 16 takes the GEMV path. */
+int pl_linear(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
+              uint64_t scale, int64_t N, uint64_t out, uint64_t stream);
+/* out = silu(g) * u over n elements (act); out may alias g or u. */
+int pl_silu_mul(uint64_t g, uint64_t u, uint64_t out, int32_t act_dtype, int64_t n, uint64_t stream);
+/* out = x * sigmoid(gate) over n elements (act); out may alias x or gate. */
+int pl_sigmoid_mul(uint64_t x, uint64_t gate, uint64_t out, int32_t act_dtype, int64_t n, uint64_t stream);
+/* q (T, Hq, Dh), k (T, Hk, Dh) act -> q_out, k_out (may alias q, k): per-head zero-centred RMSNorm with
+   q_w / k_w (Dh,), then rotate-half RoPE on the first 2*rot_half dims with angle positions[t] * inv_freq[i];
+   positions (T,) int64, inv_freq (rot_half,) fp32; Dh <= 512. */
+int pl_qk_norm_rope(uint64_t q, uint64_t k, uint64_t q_out, uint64_t k_out, int32_t act_dtype, int64_t T,
+                    int32_t Hq, int32_t Hk, int32_t Dh, uint64_t q_w, uint64_t k_w, int32_t w_dtype,
+                    float eps, uint64_t positions, uint64_t inv_freq, int32_t rot_half, uint64_t stream);
+/* k, v (T, Hk, Dh) act -> k_cache, v_cache (num_blocks, block_size, Hk, Dh) of cache_dtype (0/1/2) at
+   slot_mapping[t] (int64; slot = block * block_size + offset; a negative slot is skipped). */
+int pl_kv_write(uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk, int32_t Dh,
+                uint64_t k_cache, uint64_t v_cache, int32_t cache_dtype, uint64_t slot_mapping,
+                uint64_t stream);
+/* Paged attention. q (T, Hq, Dh) act, Dh <= 256, Hq % Hk == 0; k_cache, v_cache (num_blocks, block_size, Hk,
+   Dh) in act_dtype; block_tables (B, max_blocks) int32; context_lens (B,) int32; query_start (B+1,) int32,
+   query_start[B] == T. Row i of sequence b is its position context_lens[b] - qlen_b + i and attends causally
+   to positions 0 .. that position. out (T, Hq, Dh) act. workspace: device memory of at least
+   pl_attention_workspace_bytes(T, Hq, Dh, max_blocks, block_size) bytes (0 = none needed), which is
+       splits == 1 ? 0 : T * Hq * splits * (Dh + 2) * 4,
+       splits = T * Hq >= 4096 ? 1 : clamp(min(ceil(4096 / (T * Hq)), max_blocks * block_size / 64), 1, 64).
+   Each row divides its own visible positions among the splits. A row with no visible position gives 0. */
+int64_t pl_attention_workspace_bytes(int64_t T, int32_t Hq, int32_t Dh, int32_t max_blocks, int32_t block_size);
+int pl_attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
+                 uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
+                 int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B, float scale,
+                 uint64_t out, uint64_t workspace, int64_t workspace_bytes, uint64_t stream);
+/* Depthwise causal conv1d + SiLU. x (T, C) act; w (C, W) of w_dtype, 2 <= W <= 8; conv_state (S, C, W-1) of
+   state_dtype (0/1/2), read and updated at slot slot_ids[b] (int32); query_start (B+1,) int32. out (T, C). */
+int pl_conv1d(uint64_t x, int32_t act_dtype, int64_t T, int32_t C, uint64_t w, int32_t w_dtype, int32_t W,
+              uint64_t conv_state, int32_t state_dtype, uint64_t slot_ids, uint64_t query_start, int32_t B,
+              uint64_t out, uint64_t stream);
+/* a, b (T, Hv) act; A_log, dt_bias (Hv,) of param_dtype -> g, beta (T, Hv) fp32:
+   g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b). */
+int pl_gdn_gates(uint64_t a, uint64_t b, int32_t act_dtype, int64_t T, int32_t Hv, uint64_t A_log,
+                 uint64_t dt_bias, int32_t param_dtype, uint64_t g, uint64_t beta, uint64_t stream);
+/* Gated delta rule (sequential per token). q, k (T, Hk, Dk) act (L2-normalised inside, q scaled by Dk^-0.5),
+   Dk <= 256; v (T, Hv, Dv) act; g, beta (T, Hv) fp32; state (S, Hv, Dk, Dv) fp32 read from and written back to
+   slot slot_ids[b]; query_start (B+1,) int32. out (T, Hv, Dv) act. */
+int pl_gated_delta(uint64_t q, uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk, int32_t Hv,
+                   int32_t Dk, int32_t Dv, uint64_t g, uint64_t beta, uint64_t state, uint64_t slot_ids,
+                   uint64_t query_start, int32_t B, uint64_t out, uint64_t stream);
+/* out (rows, D) act = w * x * rsqrt(mean(x^2) + eps) * silu(z), per row (rows = T * Hv, D = Dv). */
+int pl_gated_rmsnorm(uint64_t x, uint64_t z, uint64_t w, int32_t w_dtype, uint64_t out, int32_t act_dtype,
+                     int64_t rows, int32_t D, float eps, uint64_t stream);
+
+/* ---- end ops ---- */
+
+/* ---- cdef end ---- */
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* POCKETLLM_H */

@@ -1,0 +1,264 @@
+"""The GPU check's Python steps (called by tests/gpu/check.sh; each prints what it measured and writes JSON).
+
+    python tests/gpu/gpu_check.py prereqs LOGDIR   # torch CUDA, GPU, cffi, nvcc, NCCL, the library: what is missing
+    python tests/gpu/gpu_check.py load LOGDIR      # the native library loads and native_status() is ok
+    python tests/gpu/gpu_check.py nccl LOGDIR      # a one-rank communicator: unique id, init, all-reduce, destroy
+    python tests/gpu/gpu_check.py bench LOGDIR     # kernel bandwidth vs measured copy bandwidth, 27B decode shapes
+    python tests/gpu/gpu_check.py decode LOGDIR    # decode tokens/s at batch 1 and 8, 27B shapes, 4 layers
+
+Timing: CUDA events around each call after warm-up, the median of many runs. Bandwidth = the bytes a kernel
+must move at least (weights, KV cache or recurrent state read, outputs written) / median time; the copy
+bandwidth is a device-to-device copy of 2 GiB (read + write counted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def save(logdir: Path, name: str, data: dict) -> None:
+    (logdir / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+# ---- Prerequisites: say exactly what is missing instead of failing deep inside a test ----
+
+def prereqs(logdir: Path) -> int:
+    info, missing = {}, []
+    info["python"] = platform.python_version()
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info["gpu"] = f"{p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs)"
+        else:
+            missing.append("torch reports no CUDA device (torch.cuda.is_available() is False)")
+    except ImportError:
+        missing.append("torch is not installed")
+    try:
+        import cffi
+        info["cffi"] = cffi.__version__
+    except ImportError:
+        missing.append("cffi is not installed (pip install cffi)")
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        q = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+        info["nvidia_smi"] = q.stdout.strip()
+    import build
+    info["nvcc"] = build.find_nvcc() or "not found (the prebuilt library must load as it is)"
+    lib = ROOT / "build" / "libpocketllm.so"
+    info["library"] = str(lib) if lib.exists() else "not built"
+    if not lib.exists() and not build.find_nvcc():
+        missing.append("build/libpocketllm.so is not there and nvcc is not available to build it")
+    try:
+        import nvidia.nccl  # noqa: F401
+        info["nccl"] = "nvidia-nccl wheel"
+    except ImportError:
+        info["nccl"] = "no nvidia-nccl wheel; libnccl.so.2 from the system search path if any"
+    info["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip() or "unknown"
+    info["missing"] = missing
+    save(logdir, "prereqs", info)
+    for k, v in info.items():
+        print(f"{k:12s} {v}")
+    return 1 if missing else 0
+
+
+def load(logdir: Path) -> int:
+    import pocketllm
+    ok, why = pocketllm.native_status("cuda")
+    save(logdir, "load", {"ok": ok, "reason": why})
+    print(("ok: " if ok else "FAILED: ") + why)
+    return 0 if ok else 1
+
+
+# ---- NCCL: one GPU means one rank, which still exercises every call ----
+
+def nccl(logdir: Path) -> int:
+    import torch
+    import pocketllm
+    ops = pocketllm.NativeOps("cuda")
+    ok, why = pocketllm.nccl_status(ops.lib)
+    result = {"available": ok, "reason": why}
+    if ok:
+        uid = ops.nccl_unique_id()
+        comm = ops.nccl_init(uid, 1, 0, torch.cuda.current_device())
+        for dtype in (torch.float16, torch.float32):
+            x = torch.randn(5120 * 8, device="cuda").to(dtype)
+            before = x.clone()
+            ops.all_reduce(x, comm)
+            torch.cuda.synchronize()
+            result[f"all_reduce_{dtype}"] = bool(torch.equal(x, before))   # the sum over one rank
+        ops.nccl_destroy(comm)
+    save(logdir, "nccl", result)
+    print(result)
+    return 0 if ok and all(v for k, v in result.items() if k.startswith("all_reduce")) else 1
+
+
+# ---- Kernel benchmarks on the 27B decode shapes (TP1), each against the measured copy bandwidth ----
+
+def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    import torch
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 2 GiB device-to-device copy, read + write."""
+    import torch
+    src = torch.empty(2 ** 30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), iters=10)
+    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+
+
+LINEARS_27B = {   # name: (N, K) at TP1
+    "mlp.gate/up": (17408, 5120), "mlp.down": (5120, 17408), "attn.q(+gate)": (12288, 5120),
+    "attn.k/v": (1024, 5120), "attn.o": (5120, 6144), "gdn.in_proj_qkv": (10240, 5120),
+    "gdn.in_proj_z": (6144, 5120), "gdn.out_proj": (5120, 6144),
+}
+
+
+def bench(logdir: Path) -> int:
+    import torch
+    import pocketllm
+    torch.manual_seed(0)
+    ops, act = pocketllm.NativeOps("cuda"), torch.float16
+    copy = copy_bandwidth()
+    rows = [{"kernel": "device copy", "shape": "2 GiB", "batch": "-", "ms": None, "GB/s": copy, "% of copy": 100.0}]
+
+    def row(kernel, shape, batch, nbytes, fn):
+        ms = median_ms(fn)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        rows.append({"kernel": kernel, "shape": shape, "batch": batch, "ms": ms, "GB/s": gbs,
+                     "% of copy": 100 * gbs / copy})
+        print(f"{kernel:28s} {shape:22s} B={batch:<3} {ms:8.4f} ms {gbs:8.1f} GB/s {100 * gbs / copy:5.1f}%",
+              flush=True)
+
+    for name, (N, K) in LINEARS_27B.items():
+        w = pocketllm.Linear(weight=(torch.randn(N, K, device="cuda") * 0.5).to(torch.float8_e4m3fn),
+                             scale=torch.rand((N + 127) // 128, (K + 127) // 128, device="cuda") * 0.01)
+        for B in (1, 8):
+            x = torch.randn(B, K, device="cuda").to(act)
+            nbytes = N * K + w.scale.numel() * 4 + B * (K + N) * 2
+            row(f"FP8 GEMV {name}", f"{N}x{K}", B, nbytes, lambda: ops.linear(x, w))
+        del w
+    head = pocketllm.Linear(weight=torch.randn(248320, 5120, device="cuda").to(torch.bfloat16))
+    for B in (1, 8):
+        x = torch.randn(B, 5120, device="cuda").to(act)
+        row("bf16 GEMV lm_head", "248320x5120", B, 248320 * 5120 * 2 + B * (5120 + 248320) * 2,
+            lambda: ops.linear(x, head))
+    del head
+
+    # Decode attention at 4k context: 24 q heads, 4 kv heads, head_dim 256, fp16 KV, block size 16.
+    ctx, bs, Hq, Hk, Dh = 4096, 16, 24, 4, 256
+    for B in (1, 8):
+        nblk = ctx // bs
+        k_cache = torch.randn(B * nblk, bs, Hk, Dh, device="cuda").to(act)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.arange(B * nblk, device="cuda", dtype=torch.int32).view(B, nblk)
+        lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+        qs = torch.arange(B + 1, device="cuda", dtype=torch.int32)
+        q = torch.randn(B, Hq, Dh, device="cuda").to(act)
+        nbytes = 2 * B * ctx * Hk * Dh * 2 + 2 * B * Hq * Dh * 2
+        row("decode attention", f"ctx {ctx}, 24/4 heads", B, nbytes,
+            lambda: ops.attention(q, k_cache, v_cache, tables, lens, qs, Dh ** -0.5))
+        del k_cache, v_cache
+
+    # GDN decode: 16 key heads, 48 value heads, 128 x 128 fp32 state per head, read and written every step.
+    Hk_, Hv, Dk, Dv = 16, 48, 128, 128
+    for B in (1, 8):
+        state = torch.randn(B, Hv, Dk, Dv, device="cuda") * 0.01
+        slots = torch.arange(B, device="cuda", dtype=torch.int32)
+        qs = torch.arange(B + 1, device="cuda", dtype=torch.int32)
+        qk = torch.randn(B, Hk_, Dk, device="cuda").to(act)
+        v = torch.randn(B, Hv, Dv, device="cuda").to(act)
+        g = -torch.rand(B, Hv, device="cuda")
+        beta = torch.rand(B, Hv, device="cuda")
+        nbytes = 2 * B * Hv * Dk * Dv * 4
+        row("GDN decode (delta rule)", "48 heads 128x128", B, nbytes,
+            lambda: ops.gated_delta(qk, qk, v, g, beta, state, slots, qs))
+    save(logdir, "bench", {"copy_GBps": copy, "rows": rows})
+    return 0
+
+
+# ---- Decode tokens/s: a synthetic checkpoint with the 27B shapes and 4 layers (3 GDN + 1 full attention) ----
+
+def decode(logdir: Path) -> int:
+    import tempfile
+    import torch
+    import checkpoints
+    import pocketllm
+    t0 = time.time()
+    shapes = dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4,
+                  head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                  linear_value_head_dim=128, num_hidden_layers=4,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"])
+    with tempfile.TemporaryDirectory() as d:
+        path, ref = checkpoints.make_checkpoint(Path(d), "qwen3_5", fp8=True, **shapes)
+        del ref
+        made = time.time() - t0
+        result = {"checkpoint_s": made, "layers": 4, "extrapolated_to": 64}
+        llm = pocketllm.LLM(path, backend="native", device="cuda", dtype="float16", quiet=True,
+                            max_context=1024, max_batch_size=8)
+        prompt = list(range(5, 69))
+        for B in (1, 8):
+            def run(n):
+                streams = [llm.submit(prompt, pocketllm.SamplingParams(max_tokens=n, temperature=0,
+                                                                       ignore_eos=True)) for _ in range(B)]
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for s in streams:
+                    for _ in s:
+                        pass
+                torch.cuda.synchronize()
+                return time.perf_counter() - t
+            run(4)                                     # warm-up
+            short, long = run(8), run(40)
+            step_ms = (long - short) / 32 * 1e3        # per decode step, prefill cancelled out
+            # 4 of 64 layers: the per-layer part scales by 16 (the 3:1 GDN:attention pattern is the model's);
+            # embedding, sampling and engine overhead are counted 16 times too, so this is a lower bound.
+            result[f"batch{B}"] = {"step_ms_4_layers": step_ms, "step_ms_64_layers_est": step_ms * 16,
+                                   "tok_per_s_est": B * 1e3 / (step_ms * 16)}
+            print(f"batch {B}: {step_ms:.2f} ms per step with 4 layers -> ~{step_ms * 16:.1f} ms with 64 "
+                  f"-> ~{B * 1e3 / (step_ms * 16):.1f} tok/s (lm_head of the real vocab not included)", flush=True)
+    save(logdir, "decode", result)
+    return 0
+
+
+def main() -> int:
+    step, logdir = sys.argv[1], Path(sys.argv[2])
+    logdir.mkdir(parents=True, exist_ok=True)
+    if step in ("nccl", "bench", "decode"):
+        import torch
+        if not torch.cuda.is_available():
+            print(f"{step}: skipped, torch sees no CUDA GPU")
+            return 1
+    return {"prereqs": prereqs, "load": load, "nccl": nccl, "bench": bench, "decode": decode}[step](logdir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The native library builds, exports its C ABI, and fails clearly where it cannot run (CI has no GPU).
+
+- `python build.py` (nvcc, sm_75 + sm_90) exports exactly the functions csrc/pocketllm.h declares;
+- without a GPU, loading it works but asking for a device gives a clear error, and `auto` picks torch;
+- the CPU test build compiles, loads through the same cffi path, and says NCCL is unavailable.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import build as builder  # noqa: E402
+import pocketllm  # noqa: E402
+
+
+def declared_functions() -> set[str]:
+    cdef = pocketllm.native_cdef((ROOT / "csrc" / "pocketllm.h").read_text())
+    return set(re.findall(r"\b(pl_\w+)\s*\(", cdef))
+
+
+def exported_functions(lib: Path) -> set[str]:
+    nm = shutil.which("nm")
+    if not nm:
+        pytest.skip("nm (binutils) not found")
+    out = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.split()[1:2] == ["T"]}
+
+
+@pytest.fixture(scope="session")
+def cuda_build() -> Path:
+    if not builder.find_nvcc():
+        pytest.skip("nvcc not found: the CUDA build cannot be checked here")
+    return builder.build(arch=builder.DEFAULT_ARCH, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def cpu_build() -> Path:
+    return builder.build(cpu=True, quiet=True)
+
+
+def test_header_is_plain_c_for_cffi():
+    cdef = pocketllm.native_cdef((ROOT / "csrc" / "pocketllm.h").read_text())
+    assert not [line for line in cdef.splitlines() if line.strip().startswith("#")]
+    assert {"pl_abi_version", "pl_last_error", "pl_device_count", "pl_nccl_all_reduce_sum"} <= declared_functions()
+    import cffi
+    cffi.FFI().cdef(cdef)                                   # parses
+
+
+def test_cuda_build_exports_exactly_the_abi(cuda_build):
+    exported = exported_functions(cuda_build)
+    assert declared_functions() <= exported, f"declared but not exported: {declared_functions() - exported}"
+    # Nothing else leaks: in particular not the statically linked CUDA runtime, which would clash with torch's.
+    assert exported == declared_functions(), f"exported beyond the ABI: {sorted(exported - declared_functions())}"
+
+
+def test_cuda_build_is_cached_and_targets_both_archs(cuda_build):
+    builder.build(arch=builder.DEFAULT_ARCH, quiet=True)     # up to date with the sources as they are now
+    before = cuda_build.stat().st_mtime_ns
+    assert builder.build(arch=builder.DEFAULT_ARCH, quiet=True) == cuda_build
+    assert cuda_build.stat().st_mtime_ns == before          # nothing changed, nothing rebuilt
+    flags = " ".join(builder.compile_command(False, builder.DEFAULT_ARCH, Path("x.cu"), Path("x.o")))
+    assert "code=sm_75" in flags and "code=sm_90" in flags and "code=compute_75" in flags
+    data = cuda_build.read_bytes()
+    assert b"sm_75" in data and b"sm_90" in data            # the embedded cubins name their targets
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU; tests/gpu covers it")
+def test_without_gpu_the_error_is_clear_and_auto_picks_torch(cuda_build):
+    lib = pocketllm.load_native()
+    assert lib.lib.pl_abi_version() == pocketllm.NATIVE_ABI_VERSION and not lib.is_cpu_build
+    with pytest.raises(pocketllm.PocketError, match="no usable GPU|no CUDA-capable device"):
+        lib.device_count()
+    ok, why = pocketllm.native_status("cuda")
+    assert not ok and "pl_device_count" in why
+    ops, reason = pocketllm.select_ops(pocketllm.EngineOptions(backend="auto", device="cuda"), torch.device("cuda"))
+    assert ops.name == "torch" and "no usable GPU" in reason
+    with pytest.raises(pocketllm.PocketError, match="--backend native: .*no usable GPU"):
+        pocketllm.select_ops(pocketllm.EngineOptions(backend="native", device="cuda"), torch.device("cuda"))
+
+
+def test_cpu_device_uses_the_cpu_build_only_when_asked(cpu_build, monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("POCKETLLM_NATIVE_CPU", raising=False)
+    ops, reason = pocketllm.select_ops(pocketllm.EngineOptions(backend="auto"), cpu)
+    assert ops.name == "torch" and "needs a CUDA device" in reason
+    monkeypatch.setenv("POCKETLLM_NATIVE_CPU", "1")
+    ops, reason = pocketllm.select_ops(pocketllm.EngineOptions(backend="native"), cpu)
+    assert ops.name == "native" and ops.lib.is_cpu_build
+
+
+def test_missing_library_says_how_to_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("POCKETLLM_NATIVE_LIB", str(tmp_path / "libpocketllm.so"))
+    ok, why = pocketllm.native_status("cuda")
+    assert not ok and "not found" in why and "python build.py" in why
+
+
+def test_abi_version_mismatch_is_refused(cpu_build, monkeypatch):
+    monkeypatch.setattr(pocketllm, "NATIVE_ABI_VERSION", pocketllm.NATIVE_ABI_VERSION + 1)
+    with pytest.raises(pocketllm.PocketError, match="ABI version"):
+        pocketllm.NativeLibrary(cpu_build)
+
+
+def test_cpu_build_loads_through_the_same_path(cpu_build):
+    assert exported_functions(cpu_build) >= declared_functions()
+    lib = pocketllm.load_native(cpu_build=True)
+    assert lib.is_cpu_build and lib.path == cpu_build.resolve()
+    with pytest.raises(pocketllm.PocketError, match="CPU test build"):
+        lib.device_count()
+    ops = pocketllm.NativeOps("cpu")
+    assert ops.nccl_available() is False
+    with pytest.raises(pocketllm.PocketError, match="tensor parallelism needs NCCL: .*not available in the CPU"):
+        ops.nccl_unique_id()
+    # an op end to end, and the error path with the library's message
+    x, w = torch.randn(3, 64), torch.randn(64)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    torch.testing.assert_close(ops.rmsnorm(x, w, 1e-6), ref, rtol=1e-5, atol=1e-5)
+    xt = x.t().contiguous().t()                             # a strided view of the same values is accepted
+    torch.testing.assert_close(ops.rmsnorm(xt, w, 1e-6), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(pocketllm.PocketError, match="must be contiguous"):
+        ops.add_rmsnorm(x, torch.zeros(64, 3).t(), w, 1e-6)   # but a tensor written in place must be contiguous
+    with pytest.raises(pocketllm.NativeError, match=r"pl_\w+ \(\w+\.cu:\d+\)"):
+        ops.rmsnorm(x.long(), w, 1e-6)                      # an activation dtype the library refuses
+
+
+PROMPTS = [[5 + (i * 7 + j * 13) % 380 for j in range(3 + 12 * i)] for i in range(3)]   # 3, 15, 27 tokens
+
+
+def test_cpu_build_greedy_parity_end_to_end(ckpt_factory, cpu_build, monkeypatch):
+    """The whole model through NativeOps on the CPU build (fp32) gives the torch backend's greedy tokens for 32
+    steps: one prompt alone, then all three batched with chunked prefill (an 8-token budget splits prompts)."""
+    path, _ = ckpt_factory("qwen3_5", fp8=True)
+    monkeypatch.setenv("POCKETLLM_NATIVE_CPU", "1")
+    opts = {"quiet": True, "max_context": 128, "max_batch_size": 4}
+    sampling = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    torch_llm = pocketllm.LLM(path, backend="torch", **opts)
+    native_llm = pocketllm.LLM(path, backend="native", prefill_token_budget=8, **opts)
+    assert native_llm.model.ops.name == "native" and native_llm.model.ops.lib.is_cpu_build
+    expect = [torch_llm.generate(p, **sampling)["token_ids"] for p in PROMPTS]
+    assert all(len(e) == 32 for e in expect)
+    assert native_llm.generate(PROMPTS[2], **sampling)["token_ids"] == expect[2]
+    streams = [native_llm.submit(p, pocketllm.SamplingParams(**sampling)) for p in PROMPTS]
+    assert [[t for ev in s for t in ev.token_ids] for s in streams] == expect

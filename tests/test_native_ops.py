@@ -1,0 +1,568 @@
+"""Every native op (csrc/*.cu through the C ABI) against an independent float64 reference.
+
+Runs on the CPU build (build.py --cpu: the same kernels through the execution layer of csrc/runtime.cuh, with
+AddressSanitizer) on every CI run, and on the CUDA build with cuda tensors when a GPU is present. Inputs are
+random and non-zero; every output is poisoned with NaN first, so an element a kernel fails to write fails the
+test. Shapes include ragged sizes (N, K not multiples of 128; odd T) and the TP-sharded head counts of the 27B
+model at small head dims.
+
+Tolerances (max |out - ref| / max |ref|): fp32 activations 2e-5 (the reference is float64 on the same inputs;
+differences are fp32 summation order), fp16 activations 2e-3 (one fp16 rounding of the output, about 5e-4,
+plus fp16 inputs rounded where the kernel rounds them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+F32, F16, BF16, E4M3 = 0, 1, 2, 3
+CODE = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16, torch.float8_e4m3fn: E4M3}
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+# ---- Loading the library: the header's cdef block through cffi's ABI mode, as pocketllm.py does. ----------
+
+def _cdef_text() -> str:
+    text = (ROOT / "csrc" / "pocketllm.h").read_text()
+    return text.split("/* ---- cdef begin ---- */")[1].split("/* ---- cdef end ---- */")[0]
+
+
+class Lib:
+    """The C library for one device: call(name, *args) raises with pl_last_error() on a nonzero status."""
+
+    def __init__(self, path: Path, device: str):
+        import cffi
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(_cdef_text())
+        self.lib = self.ffi.dlopen(str(path))
+        self.device = device
+
+    def stream(self) -> int:
+        return torch.cuda.current_stream().cuda_stream if self.device == "cuda" else 0
+
+    def call(self, name: str, *args) -> None:
+        rc = getattr(self.lib, name)(*args, self.stream())
+        if rc != 0:
+            raise RuntimeError(f"{name}: {self.ffi.string(self.lib.pl_last_error()).decode()}")
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+def _load(device: str) -> Lib:
+    import build
+    if device == "cpu":
+        # Loaded without LD_PRELOAD of libasan: stack/global/shared-memory checks stay on (see build.py).
+        os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=0:verify_asan_link_order=0")
+        return Lib(build.build(cpu=True, quiet=True), "cpu")
+    return Lib(build.build(quiet=True), "cuda")
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="no CUDA GPU on this machine"))]
+_LIBS: dict[str, Lib] = {}
+
+
+@pytest.fixture(params=DEVICES)
+def lib(request) -> Lib:
+    if request.param not in _LIBS:
+        _LIBS[request.param] = _load(request.param)
+    return _LIBS[request.param]
+
+
+def p(t: torch.Tensor) -> int:
+    assert t.is_contiguous()
+    return t.data_ptr()
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def rnd(*shape, dtype=torch.float32, device="cpu", scale=1.0, gen=None) -> torch.Tensor:
+    """Random normal values bounded away from zero (no accidental zeros hide an unread input)."""
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    x = torch.where(x.abs() < 0.05, torch.full_like(x, 0.05) * torch.sign(x + 1e-30), x)
+    return (x * scale).to(dtype).to(device)
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{what}: {int((~torch.isfinite(out)).sum())} non-finite (unwritten?) values"
+    err = (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
+ACTS = [torch.float32, torch.float16]
+
+
+# ---- Float64 references, written from the op table in briefs/native-ops.md. -------------------------------
+
+def ref_rmsnorm(x, w, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w.double())
+
+
+def dequant(w, scale):
+    N, K = w.shape
+    if scale is None:
+        return w.double()
+    s = scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K]
+    return w.double() * s
+
+
+def ref_rope(x, positions, inv_freq):
+    x = x.clone()
+    half = inv_freq.numel()
+    ang = (positions.float()[:, None] * inv_freq.float()[None, :]).double()  # (T, R/2), fp32 product as in HF
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    a, b = x[..., :half].clone(), x[..., half:2 * half].clone()
+    x[..., :half] = a * cos - b * sin
+    x[..., half:2 * half] = b * cos + a * sin
+    return x
+
+
+def ref_attention(q, k_cache, v_cache, block_tables, context_lens, query_start, scale):
+    T, Hq, Dh = q.shape
+    Hk = k_cache.shape[2]
+    bs = k_cache.shape[1]
+    out = torch.zeros(T, Hq, Dh, dtype=torch.float64)
+    for b in range(len(context_lens)):
+        ctx = int(context_lens[b])
+        q0, q1 = int(query_start[b]), int(query_start[b + 1])
+        pos = torch.arange(ctx)
+        slots = block_tables[b, pos // bs].long() * bs + pos % bs
+        K = k_cache.reshape(-1, Hk, Dh)[slots].double()                        # (ctx, Hk, Dh)
+        V = v_cache.reshape(-1, Hk, Dh)[slots].double()
+        for i in range(q1 - q0):
+            vis = ctx - (q1 - q0) + i + 1
+            for h in range(Hq):
+                kh = h // (Hq // Hk)
+                s = (K[:vis, kh] @ q[q0 + i, h].double()) * scale
+                out[q0 + i, h] = torch.softmax(s, 0) @ V[:vis, kh]
+    return out
+
+
+def ref_conv1d(x, w, conv_state, slot_ids, query_start):
+    W = w.shape[1]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    state = conv_state.double().clone()
+    for b in range(len(slot_ids)):
+        q0, q1 = int(query_start[b]), int(query_start[b + 1])
+        s = int(slot_ids[b])
+        xs = torch.cat([state[s].T, x[q0:q1].double()], 0)                    # (W-1 + rows, C)
+        for t in range(q1 - q0):
+            out[q0 + t] = F.silu((xs[t:t + W] * w.double().T).sum(0))
+        state[s] = xs[-(W - 1):].T
+    return out, state
+
+
+def ref_gated_delta(q, k, v, g, beta, state, slot_ids, query_start):
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    state = state.double().clone()
+    out = torch.zeros(T, Hv, Dv, dtype=torch.float64)
+    qn = q.double() * torch.rsqrt(q.double().pow(2).sum(-1, keepdim=True) + 1e-6) * Dk ** -0.5
+    kn = k.double() * torch.rsqrt(k.double().pow(2).sum(-1, keepdim=True) + 1e-6)
+    for b in range(len(slot_ids)):
+        s = int(slot_ids[b])
+        for t in range(int(query_start[b]), int(query_start[b + 1])):
+            for h in range(Hv):
+                kh = h // (Hv // Hk)
+                S = state[s, h] * math.exp(float(g[t, h]))
+                delta = float(beta[t, h]) * (v[t, h].double() - S.T @ kn[t, kh])
+                S = S + torch.outer(kn[t, kh], delta)
+                out[t, h] = S.T @ qn[t, kh]
+                state[s, h] = S
+    return out, state
+
+
+# ---- Elementwise and norms. --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_embed(lib, act, table_dtype):
+    dev = lib.device
+    V, D, T = 37, 96, 7
+    table = rnd(V, D, dtype=table_dtype, device=dev)
+    ids = torch.tensor([3, 0, 36, 5, 5, 17, 1], dtype=torch.int64, device=dev)
+    out = poisoned((T, D), act, dev)
+    lib.call("pl_embed", p(ids), T, p(table), CODE[table_dtype], V, D, p(out), CODE[act])
+    check(out, table.double()[ids], TOL[act], "embed")
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("T,D", [(1, 64), (5, 200), (3, 5120)])
+def test_rmsnorm(lib, act, T, D):
+    dev = lib.device
+    x, w = rnd(T, D, dtype=act, device=dev), rnd(D, device=dev, scale=0.3)
+    out = poisoned((T, D), act, dev)
+    lib.call("pl_rmsnorm", p(x), p(w), F32, p(out), CODE[act], T, D, 1e-6)
+    check(out, ref_rmsnorm(x, w, 1e-6), TOL[act], "rmsnorm")
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("T,D", [(1, 64), (7, 200)])
+def test_add_rmsnorm(lib, act, T, D):
+    dev = lib.device
+    x, w = rnd(T, D, dtype=act, device=dev), rnd(D, dtype=torch.bfloat16, device=dev, scale=0.3)
+    residual = rnd(T, D, device=dev, scale=3.0)
+    new_residual = residual.double() + x.double()
+    out = poisoned((T, D), act, dev)
+    lib.call("pl_add_rmsnorm", p(x), p(residual), p(w), BF16, p(out), CODE[act], T, D, 1e-6)
+    check(residual, new_residual, 1e-6, "add_rmsnorm residual")
+    check(out, ref_rmsnorm(new_residual, w, 1e-6), TOL[act], "add_rmsnorm normed")
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_silu_mul_sigmoid_mul(lib, act):
+    dev = lib.device
+    T, I = 5, 333
+    g, u = rnd(T, I, dtype=act, device=dev, scale=3), rnd(T, I, dtype=act, device=dev)
+    out = poisoned((T, I), act, dev)
+    lib.call("pl_silu_mul", p(g), p(u), p(out), CODE[act], T * I)
+    check(out, F.silu(g.double()) * u.double(), TOL[act], "silu_mul")
+    out = poisoned((T, I), act, dev)
+    lib.call("pl_sigmoid_mul", p(g), p(u), p(out), CODE[act], T * I)
+    check(out, g.double() * torch.sigmoid(u.double()), TOL[act], "sigmoid_mul")
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("Hq,Hk,Dh,R", [(6, 1, 64, 16), (4, 2, 32, 32), (3, 1, 256, 64)])
+def test_qk_norm_rope(lib, act, Hq, Hk, Dh, R):
+    dev = lib.device
+    T = 5
+    q, k = rnd(T, Hq, Dh, dtype=act, device=dev), rnd(T, Hk, Dh, dtype=act, device=dev, scale=2)
+    qw, kw = rnd(Dh, device=dev, scale=0.2), rnd(Dh, device=dev, scale=0.2)
+    positions = torch.tensor([0, 1, 7, 1000, 123456], dtype=torch.int64, device=dev)
+    inv_freq = (1e7 ** (-torch.arange(0, R, 2, dtype=torch.float32) / R)).to(dev)
+    q_out, k_out = poisoned(q.shape, act, dev), poisoned(k.shape, act, dev)
+    lib.call("pl_qk_norm_rope", p(q), p(k), p(q_out), p(k_out), CODE[act], T, Hq, Hk, Dh, p(qw), p(kw), F32,
+             1e-6, p(positions), p(inv_freq), R // 2)
+    ang_pos = positions.cpu()
+    check(q_out, ref_rope(ref_rmsnorm(q.cpu(), qw.cpu(), 1e-6), ang_pos, inv_freq.cpu()), TOL[act] * 2, "q")
+    check(k_out, ref_rope(ref_rmsnorm(k.cpu(), kw.cpu(), 1e-6), ang_pos, inv_freq.cpu()), TOL[act] * 2, "k")
+    # In place (outputs aliasing the inputs) gives the same result.
+    lib.call("pl_qk_norm_rope", p(q), p(k), p(q), p(k), CODE[act], T, Hq, Hk, Dh, p(qw), p(kw), F32,
+             1e-6, p(positions), p(inv_freq), R // 2)
+    assert torch.equal(q, q_out) and torch.equal(k, k_out)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_kv_write(lib, act):
+    dev = lib.device
+    T, Hk, Dh, nb, bs = 5, 2, 48, 4, 16
+    k, v = rnd(T, Hk, Dh, dtype=act, device=dev), rnd(T, Hk, Dh, dtype=act, device=dev)
+    k_cache, v_cache = poisoned((nb, bs, Hk, Dh), act, dev), poisoned((nb, bs, Hk, Dh), act, dev)
+    slots = torch.tensor([0, 17, 63, -1, 40], dtype=torch.int64, device=dev)
+    lib.call("pl_kv_write", p(k), p(v), CODE[act], T, Hk, Dh, p(k_cache), p(v_cache), CODE[act], p(slots))
+    kc, vc = k_cache.reshape(-1, Hk, Dh).cpu(), v_cache.reshape(-1, Hk, Dh).cpu()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(kc[s], k[t].cpu()) and torch.equal(vc[s], v[t].cpu())
+    written = set(s for s in slots.tolist() if s >= 0)
+    untouched = [s for s in range(nb * bs) if s not in written]
+    assert torch.isnan(kc[untouched]).all() and torch.isnan(vc[untouched]).all()
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gdn_gates(lib, act):
+    dev = lib.device
+    T, Hv = 7, 12
+    a, b = rnd(T, Hv, dtype=act, device=dev, scale=4), rnd(T, Hv, dtype=act, device=dev, scale=3)
+    a[0, 0] = 30.0                                               # the softplus linear branch
+    A_log, dt_bias = rnd(Hv, device=dev, scale=0.5), rnd(Hv, device=dev)
+    g, beta = poisoned((T, Hv), torch.float32, dev), poisoned((T, Hv), torch.float32, dev)
+    lib.call("pl_gdn_gates", p(a), p(b), CODE[act], T, Hv, p(A_log), p(dt_bias), F32, p(g), p(beta))
+    ref_g = -A_log.double().exp() * F.softplus(a.double() + dt_bias.double())
+    check(g, ref_g, 2e-6, "g")
+    check(beta, torch.sigmoid(b.double()), 2e-6, "beta")
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("Hv,Dv", [(12, 16), (3, 128)])
+def test_gated_rmsnorm(lib, act, Hv, Dv):
+    dev = lib.device
+    T = 3
+    x, z = rnd(T, Hv, Dv, dtype=act, device=dev), rnd(T, Hv, Dv, dtype=act, device=dev, scale=2)
+    w = rnd(Dv, device=dev)
+    out = poisoned(x.shape, act, dev)
+    lib.call("pl_gated_rmsnorm", p(x), p(z), p(w), F32, p(out), CODE[act], T * Hv, Dv, 1e-6)
+    xd = x.double()
+    ref = w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * F.silu(z.double())
+    check(out, ref, TOL[act], "gated_rmsnorm")
+
+
+# ---- Linear: FP8 block-scaled and dense weights; GEMV (T <= 16) and tiled (T > 16) paths. -----------------
+
+def fp8_weight(N, K, device, gen=None):
+    w = rnd(N, K, scale=60.0, gen=gen).clamp(-440, 440).to(torch.float8_e4m3fn)
+    scale = (torch.rand(-(-N // 128), -(-K // 128), generator=gen) * 0.01 + 0.001).to(torch.float32)
+    return w.to(device), scale.to(device)
+
+
+LINEAR_SHAPES = [  # (T, N, K): ragged N and K (K % 16 != 0 takes the element-wise paths), odd T, every path:
+    (1, 130, 256), (3, 257, 384), (12, 150, 320), (9, 40, 144),        # GEMV (fp16: tensor-core GEMV, 1-2 tiles)
+    (16, 64, 200), (5, 200, 136), (1, 96, 90),                         # GEMV, K % 16 != 0
+    (17, 130, 300), (40, 70, 128), (70, 200, 384)]                     # tiled (fp16: mma), ragged tiles
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("T,N,K", LINEAR_SHAPES)
+def test_linear_fp8(lib, act, T, N, K):
+    dev = lib.device
+    w, scale = fp8_weight(N, K, dev)
+    x = rnd(T, K, dtype=act, device=dev)
+    out = poisoned((T, N), act, dev)
+    lib.call("pl_linear", p(x), CODE[act], T, K, p(w), E4M3, p(scale), N, p(out))
+    ref = x.double().cpu() @ dequant(w.cpu().float(), scale.cpu()).T
+    check(out, ref, TOL[act], f"linear fp8 T={T} N={N} K={K}")
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("T,N,K", [(2, 48, 80), (19, 33, 70), (33, 96, 256)])
+def test_linear_dense(lib, act, wdt, T, N, K):
+    dev = lib.device
+    w = rnd(N, K, dtype=wdt, device=dev, scale=0.1)
+    x = rnd(T, K, dtype=act, device=dev)
+    out = poisoned((T, N), act, dev)
+    lib.call("pl_linear", p(x), CODE[act], T, K, p(w), CODE[wdt], 0, N, p(out))
+    check(out, x.double().cpu() @ w.double().cpu().T, TOL[act], "linear dense")
+
+
+@pytest.mark.parametrize("T", [2, 24])
+def test_mlp_large_activations_fp16(lib, T):
+    """Real-scale activations on the fp16 path: partial sums far above fp16's 65504 must not overflow when the
+    result fits (fp32 accumulation), and norms of rows with |x| ~ 1e4 must stay finite (fp32 arithmetic)."""
+    dev, act = lib.device, torch.float16
+    N, K = 96, 512
+    gen = torch.Generator().manual_seed(7)
+    # Pairs of columns cancel: sum_k x_k w_nk is small although sum |x_k w_nk| ~ 1e6.
+    x = rnd(T, K // 2, gen=gen, scale=3000.0).clamp(-60000, 60000)
+    x = torch.stack([x, x], -1).reshape(T, K).to(act)
+    w, scale = fp8_weight(N, K, "cpu", gen=gen)
+    wf = w.float().reshape(N, K // 2, 2)
+    wf[..., 1] = -wf[..., 0] * 0.999
+    w = wf.reshape(N, K).to(torch.float8_e4m3fn)
+    w, scale, x = w.to(dev), scale.to(dev), x.to(dev)
+    out = poisoned((T, N), act, dev)
+    lib.call("pl_linear", p(x), F16, T, K, p(w), E4M3, p(scale), N, p(out))
+    ref = x.double().cpu() @ dequant(w.cpu().float(), scale.cpu()).T
+    assert ref.abs().max() < 60000
+    check(out, ref, 3e-3, "linear with large partial sums")
+    # SwiGLU of large gate/up values whose product still fits fp16.
+    g = torch.tensor([[-2e4, -80.0, 200.0, 250.0, 30000.0]], dtype=act, device=dev)
+    u = torch.tensor([[3e4, 500.0, 300.0, -250.0, 2.0]], dtype=act, device=dev)
+    out = poisoned(g.shape, act, dev)
+    lib.call("pl_silu_mul", p(g), p(u), p(out), F16, g.numel())
+    check(out, F.silu(g.double()) * u.double(), 2e-3, "silu_mul large")
+    # rmsnorm / add_rmsnorm of rows with |x| ~ 1e4 (sum of squares ~ 1e11).
+    D = 256
+    x = rnd(2, D, dtype=act, device=dev, scale=2e4).clamp(-60000, 60000)
+    residual = rnd(2, D, device=dev, scale=1e5)
+    new_residual = residual.double() + x.double()
+    w = rnd(D, device=dev, scale=0.2)
+    out = poisoned((2, D), act, dev)
+    lib.call("pl_add_rmsnorm", p(x), p(residual), p(w), F32, p(out), F16, 2, D, 1e-6)
+    check(out, ref_rmsnorm(new_residual, w, 1e-6), 2e-3, "add_rmsnorm large")
+
+
+# ---- Paged attention: prefill (cached prefix + new rows, varlen) and decode (split-K). --------------------
+
+def attention_case(dev, act, Hq, Hk, Dh, ctx_lens, q_lens, max_blocks, bs=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    B = len(ctx_lens)
+    num_blocks = B * max_blocks + 3
+    k_cache = rnd(num_blocks, bs, Hk, Dh, dtype=act, gen=gen)
+    v_cache = rnd(num_blocks, bs, Hk, Dh, dtype=act, gen=gen)
+    perm = torch.randperm(num_blocks, generator=gen)[:B * max_blocks]
+    block_tables = perm.reshape(B, max_blocks).to(torch.int32)
+    context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    query_start = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    T = int(query_start[-1])
+    q = rnd(T, Hq, Dh, dtype=act, gen=gen)
+    ref = ref_attention(q, k_cache, v_cache, block_tables, context_lens, query_start, Dh ** -0.5)
+    to = lambda t: t.to(dev)
+    return [to(t) for t in (q, k_cache, v_cache, block_tables, context_lens, query_start)], ref
+
+
+def run_attention(lib, act, tensors, max_blocks, bs=16):
+    q, k_cache, v_cache, block_tables, context_lens, query_start = tensors
+    T, Hq, Dh = q.shape
+    Hk, B = k_cache.shape[2], len(context_lens)
+    nbytes = lib.lib.pl_attention_workspace_bytes(T, Hq, Dh, max_blocks, bs)
+    ws = poisoned((max(nbytes // 4, 1),), torch.float32, lib.device)
+    out = poisoned((T, Hq, Dh), act, lib.device)
+    lib.call("pl_attention", p(q), CODE[act], T, Hq, Hk, Dh, p(k_cache), p(v_cache), bs, p(block_tables),
+             max_blocks, p(context_lens), p(query_start), B, Dh ** -0.5, p(out), p(ws), nbytes)
+    return out, nbytes
+
+
+ATTN_CASES = [  # (Hq, Hk, Dh, context lens, query lens, max_blocks, expect split-K)
+    (6, 1, 64, [1, 37, 300], [1, 1, 1], 40, True),             # decode, TP4 27B heads, splits of 256
+    (4, 2, 32, [16, 513], [1, 1], 64, True),                   # decode, exact block edge, 4 splits
+    (2, 1, 256, [20, 5], [1, 1], 2, False),                    # decode at head_dim 256, one split
+    (6, 1, 64, [9, 40], [9, 7], 4, False),                     # prefill: fresh prompt + cached prefix
+    (4, 2, 32, [33, 18, 1], [5, 18, 1], 3, False),             # mixed prefill/decode rows
+    (3, 1, 32, [290, 17], [11, 17], 20, True),                 # chunked prefill with split-K
+    (16, 2, 16, [40, 30], [37, 29], 3, False),                 # many rows, short block table: one split
+    (10, 1, 48, [20, 3], [4, 1], 2, False),                    # GQA group > 8 (two chunks), ragged head_dim
+]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("Hq,Hk,Dh,ctx,ql,mb,split", ATTN_CASES)
+def test_attention(lib, act, Hq, Hk, Dh, ctx, ql, mb, split):
+    tensors, ref = attention_case(lib.device, act, Hq, Hk, Dh, ctx, ql, mb)
+    out, nbytes = run_attention(lib, act, tensors, mb)
+    assert (nbytes > 0) == split
+    check(out, ref, TOL[act] * 2, "attention")
+
+
+def test_attention_rejects_small_workspace(lib):
+    tensors, _ = attention_case(lib.device, torch.float32, 6, 1, 64, [300], [1], 40)
+    q, k_cache, v_cache, bt, cl, qs = tensors
+    out = poisoned(q.shape, torch.float32, lib.device)
+    with pytest.raises(RuntimeError, match="workspace"):
+        lib.call("pl_attention", p(q), F32, 1, 6, 1, 64, p(k_cache), p(v_cache), 16, p(bt), 40, p(cl), p(qs), 1,
+                 0.125, p(out), 0, 0)
+
+
+# ---- Gated DeltaNet: conv1d and the delta rule, prefill then decode continuing from the same state. --------
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("W", [4, 2])
+def test_conv1d(lib, act, W):
+    dev = lib.device
+    C, S = 40, 5
+    w = rnd(C, W, device=dev, scale=0.5)
+    state = rnd(S, C, W - 1, dtype=act, device=dev)
+    slot_ids = torch.tensor([3, 0, 4], dtype=torch.int32, device=dev)
+    for q_lens in ([6, 1, 2], [1, 1, 1], [70, 0, 5]):          # prefill (ragged), decode, rows past a 64-row chunk
+        query_start = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+        T = sum(q_lens)
+        x = rnd(T, C, dtype=act, device=dev)
+        ref, ref_state = ref_conv1d(x.cpu(), w.cpu(), state.cpu(), slot_ids.cpu(), query_start.cpu())
+        out = poisoned((T, C), act, dev)
+        lib.call("pl_conv1d", p(x), CODE[act], T, C, p(w), F32, W, p(state), CODE[act], p(slot_ids),
+                 p(query_start), 3, p(out))
+        check(out, ref, TOL[act], "conv1d out")
+        check(state, ref_state, 1e-7 if act == torch.float32 else 1e-3, "conv1d state")
+
+
+GDN_CASES = [(4, 12, 16, 16), (1, 3, 32, 40), (2, 2, 128, 128)]    # (Hk, Hv, Dk, Dv): TP4 27B heads, ragged Dv
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", GDN_CASES)
+def test_gated_delta(lib, act, Hk, Hv, Dk, Dv):
+    dev = lib.device
+    S = 4
+    gen = torch.Generator().manual_seed(1)
+    state = rnd(S, Hv, Dk, Dv, gen=gen, scale=0.1).to(dev)
+    slot_ids = torch.tensor([2, 0], dtype=torch.int32, device=dev)
+    lens = [[5, 3], [1, 1]] if Dk < 128 else [[3, 2], [1, 1]]   # prefill, then a decode step
+    for q_lens in lens:
+        query_start = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+        T = sum(q_lens)
+        q, k = rnd(T, Hk, Dk, dtype=act, gen=gen).to(dev), rnd(T, Hk, Dk, dtype=act, gen=gen).to(dev)
+        v = rnd(T, Hv, Dv, dtype=act, gen=gen).to(dev)
+        g = (-torch.rand(T, Hv, generator=gen) * 2).to(dev)
+        beta = torch.rand(T, Hv, generator=gen).to(dev)
+        ref, ref_state = ref_gated_delta(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), state.cpu(),
+                                         slot_ids.cpu(), query_start.cpu())
+        out = poisoned((T, Hv, Dv), act, dev)
+        lib.call("pl_gated_delta", p(q), p(k), p(v), CODE[act], T, Hk, Hv, Dk, Dv, p(g), p(beta), p(state),
+                 p(slot_ids), p(query_start), 2, p(out))
+        check(out, ref, TOL[act] * 2, "gated_delta out")
+        check(state, ref_state, 2e-5 if act == torch.float32 else 2e-3, "gated_delta state")
+
+
+# ---- The Python binding: pocketllm.NativeOps on the CPU build against pocketllm.TorchOps, op by op. --------
+# (NativeOps allocates its outputs with torch.empty, so poisoning is left to the tests above.)
+
+def _pocketllm():
+    import pocketllm
+    if not hasattr(pocketllm, "TorchOps") or not hasattr(pocketllm, "NativeOps"):
+        pytest.skip("pocketllm.py lacks TorchOps or NativeOps (core or native section not merged yet)")
+    return pocketllm
+
+
+def _nativeops_cases(pl, act):
+    """(op name, args) for every op, at the TP4 27B head counts with small head dims; fresh tensors per call."""
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s, scale=1.0, dtype=act: rnd(*s, dtype=dtype, scale=scale, gen=g)
+    T, D, Hq, Hk, Dh = 7, 96, 6, 1, 64
+    w8, s8 = fp8_weight(150, 256, "cpu", gen=g)
+    bs, nb = 16, 8
+    block_tables = torch.tensor([[3, 5, 0], [1, 7, 2]], dtype=torch.int32)
+    Hkg, Hv, Dk, Dv, C, W = 4, 12, 16, 16, 80, 4
+    qs = torch.tensor([0, 5, 7], dtype=torch.int32)
+    return [
+        ("embed", (torch.tensor([3, 0, 36, 5, 5, 17, 1]), r(37, D, dtype=torch.bfloat16))),
+        ("rmsnorm", (r(T, D), r(D, scale=0.2, dtype=torch.float32), 1e-6)),     # norm weights load as fp32
+        ("add_rmsnorm", (r(T, D), r(T, D, dtype=torch.float32, scale=3), r(D, scale=0.2, dtype=torch.float32), 1e-6)),
+        ("linear", (r(3, 256), pl.Linear(w8, s8))),
+        ("linear", (r(20, 256), pl.Linear(w8, s8))),
+        ("linear", (r(5, 64), pl.Linear(r(48, 64, scale=0.1, dtype=torch.bfloat16), None))),
+        ("silu_mul", (r(T, 130, scale=3), r(T, 130))),
+        ("sigmoid_mul", (r(T, 130), r(T, 130, scale=3))),
+        ("qk_norm_rope", (r(T, Hq, Dh), r(T, Hk, Dh), r(Dh, scale=0.2, dtype=torch.float32),
+                          r(Dh, scale=0.2, dtype=torch.float32), 1e-6, torch.arange(T) * 37,
+                          1e7 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16))),
+        ("kv_write", (r(T, Hk, Dh), r(T, Hk, Dh), r(nb, bs, Hk, Dh), r(nb, bs, Hk, Dh),
+                      torch.tensor([48, 49, 50, 80, 81, 16, 17]))),
+        ("attention", (r(T, Hq, Dh), r(nb, bs, Hk, Dh), r(nb, bs, Hk, Dh), block_tables,
+                       torch.tensor([40, 2], dtype=torch.int32), qs, Dh ** -0.5)),
+        ("conv1d", (r(T, C), r(C, W, scale=0.5, dtype=torch.float32), r(4, C, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs)),
+        ("gdn_gates", (r(T, Hv, scale=3), r(T, Hv, scale=3), r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
+        ("gated_delta", (r(T, Hkg, Dk), r(T, Hkg, Dk), r(T, Hv, Dv), -torch.rand(T, Hv, generator=g),
+                         torch.rand(T, Hv, generator=g), r(3, Hv, Dk, Dv, dtype=torch.float32, scale=0.1),
+                         torch.tensor([2, 0], dtype=torch.int32), qs)),
+        ("gated_delta", (r(2, Hkg, Dk), r(2, Hkg, Dk), r(2, Hv, Dv), -torch.rand(2, Hv, generator=g),
+                         torch.rand(2, Hv, generator=g), r(3, Hv, Dk, Dv, dtype=torch.float32, scale=0.1),
+                         torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32))),
+        ("gated_rmsnorm", (r(T, Hv, Dv), r(T, Hv, Dv, scale=2), r(Dv, dtype=torch.float32), 1e-6)),
+    ]
+
+
+def _clone(a):
+    if isinstance(a, torch.Tensor):
+        return a.clone()
+    return a
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_nativeops_match_torchops(act):
+    """Every op through pocketllm.NativeOps (the cffi wrappers) equals pocketllm.TorchOps, including the state
+    each op updates in place (residual, KV cache, conv state, recurrent state)."""
+    pl = _pocketllm()
+    _LIBS.setdefault("cpu", _load("cpu"))
+    nops, tops = pl.NativeOps("cpu"), pl.TorchOps()
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3}[act]
+    for name, args in _nativeops_cases(pl, act):
+        a_n, a_t = [_clone(a) for a in args], [_clone(a) for a in args]
+        if name == "embed":
+            a_n.append(act)
+            a_t.append(act)
+        out_n, out_t = getattr(nops, name)(*a_n), getattr(tops, name)(*a_t)
+        outs_n = out_n if isinstance(out_n, tuple) else (out_n,)
+        outs_t = out_t if isinstance(out_t, tuple) else (out_t,)
+        for i, (o_n, o_t) in enumerate(zip(outs_n, outs_t)):
+            if o_t is not None:
+                check(o_n, o_t, tol, f"{name} output {i}")
+        for i, (x_n, x_t) in enumerate(zip(a_n, a_t)):       # in-place state updates (add_rmsnorm returns its
+            if isinstance(x_t, torch.Tensor) and x_t.is_floating_point() and name != "add_rmsnorm":   # residual)
+                check(x_n, x_t, tol, f"{name} argument {i} after the call")
