@@ -959,11 +959,11 @@ def nccl_library_candidates() -> list[str | None]:
     found: list[str | None] = []
     if os.environ.get("NCCL_ROOT"):
         found.append(str(Path(os.environ["NCCL_ROOT"]) / "lib" / "libnccl.so.2"))
-    try:
-        import nvidia.nccl
-        found += [str(Path(p) / "lib" / "libnccl.so.2") for p in nvidia.nccl.__path__]
-    except ImportError:
-        pass
+    # The wheel's files are located, not imported: it is an optional place to find the .so, not a dependency.
+    for site in sys.path:
+        lib = Path(site or ".") / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+        if lib.exists():
+            found.append(str(lib))
     return found + [None]
 
 
