@@ -824,6 +824,9 @@ class NativeOps:
         return out, residual
 
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        if w.scale is not None and tuple(w.block) != (128, 128):
+            raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w.block)} "
+                              f"(use --backend torch)")
         x, weight = self._as(x), self._as(w.weight)
         N, K = weight.shape
         out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)          # (T, N)
@@ -866,6 +869,9 @@ class NativeOps:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start: torch.Tensor, scale: float) -> torch.Tensor:
+        if k_cache.dtype != q.dtype:      # the kernel reads the cache in the activation dtype
+            raise PocketError(f"the native attention needs the KV cache in the activation dtype ({q.dtype}), "
+                              f"not {k_cache.dtype}: leave --kv-dtype at auto")
         q, block_tables = self._as(q), self._as(block_tables, torch.int32)
         context_lens, query_start = self._as(context_lens, torch.int32), self._as(query_start, torch.int32)
         (T, Hq, Dh), (_, block_size, Hk, _) = q.shape, k_cache.shape
@@ -4091,13 +4097,18 @@ class Completion:
         return {**self._envelope(choices), "usage": self._usage()}
 
 
-def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
-    """Validate a /v1/chat/completions body, render the prompt and submit it."""
+def _check_envelope(llm, body, fields, default_only) -> tuple[dict, bool, bool]:
+    """What both completion endpoints check first: a JSON object of known fields for our model; stream flags."""
     body = _check_type(body, dict, "body")
-    _check_fields(body, CHAT_FIELDS, CHAT_DEFAULT_ONLY)
+    _check_fields(body, fields, default_only)
     _check_model(llm, body)
     stream = _field(body, "stream", bool, False)
-    include_usage = _stream_options(body, stream)
+    return body, stream, _stream_options(body, stream)
+
+
+def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
+    """Validate a /v1/chat/completions body, render the prompt and submit it."""
+    body, stream, include_usage = _check_envelope(llm, body, CHAT_FIELDS, CHAT_DEFAULT_ONLY)
     tools = _check_tools(body)
     tool_choice = _check_tool_choice(body, tools)
     parallel_tool_calls = _field(body, "parallel_tool_calls", bool, True)
@@ -4149,11 +4160,7 @@ def _prompt_ids(llm, prompt) -> list[int]:
 
 def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
     """Validate a /v1/completions body and submit it."""
-    body = _check_type(body, dict, "body")
-    _check_fields(body, COMPLETION_FIELDS, COMPLETION_DEFAULT_ONLY)
-    _check_model(llm, body)
-    stream = _field(body, "stream", bool, False)
-    include_usage = _stream_options(body, stream)
+    body, stream, include_usage = _check_envelope(llm, body, COMPLETION_FIELDS, COMPLETION_DEFAULT_ONLY)
     prompt_ids = _prompt_ids(llm, body.get("prompt"))
     max_tokens_field = "max_tokens" if body.get("max_tokens") is not None else None
     params = _request_sampling_params(llm, body, len(prompt_ids), max_tokens_field)

@@ -149,3 +149,17 @@ def test_cpu_build_greedy_parity_end_to_end(ckpt_factory, cpu_build, monkeypatch
     assert native_llm.generate(PROMPTS[2], **sampling)["token_ids"] == expect[2]
     streams = [native_llm.submit(p, pocketllm.SamplingParams(**sampling)) for p in PROMPTS]
     assert [[t for ev in s for t in ev.token_ids] for s in streams] == expect
+
+
+def test_native_ops_refuse_what_the_kernels_cannot_read(cpu_build):
+    """A KV cache in another dtype than the activations, or FP8 blocks other than 128x128, would be misread
+    by the kernels: NativeOps refuses them with a clear error instead."""
+    ops = pocketllm.NativeOps("cpu")
+    q = torch.randn(2, 2, 16)
+    cache = torch.zeros(1, 16, 1, 16, dtype=torch.float16)
+    with pytest.raises(pocketllm.PocketError, match="KV cache in the activation dtype"):
+        ops.attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+                      torch.tensor([0, 2], dtype=torch.int32), 0.25)
+    w = pocketllm.Linear(torch.zeros(64, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 1), (64, 64))
+    with pytest.raises(pocketllm.PocketError, match="128x128 weight blocks"):
+        ops.linear(torch.randn(1, 64), w)
