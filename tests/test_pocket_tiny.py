@@ -91,8 +91,8 @@ def results(client):
     return [(kind, case, outputs[2 * i], outputs[2 * i + 1]) for i, (kind, case) in enumerate(cases)]
 
 
-NOT_YET = pytest.mark.xfail(strict=True, reason="the shipped pocket-tiny copies numbers but not yet words (city, "
-                             "currency code) from the request, see docs/pocket-tiny.md; remove once retrained")
+NOT_YET = pytest.mark.xfail(strict=True, reason="the shipped pocket-tiny makes 16/20 held-out calls right and 14/20 "
+                             "answers (the issue asks 18/20 each), see docs/pocket-tiny.md; remove once retrained")
 
 
 @NOT_YET
@@ -102,13 +102,13 @@ def test_held_out_calls_have_the_right_function_and_arguments(results):
     assert sum(good) >= 18, f"{sum(good)}/20 correct calls"
 
 
+@NOT_YET
 def test_answers_from_a_tool_result_state_its_key_fact(results):
     good = [not calls and all(fact in content for fact in case["facts"])
             for kind, case, (content, calls), _ in results if kind == "answer"]
     assert sum(good) >= 18, f"{sum(good)}/20 answers with the key fact and no call"
 
 
-@NOT_YET
 def test_questions_no_tool_fits_are_answered_in_text(results):
     good = [not calls and content.strip() != "" for kind, case, (content, calls), _ in results if kind == "chat"]
     assert sum(good) >= 8, f"{sum(good)}/10 answered in text"
@@ -118,6 +118,84 @@ def test_streaming_gives_the_same_calls_and_content(results):
     differ = [(case["messages"][-1]["content"], plain, streamed)
               for kind, case, plain, streamed in results if plain != streamed]
     assert not differ, differ[:3]
+
+
+# -----------------------------------------------------------------------------------------------
+# The model decides: tool calling end to end through the published clients, tool_choice "auto" unless a test
+# says otherwise. These are the "model decides to call" cases of the server and tool-calling tests.
+# -----------------------------------------------------------------------------------------------
+
+WEATHER_ASK = [{"role": "user", "content": "What's the weather in Paris for the next 3 days?"}]
+
+
+def test_sdk_auto_call_comes_after_the_reasoning_and_out_of_content(client):
+    """The model reasons, then calls: the call is in tool_calls with typed arguments, the reasoning only in
+    reasoning_content, no markup in content (users' failures 1, 4 and 10)."""
+    out = client.chat.completions.create(model="pocket-tiny", messages=WEATHER_ASK, tools=TOOLS, temperature=0,
+                                         max_tokens=120)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    assert call.id.startswith("call_") and not choice.message.content
+    reasoning = (choice.message.model_extra or {}).get("reasoning_content") or ""
+    assert "get_weather" in reasoning and "<" not in reasoning, reasoning
+
+
+def test_sdk_stream_sends_reasoning_then_the_call_in_pieces(client):
+    """Streaming the same request: reasoning deltas first, then the call's name once and its arguments in
+    several fragments (per parameter), adding up to the non-streamed call; no markup anywhere."""
+    kwargs = dict(model="pocket-tiny", messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    kinds, names, fragments, finish = [], [], [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        if (delta.model_extra or {}).get("reasoning_content"):
+            kinds.append("reasoning")
+        assert not delta.content, delta
+        for call in delta.tool_calls or []:
+            kinds.append("call")
+            names += [call.function.name] if call.function.name else []
+            fragments += [call.function.arguments] if call.function.arguments else []
+    assert kinds and kinds[0] == "reasoning" and "reasoning" not in kinds[kinds.index("call"):], kinds
+    assert names == ["get_weather"] and len(fragments) >= 2, fragments
+    assert "".join(fragments) == whole.function.arguments and finish == "tool_calls"
+
+
+def test_langchain_agent_loop_with_a_model_that_decides(client):
+    """bind_tools with all three tools, no tool_choice: the model picks convert_currency with the asked values;
+    the tool runs here; given its ToolMessage the model answers with the result and calls nothing more."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    def convert_currency(amount, from_currency, to_currency):
+        return {"amount": amount, "from": from_currency, "to": to_currency, "result": round(amount * 0.87, 2)}
+
+    chat = ChatOpenAI(base_url=str(client.base_url), api_key="none", model="pocket-tiny", temperature=0,
+                      max_tokens=120, max_retries=0).bind_tools(TOOLS)
+    history = [HumanMessage("Convert 250 USD to EUR.")]
+    first = chat.invoke(history)
+    assert [(c["name"], c["args"]) for c in first.tool_calls] == \
+        [("convert_currency", {"amount": 250, "from_currency": "USD", "to_currency": "EUR"})], first
+    result = convert_currency(**first.tool_calls[0]["args"])
+    history += [first, ToolMessage(json.dumps(result), tool_call_id=first.tool_calls[0]["id"])]
+    second = chat.invoke(history)
+    assert not second.tool_calls and str(result["result"]) in second.content, second
+
+
+def test_tool_choice_overrides_a_model_that_wants_another_call(client):
+    """The model calls get_weather for this request on its own (above); tool_choice none keeps it in text, and a
+    named get_time is what comes back instead."""
+    kwargs = dict(model="pocket-tiny", messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=120)
+    none = client.chat.completions.create(tool_choice="none", **kwargs).choices[0]
+    assert none.message.tool_calls is None and none.finish_reason == "stop"
+    assert "<tool_call>" not in (none.message.content or "") and "<function=" not in (none.message.content or "")
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           **kwargs).choices[0]
+    assert [c.function.name for c in named.message.tool_calls] == ["get_time"], named
+    assert set(json.loads(named.message.tool_calls[0].function.arguments)) == {"city"}
 
 
 def without_stop(ids, stop):
