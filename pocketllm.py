@@ -4719,7 +4719,11 @@ class LLM:
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closing = False
         self._ids = itertools.count()
+        # A daemon thread still running at interpreter exit is killed inside torch code, which aborts the
+        # process ("terminate called without an active exception"): stop it before that.
+        atexit.register(self.close)
 
     # The engine thread: steps while there is work, sleeps otherwise.
 
@@ -4727,19 +4731,24 @@ class LLM:
         self._wake.set()
 
     def _loop(self):
-        while True:
+        while not self._closing:
             self._wake.wait(timeout=0.5)
             self._wake.clear()
-            while self.engine.has_work():
+            while self.engine.has_work() and not self._closing:
                 try:
                     with self._lock:
                         self.engine.step()
                 except Exception as e:           # a bug or a device error: fail every request, stay dead
                     traceback.print_exc()
-                    self.dead_reason = f"{type(e).__name__}: {e}"
-                    for req in list(self.engine.requests.values()):
-                        req.events.put(EngineEvent(0, [], None, "error"))
+                    self._fail_all(f"{type(e).__name__}: {e}")
                     return
+        self._fail_all("the engine was closed")
+
+    def _fail_all(self, reason: str):
+        """Stop for good: every request still queued or running ends with an error event."""
+        self.dead_reason = self.dead_reason or reason
+        for req in list(self.engine.requests.values()):
+            req.events.put(EngineEvent(0, [], None, "error"))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, param: str = "max_tokens") -> RequestStream:
         """Queue a request; iterate the returned stream for its events. Thread-safe."""
@@ -4768,7 +4777,17 @@ class LLM:
         return self.engine.stats()
 
     def close(self):
-        """Stop the tensor-parallel ranks, if any (the engine thread is a daemon and needs nothing)."""
+        """Stop the engine thread (requests still running end with an error) and the tensor-parallel ranks, if
+        any. Runs at interpreter exit too; later calls do nothing."""
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.close)
+        self.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        else:
+            self._fail_all("the engine was closed")
         if self.group is not None:
             self.group.close()
 

@@ -1,6 +1,9 @@
 """The serving engine: continuous batching, chunked prefill, preemption, abort, forking, and the sampler."""
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +198,38 @@ def test_abort_and_completion_return_every_block_and_slot(path):
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats["kv_blocks_used"] == 0 and llm.engine.blocks.refs == [0] * 40
     assert stats["slots_used"] == 0 and sorted(llm.engine.slots.free) == list(range(6))
+
+
+def test_close_ends_running_requests_and_refuses_new_ones(path):
+    llm = make(path)
+    stream = llm.submit(PROMPTS[3], pocketllm.SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    events = iter(stream)
+    next(events)                          # running
+    llm.close()
+    with pytest.raises(pocketllm.PocketError, match="closed"):
+        list(events)
+    with pytest.raises(pocketllm.PocketError, match="closed"):
+        llm.generate(PROMPTS[0], max_tokens=2)
+    llm.close()                           # a second close does nothing
+    assert not llm._thread.is_alive()
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import pocketllm
+llm = pocketllm.LLM(sys.argv[1], backend="torch", quiet=True, max_context=64)
+print(len(llm.generate([5, 6, 7], max_tokens=3, temperature=0, ignore_eos=True)["token_ids"]))
+"""
+
+
+def test_script_that_never_closes_exits_cleanly(path):
+    # The engine thread, left running, used to abort the interpreter at exit (exit code 134).
+    root = Path(pocketllm.__file__).resolve().parent
+    r = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(path), str(root)], capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, "3"), r.stderr
+    assert "terminate" not in r.stderr
 
 
 def test_utf8_stream_never_splits_characters(llm):
