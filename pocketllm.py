@@ -4580,6 +4580,11 @@ class PocketServer(http.server.ThreadingHTTPServer):
                 signal.signal(signal.SIGTERM, previous)
             self.server_close()
 
+    def handle_error(self, request, client_address) -> None:
+        # A client resetting a kept-alive connection (a pooled SDK connection at exit) is routine: no traceback.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
     def shutdown(self) -> None:
         if self.serving:
             super().shutdown()

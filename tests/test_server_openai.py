@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -572,6 +573,22 @@ def test_body_limit_and_socket_timeout(llm):
         assert request(srv, "GET", "/health")[0] == 200         # and kept serving
     finally:
         srv.shutdown()
+
+
+def test_a_reset_idle_connection_is_not_an_error(server, capfd):
+    """SDKs keep connections alive in a pool; one reset when its process exits is routine, not a traceback."""
+    capfd.readouterr()
+    status, _, _ = request(server, "GET", "/health")
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.settimeout(10)
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")          # kept alive: the server waits for the next request
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()                                                 # RST instead of FIN
+    time.sleep(0.3)
+    assert status == 200 and request(server, "GET", "/health")[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ConnectionResetError" not in err, err
 
 
 def test_metrics(server, client, llm):

@@ -141,7 +141,7 @@ def test_sse_reader_refuses_malformed_streams(body, problem):
 # End to end against pocket-tiny on CPU.
 
 def test_all_checks_pass_against_pocket_tiny_with_clients(clients_python, tmp_path):
-    code, out = run_script("--client-python", str(clients_python), "--require-tool-clients",
+    code, out = run_script("--client-python", str(clients_python), "--require-tool-clients", "--strict-arguments",
                            "--log-dir", str(tmp_path / "logs"))
     pgid = server_group(out)
     assert code == 0, out
