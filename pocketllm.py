@@ -4757,8 +4757,8 @@ class LLM:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, param: str = "max_tokens") -> RequestStream:
         """Queue a request; iterate the returned stream for its events. Thread-safe."""
-        if self.dead_reason:
-            raise PocketError(f"the engine failed: {self.dead_reason}")
+        if self.dead_reason or self._closing:
+            raise PocketError(f"the engine failed: {self.dead_reason or 'the engine was closed'}")
         params.validate(self.config.vocab_size)
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
