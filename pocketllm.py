@@ -4747,7 +4747,6 @@ class LLM:
                     traceback.print_exc()
                     self._fail_all(f"{type(e).__name__}: {e}")
                     return
-        self._fail_all("the engine was closed")
 
     def _fail_all(self, reason: str):
         """Stop for good: every request still queued or running ends with an error event."""
@@ -4791,8 +4790,7 @@ class LLM:
         self.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        else:
-            self._fail_all("the engine was closed")
+        self._fail_all("the engine was closed")
         if self.group is not None:
             self.group.close()
 
