@@ -4,7 +4,9 @@ backend), driven over HTTP by the `openai` SDK at temperature 0.
 The held-out cases come from the training script (phrasings never trained on): 20 requests that need a tool
 call, 20 answers from a tool result, 10 questions no tool fits. Thresholds are the issue's: 18/20 calls with the
 right function and argument values and types, 18/20 answers that state the result's key fact without a call,
-8/10 plain answers without a call; streaming must give the same calls and content as non-streaming.
+8/10 plain answers without a call; streaming must give the same calls and content as non-streaming. The 20 call
+requests are also sent with tool_choice "none" (the call token banned): 18/20 must come back as text free of call
+markup, which is what verify_openai.py asks of a model too.
 Also: pocketllm's greedy tokens equal transformers' on the dequantised FP8 weights, and `python pocketllm.py`
 with no arguments serves pocket-tiny.
 """
@@ -23,7 +25,7 @@ import pytest
 import torch
 
 import pocketllm
-from fixtures.train_pocket_tiny import TOOLS, eval_cases, load_export, render
+from fixtures.train_pocket_tiny import CALL_MARKUP, TOOLS, eval_cases, load_export, render
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = ROOT / "models" / "pocket-tiny"
@@ -55,9 +57,10 @@ def openai_messages(messages):
     return out
 
 
-def ask(client, messages, stream):
+def ask(client, messages, stream, tool_choice="auto"):
     """One chat completion -> (content, [(name, arguments dict)]); a stream is accumulated by call index."""
-    kwargs = dict(model="pocket-tiny", messages=openai_messages(messages), tools=TOOLS, temperature=0, max_tokens=120)
+    kwargs = dict(model="pocket-tiny", messages=openai_messages(messages), tools=TOOLS, temperature=0, max_tokens=120,
+                  tool_choice=tool_choice)
     if not stream:
         message = client.chat.completions.create(**kwargs).choices[0].message
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
@@ -84,10 +87,12 @@ def typed_equal(got, want):
 @pytest.fixture(scope="module")
 def results(client):
     """Every case, non-streaming and streaming, eight requests in flight at a time."""
-    cases = [("call", c) for c in CALLS] + [("answer", c) for c in ANSWERS] + [("chat", c) for c in CHATS]
+    cases = ([("call", c) for c in CALLS] + [("answer", c) for c in ANSWERS] + [("chat", c) for c in CHATS]
+             + [("decline", c) for c in CALLS])
     jobs = [(kind, case, stream) for kind, case in cases for stream in (False, True)]
     with ThreadPoolExecutor(8) as pool:
-        outputs = list(pool.map(lambda job: ask(client, job[1]["messages"], job[2]), jobs))
+        outputs = list(pool.map(lambda job: ask(client, job[1]["messages"], job[2],
+                                                "none" if job[0] == "decline" else "auto"), jobs))
     return [(kind, case, outputs[2 * i], outputs[2 * i + 1]) for i, (kind, case) in enumerate(cases)]
 
 
@@ -113,6 +118,12 @@ def test_answers_from_a_tool_result_state_its_key_fact(results):
 def test_questions_no_tool_fits_are_answered_in_text(results):
     n, wrong = scored(results, "chat", lambda case, content, calls: not calls and content.strip() != "")
     assert n - len(wrong) >= 8, f"{n - len(wrong)}/{n} answered in text; wrong: {wrong}"
+
+
+def test_tool_choice_none_answers_call_requests_in_text_without_markup(results):
+    n, wrong = scored(results, "decline", lambda case, content, calls: not calls and content.strip() != ""
+                      and not any(mark in content for mark in CALL_MARKUP))
+    assert n - len(wrong) >= 18, f"{n - len(wrong)}/{n} clean text answers under tool_choice none; wrong: {wrong}"
 
 
 def test_streaming_gives_the_same_calls_and_content(results):
