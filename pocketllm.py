@@ -2322,7 +2322,7 @@ class ChatTemplate:
 
     `source` is a template string or tokenizer_config.json's list of named templates ("tool_use" is used
     when tools are given, else "default"). `tool_parser` is the tool-call format the template teaches the
-    model ("qwen_xml" or "hermes"), found by rendering a probe conversation; callers may override it.
+    model (a TOOL_FORMATS key), found by rendering a probe conversation; callers may override it.
     """
 
     def __init__(self, source, tokenizer=None):
@@ -2374,14 +2374,7 @@ class ChatTemplate:
             text = self.render(_PROBE_MESSAGES, tools=_PROBE_TOOLS, add_generation_prompt=True)
         except RequestError:
             text = ""
-        if "<function=probe_fn>" in text:
-            return "qwen_xml"
-        if re.search(r'<tool_call>\s*\{\s*"name"\s*:\s*"probe_fn"', text):
-            return "hermes"
-        sources = "\n".join(self.sources.values())
-        if "<function=" not in sources and "<tool_call>" in sources:
-            return "hermes"
-        return "qwen_xml"
+        return detect_tool_format(text, "\n".join(self.sources.values()), _PROBE_TOOLS[0]["function"]["name"])
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "   # trailing space: shows whether the template trimmed the content
@@ -2498,15 +2491,8 @@ def prompt_ends_in_reasoning(prompt_text: str) -> bool:
 # -----------------------------------------------------------------------------------------------
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
-_FUNC_OPEN, _FUNC_CLOSE = "<function=", "</function>"
-_PARAM_OPEN, _PARAM_CLOSE = "<parameter=", "</parameter>"
-_VALUE_ENDS = (_PARAM_CLOSE, _PARAM_OPEN, _FUNC_CLOSE, _CALL_CLOSE)   # an XML value ends at the first of these
-_VALUE_END_RE = re.compile("|".join(map(re.escape, _VALUE_ENDS)))
-_CALL_MARKERS = (_PARAM_OPEN, _PARAM_CLOSE, _FUNC_CLOSE, _CALL_CLOSE, _CALL_OPEN, _FUNC_OPEN)
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"   # the wrapper of both formats below
 _MAX_NAME = 256                       # a "name" longer than this is prose, not markup
-_HERMES_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"')
-_HERMES_HEAD_PREFIX = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"(?:[^"\\\n]|\\.)*\\?)?)?)?)?)?)?)?)?\Z')
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _JSON_DECODER = json.JSONDecoder(strict=False)
 
@@ -2670,34 +2656,403 @@ class _ParsedCall:
         return "{" + ", ".join(parts) + ("}" if self.closed else "")
 
 
+def _json_string_prefix(text: str, start: int) -> str:
+    """The decoded part of an unterminated JSON string body text[start:], cut before an unfinished escape."""
+    body = text[start:]
+    for cut in range(len(body), max(len(body) - 7, -1), -1):
+        try:
+            value = _JSON_DECODER.decode('"' + body[:cut] + '"')
+        except ValueError:
+            continue
+        return value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value   # half a surrogate pair
+    return ""
+
+
+# Tool-call formats: one class per way a model writes a call, holding everything about it. The scanner below
+# and the tool_choice machinery only call these classes; TOOL_FORMATS names them (the tool_parser values).
+
+class ToolCallFormat:
+    """A tool-call format, and the parts shared by formats wrapped in <tool_call> ... </tool_call>.
+
+    Reading: the scanner stops in prose at `call_open` (and, for the request's own format, at `bare_opens`) and
+    asks `header()` whether a call starts there. The call's body is then read by `scan()`, which calls the
+    method `_<mode>(scan, text, final)` for the scanner's mode: each commits what it has fully understood
+    (advancing scan.pos, adding to scan.calls[-1]) and returns True, or returns False to wait for more text.
+    Writing (tool_choice): a forced call is `call_head(lead, name)`, then per argument `param_open(key, first)`
+    and `forced_value(...)` (which ends with `value_close`), then `call_tail`.
+    Detection: `renders_call` / `in_template` recognise the format in a chat template's output / source.
+    """
+
+    name = ""                          # the tool_parser value (ChatOutputParser, --tool-parser)
+    call_open, call_close = _CALL_OPEN, _CALL_CLOSE
+    bare_opens: tuple[str, ...] = ()   # prose markers that open a call without call_open (for a known tool only)
+    json_values = False                # forced values are JSON texts, else raw text (a string as it is)
+    value_close = ""                   # ends each forced value ("": the next separator ends it)
+    call_tail = ""                     # ends a forced call, after its last argument
+    optional_spare = 0                 # tokens left spare when offering an optional parameter of a forced call
+
+    # Reading
+
+    def header(self, text: str, at: int, final: bool, schemas: dict, bare: bool):
+        """(end, name, mode) for a call header at `at` (just after call_open and whitespace, or at a bare
+        opener), None while more text could still make it one, False if it is not one of this format."""
+        raise NotImplementedError
+
+    def scan(self, scan: "_OutputScan", text: str, final: bool) -> bool:
+        return getattr(self, "_" + scan.mode)(scan, text, final)
+
+    def _call_end(self, scan, text, final):
+        """After the call's body: the closing tag, if it comes."""
+        j = _skip_ws(text, scan.pos)
+        if text.startswith(self.call_close, j):
+            scan.pos, scan.mode = j + len(self.call_close), "text"
+            return True
+        if j == len(text) or not final and _is_partial(text, j, self.call_close):
+            return False
+        scan.mode = "text"                                      # the closing tag is missing
+        return True
+
+    def _junk(self, scan, text, final):
+        """After a malformed body: drop text up to the closing tag."""
+        end = text.find(self.call_close, scan.pos)
+        if end != -1:
+            scan.pos, scan.mode = end + len(self.call_close), "text"
+            return True
+        scan.pos = len(text) if final else _held_start(text, scan.pos, (self.call_close,))
+        return False
+
+    # Writing (tool_choice)
+
+    def call_head(self, lead: str, name: str) -> str:
+        """The text of a forced call up to its first argument; `lead` is what comes before call_open."""
+        raise NotImplementedError
+
+    def param_open(self, key: str, first: bool) -> str:
+        """The text before an argument's value (`first`: the call's first argument)."""
+        raise NotImplementedError
+
+    def smallest_value_cost(self, cost: Callable[[str], int]) -> int:
+        """Tokens the smallest free (not enumerated) value takes, value_close included; cost(text) -> tokens."""
+        raise NotImplementedError
+
+    def forced_value(self, run: "_CallProgram", kind: str, choices: list[str] | None, reserve: int):
+        """A sub-generator writing one value of `kind` (one of `choices` when given) and value_close, keeping
+        `reserve` tokens for what follows. Returns `kind` when the value is a number left open (no value_close:
+        the caller ends it with what follows), else None."""
+        raise NotImplementedError
+
+    # Detection
+
+    def renders_call(self, text: str, name: str) -> bool:
+        """Whether a rendered conversation shows a call to `name` in this format."""
+        raise NotImplementedError
+
+    def in_template(self, source: str) -> bool:
+        """Whether a chat template's source holds this format's markup (tried in TOOL_FORMATS order)."""
+        raise NotImplementedError
+
+
+class QwenXmlFormat(ToolCallFormat):
+    """Qwen3.5's XML calls:
+    <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>. A value is
+    raw text, typed by the tool's schema. A bare <function=NAME> (no <tool_call>) is a call when NAME is a
+    known tool."""
+
+    name = "qwen_xml"
+    function_tag, function_close = "<function=", "</function>"
+    parameter_tag, parameter_close = "<parameter=", "</parameter>"
+    bare_opens = (function_tag,)
+    value_close = "\n" + parameter_close + "\n"
+    call_tail = function_close + "\n" + _CALL_CLOSE
+    _value_ends = (parameter_close, parameter_tag, function_close, _CALL_CLOSE)   # a value ends at the first
+    _value_end_re = re.compile("|".join(map(re.escape, _value_ends)))
+    _markers = (parameter_tag, parameter_close, function_close, _CALL_CLOSE, _CALL_OPEN, function_tag)
+
+    def header(self, text, at, final, schemas, bare):
+        if not text.startswith(self.function_tag, at):
+            return None if not final and _is_partial(text, at, self.function_tag) else False
+        start = at + len(self.function_tag)
+        close = text.find(">", start, start + _MAX_NAME + 1)
+        if close == -1:
+            seen = text[start:start + _MAX_NAME + 1]
+            return None if not (final or len(seen) > _MAX_NAME or "\n" in seen or "<" in seen) else False
+        name = text[start:close].strip()
+        if not name or "\n" in name or "<" in name:
+            return False
+        if bare and schemas and name not in schemas:           # a bare <function=X> only for a known tool
+            return False
+        return close + 1, name, "parameters"
+
+    def _parameters(self, scan, text, final):
+        call = scan.calls[-1]
+        j = _skip_ws(text, scan.pos)
+        if j == len(text):
+            return False
+        if text.startswith(self.parameter_tag, j):
+            return self._parameter(scan, text, j, final, call)
+        if text.startswith(self.parameter_close, j):           # a duplicate </parameter>
+            scan.pos = j + len(self.parameter_close)
+            return True
+        if text.startswith(self.function_close, j):
+            call.closed, scan.pos, scan.mode = True, j + len(self.function_close), "call_end"
+            return True
+        if text.startswith(self.call_close, j):                # </function> missing
+            call.closed, scan.pos, scan.mode = True, j + len(self.call_close), "text"
+            return True
+        if text.startswith(self.call_open, j) or text.startswith(self.function_tag, j):   # the next call: this one ended
+            call.closed, scan.pos, scan.mode = True, j, "text"
+            return True
+        if not final and any(_is_partial(text, j, marker) for marker in self._markers):
+            scan.pos = j
+            return False
+        after = text.find("<", j + 1)                           # stray text inside a call is dropped
+        scan.pos = len(text) if after == -1 else after
+        return True
+
+    def _parameter(self, scan, text, j, final, call):
+        start = j + len(self.parameter_tag)
+        close = text.find(">", start, start + _MAX_NAME + 1)
+        if close == -1:
+            seen = text[start:start + _MAX_NAME + 1]
+            if final or len(seen) > _MAX_NAME or "\n" in seen:   # not a parameter header
+                scan.pos = start
+                return True
+            scan.pos = j
+            return False
+        key, start = text[start:close].strip(), close + 1
+        types = scan.param_types(call.name, key)
+        end = self._value_end_re.search(text, start)
+        if end:
+            call.add(key, _convert_value(_strip_format_newlines(text[start:end.start()]), types))
+            scan.pos = end.end() if end.group() == self.parameter_close else end.start()
+            return True
+        value = _strip_format_newlines(text[start:_held_start(text, start, self._value_ends)])
+        if final:                                              # truncated: keep what arrived
+            call.add(key, _convert_value(value, types))
+            scan.pos = len(text)
+            return True
+        if types and types[0] == "string" and key not in call.keys:   # stream a string as it grows
+            call.open_member = _member_json(key, value)[:-1]
+        scan.pos = j
+        return False
+
+    def call_head(self, lead, name):
+        return f"{lead}{self.call_open}\n{self.function_tag}{name}>\n"
+
+    def param_open(self, key, first):
+        return f"{self.parameter_tag}{key}>\n"
+
+    def smallest_value_cost(self, cost):
+        return 2 + cost(self.value_close)
+
+    def forced_value(self, run, kind, choices, reserve):
+        yield from run.raw_value(kind, choices, self.value_close, reserve)
+
+    def renders_call(self, text, name):
+        return f"{self.function_tag}{name}>" in text
+
+    def in_template(self, source):
+        return self.function_tag in source
+
+
+class HermesFormat(ToolCallFormat):
+    """Hermes JSON calls (Qwen2.5, Qwen3): <tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>. The
+    arguments (or "parameters", or a JSON string holding them) are streamed member by member."""
+
+    name = "hermes"
+    json_values = True
+    call_tail = "}}\n" + _CALL_CLOSE
+    optional_spare = 2
+    _head = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"')
+    _head_prefix = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"(?:[^"\\\n]|\\.)*\\?)?)?)?)?)?)?)?)?\Z')
+
+    def header(self, text, at, final, schemas, bare):
+        if not text.startswith("{", at):
+            return None if not final and at == len(text) else False
+        head = self._head.match(text, at)
+        if head:
+            try:
+                return head.end(), json.loads('"' + head.group(1) + '"'), "members"
+            except ValueError:
+                return False
+        return None if not final and self._head_prefix.match(text, at) else False
+
+    def _members(self, scan, text, final):
+        return self._object(scan, text, final, inner=False)
+
+    def _arguments(self, scan, text, final):
+        return self._object(scan, text, final, inner=True)
+
+    def _object(self, scan, text, final, inner):
+        """One member of the call object {"name", "arguments"} (outer) or of its arguments object (inner)."""
+        call = scan.calls[-1]
+        j = _skip_ws(text, scan.pos)
+        if j == len(text):
+            return False
+        if text[j] in ",}":
+            if text[j] == "}":
+                call.closed, scan.mode = True, "members" if inner else "call_end"
+            scan.pos = j + 1
+            return True
+        member = self._json_member(text, j, final)
+        if member is None:
+            return False
+        if member is False:
+            return self._give_up(scan, call)
+        key, v = member
+        arguments = not inner and key in ("arguments", "parameters")
+        if arguments and text[v] == "{" and not call.closed:
+            scan.pos, scan.mode = v + 1, "arguments"
+            return True
+        if inner and text[v] == '"' and not _JSON_STRING.match(text, v):   # a string value still arriving: stream it
+            value = _json_string_prefix(text, v + 1)
+            if final:
+                call.add(key, value)
+                scan.pos = len(text)
+                return True
+            if key not in call.keys:
+                call.open_member = _member_json(key, value)[:-1]
+            return False
+        value = self._json_value(text, v, final)
+        if value is None:
+            return False
+        if value is False:
+            return self._give_up(scan, call)
+        if inner:
+            call.add(key, value[0])
+        elif arguments and isinstance(value[0], str):                    # arguments sent as a JSON string
+            inner_value = _json_or_text(value[0])
+            for name, item in (inner_value.items() if isinstance(inner_value, dict) else ()):
+                call.add(name, item)
+        scan.pos = value[1]
+        return True
+
+    def _json_member(self, text, j, final):
+        """('key', value start) for '"key" :' at j; None while incomplete, False if malformed."""
+        key = _JSON_STRING.match(text, j) if text[j] == '"' else None
+        if key is None:
+            return None if text[j] == '"' and not final else False
+        colon = _skip_ws(text, key.end())
+        if colon == len(text) or text[colon] == ":" and _skip_ws(text, colon + 1) == len(text):
+            return None if not final else False
+        if text[colon] != ":":
+            return False
+        try:
+            return _JSON_DECODER.decode(key.group()), _skip_ws(text, colon + 1)
+        except ValueError:
+            return False
+
+    def _json_value(self, text, v, final):
+        """(value, end) for the JSON value at v; None while it may still be arriving, False if malformed."""
+        try:
+            value, end = _JSON_DECODER.raw_decode(text, v)
+        except ValueError:
+            # unfinished, unless the call's closing tag has already arrived
+            return None if not final and text.find(self.call_close, v) == -1 else False
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not final and \
+                (end == len(text) or text[end] in "0123456789.eE+-"):
+            return None                                         # a number may go on: 1 -> 12, 0 -> 0.5
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return value, end
+
+    def _give_up(self, scan, call):
+        call.closed, scan.mode = True, "junk"
+        return True
+
+    def call_head(self, lead, name):
+        return f'{lead}{self.call_open}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
+
+    def param_open(self, key, first):
+        return ("" if first else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+
+    def smallest_value_cost(self, cost):
+        return 3 + cost("{}")                    # '"x"' or an empty container
+
+    def forced_value(self, run, kind, choices, reserve):
+        if choices:
+            yield from run.choose(choices)
+        elif kind == "string":
+            yield from run.json_string(reserve)
+        elif kind in ("integer", "number"):
+            return kind                          # written with the next separator
+        else:
+            yield from run.force("{}" if kind == "object" else "[]")
+        return None
+
+    def renders_call(self, text, name):
+        head = re.escape(self.call_open) + r'\s*\{\s*"name"\s*:\s*' + re.escape(json.dumps(name, ensure_ascii=False))
+        return re.search(head, text) is not None
+
+    def in_template(self, source):
+        return self.call_open in source
+
+
+# The formats by tool_parser name. Detection tries them in this order, so a format whose markup contains
+# another's (Qwen XML's calls sit inside Hermes' <tool_call>) comes first; the first is the default.
+TOOL_FORMATS: dict[str, ToolCallFormat] = {fmt.name: fmt for fmt in (QwenXmlFormat(), HermesFormat())}
+
+
+def tool_format(name: str) -> ToolCallFormat:
+    """The format registered as `name`; PocketError naming the known ones otherwise."""
+    fmt = TOOL_FORMATS.get(name) if isinstance(name, str) else None
+    if fmt is None:
+        raise PocketError(f"unknown tool parser {name!r}: use {' or '.join(TOOL_FORMATS)}")
+    return fmt
+
+
+def detect_tool_format(rendered: str, source: str, probe_name: str) -> str:
+    """The name of the format a chat template teaches: the first whose call to `probe_name` shows in
+    `rendered` (the template's rendering of a probe conversation), else the first whose markup is in the
+    template's `source`, else the first format."""
+    for test in (lambda fmt: fmt.renders_call(rendered, probe_name), lambda fmt: fmt.in_template(source)):
+        found = next((name for name, fmt in TOOL_FORMATS.items() if test(fmt)), None)
+        if found:
+            return found
+    return next(iter(TOOL_FORMATS))
+
+
+_PROSE_MODES = ("start", "think", "text")
+
+
 class _OutputScan:
     """The scanner. `run(text, final)` continues from `pos`; every step either commits text it has fully
     understood (and advances) or returns False to wait for more. With final=True nothing waits: unfinished
     markup is resolved the forgiving way (a truncated call is closed with what it has, an unconfirmed
-    <tool_call> is text). Modes: start, think, text (prose); xml, call_end, hermes_keys, hermes_args,
-    call_junk (inside a call)."""
+    <tool_call> is text). Modes: start, think, text (prose); inside a call, the modes of the call's format,
+    whose scan() reads it."""
 
-    def __init__(self, schemas: dict, tool_parser: str, in_reasoning: bool, parse_tools: bool):
-        self.schemas, self.tool_parser = schemas, tool_parser
+    def __init__(self, schemas: dict, tool_format: ToolCallFormat, in_reasoning: bool, parse_tools: bool):
+        self.schemas, self.format = schemas, tool_format
+        self.call_format = tool_format              # the format of the call being read
         self.pos, self.mode = 0, "think" if in_reasoning else "start"
         self.reasoning, self.content = "", ""      # raw; shown stripped of surrounding whitespace
         self.calls: list[_ParsedCall] = []
+        self.wrapped = [tool_format] + [fmt for fmt in TOOL_FORMATS.values()   # after call_open a call in any
+                                        if fmt is not tool_format and fmt.call_open == tool_format.call_open]   # form is read
         markers = [_THINK_CLOSE]
         if parse_tools:
-            markers += [_CALL_OPEN] + ([_FUNC_OPEN] if tool_parser == "qwen_xml" else [])
+            markers += [tool_format.call_open, *tool_format.bare_opens]
         self.markers = markers
         self.marker_re = re.compile("|".join(map(re.escape, markers)))
+
+    @property
+    def in_call(self) -> bool:
+        return self.mode not in _PROSE_MODES
 
     def run(self, text: str, final: bool) -> None:
         if self.calls:
             self.calls[-1].open_member = ""
-        while self.pos < len(text) and getattr(self, "_" + self.mode)(text, final):
+        while self.pos < len(text) and self._step(text, final):
             pass
-        if final and self.mode not in ("start", "think", "text"):
+        if final and self.in_call:
             self.calls[-1].closed = True
             self.mode = "text"
 
-    # Prose: reasoning and content, and the call headers that end them.
+    def _step(self, text, final):
+        if self.in_call:
+            return self.call_format.scan(self, text, final)
+        return getattr(self, "_" + self.mode)(text, final)
 
     def _start(self, text, final):
         rest = text[self.pos:].lstrip()
@@ -2738,209 +3093,23 @@ class _OutputScan:
         return True
 
     def _call_header(self, text, at, final):
-        """(end, name, mode) for a confirmed call header at `at`, None while undecided, False if not a call."""
-        if not text.startswith(_CALL_OPEN, at):
-            return self._xml_header(text, at, final, bare=True)
-        j = _skip_ws(text, at + len(_CALL_OPEN))
-        if text.startswith(_FUNC_OPEN, j):
-            return self._xml_header(text, j, final, bare=False)
-        if text.startswith("{", j):
-            head = _HERMES_HEAD.match(text, j)
-            if head:
-                try:
-                    return head.end(), json.loads('"' + head.group(1) + '"'), "hermes_keys"
-                except ValueError:
-                    return False
-            return None if not final and _HERMES_HEAD_PREFIX.match(text, j) else False
-        return None if not final and (j == len(text) or _is_partial(text, j, _FUNC_OPEN)) else False
+        """(end, name, mode) for a confirmed call header at `at` (and call_format set to its format), None while
+        undecided, False if not a call."""
+        if text.startswith(self.format.call_open, at):
+            j = _skip_ws(text, at + len(self.format.call_open))
+            found = [(fmt, fmt.header(text, j, final, self.schemas, bare=False)) for fmt in self.wrapped]
+        else:
+            found = [(self.format, self.format.header(text, at, final, self.schemas, bare=True))]
+        for fmt, header in found:
+            if header:
+                self.call_format = fmt
+                return header
+        return None if any(header is None for _, header in found) else False
 
-    def _xml_header(self, text, at, final, bare):
-        start = at + len(_FUNC_OPEN)
-        close = text.find(">", start, start + _MAX_NAME + 1)
-        if close == -1:
-            seen = text[start:start + _MAX_NAME + 1]
-            return None if not (final or len(seen) > _MAX_NAME or "\n" in seen or "<" in seen) else False
-        name = text[start:close].strip()
-        if not name or "\n" in name or "<" in name:
-            return False
-        if bare and self.schemas and name not in self.schemas:   # a bare <function=X> only for a known tool
-            return False
-        return close + 1, name, "xml"
-
-    # Qwen XML calls: <parameter=P>\nVALUE\n</parameter> ... </function> </tool_call>.
-
-    def _xml(self, text, final):
-        call = self.calls[-1]
-        j = _skip_ws(text, self.pos)
-        if j == len(text):
-            return False
-        if text.startswith(_PARAM_OPEN, j):
-            return self._xml_parameter(text, j, final, call)
-        if text.startswith(_PARAM_CLOSE, j):                   # a duplicate </parameter>
-            self.pos = j + len(_PARAM_CLOSE)
-            return True
-        if text.startswith(_FUNC_CLOSE, j):
-            call.closed, self.pos, self.mode = True, j + len(_FUNC_CLOSE), "call_end"
-            return True
-        if text.startswith(_CALL_CLOSE, j):                    # </function> missing
-            call.closed, self.pos, self.mode = True, j + len(_CALL_CLOSE), "text"
-            return True
-        if text.startswith(_CALL_OPEN, j) or text.startswith(_FUNC_OPEN, j):   # the next call: this one ended
-            call.closed, self.pos, self.mode = True, j, "text"
-            return True
-        if not final and any(_is_partial(text, j, marker) for marker in _CALL_MARKERS):
-            self.pos = j
-            return False
-        after = text.find("<", j + 1)                           # stray text inside a call is dropped
-        self.pos = len(text) if after == -1 else after
-        return True
-
-    def _xml_parameter(self, text, j, final, call):
-        start = j + len(_PARAM_OPEN)
-        close = text.find(">", start, start + _MAX_NAME + 1)
-        if close == -1:
-            seen = text[start:start + _MAX_NAME + 1]
-            if final or len(seen) > _MAX_NAME or "\n" in seen:   # not a parameter header
-                self.pos = start
-                return True
-            self.pos = j
-            return False
-        key, start = text[start:close].strip(), close + 1
-        types = self._param_types(call.name, key)
-        end = _VALUE_END_RE.search(text, start)
-        if end:
-            call.add(key, _convert_value(_strip_format_newlines(text[start:end.start()]), types))
-            self.pos = end.end() if end.group() == _PARAM_CLOSE else end.start()
-            return True
-        value = _strip_format_newlines(text[start:_held_start(text, start, _VALUE_ENDS)])
-        if final:                                              # truncated: keep what arrived
-            call.add(key, _convert_value(value, types))
-            self.pos = len(text)
-            return True
-        if types and types[0] == "string" and key not in call.keys:   # stream a string as it grows
-            call.open_member = _member_json(key, value)[:-1]
-        self.pos = j
-        return False
-
-    def _param_types(self, function, key):
+    def param_types(self, function, key):
+        """The schema types of a function's parameter, None when the parameter is not in its schema."""
         properties = self.schemas.get(function)
         return _schema_types(properties[key]) if properties is not None and key in properties else None
-
-    def _call_end(self, text, final):
-        j = _skip_ws(text, self.pos)
-        if text.startswith(_CALL_CLOSE, j):
-            self.pos, self.mode = j + len(_CALL_CLOSE), "text"
-            return True
-        if j == len(text) or not final and _is_partial(text, j, _CALL_CLOSE):
-            return False
-        self.mode = "text"                                      # </tool_call> missing
-        return True
-
-    # Hermes JSON calls: {"name": ..., "arguments": {...}}, the arguments streamed member by member.
-
-    def _hermes_keys(self, text, final):
-        return self._hermes_object(text, final, inner=False)
-
-    def _hermes_args(self, text, final):
-        return self._hermes_object(text, final, inner=True)
-
-    def _hermes_object(self, text, final, inner):
-        """One member of the call object {"name", "arguments"} (outer) or of its arguments object (inner)."""
-        call = self.calls[-1]
-        j = _skip_ws(text, self.pos)
-        if j == len(text):
-            return False
-        if text[j] in ",}":
-            if text[j] == "}":
-                call.closed, self.mode = True, "hermes_keys" if inner else "call_end"
-            self.pos = j + 1
-            return True
-        member = self._json_member(text, j, final)
-        if member is None:
-            return False
-        if member is False:
-            return self._junk(call)
-        key, v = member
-        arguments = not inner and key in ("arguments", "parameters")
-        if arguments and text[v] == "{" and not call.closed:
-            self.pos, self.mode = v + 1, "hermes_args"
-            return True
-        if inner and text[v] == '"' and not _JSON_STRING.match(text, v):   # a string value still arriving: stream it
-            value = _json_string_prefix(text, v + 1)
-            if final:
-                call.add(key, value)
-                self.pos = len(text)
-                return True
-            if key not in call.keys:
-                call.open_member = _member_json(key, value)[:-1]
-            return False
-        value = self._json_value(text, v, final)
-        if value is None:
-            return False
-        if value is False:
-            return self._junk(call)
-        if inner:
-            call.add(key, value[0])
-        elif arguments and isinstance(value[0], str):                    # arguments sent as a JSON string
-            inner_value = _json_or_text(value[0])
-            for name, item in (inner_value.items() if isinstance(inner_value, dict) else ()):
-                call.add(name, item)
-        self.pos = value[1]
-        return True
-
-    def _json_member(self, text, j, final):
-        """('key', value start) for '"key" :' at j; None while incomplete, False if malformed."""
-        key = _JSON_STRING.match(text, j) if text[j] == '"' else None
-        if key is None:
-            return None if text[j] == '"' and not final else False
-        colon = _skip_ws(text, key.end())
-        if colon == len(text) or text[colon] == ":" and _skip_ws(text, colon + 1) == len(text):
-            return None if not final else False
-        if text[colon] != ":":
-            return False
-        try:
-            return _JSON_DECODER.decode(key.group()), _skip_ws(text, colon + 1)
-        except ValueError:
-            return False
-
-    def _json_value(self, text, v, final):
-        """(value, end) for the JSON value at v; None while it may still be arriving, False if malformed."""
-        try:
-            value, end = _JSON_DECODER.raw_decode(text, v)
-        except ValueError:
-            # unfinished, unless the call's closing tag has already arrived
-            return None if not final and text.find(_CALL_CLOSE, v) == -1 else False
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not final and \
-                (end == len(text) or text[end] in "0123456789.eE+-"):
-            return None                                         # a number may go on: 1 -> 12, 0 -> 0.5
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        return value, end
-
-    def _junk(self, call):
-        call.closed, self.mode = True, "call_junk"
-        return True
-
-    def _call_junk(self, text, final):
-        """After malformed call JSON: drop text up to </tool_call>."""
-        end = text.find(_CALL_CLOSE, self.pos)
-        if end != -1:
-            self.pos, self.mode = end + len(_CALL_CLOSE), "text"
-            return True
-        self.pos = len(text) if final else _held_start(text, self.pos, (_CALL_CLOSE,))
-        return False
-
-
-def _json_string_prefix(text: str, start: int) -> str:
-    """The decoded part of an unterminated JSON string body text[start:], cut before an unfinished escape."""
-    body = text[start:]
-    for cut in range(len(body), max(len(body) - 7, -1), -1):
-        try:
-            value = _JSON_DECODER.decode('"' + body[:cut] + '"')
-        except ValueError:
-            continue
-        return value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value   # half a surrogate pair
-    return ""
 
 
 class ChatOutputParser:
@@ -2949,8 +3118,9 @@ class ChatOutputParser:
     feed(text) -> OpenAI delta fragments; finish() flushes what was held back; message() is the non-streamed
     parse of everything fed. Text is held back only while it could still be markup (a partial <tool_call>,
     a header not yet confirmed by <function=NAME> or {"name": ...}) or whitespace that is trimmed around
-    content. Calls in either form are recognised after <tool_call>; tool_parser ("qwen_xml" | "hermes")
-    decides whether a bare <function=NAME> (no <tool_call>, NAME a known tool) counts as a call.
+    content. tool_parser names the request's format in TOOL_FORMATS; after its call_open a call in any format
+    that shares it is recognised, while its bare openers (Qwen XML's <function=NAME>, NAME a known tool) count
+    only for that format.
 
     >>> p = ChatOutputParser(None, "qwen_xml", in_reasoning=True)
     >>> p.feed("Paris?\\n</think>\\n\\nIt is ") + p.feed("Paris.") + p.finish()
@@ -2958,9 +3128,7 @@ class ChatOutputParser:
     """
 
     def __init__(self, tools: list[dict] | None, tool_parser: str, in_reasoning: bool, parse_tools: bool = True):
-        if tool_parser not in ("qwen_xml", "hermes"):
-            raise PocketError(f"unknown tool parser {tool_parser!r}: use qwen_xml or hermes")
-        self._options = (_tool_schemas(tools), tool_parser, in_reasoning, parse_tools)
+        self._options = (_tool_schemas(tools), tool_format(tool_parser), in_reasoning, parse_tools)
         self._scan = _OutputScan(*self._options)
         self._text = ""
         self._ids: list[str] = []
@@ -3023,10 +3191,7 @@ class ChatOutputParser:
 # max_tokens in reserve to close the call (closing reasoning early if it must).
 # -----------------------------------------------------------------------------------------------
 
-_XML_VALUE_CLOSE = "\n</parameter>\n"
-_XML_CALL_CLOSE = "</function>\n</tool_call>"
 _THINK_FORCED_CLOSE = "\n</think>"
-_HERMES_CALL_CLOSE = "}}\n</tool_call>"
 _VALUE_TOKEN_CAP = {"integer": 12, "number": 16, "string": 256, "object": 256, "array": 256}
 _NUMBER_CHARS = frozenset("0123456789.-+eE")
 _BIG_EXPONENT = re.compile(r"[eE][+-]?\d{3}")
@@ -3068,27 +3233,44 @@ class _TokenFacts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.texts = tokenizer.token_texts()
-        self.free = {   # tokens that may appear inside a string value: raw (Qwen XML) or in a JSON string (Hermes)
-            "xml": torch.tensor([bool(t) and "<" not in t for t in self.texts]),
+        self.free = {   # tokens that may appear inside a string value: raw text, or in a JSON string
+            "raw": torch.tensor([bool(t) and "<" not in t for t in self.texts]),
             "json": torch.tensor([bool(t) and "<" not in t and '"' not in t and "\\" not in t and
                                   all(c >= " " for c in t) for t in self.texts])}
         self.quote = [i for i, t in enumerate(self.texts) if t == '"']
         self.numeric = [i for i, t in enumerate(self.texts) if t and set(t) <= _NUMBER_CHARS]
         self.openers = {c: [i for i, t in enumerate(self.texts) if t.lstrip().startswith(c) and "<" not in t]
                         for c in "{["}
-        self.close_any, self.close_lt = {}, {}   # token id -> the rest of _XML_VALUE_CLOSE after it
-        for i, t in enumerate(self.texts):
-            for skip in (0, 1):                  # the closer with or without its leading newline
-                if t and _XML_VALUE_CLOSE.startswith(t, skip):
-                    self.close_any.setdefault(i, _XML_VALUE_CLOSE[skip + len(t):])
-                    if "<" in t:
-                        self.close_lt.setdefault(i, _XML_VALUE_CLOSE[skip + len(t):])
-        self.call_open = [i for i, t in enumerate(self.texts) if t == _CALL_OPEN]
         self._encoded: dict[str, list[int]] = {}
         self._masks: dict[tuple, torch.Tensor] = {}
+        self._closers: dict[str, tuple[dict[int, str], dict[int, str]]] = {}
+        self._ids: dict[str, list[int]] = {}
 
     def text(self, token_id: int) -> str:
         return self.texts[token_id] if 0 <= token_id < len(self.texts) else ""
+
+    def ids_of(self, text: str) -> list[int]:
+        """The tokens that are exactly `text` (a marker such as <tool_call>)."""
+        ids = self._ids.get(text)
+        if ids is None:
+            ids = self._ids[text] = [i for i, t in enumerate(self.texts) if t == text]
+        return ids
+
+    def closers(self, close: str) -> tuple[dict[int, str], dict[int, str]]:
+        """The tokens that may begin a raw value's closing text `close` (with or without its leading newline):
+        token id -> the rest of `close` after it; all of them, and those holding '<' (a string value's free
+        tokens have none, so only these can end it)."""
+        found = self._closers.get(close)
+        if found is None:
+            close_any, close_lt = {}, {}
+            for i, t in enumerate(self.texts):
+                for skip in (0, 1):
+                    if t and close.startswith(t, skip):
+                        close_any.setdefault(i, close[skip + len(t):])
+                        if "<" in t:
+                            close_lt.setdefault(i, close[skip + len(t):])
+            found = self._closers[close] = (close_any, close_lt)
+        return found
 
     def encode(self, text: str) -> list[int]:
         ids = self._encoded.get(text)
@@ -3119,7 +3301,7 @@ def _token_facts(tokenizer) -> _TokenFacts:
 
 @dataclass
 class _Allowed:
-    """A constraint on the next token: the string-value tokens of `free` ("xml" | "json") and/or the ids in
+    """A constraint on the next token: the string-value tokens of `free` ("raw" | "json") and/or the ids in
     `allow`; neither = all tokens but those in `ban`."""
     allow: list[int] | None = None
     free: str | None = None
@@ -3197,7 +3379,7 @@ class _CallProgram:
     def think(self, reserve: int):
         """Free reasoning (no end-of-sequence, no <tool_call>) until </think>, or until only `reserve`
         tokens are left: then close it ourselves."""
-        tail, ban = "", self.plan.eos_ids + self.facts.call_open
+        tail, ban = "", self.plan.eos_ids + self.plan.call_open_ids
         while self.left() - 1 >= reserve + self.plan.cost(_THINK_FORCED_CLOSE):
             token = yield _Allowed(ban=ban)
             tail = (tail + self.facts.text(token))[-2 * len(_THINK_CLOSE):]
@@ -3205,19 +3387,20 @@ class _CallProgram:
                 return
         yield from self.force(_THINK_FORCED_CLOSE)
 
-    def xml_value(self, schema, reserve: int):
-        """One parameter value and its closing tag, shaped by the schema; `reserve` = tokens needed after it."""
-        kind, choices = _forced_value_shape(schema)
+    def raw_value(self, kind: str, choices: list[str] | None, close: str, reserve: int):
+        """One value written as raw text (of `kind`, or one of `choices`), then its closing text `close`;
+        `reserve` = tokens needed after it."""
         if choices is not None:
-            yield from self.choose([c + _XML_VALUE_CLOSE for c in choices])
+            yield from self.choose([c + close for c in choices])
             return
-        text, count, close_cost = "", 0, self.plan.cost(_XML_VALUE_CLOSE) + 1
-        closers = self.facts.close_lt if kind == "string" else self.facts.close_any
+        text, count, close_cost = "", 0, self.plan.cost(close) + 1
+        close_any, close_lt = self.facts.closers(close)
+        closers = close_lt if kind == "string" else close_any
         while True:
             done = _value_done(kind, text)
             if count >= _VALUE_TOKEN_CAP[kind] or self.left() - 1 < reserve + close_cost:
                 fix = "0" if kind in ("integer", "number") and not text[-1:].isdigit() else ""
-                yield from self.force(fix + _XML_VALUE_CLOSE)
+                yield from self.force(fix + close)
                 return
             token = yield self._value_allowed(kind, text, done, closers)
             count += 1
@@ -3235,7 +3418,7 @@ class _CallProgram:
                 return _Allowed(allow=list(closers), ban=ban)
             if not text.strip():
                 return _Allowed(allow=self.facts.openers["{" if kind == "object" else "["], ban=ban)
-        return _Allowed(free="xml", allow=list(closers) if done else [], ban=ban)
+        return _Allowed(free="raw", allow=list(closers) if done else [], ban=ban)
 
     def _number_tokens(self, kind: str, text: str) -> list[int]:
         """The tokens that keep `text` a prefix of a JSON number (of an integer), exponents under 3 digits
@@ -3244,7 +3427,7 @@ class _CallProgram:
                 and not _BIG_EXPONENT.search(text + self.facts.texts[i])]
 
     def json_string(self, reserve: int):
-        """A Hermes string value: "text" without quotes, backslashes, control characters or '<'."""
+        """A JSON string value: "text" without quotes, backslashes, control characters or '<'."""
         yield from self.force('"')
         text, count = "", 0
         while count < _VALUE_TOKEN_CAP["string"] and self.left() - 1 >= reserve + 1:
@@ -3255,7 +3438,7 @@ class _CallProgram:
         yield from self.force('"')
 
     def json_number_then(self, kind: str, alternatives: list, reserve: int):
-        """A Hermes number value, which ends where the model starts one of `alternatives` (what may follow
+        """A JSON number value, which ends where the model starts one of `alternatives` (what may follow
         it: a separator or the closing); returns the index of that alternative."""
         text, count = "", 0
         firsts = {self.facts.encode(a)[0] for a in alternatives}
@@ -3273,7 +3456,7 @@ class _CallProgram:
 
 def _forced_value_shape(schema, json_form: bool = False) -> tuple[str, list[str] | None]:
     """(kind, choices): the value kind a forced call writes for this schema, or the fixed texts to pick from
-    (as raw text for Qwen XML, as JSON for Hermes)."""
+    (as raw text, or as JSON texts with json_form)."""
     schema = schema if isinstance(schema, dict) else {}
     values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
     if values:
@@ -3298,13 +3481,15 @@ def _value_done(kind: str, text: str) -> bool:
 
 
 class _ToolChoicePlan:
-    """Everything a program needs that is shared by the choices of one request."""
+    """Everything a program needs that is shared by the choices of one request; the call's markup comes from
+    `tool_format` (a ToolCallFormat)."""
 
-    def __init__(self, facts, functions, mode, names=(), parallel=False, in_reasoning=False, max_tokens=0,
-                 eos_ids=(), tool_parser="qwen_xml"):
+    def __init__(self, facts, functions, mode, tool_format, names=(), parallel=False, in_reasoning=False,
+                 max_tokens=0, eos_ids=()):
         self.facts, self.functions, self.mode, self.names, self.parallel = facts, functions, mode, list(names), parallel
         self.in_reasoning, self.max_tokens, self.eos_ids = in_reasoning, max_tokens, list(eos_ids)
-        self.tool_parser = tool_parser
+        self.format = tool_format
+        self.call_open_ids = facts.ids_of(tool_format.call_open)
 
     def program(self, run: _CallProgram):
         return {"force": self._forced_calls, "one_call": self._one_call, "no_call": self._no_call}[self.mode](run)
@@ -3313,85 +3498,60 @@ class _ToolChoicePlan:
         """Tokens `text` takes in canonical tokenization (what the programs force)."""
         return len(self.facts.encode(text))
 
-    def header(self, lead: str, name: str) -> str:
-        if self.tool_parser == "hermes":
-            return f'{lead}<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
-        return f"{lead}<tool_call>\n<function={name}>\n"
-
     def call_cost(self, lead: str, name: str) -> int:
         """Tokens the smallest call to `name` takes, the end-of-sequence token included."""
-        return self.cost(self.header(lead, name)) + self.min_arguments_cost(name) + 1
+        return self.cost(self.format.call_head(lead, name)) + self.min_arguments_cost(name) + 1
 
     def min_arguments_cost(self, name, params=None) -> int:
         """Tokens the smallest valid arguments of `name` take (its required parameters), closers included."""
         properties, required = self.functions[name]
-        hermes = self.tool_parser == "hermes"
-        total = self.cost(_HERMES_CALL_CLOSE if hermes else _XML_CALL_CLOSE)
+        fmt = self.format
+        total = self.cost(fmt.call_tail)
         for p in required if params is None else params:
-            kind, choices = _forced_value_shape(properties.get(p), json_form=hermes)
-            if hermes:
-                value = max(map(self.cost, choices)) if choices else 3 + self.cost("{}")
-                total += self.cost(", " + json.dumps(p, ensure_ascii=False) + ": ") + value
-            else:
-                value = max(self.cost(c + _XML_VALUE_CLOSE) for c in choices) if choices else \
-                    2 + self.cost(_XML_VALUE_CLOSE)
-                total += self.cost(f"<parameter={p}>\n") + value
+            _, choices = _forced_value_shape(properties.get(p), json_form=fmt.json_values)
+            value = max(self.cost(c + fmt.value_close) for c in choices) if choices else fmt.smallest_value_cost(self.cost)
+            total += self.cost(fmt.param_open(p, first=False)) + value
         return total
 
     def _forced_calls(self, run: _CallProgram):
-        """tool_choice required / named: [reasoning] <tool_call> <function=NAME> parameters </function> </tool_call>,
-        then (required with parallel calls) another call or the end."""
+        """tool_choice required / named: [reasoning] a call (its head, arguments, tail), then (required with
+        parallel calls) another call or the end."""
         lead = ""
         if self.in_reasoning:
             yield from run.think(max(self.call_cost("\n\n", n) for n in self.names))
             lead = "\n\n"
         names = [n for n in self.names if self.call_cost(lead, n) <= run.left()] or self.names
-        name = names[(yield from run.choose([self.header(lead, n) for n in names]))]
+        name = names[(yield from run.choose([self.format.call_head(lead, n) for n in names]))]
         while True:
-            yield from (self._hermes_arguments if self.tool_parser == "hermes" else self._xml_arguments)(run, name)
+            yield from self._arguments(run, name)
             names = [n for n in self.names if self.call_cost("\n", n) <= run.left() - 1] if self.parallel else []
             if not names:
                 break
-            choice = yield from run.choose([_EOS] + [self.header("\n", n) for n in names])
+            choice = yield from run.choose([_EOS] + [self.format.call_head("\n", n) for n in names])
             if choice == 0:
                 break
             name = names[choice - 1]
         while True:
             yield _Allowed(allow=self.eos_ids)
 
-    def _xml_arguments(self, run, name):
-        properties, required = self.functions[name]
-        for i, p in enumerate(required):
-            yield from run.force(f"<parameter={p}>\n")
-            yield from run.xml_value(properties.get(p), self.min_arguments_cost(name, required[i + 1:]) + 1)
-        optional = [p for p in properties if p not in required]
-        while optional:
-            closing = self.cost(_XML_CALL_CLOSE) + 1
-            fits = [p for p in optional if self.min_arguments_cost(name, [p]) + closing <= run.left()]
-            choice = yield from run.choose([_XML_CALL_CLOSE] + [f"<parameter={p}>\n" for p in fits])
-            if choice == 0:
-                return
-            p = fits[choice - 1]
-            optional.remove(p)
-            yield from run.xml_value(properties.get(p), closing)
-        yield from run.force(_XML_CALL_CLOSE)
-
-    def _hermes_arguments(self, run, name):
-        """The arguments object after '"arguments": {': required members first, then optional ones while they
-        fit, then '}}' and </tool_call>. A number has no closing mark: it ends where the next separator starts."""
+    def _arguments(self, run, name):
+        """The arguments after the call's head: required parameters first, then optional ones while they fit
+        and the model wants them, then the call's tail. A value the format leaves open (a JSON number has no
+        closing mark) ends where the model starts what follows it."""
+        fmt = self.format
         properties, required = self.functions[name]
         todo, optional = list(required), [p for p in properties if p not in required]
-        separator, number = "", None
+        first, number = True, None
         while True:
-            key = lambda p: separator + json.dumps(p, ensure_ascii=False) + ": "   # noqa: E731
-            closing = self.cost(_HERMES_CALL_CLOSE) + 1
+            closing = self.cost(fmt.call_tail) + 1
             if todo:
                 candidates = todo[:1]
-                alternatives = [key(todo[0])]
+                alternatives = [fmt.param_open(todo[0], first)]
                 reserve = self.min_arguments_cost(name, todo) + 1
             else:
-                candidates = [p for p in optional if self.min_arguments_cost(name, [p]) + closing + 2 <= run.left()]
-                alternatives = [_HERMES_CALL_CLOSE] + [key(p) for p in candidates]
+                candidates = [p for p in optional
+                              if self.min_arguments_cost(name, [p]) + closing + fmt.optional_spare <= run.left()]
+                alternatives = [fmt.call_tail] + [fmt.param_open(p, first) for p in candidates]
                 reserve = closing
             choice = yield from (run.json_number_then(number, alternatives, reserve) if number
                                  else run.choose(alternatives))
@@ -3399,29 +3559,20 @@ class _ToolChoicePlan:
                 return
             p = candidates[choice - (0 if todo else 1)]
             (todo if todo else optional).remove(p)
-            kind, choices = _forced_value_shape(properties.get(p), json_form=True)
-            rest = self.min_arguments_cost(name, todo) + 1
-            number = None
-            if choices:
-                yield from run.choose(choices)
-            elif kind == "string":
-                yield from run.json_string(rest)
-            elif kind in ("integer", "number"):
-                number = kind                       # written with the next separator
-            else:
-                yield from run.force("{}" if kind == "object" else "[]")
-            separator = ", "
+            kind, choices = _forced_value_shape(properties.get(p), json_form=fmt.json_values)
+            number = yield from fmt.forced_value(run, kind, choices, self.min_arguments_cost(name, todo) + 1)
+            first = False
 
     def _one_call(self, run: _CallProgram):
         """parallel_tool_calls=false under auto: free text until the first call closes, then the end."""
         tools = [{"type": "function", "function": {"name": name}} for name in self.functions]
-        parser = ChatOutputParser(tools, self.tool_parser, self.in_reasoning)   # reads the text as the server will
+        parser = ChatOutputParser(tools, self.format.name, self.in_reasoning)   # reads the text as the server will
         while True:
             scan = parser._scan
             if scan.calls and scan.calls[-1].closed:
-                if scan.mode in ("start", "think", "text"):
+                if not scan.in_call:
                     break
-                token = yield _Allowed(ban=self.facts.call_open)   # let </tool_call> come, but no second call
+                token = yield _Allowed(ban=self.call_open_ids)   # let the call close, but no second call
             else:
                 token = yield _Allowed()
             parser.feed(self.facts.text(token))
@@ -3431,7 +3582,7 @@ class _ToolChoicePlan:
     def _no_call(self, run: _CallProgram):
         """tool_choice none: the model may not open a call."""
         while True:
-            yield _Allowed(ban=self.facts.call_open)
+            yield _Allowed(ban=self.call_open_ids)
 
 
 class _ToolChoiceProcessor:
@@ -3495,11 +3646,11 @@ def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, paral
       add optional ones or close. RequestError(param="max_tokens") when even the smallest call cannot fit.
     - parallel_tool_calls=false: "required" forces one call; "auto" ends the answer once a call has closed.
     - "none": the <tool_call> token is banned.
-    The call is written in the form of `tool_parser` ("qwen_xml" or "hermes"). eos_token_ids: the ids that end the answer (default: the tokenizer's eos and
-    <|im_end|>). The processor receives each choice's generated ids (not the prompt), as the engine passes.
+    The call is written in the format named `tool_parser` (a TOOL_FORMATS key). eos_token_ids: the ids that end
+    the answer (default: the tokenizer's eos and <|im_end|>). The processor receives each choice's generated ids
+    (not the prompt), as the engine passes.
     """
-    if tool_parser not in ("qwen_xml", "hermes"):
-        raise PocketError(f"unknown tool parser {tool_parser!r}: use qwen_xml or hermes")
+    fmt = tool_format(tool_parser)
     functions = _forced_functions(tools)
     choice = _resolve_tool_choice(tool_choice, list(functions))
     if choice == "auto" and parallel_tool_calls is not False:
@@ -3508,13 +3659,14 @@ def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, paral
                                      if i is not None])
     facts = _token_facts(tokenizer)
     if choice == "none":
-        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "no_call")) if facts.call_open else None
+        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "no_call", fmt)) if facts.ids_of(fmt.call_open) \
+            else None
     if choice == "auto":
-        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "one_call", in_reasoning=in_reasoning,
-                                                    max_tokens=max_tokens, eos_ids=eos_ids, tool_parser=tool_parser))
+        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "one_call", fmt, in_reasoning=in_reasoning,
+                                                    max_tokens=max_tokens, eos_ids=eos_ids))
     names = list(functions) if choice == "required" else [choice]
-    plan = _ToolChoicePlan(facts, functions, "force", names, parallel=bool(parallel_tool_calls) and choice == "required",
-                           in_reasoning=in_reasoning, max_tokens=max_tokens, eos_ids=eos_ids, tool_parser=tool_parser)
+    plan = _ToolChoicePlan(facts, functions, "force", fmt, names, in_reasoning=in_reasoning, max_tokens=max_tokens,
+                           parallel=bool(parallel_tool_calls) and choice == "required", eos_ids=eos_ids)
     smallest = min(plan.call_cost("\n\n" if in_reasoning else "", n) for n in names)
     smallest += plan.cost(_THINK_FORCED_CLOSE) if in_reasoning else 0
     if max_tokens < smallest:
@@ -4613,7 +4765,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="the model id clients send (default: the checkpoint directory name)")
     group.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a jinja chat template to use instead of the checkpoint's")
-    group.add_argument("--tool-parser", choices=("qwen_xml", "hermes"), default=None,
+    group.add_argument("--tool-parser", choices=tuple(TOOL_FORMATS), default=None,
                        help="tool-call format (default: detected from the chat template)")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help=f"largest request body accepted (default {DEFAULT_MAX_REQUEST_BYTES}); larger is 413")
