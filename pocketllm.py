@@ -2509,12 +2509,10 @@ def _is_partial(text: str, i: int, marker: str) -> bool:
 
 
 def _held_start(text: str, start: int, markers) -> int:
-    """Where an unfinished marker may begin at the end of text (len(text) if none). Markers start with '<'."""
-    i = text.find("<", max(start, len(text) - max(map(len, markers)) + 1))
-    while i != -1:
+    """Where an unfinished marker may begin at the end of text (len(text) if none)."""
+    for i in range(max(start, len(text) - max(map(len, markers)) + 1), len(text)):
         if any(_is_partial(text, i, marker) for marker in markers):
             return i
-        i = text.find("<", i + 1)
     return len(text)
 
 
