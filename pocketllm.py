@@ -2682,7 +2682,7 @@ class ToolCallFormat:
     """
 
     name = ""                          # the tool_parser value (ChatOutputParser, --tool-parser)
-    call_open, call_close = _CALL_OPEN, _CALL_CLOSE
+    call_open, call_close = _CALL_OPEN, _CALL_CLOSE   # the wrapper around a call ("": none)
     bare_opens: tuple[str, ...] = ()   # prose markers that open a call without call_open (for a known tool only)
     json_values = False                # forced values are JSON texts, else raw text (a string as it is)
     value_close = ""                   # ends each forced value ("": the next separator ends it)
@@ -2946,7 +2946,7 @@ class HermesFormat(ToolCallFormat):
             value, end = _JSON_DECODER.raw_decode(text, v)
         except ValueError:
             # unfinished, unless the call's closing tag has already arrived
-            return None if not final and text.find(self.call_close, v) == -1 else False
+            return None if not final and (not self.call_close or text.find(self.call_close, v) == -1) else False
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not final and \
                 (end == len(text) or text[end] in "0123456789.eE+-"):
             return None                                         # a number may go on: 1 -> 12, 0 -> 0.5
@@ -3030,7 +3030,7 @@ class _OutputScan:
                                         if fmt is not tool_format and fmt.call_open == tool_format.call_open]   # form is read
         markers = [_THINK_CLOSE]
         if parse_tools:
-            markers += [tool_format.call_open, *tool_format.bare_opens]
+            markers += [m for m in (tool_format.call_open, *tool_format.bare_opens) if m]   # "": no wrapper
         self.markers = markers
         self.marker_re = re.compile("|".join(map(re.escape, markers)))
 
@@ -3093,7 +3093,7 @@ class _OutputScan:
     def _call_header(self, text, at, final):
         """(end, name, mode) for a confirmed call header at `at` (and call_format set to its format), None while
         undecided, False if not a call."""
-        if text.startswith(self.format.call_open, at):
+        if self.format.call_open and text.startswith(self.format.call_open, at):
             j = _skip_ws(text, at + len(self.format.call_open))
             found = [(fmt, fmt.header(text, j, final, self.schemas, bare=False)) for fmt in self.wrapped]
         else:
@@ -3354,7 +3354,7 @@ class _CallProgram:
         """Let the model pick one alternative (texts, or _EOS), forced token by token in canonical
         tokenization; returns its index. `taken`: its first tokens, already sampled."""
         seqs = [[_EOS] if a is _EOS else self.facts.encode(a) for a in alternatives]
-        alive = [i for i, s in enumerate(seqs) if len(s) > len(taken) and tuple(s[:len(taken)]) == tuple(taken)]
+        alive = [i for i, s in enumerate(seqs) if len(s) >= len(taken) and tuple(s[:len(taken)]) == tuple(taken)]
         depth = len(taken)
         while True:
             done = [i for i in alive if len(seqs[i]) == depth]
@@ -3487,7 +3487,7 @@ class _ToolChoicePlan:
         self.facts, self.functions, self.mode, self.names, self.parallel = facts, functions, mode, list(names), parallel
         self.in_reasoning, self.max_tokens, self.eos_ids = in_reasoning, max_tokens, list(eos_ids)
         self.format = tool_format
-        self.call_open_ids = facts.ids_of(tool_format.call_open)
+        self.call_open_ids = facts.ids_of(tool_format.call_open) if tool_format.call_open else []
 
     def program(self, run: _CallProgram):
         return {"force": self._forced_calls, "one_call": self._one_call, "no_call": self._no_call}[self.mode](run)
@@ -3657,8 +3657,8 @@ def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, paral
                                      if i is not None])
     facts = _token_facts(tokenizer)
     if choice == "none":
-        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "no_call", fmt)) if facts.ids_of(fmt.call_open) \
-            else None
+        plan = _ToolChoicePlan(facts, functions, "no_call", fmt)
+        return _ToolChoiceProcessor(plan) if plan.call_open_ids else None
     if choice == "auto":
         return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "one_call", fmt, in_reasoning=in_reasoning,
                                                     max_tokens=max_tokens, eos_ids=eos_ids))

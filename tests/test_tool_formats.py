@@ -1,10 +1,14 @@
 """The tool-call format classes (TOOL_FORMATS), each checked against itself: what a format writes, its own
 scanner reads back, its detection recognises, and no other format claims. A new format gets these checks by
 being registered; its own parsing cases go beside the Qwen XML and Hermes ones in test_tool_parser.py.
+
+LlamaJsonFormat below is a third format registered only while these tests run: it shows that a new format
+is one class (here a small subclass), with nothing else in pocketllm.py to edit.
 """
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,38 @@ import torch
 
 import pocketllm as P
 
-FORMATS = sorted(P.TOOL_FORMATS)
+
+
+class LlamaJsonFormat(P.HermesFormat):
+    """Llama 3.1's JSON calls: {"name": NAME, "parameters": {...}} with no wrapper, for a known tool only."""
+
+    name = "llama_json"
+    call_open = call_close = ""
+    bare_opens = ("{",)
+    call_tail = "}}"
+
+    def header(self, text, at, final, schemas, bare):
+        header = super().header(text, at, final, schemas, bare)
+        return False if header and schemas and header[1] not in schemas else header
+
+    def call_head(self, lead, name):
+        return f'{lead}{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": {{'
+
+    def renders_call(self, text, name):
+        return re.search(r'\{\s*"name"\s*:\s*' + re.escape(json.dumps(name)) + r'\s*,\s*"parameters"', text) is not None
+
+    def in_template(self, source):
+        return '"parameters"' in source
+
+
+@pytest.fixture(autouse=True, scope="module")
+def third_format():
+    P.TOOL_FORMATS[LlamaJsonFormat.name] = LlamaJsonFormat()
+    yield
+    del P.TOOL_FORMATS[LlamaJsonFormat.name]
+
+
+FORMATS = sorted(P.TOOL_FORMATS) + [LlamaJsonFormat.name]
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"type": "string", "enum": ["c", "f"]},
@@ -50,16 +85,16 @@ def parse_streamed(fmt_name, text, chunks, in_reasoning=False):
 def test_registry_names_and_errors():
     assert FORMATS and all(P.TOOL_FORMATS[name].name == name for name in FORMATS)
     with pytest.raises(P.PocketError) as e:
-        P.ChatOutputParser(None, "llama_json", in_reasoning=False)
+        P.ChatOutputParser(None, "no_such_format", in_reasoning=False)
     assert all(name in str(e.value) for name in FORMATS)
     with pytest.raises(P.PocketError):
-        P.tool_choice_processor(None, TOOLS, "required", "llama_json", True, False, 100)
+        P.tool_choice_processor(None, TOOLS, "required", "no_such_format", True, False, 100)
     cli = argparse.ArgumentParser()
     P.add_server_args(cli)
     for name in FORMATS:                                        # --tool-parser offers exactly the registry
         assert cli.parse_args(["--tool-parser", name]).tool_parser == name
     with pytest.raises(SystemExit):
-        cli.parse_args(["--tool-parser", "llama_json"])
+        cli.parse_args(["--tool-parser", "no_such_format"])
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -116,10 +151,13 @@ def test_forced_call_reads_back(tokenizer, name, in_reasoning, seed):
     text = tokenizer.decode(ids[:-1])
     _, calls, message = parse_streamed(name, text, list(text), in_reasoning)
     assert calls and [c["arguments"] for c in calls] == [c["function"]["arguments"] for c in message["tool_calls"]]
-    body = text.split("</think>")[-1].lstrip()
-    for call in calls:
-        assert body.startswith(fmt.call_head("", call["name"])) and fmt.call_tail in body, text
-        body = body[body.index(fmt.call_tail) + len(fmt.call_tail):].lstrip()
+    body, pos = text.split("</think>")[-1].lstrip(), 0
+    assert body.endswith(fmt.call_tail), text
+    for i, call in enumerate(calls):       # each call is this format's head, ..., tail (values cannot hold a head)
+        head = fmt.call_head("\n" if i else "", call["name"])
+        at = body.find(head, pos)
+        assert at == 0 if i == 0 else at > pos and body[:at].endswith(fmt.call_tail), text
+        pos = at + len(head)
         args = json.loads(call["arguments"])
         properties = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call["name"])
         assert set(properties.get("required", [])) <= set(args) <= set(properties["properties"]), text
@@ -127,7 +165,6 @@ def test_forced_call_reads_back(tokenizer, name, in_reasoning, seed):
             kind = P._schema_types(properties["properties"][key])[0]
             if kind in ("integer", "number", "boolean", "null"):    # typed by the masks, never a raw string
                 assert P._convert_value(json.dumps(value), [kind]) == value and not isinstance(value, str), text
-    assert body == "", text
 
 
 @pytest.mark.parametrize("name", FORMATS)
