@@ -2683,7 +2683,7 @@ class ToolCallFormat:
 
     name = ""                          # the tool_parser value (ChatOutputParser, --tool-parser)
     call_open, call_close = _CALL_OPEN, _CALL_CLOSE   # the wrapper around a call ("": none)
-    bare_opens: tuple[str, ...] = ()   # prose markers that open a call without call_open (for a known tool only)
+    bare_opens: tuple[str, ...] = ()   # prose markers that open a call with no call_open (header gets bare=True)
     json_values = False                # forced values are JSON texts, else raw text (a string as it is)
     value_close = ""                   # ends each forced value ("": the next separator ends it)
     call_tail = ""                     # ends a forced call, after its last argument
@@ -2797,8 +2797,8 @@ class QwenXmlFormat(ToolCallFormat):
         if text.startswith(self.call_close, j):                # </function> missing
             call.closed, scan.pos, scan.mode = True, j + len(self.call_close), "text"
             return True
-        if text.startswith(self.call_open, j) or text.startswith(self.function_tag, j):   # the next call: this one ended
-            call.closed, scan.pos, scan.mode = True, j, "text"
+        if text.startswith(self.call_open, j) or text.startswith(self.function_tag, j):   # the next call
+            call.closed, scan.pos, scan.mode = True, j, "text"                              # ends this one
             return True
         if not final and any(_is_partial(text, j, marker) for marker in self._markers):
             scan.pos = j
@@ -2893,10 +2893,8 @@ class HermesFormat(ToolCallFormat):
             scan.pos = j + 1
             return True
         member = self._json_member(text, j, final)
-        if member is None:
-            return False
-        if member is False:
-            return self._give_up(scan, call)
+        if not member:                                          # None: wait for more text; False: malformed
+            return self._give_up(scan, call) if member is False else False
         key, v = member
         arguments = not inner and key in ("arguments", "parameters")
         if arguments and text[v] == "{" and not call.closed:
@@ -2912,10 +2910,8 @@ class HermesFormat(ToolCallFormat):
                 call.open_member = _member_json(key, value)[:-1]
             return False
         value = self._json_value(text, v, final)
-        if value is None:
-            return False
-        if value is False:
-            return self._give_up(scan, call)
+        if not value:
+            return self._give_up(scan, call) if value is False else False
         if inner:
             call.add(key, value[0])
         elif arguments and isinstance(value[0], str):                    # arguments sent as a JSON string
@@ -3003,11 +2999,10 @@ def detect_tool_format(rendered: str, source: str, probe_name: str) -> str:
     """The name of the format a chat template teaches: the first whose call to `probe_name` shows in
     `rendered` (the template's rendering of a probe conversation), else the first whose markup is in the
     template's `source`, else the first format."""
-    for test in (lambda fmt: fmt.renders_call(rendered, probe_name), lambda fmt: fmt.in_template(source)):
-        found = next((name for name, fmt in TOOL_FORMATS.items() if test(fmt)), None)
-        if found:
-            return found
-    return next(iter(TOOL_FORMATS))
+    formats = TOOL_FORMATS.values()
+    found = next((fmt for fmt in formats if fmt.renders_call(rendered, probe_name)), None) or \
+        next((fmt for fmt in formats if fmt.in_template(source)), None) or next(iter(formats))
+    return found.name
 
 
 _PROSE_MODES = ("start", "think", "text")
@@ -3020,17 +3015,18 @@ class _OutputScan:
     <tool_call> is text). Modes: start, think, text (prose); inside a call, the modes of the call's format,
     whose scan() reads it."""
 
-    def __init__(self, schemas: dict, tool_format: ToolCallFormat, in_reasoning: bool, parse_tools: bool):
-        self.schemas, self.format = schemas, tool_format
-        self.call_format = tool_format              # the format of the call being read
+    def __init__(self, schemas: dict, fmt: ToolCallFormat, in_reasoning: bool, parse_tools: bool):
+        self.schemas, self.format = schemas, fmt
+        self.call_format = fmt                     # the format of the call being read
         self.pos, self.mode = 0, "think" if in_reasoning else "start"
         self.reasoning, self.content = "", ""      # raw; shown stripped of surrounding whitespace
         self.calls: list[_ParsedCall] = []
-        self.wrapped = [tool_format] + [fmt for fmt in TOOL_FORMATS.values()   # after call_open a call in any
-                                        if fmt is not tool_format and fmt.call_open == tool_format.call_open]   # form is read
+        # after call_open, a call in any format that shares it is read (the request's format is tried first)
+        self.wrapped = [fmt] + [other for other in TOOL_FORMATS.values()
+                                if other is not fmt and other.call_open == fmt.call_open]
         markers = [_THINK_CLOSE]
         if parse_tools:
-            markers += [m for m in (tool_format.call_open, *tool_format.bare_opens) if m]   # "": no wrapper
+            markers += [m for m in (fmt.call_open, *fmt.bare_opens) if m]   # "": no wrapper
         self.markers = markers
         self.marker_re = re.compile("|".join(map(re.escape, markers)))
 
@@ -3480,14 +3476,14 @@ def _value_done(kind: str, text: str) -> bool:
 
 class _ToolChoicePlan:
     """Everything a program needs that is shared by the choices of one request; the call's markup comes from
-    `tool_format` (a ToolCallFormat)."""
+    `fmt` (a ToolCallFormat)."""
 
-    def __init__(self, facts, functions, mode, tool_format, names=(), parallel=False, in_reasoning=False,
+    def __init__(self, facts, functions, mode, fmt, names=(), parallel=False, in_reasoning=False,
                  max_tokens=0, eos_ids=()):
         self.facts, self.functions, self.mode, self.names, self.parallel = facts, functions, mode, list(names), parallel
         self.in_reasoning, self.max_tokens, self.eos_ids = in_reasoning, max_tokens, list(eos_ids)
-        self.format = tool_format
-        self.call_open_ids = facts.ids_of(tool_format.call_open) if tool_format.call_open else []
+        self.format = fmt
+        self.call_open_ids = facts.ids_of(fmt.call_open) if fmt.call_open else []
 
     def program(self, run: _CallProgram):
         return {"force": self._forced_calls, "one_call": self._one_call, "no_call": self._no_call}[self.mode](run)
