@@ -17,7 +17,6 @@ import torch
 import pocketllm as P
 
 
-
 class LlamaJsonFormat(P.HermesFormat):
     """Llama 3.1's JSON calls: {"name": NAME, "parameters": {...}} with no wrapper, for a known tool only."""
 
