@@ -4555,17 +4555,18 @@ function assistantView() {
 }
 function toolCard(parent) {
   const card = element("div", "call", parent);
-  return {card, id: "", name: "", arguments: "", nameEl: element("div", "name", card), argsEl: element("pre", "", card)};
+  return {card, id: "", name: "", arguments: "",
+          nameEl: element("div", "name", card), argsEl: element("pre", "", card)};
 }
-async function stream(view, signal) {
+async function stream(view, got, signal) {   // fills `got` as it goes: a stopped answer keeps what came
   const res = await api("/v1/chat/completions", {method: "POST", body: JSON.stringify(requestBody()), signal});
-  const got = {content: "", usage: null, first: 0, chunks: 0};
   for await (const data of serverEvents(res)) {
-    if (data === "[DONE]") return {...got, finished: true};
+    if (data === "[DONE]") { got.finished = true; return; }
     const chunk = JSON.parse(data);
     if (chunk.error) throw new Error(errorText(0, data));
     got.usage = chunk.usage || got.usage;
-    const delta = (chunk.choices[0] || {}).delta || {};
+    const choice = (chunk.choices || []).find(c => c.index === 0) || {}, delta = choice.delta || {};
+    got.finish = choice.finish_reason || got.finish;
     if (delta.reasoning_content || delta.content || delta.tool_calls) {
       got.first = got.first || performance.now();
       got.chunks++;
@@ -4577,25 +4578,28 @@ async function stream(view, signal) {
   }
   throw new Error("the connection closed before the answer finished");
 }
+function showFigures(got, start) {
+  const tokens = got.usage ? got.usage.completion_tokens : got.chunks;
+  const seconds = (performance.now() - got.first) / 1000;
+  $("figures").textContent = `first token ${Math.round(got.first - start)} ms · ` +
+    `${tokens > 1 ? ((tokens - 1) / seconds).toFixed(1) : "–"} tokens/s · ${tokens} tokens`;
+}
 async function answer() {
-  const view = assistantView(), conversation = history, start = performance.now();
-  let got = {content: "", first: 0};
-  controller = new AbortController();
+  const view = assistantView(), conversation = history, start = performance.now(), mine = new AbortController();
+  const got = {content: "", usage: null, first: 0, chunks: 0, finish: null, finished: false};
+  controller = mine;
   busy(true);
   try {
-    got = await stream(view, controller.signal);
+    await stream(view, got, mine.signal);
+    if (got.finish === "length") element("div", "note", view.el, "cut at the max tokens (finish_reason length)");
   } catch (e) {
     if (e.name === "AbortError") element("div", "note", view.el, "stopped");
     else showError(view.el, e instanceof TypeError ? `the connection to the server failed (${e.message})` : e.message);
   }
-  controller = null;
-  busy(false);
+  if (controller === mine) { controller = null; busy(false); }      // not when New chat has started another
   refreshServer();
-  if (got.first) {
-    const tokens = got.usage ? got.usage.completion_tokens : got.chunks, seconds = (performance.now() - got.first) / 1000;
-    $("figures").textContent = `first token ${Math.round(got.first - start)} ms · ` +
-      `${tokens > 1 ? ((tokens - 1) / seconds).toFixed(1) : "–"} tokens/s · ${tokens} tokens`;
-  }
+  if (!model) refreshModel();
+  if (got.first) showFigures(got, start);
   const calls = got.finished ? view.calls : [];      // a call cut off by stop is not replayed
   if (!got.content && !calls.length) return;
   const message = {role: "assistant", content: got.content};
@@ -4635,6 +4639,8 @@ $("input").onkeydown = event => {
 $("stop").onclick = () => controller && controller.abort();
 $("new").onclick = () => {
   if (controller) controller.abort();
+  controller = null;
+  busy(false);
   history = [];
   $("log").textContent = "";
   $("figures").textContent = "";

@@ -193,7 +193,8 @@ def test_a_chat_streams_turn_after_turn_with_reasoning_folded(server, llm, open_
 
 
 def test_thinking_off_and_a_new_chat(server, llm, open_tab):
-    """The thinking switch sends enable_thinking false: no reasoning comes or shows. New chat starts clean."""
+    """The thinking switch sends enable_thinking false: no reasoning comes or shows. New chat starts clean; an
+    answer cut by max tokens says so."""
     tab = open_tab(server)
     tab.set("#temperature", "0")
     tab.page.uncheck("#thinking")
@@ -205,8 +206,12 @@ def test_thinking_off_and_a_new_chat(server, llm, open_tab):
     assert tab.text(".turn.assistant > .text") == want["content"]
     tab.page.click("#new")
     assert tab.page.locator("#log > *").count() == 0 and tab.export() == []
+    tab.set("#max-tokens", "3")
     tab.send("Who wrote Hamlet?")
-    assert tab.chats[-1][0]["messages"] == [{"role": "user", "content": "Who wrote Hamlet?"}]
+    body, _ = tab.chats[-1]
+    assert body["messages"] == [{"role": "user", "content": "Who wrote Hamlet?"}] and body["max_tokens"] == 3
+    assert tab.text(".turn.assistant > .text") == reference(llm, body)["content"]
+    assert tab.text(".turn.assistant .note") == "cut at the max tokens (finish_reason length)"
     assert tab.errors == []
 
 
@@ -252,20 +257,24 @@ def test_the_weather_question_gives_a_call_card_and_a_typed_result_an_answer(ser
 def test_stop_aborts_a_long_answer_and_the_server_frees_it(server, llm, open_tab):
     """A long answer (ignore_eos through the extra fields, 800 max tokens, temperature 1): stop aborts the fetch,
     the server sees the disconnect and frees the request (running 0, no KV block held) well before 800
-    tokens; the page says it stopped and its server line shows running 0."""
+    tokens; the page says it stopped, keeps the partial answer, and its server line shows running 0."""
     tab = open_tab(server)
     tab.set("#temperature", "1")
     tab.set("#max-tokens", "800")
     tab.set("#extra", '{"ignore_eos": true}')
+    tab.page.uncheck("#thinking")                    # the answer itself starts at once
     before = llm.stats()["generation_tokens_total"]
     tab.page.fill("#input", "Tell me a very long story.")
     tab.page.press("#input", "Enter")
     tab.page.wait_for_function("() => document.querySelector('.error') || "
-                               "[...document.querySelectorAll('.turn.assistant .text')].some(t => t.textContent)")
+                               "document.querySelector('.turn.assistant > .text')")
     assert tab.page.locator(".error").count() == 0 and llm.stats()["running"] == 1
     tab.page.click("#stop")
     tab.wait_idle()
     assert tab.text(".turn.assistant .note") == "stopped"
+    shown = tab.text(".turn.assistant > .text")          # what came before the stop stays in the conversation
+    assert tab.export() == [{"role": "user", "content": "Tell me a very long story."},
+                            {"role": "assistant", "content": shown}]
     wait_until(lambda: llm.stats()["running"] == 0 and llm.stats()["kv_blocks_used"] == 0)
     assert llm.stats()["generation_tokens_total"] - before < 800
     assert tab.chats[-1][0]["ignore_eos"] is True and tab.chats[-1][0]["max_tokens"] == 800
