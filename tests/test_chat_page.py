@@ -7,6 +7,9 @@ The tool conversation's screenshot is saved as build/chat.png (docs/chat.png is 
 """
 
 import json
+import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,8 +26,6 @@ CHROMIUM = Path("/usr/bin/chromium")
 KEY = "page-key"
 WEATHER = "What is the weather in Paris for the next 3 days?"
 
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
-                                reason="needs Debian's chromium package (apt-get install -y chromium)")
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,8 @@ def keyed_server(llm):
 
 @pytest.fixture(scope="module")
 def browser():
+    if not CHROMIUM.exists():
+        pytest.skip("needs Debian's chromium package (apt-get install -y chromium; .ci/run installs it)")
     with sync_playwright() as p:
         chromium = p.chromium.launch(executable_path=str(CHROMIUM))
         yield chromium
@@ -154,6 +157,31 @@ def test_the_page_is_one_self_contained_document_served_without_the_key(keyed_se
     with pytest.raises(urllib.error.HTTPError) as error:
         urllib.request.urlopen(base + "/v1/models", timeout=30)
     assert error.value.code == 401
+
+
+@pytest.mark.parametrize("host, url", [("127.0.0.1", "http://127.0.0.1:8000/"), ("0.0.0.0", "http://127.0.0.1:8000/"),
+                                       ("::", "http://[::1]:8000/"), ("::1", "http://[::1]:8000/"),
+                                       ("example.lan", "http://example.lan:8000/")])
+def test_the_page_address_is_one_a_browser_opens(host, url):
+    assert pocketllm._chat_page_url(host, 8000) == url
+
+
+def test_the_start_up_log_prints_the_page_address():
+    """`python pocketllm.py --host 0.0.0.0 --port 0`: the second line is the page's address, which serves it."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pocketllm.py"), "--host", "0.0.0.0", "--port", "0",
+                             "--quiet", "--max-context", "128"], stdout=subprocess.PIPE, text=True)
+    try:
+        serving, page = proc.stdout.readline(), proc.stdout.readline()
+        assert serving.startswith("pocketllm: serving 'pocket-tiny' on http://0.0.0.0:"), serving
+        port = serving.strip().rsplit(":", 1)[1]
+        assert page == f"pocketllm: chat page at http://127.0.0.1:{port}/\n"
+        with urllib.request.urlopen(page.split(" at ")[1].strip(), timeout=30) as response:
+            assert response.read().decode() == pocketllm.CHAT_PAGE
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_a_chat_streams_turn_after_turn_with_reasoning_folded(server, llm, open_tab):
