@@ -4375,7 +4375,7 @@ CHAT_PAGE = r"""<!doctype html>
 * { box-sizing: border-box; }
 body { margin: 0; height: 100vh; display: grid; grid-template: auto 1fr / 1fr 330px; color: var(--fg);
        background: var(--bg); font: 14px/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; }
-header { grid-column: 1 / 3; display: flex; gap: 14px; align-items: baseline; padding: 10px 20px;
+header { grid-column: 1 / -1; display: flex; gap: 14px; align-items: baseline; padding: 10px 20px;
          background: #fff; border-bottom: 1px solid var(--line); }
 header b { font-size: 16px; }
 .figures { font: 12px ui-monospace, monospace; color: var(--muted); }
@@ -4397,7 +4397,7 @@ main { display: flex; flex-direction: column; min-height: 0; }
          margin: 6px 0; white-space: pre-wrap; }
 .note { color: var(--muted); font-size: 12px; }
 #composer { display: flex; gap: 8px; padding: 12px 24px; background: #fff; border-top: 1px solid var(--line); }
-#input { flex: 1; height: 46px; resize: vertical; font: inherit; }
+#input { flex: 1; height: 54px; resize: vertical; font: inherit; }
 textarea, input { width: 100%; padding: 5px 8px; border: 1px solid var(--line); border-radius: 6px;
                   font: 12px ui-monospace, monospace; }
 button { padding: 6px 14px; border: 1px solid var(--line); border-radius: 6px; background: #fff; cursor: pointer;
@@ -4408,6 +4408,10 @@ aside { overflow-y: auto; padding: 12px 16px; background: #fff; border-left: 1px
 aside label { display: block; margin: 10px 0 0; font-size: 12px; color: var(--muted); }
 aside label.check { display: flex; gap: 6px; align-items: center; }
 aside label.check input { width: auto; }
+@media (max-width: 800px) {             /* phones: the settings go under the chat */
+  body { grid-template: auto 1fr auto / 1fr; }
+  aside { max-height: 35vh; border-left: 0; border-top: 1px solid var(--line); }
+}
 </style>
 </head>
 <body>
@@ -4416,7 +4420,8 @@ aside label.check input { width: auto; }
 <main>
   <div id="log"></div>
   <form id="composer">
-    <textarea id="input" placeholder="Message (Enter sends, Shift+Enter adds a line)"></textarea>
+    <textarea id="input" placeholder="Message (Enter sends, Shift+Enter adds a line).
+Try: What is the weather in Paris for the next 3 days?"></textarea>
     <button id="send">Send</button><button id="stop" type="button" hidden>Stop</button>
   </form>
 </main>
@@ -4654,6 +4659,7 @@ $("export").onclick = () => {
 };
 $("key").onchange = () => { refreshModel(); refreshServer(); };
 refreshModel();
+refreshServer();
 </script>
 </body>
 </html>

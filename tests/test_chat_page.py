@@ -332,6 +332,30 @@ def test_errors_show_as_the_server_wrote_them(server, llm, open_tab):
     assert gone.page.locator(".turn.user").count() == 1
 
 
+def test_an_error_event_mid_stream_shows_after_the_partial_answer(browser, open_tab):
+    """The engine stops while an answer streams: the server's error event (the one /health then reports) shows
+    under the text that came before it."""
+    dying = pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=2, max_context=1024)
+    srv = pocketllm.serve(dying, port=0, block=False, log_requests=False)
+    try:
+        tab = open_tab(srv)
+        tab.page.uncheck("#thinking")
+        tab.set("#max-tokens", "800")
+        tab.set("#extra", '{"ignore_eos": true}')
+        tab.page.fill("#input", "Tell me a very long story.")
+        tab.page.press("#input", "Enter")
+        tab.page.wait_for_selector(".turn.assistant > .text")
+        dying.close()
+        tab.wait_idle()
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(tab.base + "/health", timeout=30)
+        e = json.loads(health.value.read())["error"]
+        assert tab.text(".error") == f"{e['type']}: {e['message']}" and "closed" in e["message"]
+        assert tab.text(".turn.assistant > .text")
+    finally:
+        srv.shutdown()
+
+
 def test_api_key_field(keyed_server, llm, open_tab):
     """With --api-key the page loads without the key and shows the server's 401; a wrong key shows the
     server's error; the right key is sent as a Bearer token on every call and the chat works."""
