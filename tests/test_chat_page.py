@@ -27,7 +27,6 @@ KEY = "page-key"
 WEATHER = "What is the weather in Paris for the next 3 days?"
 
 
-
 @pytest.fixture(scope="module")
 def llm():
     return pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=8, max_context=1024)
@@ -326,7 +325,7 @@ def test_errors_show_as_the_server_wrote_them(server, llm, open_tab):
     short_lived = pocketllm.serve(llm, port=0, block=False, socket_timeout=0.5, log_requests=False)
     gone = open_tab(short_lived)
     short_lived.shutdown()
-    time.sleep(1.0)                                  # idle keep-alive connections time out and close
+    time.sleep(2.0)                                  # idle keep-alive connections time out and close
     gone.send("Hello!")
     assert gone.text(".error").startswith("the connection to the server failed")
     assert gone.page.locator(".turn.user").count() == 1
