@@ -4506,8 +4506,326 @@ def _metrics(handler, match, raw) -> None:
     handler.send_bytes(200, data, "text/plain; version=0.0.4; charset=utf-8")
 
 
+# The chat page at `/`: one self-contained document that streams chats through the endpoints above. The policy
+# header lets the page reach its own server only (no CDN, font or image from elsewhere).
+CHAT_PAGE_POLICY = "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
+CHAT_PAGE = r"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>pocketllm</title>
+<link rel="icon" href="data:,">
+<style>
+:root { --fg: #1f2430; --muted: #6b7280; --line: #e2e5ea; --bg: #f6f7f9; --accent: #2563eb; --error: #b42318; }
+* { box-sizing: border-box; }
+body { margin: 0; height: 100vh; display: grid; grid-template: auto 1fr / 1fr 330px; color: var(--fg);
+       background: var(--bg); font: 14px/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; }
+header { grid-column: 1 / -1; display: flex; gap: 14px; align-items: baseline; padding: 10px 20px;
+         background: #fff; border-bottom: 1px solid var(--line); }
+header b { font-size: 16px; }
+.figures { font: 12px ui-monospace, monospace; color: var(--muted); }
+#figures { margin-left: auto; }
+main { display: flex; flex-direction: column; min-height: 0; }
+#log { flex: 1; overflow-y: auto; padding: 20px 24px; }
+.turn { max-width: 780px; margin: 0 auto 14px; }
+.user { display: flex; justify-content: flex-end; }
+.user .text { background: #e6eefc; border-radius: 14px; padding: 8px 14px; max-width: 80%; }
+.text { white-space: pre-wrap; overflow-wrap: anywhere; }
+.reasoning { color: var(--muted); border-left: 3px solid var(--line); padding-left: 10px; margin-bottom: 6px; }
+.reasoning summary { cursor: pointer; font-size: 12px; }
+.call { background: #fff; border: 1px solid var(--line); border-radius: 10px; padding: 8px 12px; margin: 6px 0; }
+.call .name { font: 600 13px ui-monospace, monospace; }
+.call .name::before { content: "tool call  "; font-weight: 400; color: var(--muted); }
+.call pre { margin: 4px 0 8px; white-space: pre-wrap; font-size: 12px; }
+.call textarea { height: 64px; }
+.error { color: var(--error); background: #fef3f2; border: 1px solid #fecdca; border-radius: 8px; padding: 6px 10px;
+         margin: 6px 0; white-space: pre-wrap; }
+.note { color: var(--muted); font-size: 12px; }
+#composer { display: flex; gap: 8px; padding: 12px 24px; background: #fff; border-top: 1px solid var(--line); }
+#input { flex: 1; height: 54px; resize: vertical; font: inherit; }
+textarea, input { width: 100%; padding: 5px 8px; border: 1px solid var(--line); border-radius: 6px;
+                  font: 12px ui-monospace, monospace; }
+button { padding: 6px 14px; border: 1px solid var(--line); border-radius: 6px; background: #fff; cursor: pointer;
+         font: inherit; }
+#send { background: var(--accent); border-color: var(--accent); color: #fff; }
+#stop { background: var(--error); border-color: var(--error); color: #fff; }
+aside { overflow-y: auto; padding: 12px 16px; background: #fff; border-left: 1px solid var(--line); }
+aside label { display: block; margin: 10px 0 0; font-size: 12px; color: var(--muted); }
+aside label.check { display: flex; gap: 6px; align-items: center; }
+aside label.check input { width: auto; }
+@media (max-width: 800px) {             /* phones: the settings go under the chat */
+  body { grid-template: auto 1fr auto / 1fr; }
+  aside { max-height: 35vh; border-left: 0; border-top: 1px solid var(--line); }
+}
+</style>
+</head>
+<body>
+<header><b>pocketllm</b><span id="model" class="figures"></span>
+  <span id="figures" class="figures"></span><span id="server" class="figures"></span></header>
+<main>
+  <div id="log"></div>
+  <form id="composer">
+    <textarea id="input" placeholder="Message (Enter sends, Shift+Enter adds a line).
+Try: What is the weather in Paris for the next 3 days?"></textarea>
+    <button id="send">Send</button><button id="stop" type="button" hidden>Stop</button>
+  </form>
+</main>
+<aside>
+  <button id="new" type="button">New chat</button> <button id="export" type="button">Export messages</button>
+  <label>System prompt <textarea id="system" rows="3"></textarea></label>
+  <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7"></label>
+  <label>Max tokens <input id="max-tokens" type="number" min="1" placeholder="the rest of the context"></label>
+  <label class="check"><input id="thinking" type="checkbox" checked> Thinking (enable_thinking)</label>
+  <label>API key <input id="key" type="password" autocomplete="off" placeholder="when the server has --api-key"></label>
+  <label class="check"><input id="use-tools" type="checkbox" checked> Send these tools</label>
+  <textarea id="tools" rows="13" spellcheck="false"></textarea>
+  <label>More request fields (JSON) <textarea id="extra" rows="2" spellcheck="false"
+    placeholder='{"top_p": 0.9, "seed": 1}'></textarea></label>
+</aside>
+<script>
+"use strict";
+const $ = id => document.getElementById(id);
+const TOOLS = [{type: "function", function: {name: "get_weather", description: "Weather forecast for a city",
+  parameters: {type: "object", properties: {city: {type: "string"}, days: {type: "integer"}},
+               required: ["city", "days"]}}}];
+let history = [];          // the conversation as the OpenAI messages list, without the system prompt
+let controller = null;     // aborts the answer being streamed
+let model = null;          // the served model's id, from /v1/models
+$("tools").value = JSON.stringify(TOOLS, null, 2);
+
+// Talking to the server: every call sends the key; a non-2xx answer becomes the server's own error text.
+function headers() {
+  const key = $("key").value.trim();
+  return key ? {"Content-Type": "application/json", "Authorization": "Bearer " + key}
+             : {"Content-Type": "application/json"};
+}
+function errorText(status, text) {
+  try {
+    const e = JSON.parse(text).error;
+    return `${status ? status + " " : ""}${e.type || "error"}: ${e.message}${e.param ? ` (param: ${e.param})` : ""}`;
+  } catch (_) { return `${status} ${text}`; }
+}
+async function api(path, options = {}) {
+  const res = await fetch(path, {...options, headers: headers()});
+  if (!res.ok) throw new Error(errorText(res.status, await res.text()));
+  return res;
+}
+
+// The figures: the server's state from /metrics, polled fast while an answer streams.
+let polled = 0;
+async function refreshServer() {
+  polled = performance.now();
+  try {
+    const text = await (await api("/metrics")).text();
+    const value = name => (text.match(new RegExp(`^pocketllm_${name} (\\S+)$`, "m")) || [])[1];
+    $("server").textContent = `running ${value("requests_running")} · waiting ${value("requests_waiting")}` +
+      ` · KV blocks ${value("kv_blocks_used")}/${value("kv_blocks_total")}`;
+  } catch (e) { $("server").textContent = "server: " + e.message; }
+}
+async function refreshModel() {
+  try {
+    model = (await (await api("/v1/models")).json()).data[0].id;
+    $("model").textContent = model;
+  } catch (e) { $("model").textContent = e.message; }
+}
+setInterval(() => { if (controller || performance.now() - polled > 5000) refreshServer(); }, 1000);
+
+// The conversation view: one element per turn; model text only ever goes in as textContent.
+function element(tag, className, parent, text) {
+  const el = document.createElement(tag);
+  if (className) el.className = className;
+  if (text !== undefined) el.textContent = text;
+  if (parent) parent.appendChild(el);
+  return el;
+}
+function turn(role) {
+  const el = element("div", "turn " + role, $("log"));
+  $("log").scrollTop = $("log").scrollHeight;
+  return el;
+}
+function showError(parent, message) { element("div", "error", parent, message); }
+function sampleResult(name, args) {
+  try { args = JSON.parse(args); } catch (_) { args = {}; }
+  return JSON.stringify(name === "get_weather" ? {city: args.city, days: args.days, forecast: "sunny", high_c: 21}
+                                               : {...args, result: "ok"});
+}
+
+// One assistant answer, streamed: SSE events read from fetch's body, each delta shown as it comes.
+function requestBody() {
+  const body = {messages: messagesToSend(), stream: true, stream_options: {include_usage: true},
+                chat_template_kwargs: {enable_thinking: $("thinking").checked}};
+  if (model) body.model = model;
+  if ($("temperature").value !== "") body.temperature = Number($("temperature").value);
+  if ($("max-tokens").value !== "") body.max_tokens = Number($("max-tokens").value);
+  if ($("use-tools").checked) body.tools = parseJSON("tools", $("tools").value);
+  return Object.assign(body, parseJSON("more request fields", $("extra").value || "{}"));
+}
+function parseJSON(what, text) {
+  try { return JSON.parse(text); } catch (e) { throw new Error(`${what}: not valid JSON (${e.message})`); }
+}
+function messagesToSend() {
+  const system = $("system").value.trim();
+  return system ? [{role: "system", content: system}, ...history] : history;
+}
+async function* serverEvents(res) {
+  const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const data = buffer.slice(0, end).split("\n").filter(l => l.startsWith("data:")).map(l => l.slice(5).trim());
+      buffer = buffer.slice(end + 2);
+      if (data.length) yield data.join("\n");
+    }
+  }
+}
+function assistantView() {
+  const el = turn("assistant");
+  let reasoning = null, content = null;
+  return {el, calls: [],
+    reasoning(text) {
+      if (!reasoning) {
+        const details = element("details", "reasoning", el);
+        element("summary", "", details, "Reasoning");
+        reasoning = element("div", "text", details);
+      }
+      reasoning.textContent += text;
+    },
+    content(text) { (content = content || element("div", "text", el)).textContent += text; },
+    call(delta) {       // a tool call's pieces: its id and name once, its arguments in fragments
+      const call = this.calls[delta.index] = this.calls[delta.index] || toolCard(el);
+      const f = delta.function || {};
+      call.id = delta.id || call.id;
+      call.nameEl.textContent = call.name += f.name || "";
+      call.argsEl.textContent = call.arguments += f.arguments || "";
+    }};
+}
+function toolCard(parent) {
+  const card = element("div", "call", parent);
+  return {card, id: "", name: "", arguments: "",
+          nameEl: element("div", "name", card), argsEl: element("pre", "", card)};
+}
+async function stream(view, got, signal) {   // fills `got` as it goes: a stopped answer keeps what came
+  const res = await api("/v1/chat/completions", {method: "POST", body: JSON.stringify(requestBody()), signal});
+  for await (const data of serverEvents(res)) {
+    if (data === "[DONE]") { got.finished = true; return; }
+    const chunk = JSON.parse(data);
+    if (chunk.error) throw new Error(errorText(0, data));
+    got.usage = chunk.usage || got.usage;
+    const choice = (chunk.choices || []).find(c => c.index === 0) || {}, delta = choice.delta || {};
+    got.finish = choice.finish_reason || got.finish;
+    if (delta.reasoning_content || delta.content || delta.tool_calls) {
+      got.first = got.first || performance.now();
+      got.chunks++;
+    }
+    if (delta.reasoning_content) view.reasoning(delta.reasoning_content);
+    if (delta.content) { view.content(delta.content); got.content += delta.content; }
+    (delta.tool_calls || []).forEach(d => view.call(d));
+    $("log").scrollTop = $("log").scrollHeight;
+  }
+  throw new Error("the connection closed before the answer finished");
+}
+function showFigures(got, start) {
+  const tokens = got.usage ? got.usage.completion_tokens : got.chunks;
+  const seconds = (performance.now() - got.first) / 1000;
+  $("figures").textContent = `first token ${Math.round(got.first - start)} ms · ` +
+    `${tokens > 1 ? ((tokens - 1) / seconds).toFixed(1) : "–"} tokens/s · ${tokens} tokens`;
+}
+async function answer() {
+  const view = assistantView(), conversation = history, start = performance.now(), mine = new AbortController();
+  const got = {content: "", usage: null, first: 0, chunks: 0, finish: null, finished: false};
+  controller = mine;
+  busy(true);
+  try {
+    await stream(view, got, mine.signal);
+    if (got.finish === "length") element("div", "note", view.el, "cut at the max tokens (finish_reason length)");
+  } catch (e) {
+    if (e.name === "AbortError") element("div", "note", view.el, "stopped");
+    else showError(view.el, e instanceof TypeError ? `the connection to the server failed (${e.message})` : e.message);
+  }
+  if (controller === mine) { controller = null; busy(false); }      // not when New chat has started another
+  refreshServer();
+  if (!model) refreshModel();
+  if (got.first) showFigures(got, start);
+  const calls = got.finished ? view.calls : [];      // a call cut off by stop is not replayed
+  if (!got.content && !calls.length) return;
+  const message = {role: "assistant", content: got.content};
+  if (calls.length) message.tool_calls = calls.map(c => ({id: c.id, type: "function",
+                                                          function: {name: c.name, arguments: c.arguments}}));
+  conversation.push(message);
+  calls.forEach(call => askResult(call, message.tool_calls));
+}
+function askResult(call, calls) {     // the user plays the tool: a result box, pre-filled, per call
+  const box = element("textarea", "result", call.card);
+  box.value = sampleResult(call.name, call.arguments);
+  const send = element("button", "", call.card, "Send result");
+  send.type = "button";
+  send.onclick = () => {
+    if (controller) return;
+    history.push({role: "tool", tool_call_id: call.id, content: box.value});
+    box.readOnly = send.disabled = true;
+    const answered = new Set(history.filter(m => m.role === "tool").map(m => m.tool_call_id));
+    if (calls.every(c => answered.has(c.id))) answer();
+  };
+}
+
+// The controls.
+function busy(on) { $("send").hidden = on; $("stop").hidden = !on; }
+$("composer").onsubmit = event => {
+  event.preventDefault();
+  const text = $("input").value.trim();
+  if (!text || controller) return;
+  $("input").value = "";
+  element("div", "text", turn("user"), text);
+  history.push({role: "user", content: text});
+  answer();
+};
+$("input").onkeydown = event => {
+  if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); $("composer").requestSubmit(); }
+};
+$("stop").onclick = () => controller && controller.abort();
+$("new").onclick = () => {
+  if (controller) controller.abort();
+  controller = null;
+  busy(false);
+  history = [];
+  $("log").textContent = "";
+  $("figures").textContent = "";
+};
+$("export").onclick = () => {
+  const link = document.createElement("a");
+  link.href = URL.createObjectURL(new Blob([JSON.stringify(messagesToSend(), null, 2)], {type: "application/json"}));
+  link.download = "messages.json";
+  link.click();
+  setTimeout(() => URL.revokeObjectURL(link.href), 1000);
+};
+$("key").onchange = () => { refreshModel(); refreshServer(); };
+refreshModel();
+refreshServer();
+</script>
+</body>
+</html>
+"""
+
+
+def _chat_page(handler, match, raw) -> None:
+    handler.send_bytes(200, CHAT_PAGE.encode(), "text/html; charset=utf-8",
+                       {"Content-Security-Policy": CHAT_PAGE_POLICY, "Cache-Control": "no-cache"})
+
+
+def _chat_page_url(host: str, port: int) -> str:
+    """The address to open in a browser: a wildcard host becomes the loopback one, IPv6 in brackets."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
 # The route table: (method, path pattern, endpoint). The pattern doubles as the metrics label.
 ROUTES = [
+    ("GET", "/", _chat_page),
     ("GET", "/health", _health),
     ("GET", "/v1/models", _models),
     ("GET", "/v1/models/{model}", _model),
@@ -4560,7 +4878,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             path = urllib.parse.urlsplit(self.path).path
             raw = self.read_body()
-            if path != "/health":
+            if path not in ("/", "/health"):         # the chat page loads without the key, then sends it
                 self.check_auth()
             self.endpoint, match, endpoint = find_route(method, path)
             endpoint(self, match, raw)
@@ -4753,7 +5071,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free port and prints it)")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health and the page / "
                             "(default: env POCKETLLM_API_KEY)")
     group.add_argument("--served-model-name", default=None,
                        help="the model id clients send (default: the checkpoint directory name)")
@@ -4778,6 +5096,7 @@ def run_server(llm, args: argparse.Namespace) -> int:
     server = PocketServer(llm, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout)
     print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
+    print(f"pocketllm: chat page at {_chat_page_url(args.host, server.port)}", flush=True)
     server.run()
     return 0
 
