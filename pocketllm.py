@@ -277,12 +277,16 @@ def _check_type(value, kind: type, param: str):
     return value
 
 
+def _number_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 def _range_text(row: Field) -> str:
     """'between 0 and 2', 'greater than 0 and at most 1', 'at least 1'."""
-    low = None if row.lo is None else f"{'greater than' if row.lo_open else 'at least'} {row.lo:g}"
-    high = None if row.hi is None else f"at most {row.hi:g}"
+    low = None if row.lo is None else f"{'greater than' if row.lo_open else 'at least'} {_number_text(row.lo)}"
+    high = None if row.hi is None else f"at most {_number_text(row.hi)}"
     if low and high and not row.lo_open:
-        return f"between {row.lo:g} and {row.hi:g}"
+        return f"between {_number_text(row.lo)} and {_number_text(row.hi)}"
     return " and ".join(t for t in (low, high) if t)
 
 
@@ -353,7 +357,7 @@ MAX_N = 16                     # choices per request
 MAX_STOP = 16                  # stop strings per request
 MAX_TOP_LOGPROBS = 20          # alternatives per token (OpenAI's chat limit)
 LOGIT_BIAS_VALUE = Field(kind="number", lo=-100, hi=100)
-TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "x-token-id": True}}
 
 
 def _sampling(default, kind: str, **row):
@@ -398,7 +402,7 @@ class SamplingParams:
                                                   {"type": "array", "maxItems": MAX_STOP,
                                                    "items": {"type": "string", "minLength": 1}}]},
                                 why="matched across token boundaries; not returned")
-    stop_token_ids: list[int] = _sampling([], "array", read=_token_ids, layer="engine", shape="array of token ids",
+    stop_token_ids: list[int] = _sampling([], "array", read=_token_ids, layer="engine", shape="array of token ids (0..vocab-1)",
                                           schema=TOKEN_IDS_SCHEMA, why="token ids that end the choice (vLLM extra)")
     ignore_eos: bool = _sampling(False, "boolean", layer="engine",
                                  why="do not stop on the checkpoint's EOS tokens (vLLM extra)")
@@ -4016,7 +4020,7 @@ CHAT_FIELDS = {
         functions=Field(kind="array", policy=DEFAULT_ONLY, allowed=(None, []), layer="server",
                         why="deprecated by OpenAI: use `tools`"),
         function_call=Field(policy=DEFAULT_ONLY, allowed=(None, "none", "auto"), layer="server",
-                            schema={"enum": [None, "none", "auto"]}, why="deprecated by OpenAI: use `tool_choice`"),
+                            shape="string or object", why="deprecated by OpenAI: use `tool_choice`"),
         web_search_options=Field(kind="object", policy=DEFAULT_ONLY, allowed=(None,), layer="server",
                                  why=UNIMPLEMENTED),
         verbosity=Field(kind="string", policy=DEFAULT_ONLY, allowed=(None,), layer="template", why=UNIMPLEMENTED)),
@@ -4055,12 +4059,80 @@ TOKENIZE_FIELDS = _table(
 DETOKENIZE_FIELDS = _table(
     model=GENERATION_FIELDS["model"],
     tokens=Field(kind="array", required=True, layer="server", read=_token_ids, schema=TOKEN_IDS_SCHEMA,
-                 shape="array of token ids", why="the ids to turn into text"),
+                 shape="array of token ids (0..vocab-1)", why="the ids to turn into text"),
 )
 
 # The template's own fields, read again by render_chat_prompt (which also serves /tokenize and raw bodies).
 TEMPLATE_FIELDS = {name: CHAT_FIELDS[name] for name in ("messages", "chat_template_kwargs", "add_generation_prompt",
                                                         "continue_final_message", "reasoning_effort")}
+
+# The tables rendered: docs/api.md's field lists (between `<!-- fields: NAME -->` markers) and /openapi.json.
+
+FIELD_TABLES = {"sampling": SAMPLING_FIELDS, "chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS,
+                "tokenize": TOKENIZE_FIELDS, "detokenize": DETOKENIZE_FIELDS}
+
+
+def _type_text(row: Field) -> str:
+    if row.shape:
+        return row.shape
+    text = ", ".join(f'`"{value}"`' for value in row.enum) if row.enum else row.kind
+    return f"{text}, {_range_text(row)}" if _range_text(row) else text
+
+
+def _default_text(row: Field) -> str:
+    if row.default_text or row.required:
+        return row.default_text or "required"
+    if row.policy == DEFAULT_ONLY and row.allowed:
+        return " or ".join(f"`{json.dumps(value)}`" for value in row.allowed)
+    return "null" if row.default is None else f"`{json.dumps(row.default)}`"
+
+
+def fields_markdown(table: dict[str, Field]) -> str:
+    """One endpoint's table as the markdown docs/api.md carries."""
+    lines = ["| field | type and range | default | consumed by | policy | notes |", "|---|---|---|---|---|---|"]
+    lines += [f"| `{name}` | {_type_text(row)} | {_default_text(row)} | {row.layer} | {row.policy} | {row.why} |"
+              for name, row in table.items()]
+    return "\n".join(lines)
+
+
+def _with_vocab(schema, vocab_size: int | None):
+    """A schema with every token id (`x-token-id`) bounded by the vocabulary."""
+    if isinstance(schema, list):
+        return [_with_vocab(s, vocab_size) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _with_vocab(value, vocab_size) for key, value in schema.items()}
+    if out.pop("x-token-id", False) and vocab_size:
+        out["maximum"] = vocab_size - 1
+    return out
+
+
+def field_schema(row: Field, vocab_size: int | None = None) -> dict:
+    """A row as JSON Schema (OpenAPI 3.1): type, range, enum, default; null stands for an absent field."""
+    schema = dict(row.schema) if row.schema else {"type": row.kind} if row.kind in JSON_KINDS else {}
+    if row.lo is not None:
+        schema["exclusiveMinimum" if row.lo_open else "minimum"] = row.lo
+    if row.hi is not None:
+        schema["maximum"] = row.hi
+    if row.enum:
+        schema["enum"] = list(row.enum)
+    if row.policy == DEFAULT_ONLY and row.allowed:
+        schema["enum"] = list(row.allowed)
+    elif not row.required:                    # null is accepted wherever the field may be absent
+        schema = {**schema, "type": [schema["type"], "null"]} if isinstance(schema.get("type"), str) else \
+            {"anyOf": [schema, {"type": "null"}]}
+    if row.default is not None and not callable(row.default):
+        schema["default"] = row.default
+    description = f"{row.why} (default: {_default_text(row).replace('`', '')})" if row.why else ""
+    return {**_with_vocab(schema, vocab_size), "description": description, "x-pocketllm-layer": row.layer,
+            "x-pocketllm-policy": row.policy}
+
+
+def request_schema(table: dict[str, Field], vocab_size: int | None = None) -> dict:
+    """An endpoint's body as JSON Schema: its table's fields, the required ones, no others."""
+    return {"type": "object", "additionalProperties": False,
+            "required": [name for name, row in table.items() if row.required],
+            "properties": {name: field_schema(row, vocab_size) for name, row in table.items()}}
 
 
 def _read_values(body: dict, table: dict[str, Field], vocab_size: int | None = None,
@@ -4604,6 +4676,51 @@ def _metrics(handler, match, raw) -> None:
     handler.send_bytes(200, data, "text/plain; version=0.0.4; charset=utf-8")
 
 
+# /openapi.json: every route, and every request field from the endpoints' tables (section 12).
+
+REQUEST_TABLES = {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLETION_FIELDS,
+                  "/tokenize": TOKENIZE_FIELDS, "/detokenize": DETOKENIZE_FIELDS}
+ROUTE_SUMMARIES = {"/health": "200 while the engine runs; 503 naming the cause once it has died (no auth)",
+                   "/v1/models": "the served model's card, as a list", "/v1/models/{model}": "the model card",
+                   "/v1/chat/completions": "an OpenAI chat completion, or its SSE chunks with stream: true",
+                   "/v1/completions": "an OpenAI text completion, or its SSE chunks with stream: true",
+                   "/tokenize": "vLLM's /tokenize: a prompt or chat messages -> token ids",
+                   "/detokenize": "vLLM's /detokenize: token ids -> text",
+                   "/metrics": "Prometheus text: engine and server counters, latency histograms",
+                   "/openapi.json": "this document"}
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def openapi_document(llm) -> dict:
+    """An OpenAPI 3.1 description of the server: every route in ROUTES, each request body from its table."""
+    paths = {}
+    for method, path, _ in ROUTES:
+        operation = {"summary": ROUTE_SUMMARIES.get(path, path), "responses": {
+            "200": {"description": "success"},
+            "default": {"description": "an error", "content": {"application/json": {"schema": ERROR_SCHEMA}}}}}
+        if path != "/health":
+            operation["security"] = [{"bearer": []}]
+        if "{model}" in path:
+            operation["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        if path in REQUEST_TABLES:
+            schema = request_schema(REQUEST_TABLES[path], llm.config.vocab_size)
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        paths.setdefault(path, {})[method.lower()] = operation
+    return {"openapi": "3.1.0",
+            "info": {"title": f"pocketllm serving {llm.model_name}", "version": __version__,
+                     "description": "An absent field and a null one mean the same: the default. Fields outside "
+                                    "a body's properties are 400 (code: unknown_field)."},
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+            "paths": paths}
+
+
+def _openapi(handler, match, raw) -> None:
+    handler.send_json(200, openapi_document(handler.server.llm))
+
+
 # The route table: (method, path pattern, endpoint). The pattern doubles as the metrics label.
 ROUTES = [
     ("GET", "/health", _health),
@@ -4614,6 +4731,7 @@ ROUTES = [
     ("POST", "/tokenize", _tokenize),
     ("POST", "/detokenize", _detokenize),
     ("GET", "/metrics", _metrics),
+    ("GET", "/openapi.json", _openapi),
 ]
 ROUTE_PATTERNS = [(method, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>.+)", path) + "$"), path, endpoint)
                   for method, path, endpoint in ROUTES]
