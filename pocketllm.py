@@ -236,6 +236,9 @@ HONOURED = "honoured"
 NO_EFFECT = "accepted, no effect"
 DEFAULT_ONLY = "refused unless default"
 JSON_KINDS = {"boolean": bool, "integer": int, "number": float, "string": str, "array": list, "object": dict}
+MAX_N = 16                     # choices per request
+MAX_STOP = 16                  # stop strings per request
+MAX_TOP_LOGPROBS = 20          # alternatives per token (OpenAI's chat limit)
 
 
 @dataclass(frozen=True)
@@ -353,9 +356,6 @@ def _logits_processors(value, param: str, vocab_size: int | None) -> list:
     return list(value)
 
 
-MAX_N = 16                     # choices per request
-MAX_STOP = 16                  # stop strings per request
-MAX_TOP_LOGPROBS = 20          # alternatives per token (OpenAI's chat limit)
 LOGIT_BIAS_VALUE = Field(kind="number", lo=-100, hi=100)
 TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "x-token-id": True}}
 
@@ -402,8 +402,9 @@ class SamplingParams:
                                                   {"type": "array", "maxItems": MAX_STOP,
                                                    "items": {"type": "string", "minLength": 1}}]},
                                 why="matched across token boundaries; not returned")
-    stop_token_ids: list[int] = _sampling([], "array", read=_token_ids, layer="engine", shape="array of token ids (0..vocab-1)",
-                                          schema=TOKEN_IDS_SCHEMA, why="token ids that end the choice (vLLM extra)")
+    stop_token_ids: list[int] = _sampling([], "array", read=_token_ids, layer="engine", schema=TOKEN_IDS_SCHEMA,
+                                          shape="array of token ids (0..vocab-1)",
+                                          why="token ids that end the choice (vLLM extra)")
     ignore_eos: bool = _sampling(False, "boolean", layer="engine",
                                  why="do not stop on the checkpoint's EOS tokens (vLLM extra)")
     logprobs: int | None = _sampling(None, "integer", lo=0, hi=MAX_TOP_LOGPROBS,
@@ -2807,7 +2808,7 @@ def tool_functions(tools) -> dict[str, ToolFunction]:
     """The one walk over a request's `tools`: every tool checked (a RequestError naming the path, such as
     `tools[0].function.parameters.required`) and normalised. name -> ToolFunction, in the request's order."""
     functions = {}
-    for i, tool in enumerate(_check_type(tools if tools is not None else [], list, "tools")):
+    for i, tool in enumerate([] if tools is None else _check_type(tools, list, "tools")):
         where = f"tools[{i}]"
         tool = _check_type(tool, dict, where)
         if tool.get("type") != "function":
