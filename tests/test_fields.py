@@ -271,6 +271,50 @@ def test_malformed_tools_are_400_naming_the_path(server, llm, tools, param, tool
     assert idle(llm)
 
 
+RICH_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": {
+    "type": "object", "required": ["city", "days"], "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]}, "days": {"type": "integer"},
+        "unit": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}}}
+ODD_SCHEMA_VALUES = [None, True, 2.5, "", ["x"], {}, {"type": 5}, {"enum": 3}, {"anyOf": 1}, {"type": ["integer", 5]},
+                     {"enum": [{"a": 1}]}]
+
+
+def _positions(obj, prefix=()):
+    """Every key path inside obj."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
+    for key, value in items:
+        yield prefix + (key,)
+        yield from _positions(value, prefix + (key,))
+
+
+def _replaced(obj, position, value):
+    obj = copy.deepcopy(obj)
+    inner = obj
+    for key in position[:-1]:
+        inner = inner[key]
+    inner[position[-1]] = value
+    return obj
+
+
+def test_odd_values_at_every_depth_of_a_tool_are_never_a_500(llm):
+    """Each position of a tool definition (its keys, its schema's keywords) set to odd JSON values, with tool_choice
+    auto and a forced call (the parser and the forced-call code both walk the schema): an answer or a 400 naming
+    a param, never another exception; no KV block or slot held afterwards."""
+    answered = refused = 0
+    for position in _positions(RICH_TOOL):
+        for value in ODD_SCHEMA_VALUES:
+            for tool_choice in (None, {"type": "function", "function": {"name": "get_weather"}}):
+                body = {"messages": USER, "tools": [_replaced(RICH_TOOL, position, value)],
+                        "tool_choice": tool_choice, "max_tokens": 16, "temperature": 1.0, "seed": 1}
+                try:
+                    pocketllm.chat_completions(llm, body)
+                    answered += 1
+                except pocketllm.RequestError as e:
+                    assert e.status == 400 and e.param, (position, value, e)
+                    refused += 1
+    assert answered and refused and idle(llm)
+
+
 def test_unusual_but_valid_tools_are_served(server, llm):
     """What the walk must not refuse: no parameters, no properties, boolean schemas, repeated or undescribed
     required names. A forced call to each is answered (the forced-call code consumes the walk's result)."""
