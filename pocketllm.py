@@ -388,7 +388,7 @@ class SamplingParams:
                                           why="divides positive (multiplies negative) logits of tokens in the "
                                               "prompt and the output (HF; vLLM extra)")
     logit_bias: dict[int, float] = _sampling({}, "object", read=_logit_bias,
-                                             shape="object: token id (decimal string) -> number -100..100",
+                                             shape="object: token id (decimal string; an int in Python) -> number -100..100",
                                              schema={"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                                                      "additionalProperties": {"type": "number", "minimum": -100,
                                                                               "maximum": 100}},
