@@ -227,52 +227,209 @@ class EngineOptions:
     quiet: bool = False                # no startup log lines
 
 
+# The request-field tables. Every field a request may carry is one Field row, written once: its JSON type,
+# range or enum, default, the layer that consumes it and its policy. Request validation (read_fields), the
+# SamplingParams the engine receives, the field tables of docs/api.md and /openapi.json all come from the rows.
+# SamplingParams' fields carry their own rows; section 12 composes them with the protocol's rows per endpoint.
+
+HONOURED = "honoured"
+NO_EFFECT = "accepted, no effect"
+DEFAULT_ONLY = "refused unless default"
+JSON_KINDS = {"boolean": bool, "integer": int, "number": float, "string": str, "array": list, "object": dict}
+MAX_N = 16                     # choices per request
+MAX_STOP = 16                  # stop strings per request
+MAX_TOP_LOGPROBS = 20          # alternatives per token (OpenAI's chat limit)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field. A value of the wrong kind, out of range or not in the enum is a RequestError naming it."""
+    name: str = ""                     # filled in from the SamplingParams field / the table key
+    kind: str = "any"                  # JSON type (a JSON_KINDS key), or "any" when `read` checks the shape
+    default: Any = None                # what an absent or null field means; None = unset
+    lo: float | None = None            # inclusive lower bound (exclusive when lo_open)
+    hi: float | None = None            # inclusive upper bound
+    lo_open: bool = False
+    enum: tuple = ()                   # the allowed values
+    layer: str = "sampler"             # who consumes it: sampler | engine | template | parser | server
+    policy: str = HONOURED             # HONOURED | NO_EFFECT | DEFAULT_ONLY
+    allowed: tuple = ()                # DEFAULT_ONLY: the values that leave the answer unchanged
+    required: bool = False
+    read: Callable | None = None       # nested values: read(value, param, vocab_size) -> the normalised value
+    relate: Callable | None = None     # checks against other fields: relate(values, param) -> the final value
+    schema: dict | None = None         # JSON schema of a nested value (else made from kind, range and enum)
+    shape: str = ""                    # docs: the type column, when kind and range do not say it all
+    default_text: str = ""             # docs: the default column, when `default` does not say it
+    why: str = ""                      # docs: what it does, or why it has no effect or is refused
+
+
+def _json_type(value) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _check_type(value, kind: type, param: str):
+    """value as `kind` (bool, int, float, str, list, dict); an int is a valid float, a bool is neither."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+        raise RequestError(f"'{param}' must be {_json_type(kind())}, got {_json_type(value)}", param=param)
+    if kind is float and not math.isfinite(value):
+        raise RequestError(f"'{param}' must be a finite number", param=param)
+    return value
+
+
+def _number_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _range_text(row: Field) -> str:
+    """'between 0 and 2', 'greater than 0 and at most 1', 'at least 1'."""
+    low = None if row.lo is None else f"{'greater than' if row.lo_open else 'at least'} {_number_text(row.lo)}"
+    high = None if row.hi is None else f"at most {_number_text(row.hi)}"
+    if low and high and not row.lo_open:
+        return f"between {_number_text(row.lo)} and {_number_text(row.hi)}"
+    return " and ".join(t for t in (low, high) if t)
+
+
+def read_field(row: Field, value, param: str, vocab_size: int | None = None):
+    """One value checked against its row (absent or null: the row's default)."""
+    if value is None:
+        return type(row.default)(row.default) if isinstance(row.default, (list, dict)) else row.default
+    if row.policy == DEFAULT_ONLY and row.allowed and value not in row.allowed:
+        raise RequestError(f"'{param}' is not supported by this server (accepted only as "
+                           f"{' or '.join(json.dumps(a) for a in row.allowed)})", param=param, code="unsupported_field")
+    if row.kind in JSON_KINDS:
+        value = _check_type(value, JSON_KINDS[row.kind], param)
+    if row.enum and value not in row.enum:
+        raise RequestError(f"'{param}' must be one of {', '.join(map(str, row.enum))}, got {value!r}", param=param)
+    if ((row.lo is not None and (value <= row.lo if row.lo_open else value < row.lo)) or
+            (row.hi is not None and value > row.hi)):
+        raise RequestError(f"'{param}' must be {_range_text(row)}, got {value!r}", param=param)
+    return row.read(value, param, vocab_size) if row.read else value
+
+
+def _token_ids(value, param: str, vocab_size: int | None) -> list[int]:
+    """A JSON array of token ids, each in [0, vocab_size)."""
+    return [_token_id(t, param, vocab_size) for t in _check_type(value, list, param)]
+
+
+def _token_id(value, param: str, vocab_size: int | None) -> int:
+    value = _check_type(value, int, param)
+    if value < 0 or (vocab_size is not None and value >= vocab_size):
+        raise RequestError(f"'{param}' must hold token ids between 0 and {(vocab_size or 0) - 1}, got {value}",
+                           param=param)
+    return value
+
+
+def _stop_strings(value, param: str, vocab_size: int | None) -> list[str]:
+    """A string or an array of at most MAX_STOP non-empty strings -> the list."""
+    stop = [value] if isinstance(value, str) else _check_type(value, list, param)
+    if len(stop) > MAX_STOP:
+        raise RequestError(f"'{param}' holds at most {MAX_STOP} strings, got {len(stop)}", param=param)
+    for s in stop:
+        if not _check_type(s, str, param):
+            raise RequestError(f"'{param}' strings must not be empty", param=param)
+    return list(stop)
+
+
+def _logit_bias(value, param: str, vocab_size: int | None) -> dict[int, float]:
+    """{token id (an int, or its decimal string as JSON sends it): bias in [-100, 100]}."""
+    out = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and re.fullmatch(r"\d+", key):
+            key = int(key)
+        if not isinstance(key, int) or isinstance(key, bool):
+            raise RequestError(f"'{param}' keys must be token ids as strings, got {key!r}", param=param)
+        out[_token_id(key, param, vocab_size)] = read_field(LOGIT_BIAS_VALUE, bias, param)
+    return out
+
+
+def _top_k(value: int, param: str, vocab_size: int | None) -> int:
+    return 0 if value == -1 else value
+
+
+def _logits_processors(value, param: str, vocab_size: int | None) -> list:
+    if not all(callable(p) for p in value):
+        raise RequestError(f"'{param}' must hold callables f(choice_ids, logits) -> logits", param=param)
+    return list(value)
+
+
+LOGIT_BIAS_VALUE = Field(kind="number", lo=-100, hi=100)
+TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "x-token-id": True}}
+
+
+def _sampling(default, kind: str, **row):
+    """A SamplingParams field carrying its row of the request-field tables."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=type(default), metadata={"row": Field(kind=kind, default=default, **row)})
+    return field(default=default, metadata={"row": Field(kind=kind, default=default, **row)})
+
+
 @dataclass
 class SamplingParams:
-    """One request's sampling options. Ranges are checked by validate(); see docs/api.md."""
-    max_tokens: int = 16               # completion tokens at most
-    temperature: float = 1.0           # 0 = greedy
-    top_p: float = 1.0                 # nucleus mass kept, (0, 1]
-    top_k: int = 0                     # keep the k most likely; 0 or -1 = off
-    min_p: float = 0.0                 # drop tokens below min_p * p(most likely)
-    seed: int | None = None            # a seeded request samples the same tokens whatever else runs
-    presence_penalty: float = 0.0      # OpenAI: subtract once per token already generated
-    frequency_penalty: float = 0.0     # OpenAI: subtract per occurrence in the generated tokens
-    repetition_penalty: float = 1.0    # CTRL/HF: divide positive (multiply negative) logits of seen tokens
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_tokens: int = 0                # EOS and stop tokens are masked until this many tokens exist
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None        # None = off; k = the sampled token's logprob plus k alternatives
-    n: int = 1                         # choices; the prompt is prefilled once and forked
-    logits_processors: list = field(default_factory=list)  # f(choice_ids, logits (V,) fp32) -> logits
+    """One request's sampling options. Each field carries its row of the request-field tables (type, range,
+    meaning): validate() checks them, and the HTTP endpoints, docs/api.md and /openapi.json use the same rows."""
+    max_tokens: int = _sampling(16, "integer", lo=1, layer="engine",
+                                why="completion tokens at most; prompt + max_tokens must fit the context")
+    temperature: float = _sampling(1.0, "number", lo=0, hi=2, why="0 is greedy")
+    top_p: float = _sampling(1.0, "number", lo=0, lo_open=True, hi=1, why="nucleus mass kept")
+    top_k: int = _sampling(0, "integer", lo=-1, read=_top_k, why="keep the k most likely; 0 or -1: off (vLLM extra)")
+    min_p: float = _sampling(0.0, "number", lo=0, hi=1,
+                             why="drop tokens below min_p * p(most likely) (vLLM extra)")
+    seed: int | None = _sampling(None, "integer", lo=-2 ** 63, hi=2 ** 64 - 1,
+                                 why="a seeded request samples the same tokens whatever else runs")
+    presence_penalty: float = _sampling(0.0, "number", lo=-2, hi=2,
+                                        why="subtracted once per token already generated (OpenAI)")
+    frequency_penalty: float = _sampling(0.0, "number", lo=-2, hi=2,
+                                         why="subtracted per occurrence in the generated tokens (OpenAI)")
+    repetition_penalty: float = _sampling(1.0, "number", lo=0, lo_open=True, hi=10,
+                                          why="divides positive (multiplies negative) logits of tokens in the "
+                                              "prompt and the output (HF; vLLM extra)")
+    logit_bias: dict[int, float] = _sampling({}, "object", read=_logit_bias,
+                                             shape="object: token id (decimal string; an int in Python) -> number -100..100",
+                                             schema={"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                                                     "additionalProperties": {"type": "number", "minimum": -100,
+                                                                              "maximum": 100}},
+                                             why="added to the token's logit")
+    min_tokens: int = _sampling(0, "integer", lo=0, layer="engine",
+                                why="EOS and stop tokens are masked until this many tokens exist; at most the "
+                                    "max tokens (vLLM extra)")
+    stop: list[str] = _sampling([], "any", read=_stop_strings, layer="engine",
+                                shape=f"string or array of up to {MAX_STOP} non-empty strings",
+                                schema={"anyOf": [{"type": "string", "minLength": 1},
+                                                  {"type": "array", "maxItems": MAX_STOP,
+                                                   "items": {"type": "string", "minLength": 1}}]},
+                                why="matched across token boundaries; not returned")
+    stop_token_ids: list[int] = _sampling([], "array", read=_token_ids, layer="engine", schema=TOKEN_IDS_SCHEMA,
+                                          shape="array of token ids (0..vocab-1)",
+                                          why="token ids that end the choice (vLLM extra)")
+    ignore_eos: bool = _sampling(False, "boolean", layer="engine",
+                                 why="do not stop on the checkpoint's EOS tokens (vLLM extra)")
+    logprobs: int | None = _sampling(None, "integer", lo=0, hi=MAX_TOP_LOGPROBS,
+                                     why="the sampled token's logprob and this many alternatives, from the raw "
+                                         "distribution (before penalties and temperature)")
+    n: int = _sampling(1, "integer", lo=1, hi=MAX_N, layer="engine",
+                       why="choices; the prompt is prefilled once and forked")
+    logits_processors: list = _sampling([], "array", read=_logits_processors, shape="array of callables",
+                                        why="Python only: f(choice_ids, logits (V,) fp32) -> logits, after "
+                                            "penalties and bias")
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        def need(ok: bool, param: str, what: str):
-            if not ok:
-                raise RequestError(f"'{param}' {what}", param=param)
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        need(0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]")
-        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        need(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive integer")
-        need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        need(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
-        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-             "must be an integer in [0, max_tokens]")
-        need(self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
-             "must be an integer in [0, 20]")
-        need(isinstance(self.n, int) and 1 <= self.n <= 16, "n", "must be an integer in [1, 16]")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
-        need(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
-             "must be at most 16 non-empty strings")
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
-            need(all(isinstance(i, int) and 0 <= i < (vocab_size or 1 << 62) for i in ids), name,
-                 f"must hold token ids in [0, {vocab_size})")
-        need(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias", "values must be in [-100, 100]")
+        """Every field checked against its row and normalised in place (a stop string becomes a list, top_k -1
+        becomes 0); min_tokens against max_tokens. RequestError names the field."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, read_field(SAMPLING_FIELDS[f.name], getattr(self, f.name), f.name, vocab_size))
+        if self.min_tokens > self.max_tokens:
+            raise RequestError(f"'min_tokens' ({self.min_tokens}) must not exceed the max tokens ({self.max_tokens})",
+                               param="min_tokens")
         return self
+
+
+# name -> row, for every SamplingParams field.
+SAMPLING_FIELDS = {f.name: dataclasses.replace(f.metadata["row"], name=f.name)
+                   for f in dataclasses.fields(SamplingParams)}
 
 
 
@@ -2619,16 +2776,68 @@ def _schema_types(schema) -> list[str]:
     return list(dict.fromkeys(kinds))
 
 
+@dataclass
+class ToolFunction:
+    """One function a request offers, as tool_functions() checked and normalised it."""
+    name: str
+    properties: dict                   # parameter name -> its JSON schema (an object, or true/false)
+    required: list[str]                # required parameters: in schema order, then any required ones not described
+
+
+TOOL_KEYS = ("type", "function")
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+
+
+def tool_functions(tools) -> dict[str, ToolFunction]:
+    """The one walk over a request's `tools`: every tool checked (a RequestError naming the path, such as
+    `tools[0].function.parameters.required`) and normalised. name -> ToolFunction, in the request's order."""
+    functions = {}
+    for i, tool in enumerate([] if tools is None else _check_type(tools, list, "tools")):
+        where = f"tools[{i}]"
+        tool = _check_type(tool, dict, where)
+        if tool.get("type") != "function":
+            raise RequestError(f"'{where}.type' must be \"function\" (only function tools are supported)",
+                               param=f"{where}.type")
+        function = _check_type(tool.get("function"), dict, f"{where}.function")
+        _only_keys(tool, TOOL_KEYS, where)
+        _only_keys(function, FUNCTION_KEYS, f"{where}.function")
+        name = _check_type(function.get("name"), str, f"{where}.function.name")
+        if not name or name in functions:
+            raise RequestError(f"'{where}.function.name' must be a unique non-empty name",
+                               param=f"{where}.function.name")
+        for key, kind in (("description", str), ("strict", bool)):
+            if function.get(key) is not None:
+                _check_type(function[key], kind, f"{where}.function.{key}")
+        functions[name] = _tool_function(name, function.get("parameters"), f"{where}.function.parameters")
+    return functions
+
+
+def _only_keys(obj: dict, known: tuple, where: str) -> None:
+    for key in obj:
+        if key not in known:
+            raise RequestError(f"'{where}.{key}' is not supported", param=f"{where}.{key}")
+
+
+def _tool_function(name: str, parameters, where: str) -> ToolFunction:
+    """A function's `parameters` schema: `properties` an object of schemas, `required` an array of names."""
+    parameters = {} if parameters is None else _check_type(parameters, dict, where)
+    properties = parameters.get("properties")
+    properties = {} if properties is None else _check_type(properties, dict, f"{where}.properties")
+    for key, schema in properties.items():
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"'{where}.properties.{key}' must be a JSON schema (an object), got "
+                               f"{_json_type(schema)}", param=f"{where}.properties.{key}")
+    required = parameters.get("required")
+    required = [] if required is None else _check_type(required, list, f"{where}.required")
+    for j, item in enumerate(required):
+        _check_type(item, str, f"{where}.required[{j}]")
+    ordered = [p for p in properties if p in required] + [p for p in required if p not in properties]
+    return ToolFunction(name, properties, list(dict.fromkeys(ordered)))
+
+
 def _tool_schemas(tools) -> dict[str, dict]:
     """function name -> its parameters' "properties" (empty when it declares none)."""
-    schemas = {}
-    for tool in tools or []:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            parameters = function.get("parameters")
-            properties = parameters.get("properties") if isinstance(parameters, dict) else None
-            schemas[function["name"]] = properties if isinstance(properties, dict) else {}
-    return schemas
+    return {name: function.properties for name, function in tool_functions(tools).items()}
 
 
 class _ParsedCall:
@@ -3609,25 +3818,28 @@ class _ToolChoiceProcessor:
 
 
 def _resolve_tool_choice(tool_choice, names: list[str]):
-    """tool_choice -> "none" | "auto" | "required" | a function name. RequestError(param="tool_choice")."""
+    """The one tool_choice check: "none" | "auto" | "required" | {"type": "function", "function": {"name": X}}
+    against the offered function names -> "none" | "auto" | "required" | X. RequestError(param="tool_choice")."""
     if tool_choice is None:
         return "auto" if names else "none"
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise RequestError(f"tool_choice must be \"none\", \"auto\", \"required\" or "
+            raise RequestError(f"'tool_choice' must be \"none\", \"auto\", \"required\" or "
                                f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {tool_choice!r}",
                                param="tool_choice")
-        if tool_choice == "required" and not names:
-            raise RequestError("tool_choice \"required\" needs a non-empty tools list", param="tool_choice")
-        return tool_choice
-    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise RequestError("tool_choice object must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+        name = None
+    else:
+        function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestError("'tool_choice' object must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                               param="tool_choice")
+    if tool_choice != "none" and not names:
+        raise RequestError(f"'tool_choice' {json.dumps(tool_choice, default=repr)} needs a non-empty 'tools'",
                            param="tool_choice")
-    if name not in names:
-        raise RequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
-    return name
+    if name is not None and name not in names:
+        raise RequestError(f"'tool_choice' names function {name!r}, which is not in 'tools'", param="tool_choice")
+    return tool_choice if name is None else name
 
 
 def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, parallel_tool_calls: bool,
@@ -3671,16 +3883,7 @@ def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, paral
 
 def _forced_functions(tools) -> dict[str, tuple[dict, list[str]]]:
     """name -> (properties, required parameters in schema order, then any required ones not described)."""
-    functions = {}
-    for tool in tools or []:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            parameters = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
-            properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
-            required = [p for p in parameters.get("required") or [] if isinstance(p, str)]
-            ordered = [p for p in properties if p in required] + [p for p in required if p not in properties]
-            functions[function["name"]] = (properties, list(dict.fromkeys(ordered)))
-    return functions
+    return {name: (function.properties, function.required) for name, function in tool_functions(tools).items()}
 
 
 # ===== SECTION 12-13: OpenAI protocol and HTTP server (owner: server) =====
@@ -3694,28 +3897,7 @@ import urllib.parse
 # -----------------------------------------------------------------------------------------------
 
 SYSTEM_FINGERPRINT = f"pocketllm-{__version__}"
-MAX_N = 16                     # choices per request
-MAX_STOP = 16                  # stop strings per request
-MAX_TOP_LOGPROBS = 20          # alternatives per token (OpenAI's chat limit)
 LOGPROB_FLOOR = -9999.0        # JSON has no -inf: a masked token reports this instead
-
-# The fields each endpoint knows; any other field is refused as unknown (a typo such as `temprature`).
-# Accepted and ignored because they cannot change the answer (bookkeeping on OpenAI's side).
-NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                    "prompt_cache_retention", "safety_identifier"}
-# OpenAI fields we do not implement: accepted only at the values that leave the answer unchanged.
-CHAT_DEFAULT_ONLY = {"audio": [None], "modalities": [None, ["text"]], "prediction": [None],
-                     "functions": [None, []], "function_call": [None, "none", "auto"],
-                     "web_search_options": [None], "verbosity": [None]}
-COMPLETION_DEFAULT_ONLY = {"echo": [None, False], "suffix": [None, ""]}      # best_of is checked against n
-SAMPLING_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed",
-                   "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-                   "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens", "ignore_eos"}
-CHAT_FIELDS = (SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(CHAT_DEFAULT_ONLY) |
-               {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "reasoning_effort",
-                "parallel_tool_calls", "response_format", "chat_template_kwargs", "add_generation_prompt",
-                "continue_final_message"})
-COMPLETION_FIELDS = SAMPLING_FIELDS | NO_EFFECT_FIELDS | set(COMPLETION_DEFAULT_ONLY) | {"prompt", "best_of"}
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Keys a message may carry. The null-only ones appear when a client replays an SDK message object as a dict.
@@ -3723,170 +3905,11 @@ MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reason
 MESSAGE_NULL_ONLY_KEYS = {"refusal", "annotations", "audio", "function_call", "reasoning"}
 RENDER_ARGUMENTS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")     # obfuscation: accepted, we never pad chunks
 
 
-# The field readers: each checks one JSON value's type and range and names it in the error.
-
-def _json_type(value) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-             dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _check_type(value, kind: type, param: str):
-    """value as `kind` (bool, int, float, str, list, dict); an int is a valid float, a bool is neither."""
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
-        raise RequestError(f"'{param}' must be {_json_type(kind())}, got {_json_type(value)}", param=param)
-    if kind is float and not math.isfinite(value):
-        raise RequestError(f"'{param}' must be a finite number", param=param)
-    return value
-
-
-def _field(body: dict, name: str, kind: type, default=None, lo=None, hi=None, param: str | None = None):
-    """body[name] checked for type and inclusive range [lo, hi]; absent or null -> default."""
-    raw = body.get(name)
-    if raw is None:
-        return default
-    param = param or name
-    value = _check_type(raw, kind, param)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise RequestError(f"'{param}' must be between {lo} and {hi}, got {raw}", param=param)
-    return value
-
-
-def _check_fields(body: dict, known: set[str], default_only: dict[str, list]) -> None:
-    """Refuse unknown fields (typos) and unimplemented fields set to a value that would change the answer."""
-    for name in body:
-        if name not in known:
-            raise RequestError(f"unknown field '{name}'", param=name, code="unknown_field")
-    for name, allowed in default_only.items():
-        if name in body and body[name] not in allowed:
-            raise RequestError(f"'{name}' is not supported by this server (accepted only as "
-                               f"{' or '.join(json.dumps(a) for a in allowed)})", param=name, code="unsupported_field")
-
-
-def _check_model(llm, body: dict) -> None:
-    model = _field(body, "model", str)
-    if model is not None and model != llm.model_name:
-        raise RequestError(f"model '{model}' does not exist; this server serves '{llm.model_name}'",
-                           param="model", status=404, code="model_not_found")
-
-
-def _token_id(value, param: str, vocab_size: int) -> int:
-    value = _check_type(value, int, param)
-    if not 0 <= value < vocab_size:
-        raise RequestError(f"'{param}' must be a token id between 0 and {vocab_size - 1}, got {value}", param=param)
-    return value
-
-
-def _stop_strings(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stop = [stop] if isinstance(stop, str) else _check_type(stop, list, "stop")
-    if len(stop) > MAX_STOP:
-        raise RequestError(f"'stop' holds at most {MAX_STOP} strings, got {len(stop)}", param="stop")
-    for s in stop:
-        if not _check_type(s, str, "stop"):
-            raise RequestError("'stop' strings must not be empty", param="stop")
-    return stop
-
-
-def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
-    bias = _field(body, "logit_bias", dict, {})
-    out = {}
-    for key in bias:
-        if not re.fullmatch(r"\d+", key):
-            raise RequestError(f"'logit_bias' keys must be token ids as strings, got {key!r}", param="logit_bias")
-        out[_token_id(int(key), "logit_bias", vocab_size)] = _field(bias, key, float, lo=-100, hi=100,
-                                                                    param="logit_bias")
-    return out
-
-
-def _request_sampling_params(llm, body: dict, prompt_len: int, max_tokens_field: str | None) -> SamplingParams:
-    """The sampling fields common to both endpoints, range-checked, with max_tokens resolved."""
-    vocab = llm.config.vocab_size
-    room = llm.options.max_context - prompt_len
-    if room <= 0:
-        raise RequestError(f"the prompt is {prompt_len} tokens; the context holds {llm.options.max_context}",
-                           param="messages" if "messages" in body else "prompt", code="context_length_exceeded")
-    max_tokens = room
-    if max_tokens_field is not None:
-        max_tokens = _field(body, max_tokens_field, int, lo=1)
-    n = _field(body, "n", int, 1, lo=1, hi=MAX_N)
-    top_k = _field(body, "top_k", int, 0, lo=-1)
-    top_p = _field(body, "top_p", float, 1.0, lo=0, hi=1)
-    if top_p == 0:
-        raise RequestError("'top_p' must be greater than 0 and at most 1, got 0", param="top_p")
-    repetition_penalty = _field(body, "repetition_penalty", float, 1.0, lo=0, hi=10)
-    if repetition_penalty == 0:
-        raise RequestError("'repetition_penalty' must be greater than 0 and at most 10, got 0",
-                           param="repetition_penalty")
-    min_tokens = _field(body, "min_tokens", int, 0, lo=0)
-    if min_tokens > max_tokens:
-        raise RequestError(f"'min_tokens' ({min_tokens}) must not exceed the max tokens ({max_tokens})",
-                           param="min_tokens")
-    return SamplingParams(
-        max_tokens=max_tokens, n=n, top_k=0 if top_k == -1 else top_k, top_p=top_p,
-        temperature=_field(body, "temperature", float, 1.0, lo=0, hi=2),
-        min_p=_field(body, "min_p", float, 0.0, lo=0, hi=1),
-        seed=_field(body, "seed", int, lo=-2 ** 63, hi=2 ** 64 - 1),
-        presence_penalty=_field(body, "presence_penalty", float, 0.0, lo=-2, hi=2),
-        frequency_penalty=_field(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
-        repetition_penalty=repetition_penalty, logit_bias=_logit_bias(body, vocab), min_tokens=min_tokens,
-        stop=_stop_strings(body),
-        stop_token_ids=[_token_id(t, "stop_token_ids", vocab)
-                        for t in _field(body, "stop_token_ids", list, [])],
-        ignore_eos=_field(body, "ignore_eos", bool, False))
-
-
-def _max_tokens_field(body: dict, names: tuple[str, ...]) -> str | None:
-    """Which of the max-tokens fields the client set (both set to different values is an error)."""
-    given = [name for name in names if body.get(name) is not None]
-    if len(given) == 2 and body[given[0]] != body[given[1]]:
-        raise RequestError(f"'{given[0]}' and '{given[1]}' disagree; send one of them", param=given[0])
-    return given[0] if given else None
-
-
-def _stream_options(body: dict, stream: bool) -> bool:
-    """include_usage; stream_options is only meaningful on a stream."""
-    options = _field(body, "stream_options", dict)
-    if options is None:
-        return False
-    if not stream:
-        raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    for key in options:
-        if key not in ("include_usage", "include_obfuscation"):      # obfuscation: we never pad chunks
-            raise RequestError(f"unknown field 'stream_options.{key}'", param=f"stream_options.{key}")
-    _field(options, "include_obfuscation", bool, param="stream_options.include_obfuscation")
-    return _field(options, "include_usage", bool, False, param="stream_options.include_usage")
-
-
-def _check_alive(llm) -> None:
-    if getattr(llm, "dead_reason", None):
-        raise RequestError(f"the engine is down: {llm.dead_reason}", status=503, code="engine_dead")
-
-
-def _as_sent(error: RequestError, body: dict, max_tokens_field: str | None) -> RequestError:
-    """An engine-side error renamed to the field this client actually sent (max_completion_tokens, messages)."""
-    if error.param == "max_tokens" and max_tokens_field:
-        error.param = max_tokens_field
-    elif error.param in ("messages", "prompt", "max_tokens"):       # max_tokens unsent: the prompt is too long
-        error.param = "messages" if "messages" in body else "prompt"
-    return error
-
-
-def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None):
-    _check_alive(llm)
-    try:
-        return llm.submit(prompt_ids, params)
-    except RequestError as e:
-        raise _as_sent(e, body, max_tokens_field) from None
-
-
-# Chat requests: messages and tools checked, the template rendered on a converted copy.
+# The readers of the protocol's nested fields, read(value, param, vocab_size) -> value: each checks one JSON
+# value's shape and names the offending part.
 
 def _check_content(content, param: str, role: str) -> None:
     if content is None:
@@ -3915,12 +3938,12 @@ def _check_tool_calls(calls, param: str) -> None:
                                param=f"{where}.function.arguments")
 
 
-def _check_messages(messages) -> list[dict]:
-    messages = _check_type(messages, list, "messages")
+def _check_messages(messages, param: str = "messages", vocab_size: int | None = None) -> list[dict]:
+    messages = _check_type(messages, list, param)
     if not messages:
-        raise RequestError("'messages' must not be empty", param="messages")
+        raise RequestError(f"'{param}' must not be empty", param=param)
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
+        where = f"{param}[{i}]"
         message = _check_type(message, dict, where)
         role = message.get("role")
         if role not in MESSAGE_ROLES:
@@ -3931,7 +3954,8 @@ def _check_messages(messages) -> list[dict]:
                 raise RequestError(f"'{where}.{key}' is not supported", param=f"{where}.{key}")
         _check_content(message.get("content"), f"{where}.content", role)
         for key in ("name", "tool_call_id", "reasoning_content"):
-            _field(message, key, str, param=f"{where}.{key}")
+            if message.get(key) is not None:
+                _check_type(message[key], str, f"{where}.{key}")
         if message.get("tool_calls") is not None:
             if role != "assistant":
                 raise RequestError(f"'{where}.tool_calls' is only allowed on assistant messages",
@@ -3940,65 +3964,400 @@ def _check_messages(messages) -> list[dict]:
     return messages
 
 
-def _check_tools(body: dict) -> list[dict] | None:
-    tools = _field(body, "tools", list)
-    if not tools:
-        return None
-    names = set()
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        tool = _check_type(tool, dict, where)
-        if tool.get("type") != "function":
-            raise RequestError(f"'{where}.type' must be \"function\" (only function tools are supported)",
-                               param=f"{where}.type")
-        for key in tool:
-            if key not in ("type", "function"):
-                raise RequestError(f"'{where}.{key}' is not supported", param=f"{where}.{key}")
-        function = _check_type(tool.get("function"), dict, f"{where}.function")
-        for key in function:
-            if key not in ("name", "description", "parameters", "strict"):
-                raise RequestError(f"'{where}.function.{key}' is not supported", param=f"{where}.function.{key}")
-        name = _check_type(function.get("name"), str, f"{where}.function.name")
-        if not name or name in names:
-            raise RequestError(f"'{where}.function.name' must be a unique non-empty name",
-                               param=f"{where}.function.name")
-        names.add(name)
-        _field(function, "description", str, param=f"{where}.function.description")
-        _field(function, "parameters", dict, param=f"{where}.function.parameters")
-        _field(function, "strict", bool, param=f"{where}.function.strict")
-    return tools
+def _read_tools(tools: list, param: str, vocab_size: int | None) -> list[dict] | None:
+    """The tools as sent (the template renders them), once tool_functions() has checked them; [] is no tools."""
+    tool_functions(tools)
+    return tools or None
 
 
-def _check_tool_choice(body: dict, tools: list[dict] | None):
-    """'none' | 'auto' | 'required' | {"type": "function", "function": {"name": X}}."""
-    choice = body.get("tool_choice")
-    if choice is None:
-        return "auto" if tools else "none"
-    if isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise RequestError(f"'tool_choice' must be none, auto, required or a function, got {choice!r}",
-                               param="tool_choice")
-    else:
-        choice = _check_type(choice, dict, "tool_choice")
-        function = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(function, dict) or \
-                not isinstance(function.get("name"), str):
-            raise RequestError('\'tool_choice\' object must be {"type": "function", "function": {"name": ...}}',
-                               param="tool_choice")
-        if function["name"] not in {t["function"]["name"] for t in tools or []}:
-            raise RequestError(f"'tool_choice' names '{function['name']}', which is not in 'tools'",
-                               param="tool_choice")
-    if choice != "none" and not tools:
-        raise RequestError(f"'tool_choice' {json.dumps(choice)} needs 'tools'", param="tool_choice")
-    return choice
+def _read_stream_options(options: dict, param: str, vocab_size: int | None) -> dict:
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            raise RequestError(f"unknown field '{param}.{key}'", param=f"{param}.{key}")
+        if value is not None:
+            _check_type(value, bool, f"{param}.{key}")
+    return options
 
 
-def _check_response_format(body: dict) -> None:
-    fmt = _field(body, "response_format", dict)
-    if fmt is not None and fmt.get("type") != "text":
-        raise RequestError(f"'response_format' type {fmt.get('type')!r} is not supported yet; only \"text\"",
-                           param="response_format", code="unsupported_field")
+def _read_response_format(fmt: dict, param: str, vocab_size: int | None) -> dict:
+    if fmt.get("type") != "text":
+        raise RequestError(f"'{param}' type {fmt.get('type')!r} is not supported yet; only \"text\"", param=param,
+                           code="unsupported_field")
+    return fmt
 
+
+def _read_template_kwargs(kwargs: dict, param: str, vocab_size: int | None) -> dict:
+    for key in kwargs:
+        if key in RENDER_ARGUMENTS:
+            raise RequestError(f"'{param}.{key}' must be given as a top-level field", param=param)
+    return kwargs
+
+
+def _read_prompt(prompt, param: str, vocab_size: int | None) -> str | list[int]:
+    """A completions prompt: a string or token ids, alone or as a one-element batch."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return _token_ids(prompt, param, vocab_size)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError(f"'{param}' batches of more than one prompt are not supported; send one request each",
+                           param=param, code="unsupported_field")
+    raise RequestError(f"'{param}' must be a string or an array of token ids, got {_json_type(prompt)}", param=param)
+
+
+# The checks between fields, relate(values, param) -> the field's final value.
+
+def _only_with_stream(values: dict, param: str):
+    if values[param] is not None and not values["stream"]:
+        raise RequestError(f"'{param}' is only allowed when 'stream' is true", param=param)
+    return values[param]
+
+
+def _needs_logprobs(values: dict, param: str):
+    if values[param] is not None and not values["logprobs"]:
+        raise RequestError(f"'{param}' needs 'logprobs': true", param=param)
+    return values[param]
+
+
+def _agrees_with_max_tokens(values: dict, param: str):
+    if None not in (values[param], values["max_tokens"]) and values[param] != values["max_tokens"]:
+        raise RequestError(f"'{param}' and 'max_tokens' disagree; send one of them", param=param)
+    return values[param]
+
+
+def _best_of_is_n(values: dict, param: str):
+    if values[param] not in (None, 1, values["n"]):
+        raise RequestError(f"'{param}' is not supported by this server (accepted only when null, 1 or equal to "
+                           f"'n')", param=param, code="unsupported_field")
+    return values[param]
+
+
+def _tool_choice_for(values: dict, param: str):
+    """tool_choice as sent, checked against the tools (absent: "auto" with tools, else "none")."""
+    names = [tool["function"]["name"] for tool in values["tools"] or []]
+    resolved = _resolve_tool_choice(values[param], names)
+    return resolved if values[param] is None else values[param]
+
+
+def _prompt_or_messages(values: dict, param: str):
+    if (values["prompt"] is None) == (values["messages"] is None):
+        raise RequestError("send exactly one of 'prompt' and 'messages'", param="prompt")
+    return values[param]
+
+
+# The request-field tables, one per endpoint: name -> Field. The sampling rows are SamplingParams' own.
+
+def _table(**rows: Field) -> dict[str, Field]:
+    return {name: dataclasses.replace(row, name=name) for name, row in rows.items()}
+
+
+def _sampling_rows(*names: str) -> dict[str, Field]:
+    return {name: SAMPLING_FIELDS[name] for name in names}
+
+
+CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
+TOOL_CALLS_SCHEMA = {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name", "arguments"],
+        "properties": {"name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}}
+MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role"], "additionalProperties": False,
+    "properties": {"role": {"enum": list(MESSAGE_ROLES)}, "content": CONTENT_SCHEMA, "name": {"type": "string"},
+                   "tool_call_id": {"type": "string"}, "reasoning_content": {"type": "string"},
+                   "tool_calls": TOOL_CALLS_SCHEMA, **{key: {"type": "null"} for key in MESSAGE_NULL_ONLY_KEYS}}}}
+TOOLS_SCHEMA = {"type": "array", "items": {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False,
+    "properties": {"type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name"], "additionalProperties": False,
+        "properties": {"name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+                       "strict": {"type": "boolean"}, "parameters": {
+                           "type": "object", "properties": {
+                               "properties": {"type": "object", "additionalProperties": {
+                                   "type": ["object", "boolean"]}},
+                               "required": {"type": "array", "items": {"type": "string"}}}}}}}}}
+TOOL_CHOICE_SCHEMA = {"anyOf": [{"enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"],
+    "properties": {"type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}
+STREAM_OPTIONS_SCHEMA = {"type": "object", "additionalProperties": False,
+                         "properties": {key: {"type": "boolean"} for key in STREAM_OPTIONS}}
+PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, TOKEN_IDS_SCHEMA,
+                           {"type": "array", "minItems": 1, "maxItems": 1,
+                            "items": {"anyOf": [{"type": "string"}, TOKEN_IDS_SCHEMA]}}]}
+
+# Fields of both generating endpoints.
+GENERATION_FIELDS = {
+    **_table(model=Field(kind="string", layer="server", default_text="the served model",
+                         why="any other name is 404 (`code: model_not_found`)"),
+             stream=Field(kind="boolean", default=False, layer="server", why="server-sent events"),
+             stream_options=Field(kind="object", layer="server", read=_read_stream_options, relate=_only_with_stream,
+                                  schema=STREAM_OPTIONS_SCHEMA, shape="object, only with `stream: true`",
+                                  why="`include_usage` (boolean): every chunk carries `usage: null` and a last "
+                                      "chunk the usage; `include_obfuscation` (boolean): accepted, chunks are never "
+                                      "padded; other keys 400")),
+    **_sampling_rows("n"),
+    "max_tokens": dataclasses.replace(SAMPLING_FIELDS["max_tokens"], default=None,
+                                      default_text="the rest of the context"),
+    **_sampling_rows("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "min_tokens", "ignore_eos"),
+    # Accepted with no effect: bookkeeping on OpenAI's side that cannot change the answer.
+    **_table(**{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why="bookkeeping on OpenAI's side")
+                for name, kind in (("user", "string"), ("metadata", "object"), ("store", "boolean"),
+                                   ("service_tier", "string"), ("prompt_cache_key", "string"),
+                                   ("prompt_cache_retention", "string"), ("safety_identifier", "string"))}),
+}
+
+UNIMPLEMENTED = "not implemented: accepted only at the values that leave the answer unchanged"
+
+CHAT_FIELDS = {
+    **_table(messages=Field(kind="array", required=True, layer="template", read=_check_messages,
+                            schema=MESSAGES_SCHEMA, shape="non-empty array of messages",
+                            why="roles `system`, `developer` (rendered as `system`), `user`, `assistant`, `tool`. "
+                                "`content`: a string, an array of `{\"type\": \"text\", \"text\"}` parts, or null "
+                                "(assistant only). Also `name`, `tool_call_id`, `reasoning_content` (strings) and, on "
+                                "assistant messages, `tool_calls` (arguments a JSON string or object). `refusal`, "
+                                "`annotations`, `audio`, `function_call`, `reasoning` are accepted when null; any "
+                                "other key is 400. The template sees a converted copy")),
+    **GENERATION_FIELDS,
+    **_table(
+        max_completion_tokens=Field(kind="integer", lo=1, layer="engine", relate=_agrees_with_max_tokens,
+                                    default_text="the rest of the context",
+                                    why="the same as `max_tokens`; both given with different values is 400"),
+        logprobs=Field(kind="boolean", default=False,
+                       why="`choices[].logprobs.content[] = {token, logprob, bytes, top_logprobs[]}`, from the raw "
+                           "distribution; masked tokens report -9999"),
+        top_logprobs=Field(kind="integer", lo=0, hi=MAX_TOP_LOGPROBS, relate=_needs_logprobs, default_text="0",
+                           why="alternatives per token; needs `logprobs: true`"),
+        tools=Field(kind="array", layer="template", read=_read_tools, schema=TOOLS_SCHEMA,
+                    shape='array of `{"type": "function", "function": {"name", "description"?, "parameters"?, '
+                          '"strict"?}}`',
+                    why="rendered by the template; names unique and non-empty; `parameters.properties` an object of "
+                        "schemas, `parameters.required` an array of names; other tool types and keys 400 naming "
+                        "the path"),
+        tool_choice=Field(layer="parser", relate=_tool_choice_for, schema=TOOL_CHOICE_SCHEMA,
+                          shape='`"none"`, `"auto"`, `"required"`, `{"type": "function", "function": {"name"}}`',
+                          default_text='`"auto"` with tools, else `"none"`',
+                          why="enforced by constrained decoding; anything but `\"none\"` without `tools`, or a name "
+                              "not in `tools`, is 400"),
+        parallel_tool_calls=Field(kind="boolean", default=True, layer="parser",
+                                  why="false: at most one call per answer"),
+        response_format=Field(kind="object", layer="parser", read=_read_response_format,
+                              schema={"type": "object", "properties": {"type": {"const": "text"}}},
+                              shape='`{"type": "text"}`', default_text="text",
+                              why="`json_object` and `json_schema` are 400 (`code: unsupported_field`; not yet)"),
+        chat_template_kwargs=Field(kind="object", default={}, layer="template", read=_read_template_kwargs,
+                                   why="passed to the template (`enable_thinking`, ...); the keys `messages`, "
+                                       "`tools`, `add_generation_prompt`, `continue_final_message` are 400"),
+        reasoning_effort=Field(kind="string", enum=REASONING_EFFORTS, layer="template",
+                               why="passed to a template that reads it (over `chat_template_kwargs`); with one "
+                                   "that does not, 400 (`code: unsupported_field`)"),
+        add_generation_prompt=Field(kind="boolean", layer="template",
+                                    default_text="true (false with `continue_final_message`)", why="vLLM extra"),
+        continue_final_message=Field(kind="boolean", default=False, layer="template",
+                                     why="vLLM extra: the last message must be an assistant message, continued "
+                                         "without closing it; with `add_generation_prompt: true` it is 400"),
+        audio=Field(kind="object", policy=DEFAULT_ONLY, allowed=(None,), layer="server", why=UNIMPLEMENTED),
+        modalities=Field(kind="array", policy=DEFAULT_ONLY, allowed=(None, ["text"]), layer="server",
+                         why=UNIMPLEMENTED),
+        prediction=Field(kind="object", policy=DEFAULT_ONLY, allowed=(None,), layer="server", why=UNIMPLEMENTED),
+        functions=Field(kind="array", policy=DEFAULT_ONLY, allowed=(None, []), layer="server",
+                        why="deprecated by OpenAI: use `tools`"),
+        function_call=Field(policy=DEFAULT_ONLY, allowed=(None, "none", "auto"), layer="server",
+                            shape="string or object", why="deprecated by OpenAI: use `tool_choice`"),
+        web_search_options=Field(kind="object", policy=DEFAULT_ONLY, allowed=(None,), layer="server",
+                                 why=UNIMPLEMENTED),
+        verbosity=Field(kind="string", policy=DEFAULT_ONLY, allowed=(None,), layer="template", why=UNIMPLEMENTED)),
+}
+
+COMPLETION_FIELDS = {
+    **_table(prompt=Field(required=True, layer="engine", read=_read_prompt, schema=PROMPT_SCHEMA,
+                          shape="string or array of token ids, alone or as a one-element array",
+                          why="batches of several prompts are 400 (send one request each); an empty prompt is 400")),
+    **GENERATION_FIELDS,
+    "logprobs": dataclasses.replace(SAMPLING_FIELDS["logprobs"], why=(
+        "completions format `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`, offsets from "
+        "the start of the completion; null: off")),
+    **_table(best_of=Field(kind="integer", lo=1, policy=DEFAULT_ONLY, relate=_best_of_is_n, layer="engine",
+                           why="accepted only when null, 1 or equal to `n`"),
+             echo=Field(kind="boolean", policy=DEFAULT_ONLY, allowed=(None, False), layer="server", why=UNIMPLEMENTED),
+             suffix=Field(kind="string", policy=DEFAULT_ONLY, allowed=(None, ""), layer="template",
+                          why=UNIMPLEMENTED)),
+}
+
+TOKENIZE_FIELDS = _table(
+    model=GENERATION_FIELDS["model"],
+    prompt=Field(kind="string", layer="server", relate=_prompt_or_messages,
+                 why="text to tokenize; send exactly one of `prompt` and `messages`"),
+    messages=dataclasses.replace(CHAT_FIELDS["messages"], required=False,
+                                 why="chat messages, rendered by the template as for chat completions"),
+    tools=CHAT_FIELDS["tools"],
+    add_generation_prompt=CHAT_FIELDS["add_generation_prompt"],
+    continue_final_message=CHAT_FIELDS["continue_final_message"],
+    chat_template_kwargs=CHAT_FIELDS["chat_template_kwargs"],
+    add_special_tokens=Field(kind="boolean", layer="server", policy=NO_EFFECT,
+                             why="pocketllm's tokenizers add no special tokens either way"),
+    return_token_strs=Field(kind="boolean", default=False, layer="server", why="also return each token's string"),
+)
+
+DETOKENIZE_FIELDS = _table(
+    model=GENERATION_FIELDS["model"],
+    tokens=Field(kind="array", required=True, layer="server", read=_token_ids, schema=TOKEN_IDS_SCHEMA,
+                 shape="array of token ids (0..vocab-1)", why="the ids to turn into text"),
+)
+
+# The template's own fields, read again by render_chat_prompt (which also serves /tokenize and raw bodies).
+TEMPLATE_FIELDS = {name: CHAT_FIELDS[name] for name in ("messages", "chat_template_kwargs", "add_generation_prompt",
+                                                        "continue_final_message", "reasoning_effort")}
+
+# The tables rendered: docs/api.md's field lists (between `<!-- fields: NAME -->` markers) and /openapi.json.
+
+FIELD_TABLES = {"sampling": SAMPLING_FIELDS, "chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS,
+                "tokenize": TOKENIZE_FIELDS, "detokenize": DETOKENIZE_FIELDS}
+
+
+def _type_text(row: Field) -> str:
+    if row.shape:
+        return row.shape
+    text = ", ".join(f'`"{value}"`' for value in row.enum) if row.enum else row.kind
+    return f"{text}, {_range_text(row)}" if _range_text(row) else text
+
+
+def _default_text(row: Field) -> str:
+    if row.default_text or row.required:
+        return row.default_text or "required"
+    if row.policy == DEFAULT_ONLY and row.allowed:
+        return " or ".join(f"`{json.dumps(value)}`" for value in row.allowed)
+    return "null" if row.default is None else f"`{json.dumps(row.default)}`"
+
+
+def fields_markdown(table: dict[str, Field]) -> str:
+    """One endpoint's table as the markdown docs/api.md carries."""
+    lines = ["| field | type and range | default | consumed by | policy | notes |", "|---|---|---|---|---|---|"]
+    lines += [f"| `{name}` | {_type_text(row)} | {_default_text(row)} | {row.layer} | {row.policy} | {row.why} |"
+              for name, row in table.items()]
+    return "\n".join(lines)
+
+
+def _with_vocab(schema, vocab_size: int | None):
+    """A schema with every token id (`x-token-id`) bounded by the vocabulary."""
+    if isinstance(schema, list):
+        return [_with_vocab(s, vocab_size) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _with_vocab(value, vocab_size) for key, value in schema.items()}
+    if out.pop("x-token-id", False) and vocab_size:
+        out["maximum"] = vocab_size - 1
+    return out
+
+
+def field_schema(row: Field, vocab_size: int | None = None) -> dict:
+    """A row as JSON Schema (OpenAPI 3.1): type, range, enum, default; null stands for an absent field."""
+    schema = dict(row.schema) if row.schema else {"type": row.kind} if row.kind in JSON_KINDS else {}
+    if row.lo is not None:
+        schema["exclusiveMinimum" if row.lo_open else "minimum"] = row.lo
+    if row.hi is not None:
+        schema["maximum"] = row.hi
+    if row.enum:
+        schema["enum"] = list(row.enum)
+    if row.policy == DEFAULT_ONLY and row.allowed:
+        schema["enum"] = list(row.allowed)
+    elif not row.required:                    # null is accepted wherever the field may be absent
+        schema = {**schema, "type": [schema["type"], "null"]} if isinstance(schema.get("type"), str) else \
+            {"anyOf": [schema, {"type": "null"}]}
+    if row.default is not None and not callable(row.default):
+        schema["default"] = row.default
+    description = f"{row.why} (default: {_default_text(row).replace('`', '')})" if row.why else ""
+    return {**_with_vocab(schema, vocab_size), "description": description, "x-pocketllm-layer": row.layer,
+            "x-pocketllm-policy": row.policy}
+
+
+def request_schema(table: dict[str, Field], vocab_size: int | None = None) -> dict:
+    """An endpoint's body as JSON Schema: its table's fields, the required ones, no others."""
+    return {"type": "object", "additionalProperties": False,
+            "required": [name for name, row in table.items() if row.required],
+            "properties": {name: field_schema(row, vocab_size) for name, row in table.items()}}
+
+
+def _read_values(body: dict, table: dict[str, Field], vocab_size: int | None = None,
+                 defaults: dict | None = None) -> dict:
+    """name -> value for every row: checked, absent ones given the default (generation defaults first)."""
+    values = {}
+    for name, row in table.items():
+        value = body.get(name)
+        if value is None and row.required:
+            raise RequestError(f"'{name}' is required", param=name)
+        if value is None and defaults:
+            value = defaults.get(name)
+        values[name] = read_field(row, value, name, vocab_size)
+    return values
+
+
+def read_fields(body, table: dict[str, Field], vocab_size: int | None = None, defaults: dict | None = None) -> dict:
+    """A request body read through its endpoint's table: unknown fields refused (a typo such as `temprature`),
+    each field checked by its row, then the checks between fields. name -> value for every row of the table."""
+    body = _check_type(body, dict, "body")
+    for name in body:
+        if name not in table:
+            raise RequestError(f"unknown field '{name}'", param=name, code="unknown_field")
+    values = _read_values(body, table, vocab_size, defaults)
+    for name, row in table.items():
+        if row.relate is not None:
+            values[name] = row.relate(values, name)
+    return values
+
+
+def _check_model(llm, body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model != llm.model_name:
+        raise RequestError(f"model '{model}' does not exist; this server serves '{llm.model_name}'",
+                           param="model", status=404, code="model_not_found")
+
+
+def _request_sampling_params(llm, values: dict, prompt_len: int, max_tokens_field: str | None) -> SamplingParams:
+    """The engine's SamplingParams from an endpoint's values: its sampling rows, the max tokens resolved (the rest
+    of the context unless sent). logprobs is the endpoint's to set."""
+    room = llm.options.max_context - prompt_len
+    if room <= 0:
+        raise RequestError(f"the prompt is {prompt_len} tokens; the context holds {llm.options.max_context}",
+                           param="messages" if "messages" in values else "prompt", code="context_length_exceeded")
+    params = SamplingParams(**{name: values[name] for name in SAMPLING_FIELDS if name in values and
+                               name not in ("max_tokens", "logprobs")})
+    params.max_tokens = values[max_tokens_field] if max_tokens_field else room
+    return params
+
+
+def _max_tokens_field(values: dict, names: tuple[str, ...]) -> str | None:
+    """Which of the max-tokens fields the client set."""
+    return next((name for name in names if values.get(name) is not None), None)
+
+
+def _check_alive(llm) -> None:
+    if getattr(llm, "dead_reason", None):
+        raise RequestError(f"the engine is down: {llm.dead_reason}", status=503, code="engine_dead")
+
+
+def _as_sent(error: RequestError, body: dict, max_tokens_field: str | None) -> RequestError:
+    """An engine-side error renamed to the field this client actually sent (max_completion_tokens, messages)."""
+    if error.param == "max_tokens" and max_tokens_field:
+        error.param = max_tokens_field
+    elif error.param in ("messages", "prompt", "max_tokens"):       # max_tokens unsent: the prompt is too long
+        error.param = "messages" if "messages" in body else "prompt"
+    return error
+
+
+def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None):
+    _check_alive(llm)
+    try:
+        return llm.submit(prompt_ids, params)
+    except RequestError as e:
+        raise _as_sent(e, body, max_tokens_field) from None
+
+
+# Chat requests: the template rendered on a converted copy of the messages.
 
 def _chat_template(llm):
     """The llm's chat template, loaded on first use (run_server may have set an override)."""
@@ -4013,9 +4372,6 @@ def _chat_template(llm):
 
 def _reasoning_effort(llm, effort: str) -> str:
     """OpenAI's reasoning_effort, honoured by templates that read it (newer Qwen templates do), else refused."""
-    if effort not in REASONING_EFFORTS:
-        raise RequestError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                           param="reasoning_effort")
     if "reasoning_effort" not in "".join(getattr(_chat_template(llm), "sources", {}).values()):
         raise RequestError("'reasoning_effort' is not supported: this model's chat template does not read it",
                            param="reasoning_effort", code="unsupported_field")
@@ -4023,21 +4379,18 @@ def _reasoning_effort(llm, effort: str) -> str:
 
 
 def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
-    """The prompt text for a chat body: the template rendered on a converted copy of the messages."""
-    messages = _check_messages(body.get("messages"))
-    template_kwargs = _field(body, "chat_template_kwargs", dict, {})
-    for key in template_kwargs:
-        if key in RENDER_ARGUMENTS:
-            raise RequestError(f"'chat_template_kwargs.{key}' must be given as a top-level field",
-                               param="chat_template_kwargs")
-    continue_final = _field(body, "continue_final_message", bool, False)
-    add_generation_prompt = _field(body, "add_generation_prompt", bool, not continue_final)
+    """The prompt text for a chat body (its TEMPLATE_FIELDS are read here): the template rendered on a converted
+    copy of the messages."""
+    values = _read_values(body, TEMPLATE_FIELDS)
+    messages, template_kwargs, continue_final = (values["messages"], values["chat_template_kwargs"],
+                                                 values["continue_final_message"])
+    add_generation_prompt = (not continue_final if values["add_generation_prompt"] is None
+                             else values["add_generation_prompt"])
     if continue_final and (add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise RequestError("'continue_final_message' needs a final assistant message and "
                            "'add_generation_prompt' false", param="continue_final_message")
-    effort = _field(body, "reasoning_effort", str)
-    if effort is not None:
-        template_kwargs = {**template_kwargs, "reasoning_effort": _reasoning_effort(llm, effort)}
+    if values["reasoning_effort"] is not None:
+        template_kwargs = {**template_kwargs, "reasoning_effort": _reasoning_effort(llm, values["reasoning_effort"])}
     copy = messages_for_template(messages)
     for message in copy:                     # OpenAI's developer role is the system role of older templates
         if message["role"] == "developer":
@@ -4243,79 +4596,51 @@ class Completion:
         return {**self._envelope(choices), "usage": self._usage()}
 
 
-def _check_envelope(llm, body, fields, default_only) -> tuple[dict, bool, bool]:
-    """What both completion endpoints check first: a JSON object of known fields for our model; stream flags."""
-    body = _check_type(body, dict, "body")
-    _check_fields(body, fields, default_only)
-    _check_model(llm, body)
-    stream = _field(body, "stream", bool, False)
-    return body, stream, _stream_options(body, stream)
+def _generation_values(llm, body, table: dict[str, Field]) -> tuple[dict, bool]:
+    """What both completion endpoints read first: the body through its table (unset sampling fields take the
+    checkpoint's generation defaults), for our model; and include_usage."""
+    values = read_fields(body, table, llm.config.vocab_size, getattr(llm, "generation_defaults", None))
+    _check_model(llm, values)
+    return values, bool((values["stream_options"] or {}).get("include_usage"))
 
 
 def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
     """Validate a /v1/chat/completions body, render the prompt and submit it."""
-    body, stream, include_usage = _check_envelope(llm, body, CHAT_FIELDS, CHAT_DEFAULT_ONLY)
-    tools = _check_tools(body)
-    tool_choice = _check_tool_choice(body, tools)
-    parallel_tool_calls = _field(body, "parallel_tool_calls", bool, True)
-    _check_response_format(body)
-    want_logprobs = _field(body, "logprobs", bool, False)
-    top_logprobs = _field(body, "top_logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
-    if top_logprobs is not None and not want_logprobs:
-        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    prompt_text = render_chat_prompt(llm, body, tools)
+    values, include_usage = _generation_values(llm, body, CHAT_FIELDS)
+    tools, tool_choice = values["tools"], values["tool_choice"]
+    prompt_text = render_chat_prompt(llm, values, tools)
     prompt_ids = llm.tokenizer.encode(prompt_text)
-    max_tokens_field = _max_tokens_field(body, ("max_completion_tokens", "max_tokens"))
-    params = _request_sampling_params(llm, body, len(prompt_ids), max_tokens_field)
-    params.logprobs = (top_logprobs or 0) if want_logprobs else None
+    max_tokens_field = _max_tokens_field(values, ("max_completion_tokens", "max_tokens"))
+    params = _request_sampling_params(llm, values, len(prompt_ids), max_tokens_field)
+    params.logprobs = (values["top_logprobs"] or 0) if values["logprobs"] else None
     template = _chat_template(llm)
     in_reasoning = prompt_ends_in_reasoning(prompt_text)
     if tools:                             # enforces required / named / parallel_tool_calls=false, bans calls for none
         try:
             processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
-                                              parallel_tool_calls, in_reasoning, params.max_tokens,
+                                              values["parallel_tool_calls"], in_reasoning, params.max_tokens,
                                               eos_token_ids=llm.eos_token_ids)
         except RequestError as e:
-            raise _as_sent(e, body, max_tokens_field) from None
+            raise _as_sent(e, values, max_tokens_field) from None
         if processor is not None:
             params.logits_processors = [*params.logits_processors, processor]
     parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
                for _ in range(params.n)]
-    return Completion(llm, _submit(llm, prompt_ids, params, body, max_tokens_field), "chat", stream,
+    return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "chat", values["stream"],
                       include_usage, params.logprobs, parsers, metrics)
-
-
-def _prompt_ids(llm, prompt) -> list[int]:
-    """A completions prompt: a string or token ids, alone or as a one-element batch."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = llm.tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = [_token_id(t, "prompt", llm.config.vocab_size) for t in prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise RequestError("'prompt' batches of more than one prompt are not supported; send one request each",
-                           param="prompt", code="unsupported_field")
-    else:
-        raise RequestError(f"'prompt' must be a string or an array of token ids, got {_json_type(prompt)}",
-                           param="prompt")
-    if not ids:
-        raise RequestError("'prompt' must not be empty", param="prompt")
-    return ids
 
 
 def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
     """Validate a /v1/completions body and submit it."""
-    body, stream, include_usage = _check_envelope(llm, body, COMPLETION_FIELDS, COMPLETION_DEFAULT_ONLY)
-    prompt_ids = _prompt_ids(llm, body.get("prompt"))
-    max_tokens_field = "max_tokens" if body.get("max_tokens") is not None else None
-    params = _request_sampling_params(llm, body, len(prompt_ids), max_tokens_field)
-    best_of = _field(body, "best_of", int)
-    if best_of not in (None, 1, params.n):
-        raise RequestError("'best_of' is not supported by this server (accepted only when equal to 'n')",
-                           param="best_of", code="unsupported_field")
-    params.logprobs = _field(body, "logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
-    return Completion(llm, _submit(llm, prompt_ids, params, body, max_tokens_field), "text", stream,
+    values, include_usage = _generation_values(llm, body, COMPLETION_FIELDS)
+    prompt = values["prompt"]
+    prompt_ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    if not prompt_ids:
+        raise RequestError("'prompt' must not be empty", param="prompt")
+    max_tokens_field = _max_tokens_field(values, ("max_tokens",))
+    params = _request_sampling_params(llm, values, len(prompt_ids), max_tokens_field)
+    params.logprobs = values["logprobs"]
+    return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "text", values["stream"],
                       include_usage, params.logprobs, None, metrics)
 
 
@@ -4441,34 +4766,26 @@ def _completions(handler, match, raw) -> None:
     handler.send_completion(start_completion(handler.server.llm, _json_body(raw), handler.server.metrics))
 
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                   "continue_final_message", "chat_template_kwargs", "tools", "return_token_strs"}
-
-
 def _tokenize(handler, match, raw) -> None:
     """vLLM's /tokenize: a prompt, or chat messages rendered by the template -> token ids."""
-    llm, body = handler.server.llm, _json_body(raw)
-    _check_fields(body, TOKENIZE_FIELDS, {})
-    _check_model(llm, body)
-    if ("prompt" in body) == ("messages" in body):
-        raise RequestError("send exactly one of 'prompt' and 'messages'", param="prompt")
-    _field(body, "add_special_tokens", bool)     # our tokenizers add no special tokens either way
-    if "prompt" in body:
-        ids = llm.tokenizer.encode(_check_type(body["prompt"], str, "prompt"))
+    llm = handler.server.llm
+    values = read_fields(_json_body(raw), TOKENIZE_FIELDS, llm.config.vocab_size)
+    _check_model(llm, values)
+    if values["prompt"] is not None:
+        ids = llm.tokenizer.encode(values["prompt"])
     else:
-        ids = llm.tokenizer.encode(render_chat_prompt(llm, body, _check_tools(body)))
-    strs = [llm.tokenizer.id_to_token(t) for t in ids] if _field(body, "return_token_strs", bool, False) else None
+        ids = llm.tokenizer.encode(render_chat_prompt(llm, values, values["tools"]))
+    strs = [llm.tokenizer.id_to_token(t) for t in ids] if values["return_token_strs"] else None
     handler.send_json(200, {"count": len(ids), "max_model_len": llm.options.max_context, "tokens": ids,
                             "token_strs": strs})
 
 
 def _detokenize(handler, match, raw) -> None:
     """vLLM's /detokenize: token ids -> text."""
-    llm, body = handler.server.llm, _json_body(raw)
-    _check_fields(body, {"model", "tokens"}, {})
-    _check_model(llm, body)
-    ids = [_token_id(t, "tokens", llm.config.vocab_size) for t in _check_type(body.get("tokens"), list, "tokens")]
-    handler.send_json(200, {"prompt": llm.tokenizer.decode(ids)})
+    llm = handler.server.llm
+    values = read_fields(_json_body(raw), DETOKENIZE_FIELDS, llm.config.vocab_size)
+    _check_model(llm, values)
+    handler.send_json(200, {"prompt": llm.tokenizer.decode(values["tokens"])})
 
 
 def metrics_text(llm, metrics: ServerMetrics) -> str:
@@ -4822,6 +5139,52 @@ def _chat_page_url(host: str, port: int) -> str:
     host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
+# /openapi.json: every route, and every request field from the endpoints' tables (section 12).
+
+PUBLIC_PATHS = ("/", "/health")   # no API key: the chat page loads without it (then sends it), and health checks
+REQUEST_TABLES = {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLETION_FIELDS,
+                  "/tokenize": TOKENIZE_FIELDS, "/detokenize": DETOKENIZE_FIELDS}
+ROUTE_SUMMARIES = {"/": "the chat page: one self-contained HTML document (no auth)",
+                   "/health": "200 while the engine runs; 503 naming the cause once it has died (no auth)",
+                   "/v1/models": "the served model's card, as a list", "/v1/models/{model}": "the model card",
+                   "/v1/chat/completions": "an OpenAI chat completion, or its SSE chunks with stream: true",
+                   "/v1/completions": "an OpenAI text completion, or its SSE chunks with stream: true",
+                   "/tokenize": "vLLM's /tokenize: a prompt or chat messages -> token ids",
+                   "/detokenize": "vLLM's /detokenize: token ids -> text",
+                   "/metrics": "Prometheus text: engine and server counters, latency histograms",
+                   "/openapi.json": "this document"}
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def openapi_document(llm) -> dict:
+    """An OpenAPI 3.1 description of the server: every route in ROUTES, each request body from its table."""
+    paths = {}
+    for method, path, _ in ROUTES:
+        operation = {"summary": ROUTE_SUMMARIES.get(path, path), "responses": {
+            "200": {"description": "success"},
+            "default": {"description": "an error", "content": {"application/json": {"schema": ERROR_SCHEMA}}}}}
+        if path not in PUBLIC_PATHS:
+            operation["security"] = [{"bearer": []}]
+        if "{model}" in path:
+            operation["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        if path in REQUEST_TABLES:
+            schema = request_schema(REQUEST_TABLES[path], llm.config.vocab_size)
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        paths.setdefault(path, {})[method.lower()] = operation
+    return {"openapi": "3.1.0",
+            "info": {"title": f"pocketllm serving {llm.model_name}", "version": __version__,
+                     "description": "An absent field and a null one mean the same: the default. Fields outside "
+                                    "a body's properties are 400 (code: unknown_field)."},
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+            "paths": paths}
+
+
+def _openapi(handler, match, raw) -> None:
+    handler.send_json(200, openapi_document(handler.server.llm))
+
 
 # The route table: (method, path pattern, endpoint). The pattern doubles as the metrics label.
 ROUTES = [
@@ -4834,6 +5197,7 @@ ROUTES = [
     ("POST", "/tokenize", _tokenize),
     ("POST", "/detokenize", _detokenize),
     ("GET", "/metrics", _metrics),
+    ("GET", "/openapi.json", _openapi),
 ]
 ROUTE_PATTERNS = [(method, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>.+)", path) + "$"), path, endpoint)
                   for method, path, endpoint in ROUTES]
@@ -4878,7 +5242,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             path = urllib.parse.urlsplit(self.path).path
             raw = self.read_body()
-            if path not in ("/", "/health"):         # the chat page loads without the key, then sends it
+            if path not in PUBLIC_PATHS:
                 self.check_auth()
             self.endpoint, match, endpoint = find_route(method, path)
             endpoint(self, match, raw)
@@ -5149,7 +5513,7 @@ class LLM:
     ['completion_tokens', 'finish_reason', 'logprobs', 'prompt_tokens', 'text', 'token_ids']
     """
 
-    def __init__(self, ckpt_dir: str | os.PathLike | None = None, **options):
+    def __init__(self, ckpt_dir: str | os.PathLike | None = None, *, generation_config: str = "auto", **options):
         unknown = set(options) - {f.name for f in dataclasses.fields(EngineOptions)}
         if unknown:
             raise PocketError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
@@ -5163,6 +5527,7 @@ class LLM:
         self.tokenizer = Tokenizer(self.ckpt_dir)
         _check_options(opts, cfg)
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
+        self.generation_defaults = generation_defaults(ckpt, generation_config, opts)   # name -> value
         # With --devices, rank 0 runs on the first listed device.
         self.device = device = parse_devices(opts.devices)[0] if opts.devices else torch.device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, device, "dtype")
@@ -5276,7 +5641,7 @@ class LLM:
         n == 1: {"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs"};
         n > 1: {"choices": [such dicts], "prompt_tokens"}."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = _sampling_params(sampling)
+        params = _sampling_params(sampling, self.generation_defaults)
         stream = self.submit(ids, params)
         choices = [{"text": "", "token_ids": [], "finish_reason": None, "logprobs": [] if params.logprobs is not None
                     else None} for _ in range(params.n)]
@@ -5314,11 +5679,12 @@ class LLM:
         return torch.cat(out).float().cpu()
 
 
-def _sampling_params(sampling: dict) -> SamplingParams:
-    unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
+def _sampling_params(sampling: dict, defaults: dict) -> SamplingParams:
+    """LLM.generate's keywords as SamplingParams; the ones not given take the checkpoint's generation defaults."""
+    unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise RequestError(f"unknown sampling option(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
-    return SamplingParams(**sampling)
+    return SamplingParams(**{**defaults, **{name: value for name, value in sampling.items() if value is not None}})
 
 
 def _check_options(opts: EngineOptions, cfg: ModelConfig):
@@ -5340,6 +5706,34 @@ def _eos_ids(ckpt: Checkpoint, tok: Tokenizer) -> list[int]:
     return [int(i) for i in ids]
 
 
+
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(ckpt: Checkpoint, source: str, opts: EngineOptions) -> dict:
+    """The sampling defaults of requests that do not set them, as vLLM applies them: generation_config.json's
+    temperature, top_p, top_k, min_p and repetition_penalty (source "auto"; a directory: its generation_config.json;
+    "none": pocketllm's own defaults). Checked against the SamplingParams rows; logged."""
+    if source == "none":
+        config, where = {}, None
+    elif source == "auto":
+        config, where = ckpt.generation_config, ckpt.path / "generation_config.json"
+    else:
+        where = Path(source) / "generation_config.json"
+        config = _read_json(where, required=True)
+    defaults = {}
+    for name in GENERATION_DEFAULT_FIELDS:
+        if config.get(name) is not None:
+            try:
+                defaults[name] = read_field(SAMPLING_FIELDS[name], config[name], name)
+            except RequestError as e:
+                raise CheckpointError(f"{where}: {e} (--generation-config none ignores the file)") from None
+    shown = ", ".join(f"{name}={defaults.get(name, SAMPLING_FIELDS[name].default)}"
+                      for name in GENERATION_DEFAULT_FIELDS)
+    _log(opts, f"generation defaults: {shown} ({f'from {where}' if defaults else 'built in'})")
+    return defaults
+
+
 # The command line: serving (the default) and `bench`.
 
 def add_engine_args(parser: argparse.ArgumentParser):
@@ -5351,10 +5745,15 @@ def add_engine_args(parser: argparse.ArgumentParser):
         else:
             kind = int if f.type == "int" else str
             parser.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
+    parser.add_argument("--generation-config", default="auto", metavar="auto|none|DIR", help=(
+        "sampling defaults of requests that do not set them: auto = the checkpoint's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty), none = pocketllm's own, "
+        "DIR = DIR/generation_config.json (default: auto)"))
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineOptions)}
+    return ({f.name: getattr(args, f.name) for f in dataclasses.fields(EngineOptions)} |
+            {"generation_config": args.generation_config})
 
 
 def main(argv: list[str] | None = None) -> int:
