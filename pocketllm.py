@@ -4913,8 +4913,6 @@ class LLM:
             raise PocketError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
         self.options = opts = EngineOptions(**options)
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
-        if ckpt_dir is None:
-            _log(opts, f"no --ckpt given: serving the bundled pocket-tiny model ({self.ckpt_dir})")
         self.model_name = self.ckpt_dir.resolve().name
         ckpt = Checkpoint(self.ckpt_dir)
         self.config = cfg = ckpt.config
@@ -4926,6 +4924,8 @@ class LLM:
         device, kv_dtype = placement.device, placement.kv_dtype
         self.device, self.dtype, self.kv_dtype = device, placement.dtype, kv_dtype
         opts.device, opts.backend = str(device), placement.backend     # what tensor-parallel ranks run
+        if ckpt_dir is None:
+            _log(opts, f"no --ckpt given: serving the bundled pocket-tiny model ({self.ckpt_dir})")
         sized = device.type == "cuda" and not opts.devices              # the cache is sized from free memory
         if not sized:
             opts.max_batch_size = opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE
