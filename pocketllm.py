@@ -4621,8 +4621,8 @@ def _tool_parser_name(name: str) -> str:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free port and prints it)")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port; 0 picks a free port and prints it (default: %(default)s)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                             "(default: env POCKETLLM_API_KEY)")
@@ -4638,9 +4638,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM's command lines: tool_choice auto is always on (default: on)")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                       help=f"largest request body accepted (default {DEFAULT_MAX_REQUEST_BYTES}); larger is 413")
+                       help="largest request body accepted; larger is 413 (default: %(default)s)")
     group.add_argument("--socket-timeout", type=float, default=DEFAULT_SOCKET_TIMEOUT,
-                       help=f"seconds a silent client may hold a connection (default {DEFAULT_SOCKET_TIMEOUT:g})")
+                       help="seconds a silent client may hold a connection (default: %(default)g)")
 
 
 def run_server(llm, args: argparse.Namespace) -> int:
@@ -5196,8 +5196,8 @@ VLLM_ONLY_FLAGS = {
     "--swap-space": "there is no CPU swap: lower --max-batch-size or --max-context",
     "--cpu-offload-gb": "there is no offloading: use more GPUs (--tensor-parallel-size)",
     "--max-logprobs": "drop it: requests may ask for up to 20 logprobs",
-    "--disable-log-requests": "drop it: pocketllm logs no requests",
-    "--uvicorn-log-level": "drop it: pocketllm logs only at start-up (--quiet silences that)",
+    "--disable-log-requests": "drop it: pocketllm logs one line per HTTP request (never its content)",
+    "--uvicorn-log-level": "drop it: pocketllm logs its start-up and one line per request (--quiet: no start-up lines)",
     "--speculative-config": "there is no speculative decoding",
     "--limit-mm-per-prompt": "pocketllm serves text only",
 }

@@ -174,3 +174,14 @@ def test_a_vllm_command_line_serves(tmp_path):
     assert "backend torch on cpu, float32 activations, float32 KV cache:" in log
     assert "warm-up: 16-token prefill" in log
     assert "KV cache 64 blocks x 16 tokens" in log and "2 state slots" in log
+
+
+def test_the_docs_table_lists_every_flag_and_every_vllm_answer():
+    text = (ROOT / "docs" / "api.md").read_text()
+    section = text[text.index("\n## Command line\n"):]
+    for action in pocketllm.command_line_parser()._actions:
+        for name in action.option_strings:
+            if name.startswith("--") and name != "--help":
+                assert f"`{name}" in section, name
+    for name in pocketllm.VLLM_ONLY_FLAGS:
+        assert f"`{name}`" in section, name
