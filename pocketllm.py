@@ -4699,6 +4699,12 @@ def resolve_dtype(name: str, device: torch.device, what: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_dtypes(opts: EngineOptions, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(activation dtype, KV-cache dtype) on device."""
+    dtype = resolve_dtype(opts.dtype, device, "dtype")
+    return dtype, dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+
+
 def resolve_device(name: str) -> torch.device:
     """--device: auto (the first CUDA device torch sees, else the CPU), cpu, cuda or cuda:N."""
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -4772,17 +4778,14 @@ def plan_placement(opts: EngineOptions) -> Placement:
     if opts.backend not in ("auto", "torch", "native"):
         raise PocketError(f"--backend must be auto, torch or native (got {opts.backend!r})")
     device = parse_devices(opts.devices)[0] if opts.devices else resolve_device(opts.device)
-    dtype = resolve_dtype(opts.dtype, device, "dtype")
-    kv_dtype = dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+    dtype, kv_dtype = resolve_dtypes(opts, device)
     backend, why = choose_backend(opts.backend, device, dtype, kv_dtype)
     return Placement(device, backend, dtype, kv_dtype, why)
 
 
 def select_ops(opts: EngineOptions, device: torch.device):
     """The backend's ops on `device` and why they were chosen (choose_backend). Tensor-parallel ranks use it."""
-    dtype = resolve_dtype(opts.dtype, device, "dtype")
-    kv_dtype = dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
-    backend, why = choose_backend(opts.backend, device, dtype, kv_dtype)
+    backend, why = choose_backend(opts.backend, device, *resolve_dtypes(opts, device))
     return (NativeOps(device) if backend == "native" else TorchOps()), f"{backend} ({why})"
 
 
@@ -5221,10 +5224,10 @@ def add_engine_args(parser: argparse.ArgumentParser):
     for f in dataclasses.fields(EngineOptions):
         names = [_flag(f.name)] + ([VLLM_ALIASES[f.name]] if f.name in VLLM_ALIASES else [])
         if f.type == "bool":
-            parser.add_argument(*names, action="store_true", default=f.default, help=ENGINE_FLAG_HELP[f.name])
+            parser.add_argument(*names, action="store_true", default=f.default, help=ENGINE_FLAG_HELP.get(f.name))
         else:
             parser.add_argument(*names, type=kinds.get(f.type, str), default=f.default, metavar=f.name.upper(),
-                                help=ENGINE_FLAG_HELP[f.name])
+                                help=ENGINE_FLAG_HELP.get(f.name))
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="vLLM's name: the first N GPUs, one rank each (= --devices 0,...,N-1) (default: %(default)s)")
 
