@@ -247,3 +247,19 @@ def test_a_server_whose_engine_fails_never_starts(monkeypatch):
             pocketllm.serve(llm, port=0, block=False)
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "float32", "float16", "bfloat16"])
+def test_every_torch_combination_the_plan_accepts_serves_on_the_cpu(dtype, kv_dtype):
+    """The other half of 'refused at load, never at the first request': what the plan accepts samples (temperature
+    1, penalties) without error."""
+    llm = pocketllm.LLM(TINY, quiet=True, device="cpu", dtype=dtype, kv_dtype=kv_dtype, max_context=128,
+                        max_batch_size=2)
+    try:
+        out = llm.generate("Hello", max_tokens=3, temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5,
+                           repetition_penalty=1.1, seed=1, logprobs=1)
+        assert out["completion_tokens"] == 3 or out["finish_reason"] == "stop"
+        assert all(lp is not None for lp in out["logprobs"])
+    finally:
+        llm.close()
