@@ -4870,6 +4870,12 @@ def format_budget(budget: dict[str, int]) -> str:
     return ", ".join(f"{name.replace('_', ' ')} {format_bytes(n)}" for name, n in budget.items())
 
 
+def memory_sized(device: torch.device, opts: EngineOptions) -> bool:
+    """Whether the cache and batch are sized from free memory: on one GPU (not yet across tensor-parallel ranks,
+    whose caches are allocated as they load)."""
+    return device.type == "cuda" and not opts.devices
+
+
 def device_memory(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of a CUDA device, after returning torch's cached blocks to it."""
     torch.cuda.synchronize(device)
@@ -4929,7 +4935,7 @@ class LLM:
         opts.device, opts.backend = str(device), placement.backend     # what tensor-parallel ranks run
         if ckpt_dir is None:
             _log(opts, f"no --ckpt given: serving the bundled pocket-tiny model ({self.ckpt_dir})")
-        sized = device.type == "cuda" and not opts.devices              # the cache is sized from free memory
+        sized = memory_sized(device, opts)
         if not sized:
             opts.max_batch_size = opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE
         self.dead_reason: str | None = None

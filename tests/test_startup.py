@@ -176,6 +176,24 @@ def test_the_size_matches_the_cache_the_engine_allocates(monkeypatch):
         llm.close()
 
 
+def test_a_memory_sized_engine_starts_and_serves(monkeypatch):
+    """LLM's GPU start-up order, run on the CPU: weights, then the cache sized from (faked) free memory, then the
+    engine on that cache, which serves."""
+    monkeypatch.setattr(pocketllm, "memory_sized", lambda device, opts: True)
+    monkeypatch.setattr(pocketllm, "device_memory", lambda device: (1 * GiB, 2 * GiB))
+    llm = pocketllm.LLM(TINY, quiet=True, max_context=256, gpu_memory_utilization=0.8)
+    try:
+        opts = llm.options
+        assert opts.max_batch_size == 256 and llm.engine.slots.total == 256
+        ws = pocketllm.workspace_bytes(llm.config, opts.prefill_token_budget, 256, 4)
+        per_block = pocketllm.cache_bytes(llm.config, llm.model.layers, 1, 16, 0, torch.float32)
+        per_slot = pocketllm.cache_bytes(llm.config, llm.model.layers, 0, 16, 1, torch.float32)
+        assert llm.engine.blocks.total == (GiB - int((1 - 0.8) * 2 * GiB) - ws - 256 * per_slot) // per_block
+        assert llm.generate("Hello", max_tokens=3, temperature=1.0, presence_penalty=0.5)["completion_tokens"] == 3
+    finally:
+        llm.close()
+
+
 # ---- The memory budget from config.json ----
 
 def test_budget_kv_and_state_equal_the_allocated_cache():
