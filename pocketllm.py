@@ -4622,7 +4622,8 @@ def _tool_parser_name(name: str) -> str:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="port; 0 picks a free port and prints it (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000,
+                       help="port; 0 picks a free port and prints it (default: %(default)s)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                             "(default: env POCKETLLM_API_KEY)")
@@ -4722,18 +4723,20 @@ def resolve_device(name: str) -> torch.device:
         raise PocketError(f"--device {name}: torch {torch.__version__} sees no CUDA device "
                           f"(torch.cuda.is_available() is False); use --device cpu, or leave --device auto")
     if (device.index or 0) >= cuda_count:
-        raise PocketError(f"--device {name}: only {cuda_count} CUDA device(s) visible (cuda:0 .. cuda:{cuda_count - 1})")
+        raise PocketError(f"--device {name}: only {cuda_count} CUDA device(s) visible "
+                          f"(cuda:0 .. cuda:{cuda_count - 1})")
     return torch.device("cuda", device.index or 0)
 
 
 def _native_refusal(dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
     """Why the native kernels cannot run with these dtypes, or None when they can."""
+    act, kv = str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch.")
     if dtype not in NATIVE_ACTIVATION_DTYPES:
-        return (f"the native kernels take float16 or float32 activations, not {str(dtype).removeprefix('torch.')}: "
+        return (f"the native kernels take float16 or float32 activations, not {act}: "
                 f"use --dtype float16, or --backend torch")
     if kv_dtype != dtype:
-        return (f"the native attention reads the KV cache in the activation dtype ({str(dtype).removeprefix('torch.')}), "
-                f"not {str(kv_dtype).removeprefix('torch.')}: leave --kv-dtype at auto")
+        return (f"the native attention reads the KV cache in the activation dtype ({act}), not {kv}: "
+                f"leave --kv-dtype at auto")
     return None
 
 
@@ -4847,7 +4850,7 @@ def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, 
 
     >>> cfg = ModelConfig("qwen3", 1000, 64, 128, 2, 4, 2, 16, 1e-6, False, ["full_attention"] * 2, 1e4, 16,
     ...                   4096, False, False)
-    >>> memory_budget(cfg, max_context=64, max_batch_size=1)["kv_cache"]   # 2 layers x K,V x 64 tok x 2 heads x 16 x 2 B
+    >>> memory_budget(cfg, max_context=64, max_batch_size=1)["kv_cache"]   # 2 layers x K,V x 64 x 2 heads x 16 x 2 B
     16384
     """
     blocks = num_kv_blocks or max_batch_size * -(-max_context // kv_block_size)
@@ -4959,11 +4962,12 @@ class LLM:
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
         world = len(parse_devices(opts.devices)) if opts.devices else 1
-        _log(opts, f"memory per {'rank' if world > 1 else 'device'} (config estimate, docs/serving.md): " + format_budget(
-            memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=opts.max_batch_size,
-                          num_kv_blocks=self.engine.blocks.total, kv_block_size=opts.kv_block_size,
-                          prefill_token_budget=opts.prefill_token_budget, kv_bytes=kv_dtype.itemsize,
-                          act_bytes=self.dtype.itemsize)))
+        budget = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=opts.max_batch_size,
+                               num_kv_blocks=self.engine.blocks.total, kv_block_size=opts.kv_block_size,
+                               prefill_token_budget=opts.prefill_token_budget, kv_bytes=kv_dtype.itemsize,
+                               act_bytes=self.dtype.itemsize)
+        _log(opts, f"memory per {'rank' if world > 1 else 'device'} (config estimate, docs/serving.md): "
+                   f"{format_budget(budget)}")
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -5235,7 +5239,8 @@ def add_engine_args(parser: argparse.ArgumentParser):
             parser.add_argument(*names, type=kinds.get(f.type, str), default=f.default, metavar=f.name.upper(),
                                 help=ENGINE_FLAG_HELP.get(f.name))
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="vLLM's name: the first N GPUs, one rank each (= --devices 0,...,N-1) (default: %(default)s)")
+                        help="vLLM's name: the first N GPUs, one rank each (= --devices 0,...,N-1) "
+                             "(default: %(default)s)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
