@@ -35,6 +35,7 @@ __license__ = "Apache-2.0"
 
 import argparse
 import dataclasses
+import errno
 import hmac
 import http.server
 import itertools
@@ -48,6 +49,7 @@ import signal
 import socket
 import struct
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -213,14 +215,17 @@ def parse_quant_config(q: dict | None, path: Path) -> QuantConfig | None:
 class EngineOptions:
     """How the engine runs. Every field is also a CLI flag (--max-batch-size, ...) and an LLM(...) keyword."""
     backend: str = "auto"              # auto | torch | native
-    device: str = "cpu"                # torch device of rank 0 ("cpu", "cuda", "cuda:1")
+    device: str = "auto"               # rank 0's device: auto (the first GPU, else the CPU) | cpu | cuda | cuda:N
     devices: str | None = None         # tensor parallelism: "0,1,2,3" or "cpu,cpu" (one rank each)
     dtype: str = "auto"                # activation dtype: auto (fp16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     kv_dtype: str = "auto"             # KV-cache dtype: auto (= activation dtype) | float32 | bfloat16 | float16
     max_context: int = 4096            # longest prompt + completion of one sequence, in tokens
-    max_batch_size: int = 16           # running sequences at once (= recurrent-state slots)
+    max_batch_size: int = 0            # running sequences at once (= recurrent-state slots); 0: 16 on the
+                                       # CPU, sized from free memory on a GPU (at most 256)
     kv_block_size: int = 16            # tokens per KV-cache block
-    num_kv_blocks: int = 0             # 0: enough for max_batch_size sequences of max_context
+    num_kv_blocks: int = 0             # 0: on a GPU, what gpu_memory_utilization leaves after the weights;
+                                       # on the CPU, enough for max_batch_size sequences of max_context
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory pocketllm may hold (weights, cache, work)
     prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
     seed: int = 0                      # default seed for unseeded requests' generators
@@ -5422,7 +5427,9 @@ class PocketServer(http.server.ThreadingHTTPServer):
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, block: bool = True,
           **options) -> PocketServer:
-    """Serve llm over HTTP: blocking until interrupted, or (block=False) on a background thread."""
+    """Serve llm over HTTP: blocking until interrupted, or (block=False) on a background thread. One warm-up
+    request runs first, so /health never says 200 for an engine that cannot serve."""
+    _log(llm.options, llm.warm_up())
     server = PocketServer(llm, host, port, api_key, **options)
     if block:
         server.run()
@@ -5430,33 +5437,51 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     return server.start()
 
 
+TOOL_PARSER_NAMES = {**{name: name for name in TOOL_FORMATS}, "qwen3_xml": "qwen_xml", "qwen3_coder": "qwen_xml"}
+
+
+def _tool_parser_name(name: str) -> str:
+    if name not in TOOL_PARSER_NAMES:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a tool-call format ({', '.join(TOOL_FORMATS)}; vLLM's "
+                                         f"qwen3_xml and qwen3_coder are qwen_xml)")
+    return TOOL_PARSER_NAMES[name]
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free port and prints it)")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000,
+                       help="port; 0 picks a free port and prints it (default: %(default)s)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and the page / "
                             "(default: env POCKETLLM_API_KEY)")
     group.add_argument("--served-model-name", default=None,
                        help="the model id clients send (default: the checkpoint directory name)")
     group.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="a jinja chat template to use instead of the checkpoint's")
-    group.add_argument("--tool-parser", choices=tuple(TOOL_FORMATS), default=None,
-                       help="tool-call format (default: detected from the chat template)")
+                       help="a jinja chat template (.jinja, or .json with \"chat_template\") to use instead of the "
+                            "checkpoint's (default: the checkpoint's)")
+    group.add_argument("--tool-parser", "--tool-call-parser", type=_tool_parser_name, default=None,
+                       metavar="{" + ",".join(TOOL_FORMATS) + "}",
+                       help="tool-call format; vLLM's qwen3_xml and qwen3_coder mean qwen_xml (default: detected "
+                            "from the chat template)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM's command lines: tool_choice auto is always on (default: on)")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                       help=f"largest request body accepted (default {DEFAULT_MAX_REQUEST_BYTES}); larger is 413")
+                       help="largest request body accepted; larger is 413 (default: %(default)s)")
     group.add_argument("--socket-timeout", type=float, default=DEFAULT_SOCKET_TIMEOUT,
-                       help=f"seconds a silent client may hold a connection (default {DEFAULT_SOCKET_TIMEOUT:g})")
+                       help="seconds a silent client may hold a connection (default: %(default)g)")
 
 
 def run_server(llm, args: argparse.Namespace) -> int:
     """Apply the server flags to llm, print the address, serve until interrupted; the exit code."""
     if args.served_model_name:
         llm.model_name = args.served_model_name
-    if args.chat_template:
-        llm.chat_template = load_chat_template(llm.tokenizer, args.chat_template)
+    if args.chat_template:           # main() has read it already, before the weights loaded
+        llm.chat_template = load_chat_template(llm.tokenizer, args.chat_template) \
+            if isinstance(args.chat_template, str) else args.chat_template
     if args.tool_parser:
         _chat_template(llm).tool_parser = args.tool_parser
+    _log(llm.options, llm.warm_up())
     server = PocketServer(llm, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout)
     print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
@@ -5472,8 +5497,20 @@ def run_server(llm, args: argparse.Namespace) -> int:
 # 14. The LLM object, the Python API that the server and embedding users share, and the CLI.
 # -----------------------------------------------------------------------------------------------
 
-DEFAULT_CKPT = HERE / "models" / "pocket-tiny"
+def bundled_model_dir() -> Path:
+    """The bundled pocket-tiny: beside this file (a checkout, or pocketllm.py dropped into a project), else where
+    `pip install .` put it (pyproject.toml's data-files: <prefix>/share/pocketllm/models/pocket-tiny)."""
+    here = HERE / "models" / "pocket-tiny"
+    installed = Path(sysconfig.get_paths()["data"]) / "share" / "pocketllm" / "models" / "pocket-tiny"
+    return installed if not here.is_dir() and installed.is_dir() else here
+
+
+DEFAULT_CKPT = bundled_model_dir()
+DEFAULT_MAX_BATCH_SIZE = 16            # running sequences when not sized from GPU memory (the CPU, --devices)
+MAX_SIZED_BATCH_SIZE = 256             # the most sequences memory sizing picks (vLLM's max_num_seqs default)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+NATIVE_ACTIVATION_DTYPES = (torch.float16, torch.float32)   # csrc/pocketllm.h: act_dtype is fp32 or fp16
 
 
 def _log(opts: EngineOptions, msg: str):
@@ -5482,26 +5519,224 @@ def _log(opts: EngineOptions, msg: str):
 
 
 def resolve_dtype(name: str, device: torch.device, what: str) -> torch.dtype:
+    """--dtype / --kv-dtype: auto (float16 on a GPU, float32 on the CPU), a torch name, or vLLM's half / bf16."""
     if name == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
+    name = _DTYPE_ALIASES.get(name, name)
     if name not in _DTYPES:
-        raise PocketError(f"--{what} must be one of auto, {', '.join(_DTYPES)} (got {name!r})")
+        raise PocketError(f"--{what} must be one of auto, {', '.join(_DTYPES)} (or {', '.join(_DTYPE_ALIASES)}); "
+                          f"got {name!r}")
     return _DTYPES[name]
 
 
-def select_ops(opts: EngineOptions, device: torch.device):
-    """--backend: torch (reference, anywhere), native (the CUDA library), or auto (native when it loads and a
-    GPU is present, else torch). Says which and why."""
+def resolve_dtypes(opts: EngineOptions, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(activation dtype, KV-cache dtype) on device."""
+    dtype = resolve_dtype(opts.dtype, device, "dtype")
+    return dtype, dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device: auto (the first CUDA device torch sees, else the CPU), cpu, cuda or cuda:N."""
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name == "auto":
+        return torch.device("cuda", 0) if cuda_count else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise PocketError(f"--device {name!r} is not a device (expected auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise PocketError(f"--device {name}: pocketllm runs on cpu or cuda devices, not {device.type}")
+    if cuda_count == 0:
+        raise PocketError(f"--device {name}: torch {torch.__version__} sees no CUDA device "
+                          f"(torch.cuda.is_available() is False); use --device cpu, or leave --device auto")
+    if (device.index or 0) >= cuda_count:
+        raise PocketError(f"--device {name}: only {cuda_count} CUDA device(s) visible "
+                          f"(cuda:0 .. cuda:{cuda_count - 1})")
+    return torch.device("cuda", device.index or 0)
+
+
+def _native_refusal(dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+    """Why the native kernels cannot run with these dtypes, or None when they can."""
+    act, kv = str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch.")
+    if dtype not in NATIVE_ACTIVATION_DTYPES:
+        return (f"the native kernels take float16 or float32 activations, not {act}: "
+                f"use --dtype float16, or --backend torch")
+    if kv_dtype != dtype:
+        return (f"the native attention reads the KV cache in the activation dtype ({act}), not {kv}: "
+                f"leave --kv-dtype at auto")
+    return None
+
+
+def choose_backend(backend: str, device: torch.device, dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> tuple[str, str]:
+    """--backend: torch (the reference, anywhere), native (the CUDA library), or auto: native when the library
+    loads on this device and its kernels take these dtypes, else torch. (name, why); an explicit native that
+    cannot run is refused here, before any weight loads, never at the first request."""
+    if backend not in ("auto", "torch", "native"):
+        raise PocketError(f"--backend must be auto, torch or native (got {backend!r})")
+    if backend == "torch":
+        return "torch", "asked for"
+    ok, status = native_status(device)
+    refusal = _native_refusal(dtype, kv_dtype) if ok else status
+    if refusal is None:
+        return "native", status
+    if backend == "native":
+        raise PocketError(f"--backend native: {refusal}")
+    return "torch", refusal
+
+
+@dataclass
+class Placement:
+    """Where and how the model runs, decided from the options alone, before any weight loads."""
+    device: torch.device               # rank 0's device
+    backend: str                       # torch | native
+    dtype: torch.dtype                 # activations
+    kv_dtype: torch.dtype              # KV cache and convolution state
+    why: str                           # why this backend: the start-up line says it
+
+    def describe(self) -> str:
+        name = lambda dt: str(dt).removeprefix("torch.")  # noqa: E731
+        where = f"{self.device} ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" \
+            else str(self.device)
+        return (f"backend {self.backend} on {where}, {name(self.dtype)} activations, {name(self.kv_dtype)} KV cache: "
+                f"{self.why}")
+
+
+def plan_placement(opts: EngineOptions) -> Placement:
+    """Validate every device x backend x dtype x kv-dtype choice and resolve the autos. PocketError naming the
+    flag for anything that cannot run."""
     if opts.backend not in ("auto", "torch", "native"):
         raise PocketError(f"--backend must be auto, torch or native (got {opts.backend!r})")
-    if opts.backend == "torch":
-        return TorchOps(), "torch (asked for)"
-    ok, reason = native_status(device)
-    if ok:
-        return NativeOps(device), "native"
-    if opts.backend == "native":
-        raise PocketError(f"--backend native: {reason}")
-    return TorchOps(), f"torch ({reason})"
+    device = parse_devices(opts.devices)[0] if opts.devices else resolve_device(opts.device)
+    dtype, kv_dtype = resolve_dtypes(opts, device)
+    backend, why = choose_backend(opts.backend, device, dtype, kv_dtype)
+    return Placement(device, backend, dtype, kv_dtype, why)
+
+
+def select_ops(opts: EngineOptions, device: torch.device):
+    """The backend's ops on `device` and why they were chosen (choose_backend). Tensor-parallel ranks use it."""
+    backend, why = choose_backend(opts.backend, device, *resolve_dtypes(opts, device))
+    return (NativeOps(device) if backend == "native" else TorchOps()), f"{backend} ({why})"
+
+
+# Memory. The cache's tensors are measured by allocating them on the meta device (no memory), so sizing and
+# allocate_cache cannot disagree; memory_budget estimates every part from config.json alone (docs/serving.md).
+
+GiB = 1 << 30
+
+
+def cache_bytes(cfg: ModelConfig, layers: list, num_blocks: int, block_size: int, num_slots: int,
+                kv_dtype: torch.dtype) -> int:
+    """Bytes of allocate_cache(...) with these sizes, measured without allocating."""
+    cache = allocate_cache(cfg, layers, num_blocks, block_size, num_slots, kv_dtype, "meta")
+    return sum(t.numel() * t.element_size() for part in (cache.k, cache.v, cache.conv, cache.ssm)
+               for t in part.values())
+
+
+def workspace_bytes(cfg: ModelConfig, prefill_token_budget: int, max_batch_size: int, act_bytes: int = 2) -> int:
+    """An upper estimate of one step's temporaries: the widest activations of a prefill_token_budget-token
+    chunk (the MLP's gate and up, the mixer's projections, fp32 residual and norms), the logits of every running
+    sequence (fp32, a few copies in the sampler), and 256 MiB for the allocator's slack and the kernels'
+    split-K workspaces."""
+    widest = max(2 * cfg.intermediate_size, 2 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.linear_conv_dim)
+    per_token = (widest + 6 * cfg.hidden_size) * act_bytes + 4 * cfg.hidden_size * 4
+    return prefill_token_budget * per_token + max(max_batch_size, 1) * cfg.vocab_size * 4 * 4 + 256 * (1 << 20)
+
+
+def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
+    """One rank's weights from the config: FP8 matrices at 1 byte plus an fp32 scale per 128x128 block (bf16
+    ones at 2 bytes), vectors and the small GDN a/b projections at 2 bytes; the embedding and lm_head are
+    replicated on every rank (section 8b), the layers split `world` ways."""
+    D, I, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    fp8 = cfg.quant is not None
+
+    def matrix(rows: int, cols: int) -> int:
+        if not fp8:
+            return 2 * rows * cols
+        br, bc = cfg.quant.block
+        return rows * cols + 4 * -(-rows // br) * -(-cols // bc)
+    per_layer = {
+        "full_attention": matrix(cfg.num_attention_heads * Dh * (2 if cfg.gated_attention else 1), D)
+        + 2 * matrix(cfg.num_key_value_heads * Dh, D) + matrix(D, cfg.num_attention_heads * Dh) + 2 * 2 * Dh,
+        "linear_attention": matrix(cfg.linear_conv_dim, D)
+        + matrix(cfg.linear_num_value_heads * cfg.linear_value_head_dim, D)
+        + 2 * 2 * cfg.linear_num_value_heads * D + 2 * cfg.linear_conv_dim * cfg.linear_conv_kernel_dim
+        + matrix(D, cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+        + 2 * 2 * cfg.linear_num_value_heads + 2 * cfg.linear_value_head_dim}
+    mlp = 2 * matrix(I, D) + matrix(D, I) + 2 * 2 * D
+    layers = sum(per_layer[t] + mlp for t in cfg.layer_types[:cfg.num_hidden_layers])
+    embeddings = 2 * cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2) + 2 * D
+    return embeddings + -(-layers // world)
+
+
+def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, max_batch_size: int = 16,
+                  num_kv_blocks: int = 0, kv_block_size: int = 16, prefill_token_budget: int = 512,
+                  kv_bytes: int = 2, act_bytes: int = 2) -> dict[str, int]:
+    """Bytes per GPU (rank) of each part: weights, KV cache, recurrent state, workspace, and their total.
+    num_kv_blocks 0 means max_batch_size sequences of max_context. Heads split `world` ways (at least one each).
+
+    >>> cfg = ModelConfig("qwen3", 1000, 64, 128, 2, 4, 2, 16, 1e-6, False, ["full_attention"] * 2, 1e4, 16,
+    ...                   4096, False, False)
+    >>> memory_budget(cfg, max_context=64, max_batch_size=1)["kv_cache"]   # 2 layers x K,V x 64 x 2 heads x 16 x 2 B
+    16384
+    """
+    blocks = num_kv_blocks or max_batch_size * -(-max_context // kv_block_size)
+    kv_heads = max(1, cfg.num_key_value_heads // world)
+    v_heads, conv_dim = max(1, cfg.linear_num_value_heads // world), cfg.linear_conv_dim // world
+    kv = cfg.num_full_layers * 2 * blocks * kv_block_size * kv_heads * cfg.head_dim * kv_bytes
+    state = cfg.num_linear_layers * max_batch_size * (
+        v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
+    parts = {"weights": weight_bytes(cfg, world), "kv_cache": kv, "recurrent_state": state,
+             "workspace": workspace_bytes(cfg, prefill_token_budget, max_batch_size, act_bytes)}
+    return {**parts, "total": sum(parts.values())}
+
+
+def format_bytes(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
+def format_budget(budget: dict[str, int]) -> str:
+    return ", ".join(f"{name.replace('_', ' ')} {format_bytes(n)}" for name, n in budget.items())
+
+
+def memory_sized(device: torch.device, opts: EngineOptions) -> bool:
+    """Whether the cache and batch are sized from free memory: on one GPU (not yet across tensor-parallel ranks,
+    whose caches are allocated as they load)."""
+    return device.type == "cuda" and not opts.devices
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device, after returning torch's cached blocks to it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
+def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int, per_slot: int,
+                     workspace: int) -> tuple[int, int]:
+    """(max_batch_size, num_kv_blocks) for a GPU with `free` bytes left after the weights: pocketllm may hold
+    gpu_memory_utilization x total in all (vLLM's meaning), so the cache gets free - (1 - u) x total minus one
+    step's workspace. Recurrent state (per_slot bytes per sequence) takes at most half of it when
+    --max-batch-size is 0; the KV blocks (per_block bytes each) take the rest when --num-kv-blocks is 0."""
+    budget = free - int((1 - opts.gpu_memory_utilization) * total) - workspace
+    need = -(-opts.max_context // opts.kv_block_size)             # blocks of one sequence of max_context
+    if budget < need * per_block + per_slot:
+        raise PocketError(
+            f"--gpu-memory-utilization {opts.gpu_memory_utilization:g}: {free / GiB:.2f} GiB of {total / GiB:.2f} GiB "
+            f"are free after the weights, too little for one sequence of --max-context {opts.max_context} and "
+            f"{workspace / GiB:.2f} GiB of workspace; raise --gpu-memory-utilization or lower --max-context")
+    batch = opts.max_batch_size or (min(MAX_SIZED_BATCH_SIZE, budget // 2 // per_slot) if per_slot
+                                    else MAX_SIZED_BATCH_SIZE)
+    if opts.num_kv_blocks:
+        return batch, opts.num_kv_blocks
+    blocks = (budget - batch * per_slot) // per_block if per_block else batch * need
+    if blocks < need:
+        raise PocketError(f"--max-batch-size {batch}: its recurrent state leaves room for {max(blocks, 0)} KV blocks, "
+                          f"fewer than one sequence of --max-context {opts.max_context} needs ({need}); lower it")
+    return batch, int(blocks)
 
 
 class LLM:
@@ -5519,8 +5754,6 @@ class LLM:
             raise PocketError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
         self.options = opts = EngineOptions(**options)
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
-        if ckpt_dir is None:
-            _log(opts, f"no --ckpt given: serving the bundled pocket-tiny model ({self.ckpt_dir})")
         self.model_name = self.ckpt_dir.resolve().name
         ckpt = Checkpoint(self.ckpt_dir)
         self.config = cfg = ckpt.config
@@ -5528,11 +5761,16 @@ class LLM:
         _check_options(opts, cfg)
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
         self.generation_defaults = generation_defaults(ckpt, generation_config, opts)   # name -> value
-        # With --devices, rank 0 runs on the first listed device.
-        self.device = device = parse_devices(opts.devices)[0] if opts.devices else torch.device(opts.device)
-        self.dtype = resolve_dtype(opts.dtype, device, "dtype")
-        self.kv_dtype = kv_dtype = self.dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device,
-                                                                                           "kv-dtype")
+        # Every device, backend and dtype choice is checked here, before a single weight loads.
+        self.placement = placement = plan_placement(opts)
+        device, kv_dtype = placement.device, placement.kv_dtype
+        self.device, self.dtype, self.kv_dtype = device, placement.dtype, kv_dtype
+        opts.device, opts.backend = str(device), placement.backend     # what tensor-parallel ranks run
+        if ckpt_dir is None:
+            _log(opts, f"no --ckpt given: serving the bundled pocket-tiny model ({self.ckpt_dir})")
+        sized = memory_sized(device, opts)
+        if not sized:
+            opts.max_batch_size = opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE
         self.dead_reason: str | None = None
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
@@ -5540,17 +5778,26 @@ class LLM:
             self.group.on_death = lambda reason: setattr(self, "dead_reason", reason)
             self.model, run_batch = self.group.model, lambda batch: self.group.run_batch(batch, self.engine.cache)
         else:
-            ops, why = select_ops(opts, device)
-            _log(opts, f"backend: {why}")
+            _log(opts, placement.describe())
+            ops = NativeOps(device) if placement.backend == "native" else TorchOps()
             self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None,
                                progress=not opts.quiet)
             run_batch = None
         ckpt.close()
+        if sized:
+            self._size_cache()
         self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch,
                              self.group.copy_state if self.group else copy_state)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
+        world = len(parse_devices(opts.devices)) if opts.devices else 1
+        budget = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=opts.max_batch_size,
+                               num_kv_blocks=self.engine.blocks.total, kv_block_size=opts.kv_block_size,
+                               prefill_token_budget=opts.prefill_token_budget, kv_bytes=kv_dtype.itemsize,
+                               act_bytes=self.dtype.itemsize)
+        _log(opts, f"memory per {'rank' if world > 1 else 'device'} (config estimate, docs/serving.md): "
+                   f"{format_budget(budget)}")
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -5559,6 +5806,41 @@ class LLM:
         # A daemon thread still running at interpreter exit is killed inside torch code, which aborts the
         # process ("terminate called without an active exception"): stop it before that.
         atexit.register(self.close)
+
+    def _size_cache(self):
+        """--num-kv-blocks 0 / --max-batch-size 0 on a GPU: size both from the memory left after the weights."""
+        opts, cfg, layers = self.options, self.config, self.model.layers
+        free, total = device_memory(self.device)
+        per_block = cache_bytes(cfg, layers, 2, opts.kv_block_size, 1, self.kv_dtype) - \
+            cache_bytes(cfg, layers, 1, opts.kv_block_size, 1, self.kv_dtype)
+        per_slot = cache_bytes(cfg, layers, 1, opts.kv_block_size, 2, self.kv_dtype) - \
+            cache_bytes(cfg, layers, 1, opts.kv_block_size, 1, self.kv_dtype)
+        workspace = workspace_bytes(cfg, opts.prefill_token_budget, opts.max_batch_size or MAX_SIZED_BATCH_SIZE,
+                                    self.dtype.itemsize)
+        batch, blocks = size_from_memory(opts, free, total, per_block, per_slot, workspace)
+        _log(opts, f"{free / GiB:.1f} GiB of {total / GiB:.1f} GiB free after the weights; at "
+                   f"--gpu-memory-utilization {opts.gpu_memory_utilization:g}: KV cache {blocks} blocks = "
+                   f"{blocks * opts.kv_block_size} tokens ({blocks * per_block / GiB:.2f} GiB), {batch} sequences "
+                   f"({batch * per_slot / GiB:.2f} GiB of recurrent state), {workspace / GiB:.2f} GiB kept for work")
+        opts.max_batch_size, opts.num_kv_blocks = batch, blocks
+
+    def warm_up(self) -> str:
+        """One short request through the real path before serving: a 16-token prefill and 4 decode steps sampled
+        at temperature 1 with every penalty and logprobs, so a server that says healthy has served. Request
+        counters are left as they were. Returns what ran; PocketError when it fails."""
+        counters = dict(self.engine.counters)
+        prompt = [i % self.config.vocab_size for i in range(1, 17)]
+        params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95, presence_penalty=0.5,
+                                frequency_penalty=0.5, repetition_penalty=1.1, ignore_eos=True, seed=0, logprobs=1)
+        start = time.perf_counter()
+        try:
+            tokens = sum(len(ev.token_ids) for ev in self.submit(prompt, params))
+        except PocketError as e:
+            raise PocketError(f"the warm-up request failed, so the server does not start: {e}") from None
+        finally:
+            self.engine.counters.update(counters)
+        return (f"warm-up: {len(prompt)}-token prefill and {tokens} tokens sampled at temperature 1 with penalties "
+                f"in {1000 * (time.perf_counter() - start):.0f} ms")
 
     # The engine thread: steps while there is work, sleeps otherwise.
 
@@ -5688,9 +5970,14 @@ def _sampling_params(sampling: dict, defaults: dict) -> SamplingParams:
 
 
 def _check_options(opts: EngineOptions, cfg: ModelConfig):
-    for name in ("max_context", "max_batch_size", "kv_block_size", "prefill_token_budget"):
+    for name in ("max_context", "kv_block_size", "prefill_token_budget"):
         if getattr(opts, name) < 1:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_batch_size", "num_kv_blocks"):
+        if getattr(opts, name) < 0:
+            raise PocketError(f"--{name.replace('_', '-')} must be >= 0 (0: sized for you)")
+    if not 0.0 < opts.gpu_memory_utilization <= 1.0:
+        raise PocketError(f"--gpu-memory-utilization must be in (0, 1] (got {opts.gpu_memory_utilization:g})")
     if opts.smoke_layers < 0 or opts.smoke_layers > cfg.num_hidden_layers:
         raise PocketError(f"--smoke-layers must be in [0, {cfg.num_hidden_layers}]")
 
@@ -5734,17 +6021,85 @@ def generation_defaults(ckpt: Checkpoint, source: str, opts: EngineOptions) -> d
     return defaults
 
 
-# The command line: serving (the default) and `bench`.
+# The command line. Every flag has help with its default, vLLM's names are aliases where the meaning is the
+# same, and every mistake is one line naming the flag (exit 2) before any weight loads.
+
+ENGINE_FLAG_HELP = {
+    "backend": "torch (the reference, anywhere), native (the CUDA library in csrc/), or auto: native on a GPU when "
+               "the library loads, else torch (default: %(default)s)",
+    "device": "rank 0's device: auto (the first GPU, else the CPU), cpu, cuda or cuda:N (default: %(default)s)",
+    "devices": "tensor parallelism, one rank per device: 0,1,2,3 (GPUs, NCCL) or cpu,cpu (tests; gloo) "
+               "(default: none)",
+    "dtype": "activation dtype: auto (float16 on a GPU, float32 on the CPU), float16 (half), bfloat16 (bf16) or "
+             "float32; the native kernels take float16 or float32 (default: %(default)s)",
+    "kv_dtype": "KV-cache dtype: auto (the activation dtype), float16, bfloat16 or float32 (default: %(default)s)",
+    "max_context": "longest prompt + completion of one sequence, in tokens (default: %(default)s)",
+    "max_batch_size": "sequences running at once; 0: sized from free memory on a GPU (at most "
+                      f"{MAX_SIZED_BATCH_SIZE}), {DEFAULT_MAX_BATCH_SIZE} on the CPU (default: %(default)s)",
+    "kv_block_size": "tokens per KV-cache block (default: %(default)s)",
+    "num_kv_blocks": "KV-cache blocks; 0: on a GPU what --gpu-memory-utilization leaves after the weights, on the "
+                     "CPU --max-batch-size sequences of --max-context (default: %(default)s)",
+    "gpu_memory_utilization": "share of the GPU's memory pocketllm may hold: weights, cache and workspace "
+                              "(default: %(default)s)",
+    "prefill_token_budget": "tokens per engine step: prefill chunks plus one per decoding sequence "
+                            "(default: %(default)s)",
+    "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
+                    "(default: %(default)s)",
+    "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
+    "quiet": "no start-up log lines (default: off)",
+}
+# vLLM's names for the same things (vllm serve --help).
+VLLM_ALIASES = {"max_context": "--max-model-len", "max_batch_size": "--max-num-seqs",
+                "kv_block_size": "--block-size", "prefill_token_budget": "--max-num-batched-tokens"}
+# vLLM flags with no pocketllm equivalent: what to do instead, in one line.
+VLLM_ONLY_FLAGS = {
+    "--kv-cache-dtype": "use --kv-dtype (float16, bfloat16 or float32; there is no fp8 KV cache)",
+    "--quantization": "drop it: FP8 is read from the checkpoint's quantization_config",
+    "--trust-remote-code": "drop it: pocketllm runs no checkpoint code (the chat template runs in a sandbox)",
+    "--enforce-eager": "drop it: pocketllm does not capture CUDA graphs",
+    "--pipeline-parallel-size": "there is no pipeline parallelism: use --tensor-parallel-size N or --devices",
+    "--data-parallel-size": "there is no data parallelism: run one pocketllm per GPU (--device cuda:N)",
+    "--enable-prefix-caching": "drop it: there is no prefix caching yet",
+    "--tokenizer": "drop it: the tokenizer is read from the checkpoint directory (--ckpt)",
+    "--download-dir": "pocketllm loads a local directory: download the checkpoint, then --ckpt DIR",
+    "--revision": "pocketllm loads a local directory: download the revision, then --ckpt DIR",
+    "--load-format": "drop it: pocketllm reads safetensors",
+    "--reasoning-parser": "drop it: <think> blocks become reasoning_content without a parser flag",
+    "--swap-space": "there is no CPU swap: lower --max-batch-size or --max-context",
+    "--cpu-offload-gb": "there is no offloading: use more GPUs (--tensor-parallel-size)",
+    "--max-logprobs": "drop it: requests may ask for up to 20 logprobs",
+    "--disable-log-requests": "drop it: pocketllm logs one line per HTTP request (never its content)",
+    "--uvicorn-log-level": "drop it: pocketllm logs its start-up and one line per request (--quiet: no start-up lines)",
+    "--speculative-config": "there is no speculative decoding",
+    "--limit-mm-per-prompt": "pocketllm serves text only",
+}
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse with every mistake on one line (not the usage block): 'pocketllm: error: argument --port: ...'."""
+
+    def error(self, message: str):
+        self.exit(2, f"pocketllm: error: {message} (see --help)\n")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
 
 def add_engine_args(parser: argparse.ArgumentParser):
-    parser.add_argument("--ckpt", default=None, help="checkpoint directory (default: the bundled pocket-tiny)")
+    parser.add_argument("--ckpt", "--model", default=None, metavar="DIR",
+                        help="checkpoint directory (default: the bundled pocket-tiny)")
+    kinds = {"int": int, "float": float}
     for f in dataclasses.fields(EngineOptions):
-        flag = "--" + f.name.replace("_", "-")
+        names = [_flag(f.name)] + ([VLLM_ALIASES[f.name]] if f.name in VLLM_ALIASES else [])
         if f.type == "bool":
-            parser.add_argument(flag, action="store_true", default=f.default)
+            parser.add_argument(*names, action="store_true", default=f.default, help=ENGINE_FLAG_HELP.get(f.name))
         else:
-            kind = int if f.type == "int" else str
-            parser.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
+            parser.add_argument(*names, type=kinds.get(f.type, str), default=f.default, metavar=f.name.upper(),
+                                help=ENGINE_FLAG_HELP.get(f.name))
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="vLLM's name: the first N GPUs, one rank each (= --devices 0,...,N-1) "
+                             "(default: %(default)s)")
     parser.add_argument("--generation-config", default="auto", metavar="auto|none|DIR", help=(
         "sampling defaults of requests that do not set them: auto = the checkpoint's generation_config.json "
         "(temperature, top_p, top_k, min_p, repetition_penalty), none = pocketllm's own, "
@@ -5752,20 +6107,94 @@ def add_engine_args(parser: argparse.ArgumentParser):
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return ({f.name: getattr(args, f.name) for f in dataclasses.fields(EngineOptions)} |
-            {"generation_config": args.generation_config})
+    """The EngineOptions of parsed flags; --tensor-parallel-size N becomes --devices 0,...,N-1."""
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineOptions)}
+    options["generation_config"] = args.generation_config
+    n = args.tensor_parallel_size
+    if n < 1:
+        raise PocketError(f"--tensor-parallel-size must be >= 1 (got {n})")
+    if n > 1:
+        if args.devices:
+            raise PocketError("give --tensor-parallel-size or --devices, not both")
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n > visible:
+            raise PocketError(f"--tensor-parallel-size {n}: only {visible} CUDA device(s) visible "
+                              f"(for CPU ranks in tests: --devices cpu,cpu)")
+        options["devices"] = ",".join(str(i) for i in range(n))
+    return options
+
+
+def check_ckpt_arg(ckpt: str | None) -> None:
+    if ckpt is None:
+        return
+    path = Path(ckpt)
+    if not path.is_dir():
+        raise PocketError(f"--ckpt {ckpt}: no such directory")
+    if not (path / "config.json").is_file():
+        raise PocketError(f"--ckpt {ckpt}: not a checkpoint directory (no config.json in it)")
+
+
+def check_listen(host: str, port: int) -> None:
+    """--host / --port: in range, resolvable, and free now (checked again when the server binds)."""
+    if not 0 <= port <= 65535:
+        raise PocketError(f"--port {port}: must be in [0, 65535] (0 picks a free port)")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise PocketError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as http.server does
+        try:
+            probe.bind(address)
+        except OSError as e:
+            flag = "--port" if e.errno == errno.EADDRINUSE else "--host"
+            raise PocketError(f"{flag} {port if flag == '--port' else host}: cannot listen on {host}:{port} "
+                              f"({e.strerror})") from None
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    check_listen(args.host, args.port)
+    if args.max_request_bytes < 1:
+        raise PocketError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
+    if not args.socket_timeout > 0:
+        raise PocketError(f"--socket-timeout must be > 0 (got {args.socket_timeout:g})")
+
+
+def command_line_parser() -> CommandLineParser:
+    parser = CommandLineParser(prog="pocketllm", allow_abbrev=False,
+                               description="Serve a Qwen checkpoint behind an OpenAI-compatible API. "
+                                           "docs/api.md, 'Command line', lists every flag.")
+    add_engine_args(parser)
+    add_server_args(parser)
+    return parser
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """Parsed flags; a vLLM flag pocketllm lacks is answered with what to use instead."""
+    parser = command_line_parser()
+    args, extra = parser.parse_known_args(argv)
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name in VLLM_ONLY_FLAGS:
+            raise PocketError(f"{name} is a vLLM flag pocketllm does not have: {VLLM_ONLY_FLAGS[name]}")
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["bench"]:
-            return bench_main(argv[1:])
-        parser = argparse.ArgumentParser(prog="pocketllm.py", description="Serve a Qwen checkpoint (OpenAI API).")
-        add_engine_args(parser)
-        add_server_args(parser)
-        args = parser.parse_args(argv)
-        llm = LLM(args.ckpt, **engine_options(args))
+            raise PocketError("there is no 'bench' subcommand: the benchmarks are benchmarks/bench.py "
+                              "(python benchmarks/bench.py --help; docs/benchmarks.md)")
+        args = parse_command_line(argv)
+        options = engine_options(args)
+        check_ckpt_arg(args.ckpt)
+        check_server_args(args)
+        if args.chat_template:       # read and compiled now, not after minutes of loading
+            args.chat_template = load_chat_template(Tokenizer(args.ckpt or DEFAULT_CKPT), args.chat_template)
+        llm = LLM(args.ckpt, **options)
         return run_server(llm, args)
     except PocketError as e:
         print(f"pocketllm: error: {e}", file=sys.stderr)

@@ -1,8 +1,11 @@
 """Shared fixtures. Tests run on the CPU with one thread per process: the machines are small and shared,
 and oversubscribed OpenMP threads make tiny ops hundreds of times slower."""
 
+import functools
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -13,7 +16,38 @@ sys.path.insert(0, str(ROOT / "tests"))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import build  # noqa: E402
+
 torch.set_num_threads(1)
+
+
+@functools.cache
+def asan_missing() -> str | None:
+    """Why the CPU test build of the native library (g++ -fsanitize=address) cannot be made here, or None."""
+    cxx = build.find_cxx()
+    if not cxx:
+        return "no C++ compiler (g++ or $CXX): the CPU test build of csrc/ cannot be made"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "probe.cpp"
+        src.write_text("int main() { return 0; }\n")
+        made = subprocess.run([cxx, "-shared", "-fPIC", "-fsanitize=address", str(src), "-o", str(Path(d) / "p.so")],
+                              capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"{cxx} cannot build with AddressSanitizer (-fsanitize=address), which the CPU test build needs"
+    return None
+
+
+# Every test that needs the CPU test build gets it through build.build(cpu=True): without ASan it skips, saying why.
+_build = build.build
+
+
+def _build_or_skip(*args, cpu: bool = False, **kwargs):
+    if cpu and asan_missing():
+        pytest.skip(asan_missing())
+    return _build(*args, cpu=cpu, **kwargs)
+
+
+build.build = _build_or_skip
 
 
 def pytest_configure(config):

@@ -1,0 +1,283 @@
+"""Start-up: device, backend and dtype chosen and validated before any weight loads (with torch.cuda's queries
+monkeypatched, so the GPU decisions are tested on this CPU-only machine), the cache sized from memory, the
+config-based memory budget against the cache pocketllm really allocates, and the warm-up run for real."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import pocketllm
+
+TINY = pocketllm.DEFAULT_CKPT
+GiB = 1 << 30
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """gpus(n, native=True): torch sees n CUDA devices and the native library loads (or says why it does not)."""
+    def fake(n: int, native: bool = True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake GPU")
+        monkeypatch.setattr(pocketllm, "native_status",
+                            lambda device: (True, "libpocketllm.so on Fake GPU") if native and torch.device(device).type == "cuda"
+                            else (False, "no usable GPU (fake)"))
+    return fake
+
+
+def plan(**options):
+    return pocketllm.plan_placement(pocketllm.EngineOptions(**options))
+
+
+# ---- Device, backend, dtypes ----
+
+def test_auto_is_the_first_gpu_with_the_native_backend_in_float16(gpus):
+    gpus(2)
+    p = plan()
+    assert (p.device, p.backend, p.dtype, p.kv_dtype) == (torch.device("cuda", 0), "native", torch.float16,
+                                                          torch.float16)
+    assert p.describe() == ("backend native on cuda:0 (Fake GPU), float16 activations, float16 KV cache: "
+                            "libpocketllm.so on Fake GPU")
+
+
+def test_auto_without_a_gpu_is_the_cpu_with_torch(gpus):
+    gpus(0)
+    p = plan()
+    assert (p.device, p.backend, p.dtype) == (torch.device("cpu"), "torch", torch.float32)
+    assert "no usable GPU" in p.why
+
+
+def test_auto_falls_back_to_torch_and_says_why(gpus):
+    gpus(1, native=False)
+    p = plan()
+    assert (p.device.type, p.backend, p.dtype) == ("cuda", "torch", torch.float16) and "no usable GPU" in p.why
+    gpus(1)
+    p = plan(dtype="bf16")                    # vLLM's name; the kernels have no bfloat16 path
+    assert (p.backend, p.dtype) == ("torch", torch.bfloat16) and "float16 or float32 activations" in p.why
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"backend": "native", "dtype": "bfloat16"}, "--backend native: the native kernels take float16 or float32"),
+    ({"backend": "native", "kv_dtype": "float32"}, "--backend native: .*leave --kv-dtype at auto"),
+    ({"device": "cuda:2"}, r"--device cuda:2: only 2 CUDA device\(s\) visible"),
+    ({"device": "mps"}, "--device mps: pocketllm runs on cpu or cuda"),
+    ({"device": "gpu0"}, "--device 'gpu0' is not a device"),
+    ({"dtype": "fp8"}, "--dtype must be one of"),
+    ({"kv_dtype": "int8"}, "--kv-dtype must be one of"),
+    ({"backend": "tensorrt"}, "--backend must be auto, torch or native"),
+])
+def test_unsupported_combinations_are_refused_naming_the_flag(gpus, options, message):
+    gpus(2)
+    with pytest.raises(pocketllm.PocketError, match=message):
+        plan(**options)
+
+
+def test_every_combination_either_runs_or_is_refused_at_plan_time(gpus):
+    """The whole backend x device x dtype x kv-dtype table: native only with fp16/fp32 activations and the
+    KV cache in the activation dtype; torch with anything."""
+    gpus(1)
+    for backend in ("auto", "torch", "native"):
+        for device in ("auto", "cpu", "cuda"):
+            for dtype in ("auto", "float32", "float16", "bfloat16"):
+                for kv in ("auto", "float32", "float16", "bfloat16"):
+                    opts = dict(backend=backend, device=device, dtype=dtype, kv_dtype=kv)
+                    try:
+                        p = plan(**opts)
+                    except pocketllm.PocketError as e:
+                        assert backend == "native" and str(e).startswith("--backend native:"), (opts, e)
+                        continue
+                    if p.backend == "native":
+                        assert p.device.type == "cuda" and p.dtype in (torch.float16, torch.float32), opts
+                        assert p.kv_dtype == p.dtype, opts
+                    assert backend != "torch" or p.backend == "torch", opts
+
+
+def test_a_cuda_device_without_a_gpu_is_one_clear_error(gpus):
+    gpus(0)
+    with pytest.raises(pocketllm.PocketError, match="--device cuda: torch .* sees no CUDA device"):
+        plan(device="cuda")
+
+
+def test_refused_before_any_weight_loads(gpus, monkeypatch):
+    gpus(1)
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded before the options were checked")
+    monkeypatch.setattr(pocketllm, "Model", no_weights)
+    monkeypatch.setattr(pocketllm, "start_group", no_weights)
+    for options in ({"backend": "native", "dtype": "bfloat16"}, {"device": "cuda:1"},
+                    {"gpu_memory_utilization": 0.0}, {"max_batch_size": -1}):
+        with pytest.raises(pocketllm.PocketError):
+            pocketllm.LLM(TINY, quiet=True, **options)
+
+
+def test_the_cpu_keeps_todays_batch_size_and_cache():
+    llm = pocketllm.LLM(TINY, quiet=True, max_context=256)
+    try:
+        assert llm.options.max_batch_size == pocketllm.DEFAULT_MAX_BATCH_SIZE == 16
+        assert llm.engine.blocks.total == 16 * 256 // 16
+        assert (llm.options.device, llm.options.backend) == ("cpu", "torch")
+    finally:
+        llm.close()
+
+
+# ---- Sizing the cache from memory ----
+
+def _opts(**kw):
+    return pocketllm.EngineOptions(**{"max_context": 4096, "kv_block_size": 16, **kw})
+
+
+def test_sizing_fills_the_budget_and_no_more():
+    per_block, per_slot, ws = 2 << 20, 150 << 20, 3 * GiB        # 27B-like: 2 MiB a block, 150 MiB of state
+    free, total = 110 * GiB, 141 * GiB
+    opts = _opts(gpu_memory_utilization=0.9)
+    batch, blocks = pocketllm.size_from_memory(opts, free, total, per_block, per_slot, ws)
+    budget = free - int(0.1 * total) - ws
+    assert batch == min(256, budget // 2 // per_slot)
+    used = batch * per_slot + blocks * per_block
+    assert used <= budget < used + per_block                        # the rest of the budget is under a block
+    batch2, blocks2 = pocketllm.size_from_memory(_opts(gpu_memory_utilization=0.5), free, total, per_block,
+                                                 per_slot, ws)
+    assert batch2 < batch and blocks2 < blocks
+
+
+def test_sizing_keeps_what_the_user_set():
+    args = (100 * GiB, 141 * GiB, 1 << 20, 1 << 20, GiB)
+    assert pocketllm.size_from_memory(_opts(max_batch_size=7), *args)[0] == 7
+    assert pocketllm.size_from_memory(_opts(num_kv_blocks=1000), *args)[1] == 1000
+    assert pocketllm.size_from_memory(_opts(), 100 * GiB, 141 * GiB, 1 << 20, 0, GiB)[0] == 256   # no state
+
+
+def test_sizing_refuses_a_gpu_too_small_for_one_sequence():
+    with pytest.raises(pocketllm.PocketError, match="--gpu-memory-utilization 0.9: 5.00 GiB of 80.00 GiB are free"):
+        pocketllm.size_from_memory(_opts(), 5 * GiB, 80 * GiB, 2 << 20, 150 << 20, GiB)
+    with pytest.raises(pocketllm.PocketError, match="--max-batch-size 256: its recurrent state"):
+        pocketllm.size_from_memory(_opts(max_batch_size=256), 40 * GiB, 80 * GiB, 2 << 20, 150 << 20, GiB)
+
+
+def test_the_size_matches_the_cache_the_engine_allocates(monkeypatch):
+    """_size_cache's per-block and per-slot bytes (meta tensors) against the real cache of a running engine."""
+    llm = pocketllm.LLM(TINY, quiet=True, max_context=256, max_batch_size=4)
+    try:
+        cache = llm.engine.cache
+        kv = sum(t.numel() * t.element_size() for t in [*cache.k.values(), *cache.v.values()])
+        state = sum(t.numel() * t.element_size() for t in [*cache.conv.values(), *cache.ssm.values()])
+        monkeypatch.setattr(pocketllm, "device_memory", lambda device: (3 * GiB, 4 * GiB))
+        llm.options.max_batch_size, llm.options.num_kv_blocks = 0, 0
+        llm._size_cache()
+        opts, per_block, per_slot = llm.options, kv // llm.engine.blocks.total, state // 4
+        ws = pocketllm.workspace_bytes(llm.config, opts.prefill_token_budget, 256, 4)
+        budget = 3 * GiB - int(0.1 * 4 * GiB) - ws
+        assert opts.max_batch_size == min(256, budget // 2 // per_slot)
+        assert opts.num_kv_blocks == (budget - opts.max_batch_size * per_slot) // per_block
+    finally:
+        llm.close()
+
+
+def test_a_memory_sized_engine_starts_and_serves(monkeypatch):
+    """LLM's GPU start-up order, run on the CPU: weights, then the cache sized from (faked) free memory, then the
+    engine on that cache, which serves."""
+    monkeypatch.setattr(pocketllm, "memory_sized", lambda device, opts: True)
+    monkeypatch.setattr(pocketllm, "device_memory", lambda device: (1 * GiB, 2 * GiB))
+    llm = pocketllm.LLM(TINY, quiet=True, max_context=256, gpu_memory_utilization=0.8)
+    try:
+        opts = llm.options
+        assert opts.max_batch_size == 256 and llm.engine.slots.total == 256
+        ws = pocketllm.workspace_bytes(llm.config, opts.prefill_token_budget, 256, 4)
+        per_block = pocketllm.cache_bytes(llm.config, llm.model.layers, 1, 16, 0, torch.float32)
+        per_slot = pocketllm.cache_bytes(llm.config, llm.model.layers, 0, 16, 1, torch.float32)
+        assert llm.engine.blocks.total == (GiB - int((1 - 0.8) * 2 * GiB) - ws - 256 * per_slot) // per_block
+        assert llm.generate("Hello", max_tokens=3, temperature=1.0, presence_penalty=0.5)["completion_tokens"] == 3
+    finally:
+        llm.close()
+
+
+# ---- The memory budget from config.json ----
+
+def test_budget_kv_and_state_equal_the_allocated_cache():
+    llm = pocketllm.LLM(TINY, quiet=True, max_context=256, max_batch_size=3)
+    try:
+        b = pocketllm.memory_budget(llm.config, max_context=256, max_batch_size=3, kv_bytes=4, act_bytes=4)
+        cache = llm.engine.cache
+        assert b["kv_cache"] == sum(t.numel() * t.element_size() for t in [*cache.k.values(), *cache.v.values()])
+        assert b["recurrent_state"] == sum(t.numel() * t.element_size()
+                                           for t in [*cache.conv.values(), *cache.ssm.values()])
+        assert b["total"] == sum(v for k, v in b.items() if k != "total")
+    finally:
+        llm.close()
+
+
+def test_budget_weights_match_the_checkpoint_files():
+    cfg = pocketllm.Checkpoint(TINY).config
+    stored = 0
+    with safe_open(str(TINY / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            t = f.get_slice(name)
+            n = 1
+            for d in t.get_shape():
+                n *= d
+            stored += n * {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}[t.get_dtype()]
+    estimate = pocketllm.weight_bytes(cfg)
+    assert abs(estimate - stored) / stored < 0.02, (estimate, stored)
+
+
+def test_budget_of_the_27b_on_one_and_four_gpus():
+    raw = json.loads((TINY / "config.json").read_text())
+    text = raw["text_config"]
+    text.update(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16)
+    cfg = pocketllm.parse_model_config(raw, Path("27b/config.json"))
+    one = pocketllm.memory_budget(cfg, 1, max_context=8192, max_batch_size=8)
+    four = pocketllm.memory_budget(cfg, 4, max_context=8192, max_batch_size=8)
+    assert 26 * GiB < one["weights"] < 31 * GiB                    # 27B params: ~25 GB FP8 layers + 5 GB bf16 embeddings
+    assert four["weights"] < one["weights"] / 2                    # layers split, embeddings replicated
+    # 16 attention layers x K,V x 8 x 8192 tokens x 4 heads x 256 x 2 bytes = 4 GiB; TP4 holds one head each
+    assert one["kv_cache"] == 16 * 2 * 8 * 8192 * 4 * 256 * 2 and four["kv_cache"] == one["kv_cache"] // 4
+    assert one["recurrent_state"] > 8 * 48 * 48 * 128 * 128 * 4    # 48 GDN layers x 8 sequences x fp32 state
+
+
+# ---- The warm-up, for real ----
+
+def test_serving_starts_with_a_warm_up_that_leaves_no_trace():
+    llm = pocketllm.LLM(TINY, quiet=True, max_context=256, max_batch_size=2)
+    try:
+        said = llm.warm_up()
+        assert said.startswith("warm-up: 16-token prefill and 4 tokens sampled at temperature 1 with penalties")
+        assert llm.engine.counters == {"prompt_tokens": 0, "generation_tokens": 0}
+        assert llm.engine.blocks.used == 0 and llm.engine.slots.used == 0
+        assert llm.generate("Hello", max_tokens=3, temperature=0)["completion_tokens"] == 3
+    finally:
+        llm.close()
+
+
+def test_a_server_whose_engine_fails_never_starts(monkeypatch):
+    """The first request is the warm-up: a device fault there stops serve() before it listens."""
+    llm = pocketllm.LLM(TINY, quiet=True, max_context=256, max_batch_size=2)
+    try:
+        def broken(*a, **k):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        monkeypatch.setattr(llm.model, "forward", broken)
+        with pytest.raises(pocketllm.PocketError, match="the warm-up request failed, so the server does not start"):
+            pocketllm.serve(llm, port=0, block=False)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "float32", "float16", "bfloat16"])
+def test_every_torch_combination_the_plan_accepts_serves_on_the_cpu(dtype, kv_dtype):
+    """The other half of 'refused at load, never at the first request': what the plan accepts samples (temperature
+    1, penalties) without error."""
+    llm = pocketllm.LLM(TINY, quiet=True, device="cpu", dtype=dtype, kv_dtype=kv_dtype, max_context=128,
+                        max_batch_size=2)
+    try:
+        out = llm.generate("Hello", max_tokens=3, temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5,
+                           repetition_penalty=1.1, seed=1, logprobs=1)
+        assert out["completion_tokens"] == 3 or out["finish_reason"] == "stop"
+        assert all(lp is not None for lp in out["logprobs"])
+    finally:
+        llm.close()
