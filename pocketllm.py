@@ -5437,14 +5437,15 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     return server.start()
 
 
-TOOL_PARSER_NAMES = {**{name: name for name in TOOL_FORMATS}, "qwen3_xml": "qwen_xml", "qwen3_coder": "qwen_xml"}
+VLLM_TOOL_PARSERS = {"qwen3_xml": "qwen_xml", "qwen3_coder": "qwen_xml"}   # vLLM's names for our formats
 
 
 def _tool_parser_name(name: str) -> str:
-    if name not in TOOL_PARSER_NAMES:
+    name = VLLM_TOOL_PARSERS.get(name, name)
+    if name not in TOOL_FORMATS:
         raise argparse.ArgumentTypeError(f"{name!r} is not a tool-call format ({', '.join(TOOL_FORMATS)}; vLLM's "
                                          f"qwen3_xml and qwen3_coder are qwen_xml)")
-    return TOOL_PARSER_NAMES[name]
+    return name
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -5760,7 +5761,6 @@ class LLM:
         self.tokenizer = Tokenizer(self.ckpt_dir)
         _check_options(opts, cfg)
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
-        self.generation_defaults = generation_defaults(ckpt, generation_config, opts)   # name -> value
         # Every device, backend and dtype choice is checked here, before a single weight loads.
         self.placement = placement = plan_placement(opts)
         device, kv_dtype = placement.device, placement.kv_dtype
@@ -5768,6 +5768,7 @@ class LLM:
         opts.device, opts.backend = str(device), placement.backend     # what tensor-parallel ranks run
         if ckpt_dir is None:
             _log(opts, f"no --ckpt given: serving the bundled pocket-tiny model ({self.ckpt_dir})")
+        self.generation_defaults = generation_defaults(ckpt, generation_config, opts)   # name -> value
         sized = memory_sized(device, opts)
         if not sized:
             opts.max_batch_size = opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE
