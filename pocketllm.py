@@ -88,7 +88,28 @@ class RequestError(PocketError):
 # 1. Configuration: what the checkpoint says about the model, and what the user says about the engine.
 # -----------------------------------------------------------------------------------------------
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3")
+@dataclass(frozen=True)
+class Architecture:
+    """What sets one supported model_type apart. A new architecture is a new row of ARCHITECTURES (and, for a
+    new kind of layer, a new row of section 4's MIXERS), not edits across the model."""
+    nested: bool               # config.json keeps the text model under "text_config"
+    weight_prefix: str         # HF names of the decoder's tensors start with this
+    layer_types: tuple[str, ...]   # the mixers its layers may use (keys of MIXERS, section 4)
+    gated_attention: bool      # q_proj rows are [q | gate] per head; o = o_proj(attn * sigmoid(gate))
+    zero_centred_norm: bool    # norms compute x * (1 + w); otherwise x * w
+
+
+ARCHITECTURES = {
+    "qwen3_5": Architecture(nested=True, weight_prefix="model.language_model.",
+                            layer_types=("linear_attention", "full_attention"), gated_attention=True,
+                            zero_centred_norm=True),
+    "qwen3_5_text": Architecture(nested=False, weight_prefix="model.",
+                                 layer_types=("linear_attention", "full_attention"), gated_attention=True,
+                                 zero_centred_norm=True),
+    "qwen3": Architecture(nested=False, weight_prefix="model.", layer_types=("full_attention",),
+                          gated_attention=False, zero_centred_norm=False),
+}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 
 @dataclass
@@ -153,19 +174,20 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"{path}: unsupported model_type {model_type!r} "
                               f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    text = raw.get("text_config") if model_type == "qwen3_5" else raw
+    arch = ARCHITECTURES[model_type]
+    text = raw.get("text_config") if arch.nested else raw
     if not isinstance(text, dict):
-        raise CheckpointError(f"{path}: model_type qwen3_5 needs a 'text_config' object")
+        raise CheckpointError(f"{path}: model_type {model_type} needs a 'text_config' object")
     get = lambda k, d=...: _config_field(text, k, path, d)  # noqa: E731
     n_layers = int(get("num_hidden_layers"))
-    hybrid = model_type != "qwen3"
+    hybrid = "linear_attention" in arch.layer_types
     layer_types = text.get("layer_types")
     if layer_types is None:
         interval = int(text.get("full_attention_interval", 4)) if hybrid else 1
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
-    if len(layer_types) != n_layers or set(layer_types) - {"full_attention", "linear_attention"}:
+    if len(layer_types) != n_layers or set(layer_types) - set(arch.layer_types):
         raise CheckpointError(f"{path}: layer_types must list {n_layers} entries of "
-                              f"'full_attention'/'linear_attention'")
+                              f"{'/'.join(map(repr, arch.layer_types))}")
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
@@ -183,13 +205,13 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
         head_dim=head_dim, rms_norm_eps=float(get("rms_norm_eps", 1e-6)), tie_word_embeddings=tie,
         layer_types=list(layer_types), rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
         rotary_dim=int(head_dim * partial), max_position_embeddings=int(get("max_position_embeddings", 32768)),
-        gated_attention=hybrid, zero_centred_norm=hybrid,
+        gated_attention=arch.gated_attention, zero_centred_norm=arch.zero_centred_norm,
         linear_num_key_heads=int(get("linear_num_key_heads", 0)) if hybrid else 0,
         linear_num_value_heads=int(get("linear_num_value_heads", 0)) if hybrid else 0,
         linear_key_head_dim=int(get("linear_key_head_dim", 0)) if hybrid else 0,
         linear_value_head_dim=int(get("linear_value_head_dim", 0)) if hybrid else 0,
         linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)) if hybrid else 0,
-        weight_prefix="model.language_model." if model_type == "qwen3_5" else "model.", quant=quant)
+        weight_prefix=arch.weight_prefix, quant=quant)
 
 
 def parse_quant_config(q: dict | None, path: Path) -> QuantConfig | None:
@@ -1035,26 +1057,46 @@ class Shard:
         return self.rank * per, (self.rank + 1) * per
 
 
-class Layer:
-    """One decoder layer's weights: a mixer (gated attention or gated DeltaNet) and a SwiGLU MLP."""
+# Layer weights, one dataclass per kind of block. Field names are the HF tensor names under the block's
+# module (`layers.{i}.self_attn.q_proj.weight` -> AttentionWeights.q_proj), loaded unfused: no tensor is
+# concatenated with another, so a checkpoint name always finds its field. Shapes are this rank's shard
+# (H' = H / world heads, I' = I / world rows); D = hidden_size.
+
+@dataclass
+class AttentionWeights:
+    """Gated attention (qwen3_5: o = o_proj(attn(q, k, v) * sigmoid(gate))), or plain attention (qwen3)."""
+    q_proj: Linear                 # (H'*Dh*2, D) rows [q | gate] per head; (H'*Dh, D) when not gated
+    k_proj: Linear                 # (Hk'*Dh, D)
+    v_proj: Linear                 # (Hk'*Dh, D)
+    o_proj: Linear                 # (D, H'*Dh) rowwise: its output is all-reduced
+    q_norm: torch.Tensor           # (Dh,) fp32, zero-centred (y = norm(x) * (1 + w))
+    k_norm: torch.Tensor           # (Dh,) fp32, zero-centred
+    heads: int                     # H': this rank's query heads
+    kv_heads: int                  # Hk': this rank's key/value heads
 
 
-def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, shard: Shard) -> Layer:
-    """Read layer i's tensors (this rank's shard of them). Colwise = split output rows; rowwise = split inputs."""
-    p, L, D = f"{cfg.weight_prefix}layers.{i}.", Layer(), cfg.hidden_size
-    norm = lambda name: load_norm(ckpt, cfg, name, (D,))  # noqa: E731
-    L.kind, L.index = cfg.layer_types[i], i
-    L.input_norm, L.post_norm = norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")
-    I = cfg.intermediate_size
-    i0, i1 = shard.split(I, f"tensor '{p}mlp.gate_proj.weight' rows")
-    L.gate = load_linear(ckpt, p + "mlp.gate_proj", (I, D), rows=[(i0, i1)])
-    L.up = load_linear(ckpt, p + "mlp.up_proj", (I, D), rows=[(i0, i1)])
-    L.down = load_linear(ckpt, p + "mlp.down_proj", (D, I), cols=[(i0, i1)])
-    if L.kind == "full_attention":
-        load_attention(ckpt, cfg, p + "self_attn.", L, shard)
-    else:
-        load_gdn(ckpt, cfg, p + "linear_attn.", L, shard)
-    return L
+@dataclass
+class GatedDeltaNetWeights:
+    """Gated DeltaNet (linear attention): causal conv over [q | k | v], then the gated delta rule."""
+    in_proj_qkv: Linear            # (2*Hk'*Dk + Hv'*Dv, D) rows [q | k | v], each part this rank's heads
+    in_proj_z: Linear              # (Hv'*Dv, D) the output gate
+    in_proj_a: Linear              # (Hv', D) decay input
+    in_proj_b: Linear              # (Hv', D) beta input
+    out_proj: Linear               # (D, Hv'*Dv) rowwise: its output is all-reduced
+    conv1d: torch.Tensor           # (C', W) fp32, HF's (C, 1, W) depthwise kernel without its middle axis
+    A_log: torch.Tensor            # (Hv',) fp32
+    dt_bias: torch.Tensor          # (Hv',) fp32
+    norm: torch.Tensor             # (Dv,) fp32, the gated RMSNorm (plain x * w, not zero-centred)
+    k_heads: int                   # Hk': this rank's key heads
+    v_heads: int                   # Hv': this rank's value heads
+
+
+@dataclass
+class MLPWeights:
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+    gate_proj: Linear              # (I', D) colwise
+    up_proj: Linear                # (I', D) colwise
+    down_proj: Linear              # (D, I') rowwise: its output is all-reduced
 
 
 def load_norm(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -1063,39 +1105,83 @@ def load_norm(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, .
     return w if cfg.zero_centred_norm else w - 1.0   # Qwen3's plain x * w, rewritten as x * (1 + (w - 1))
 
 
-def load_attention(ckpt: Checkpoint, cfg: ModelConfig, p: str, L: Layer, shard: Shard):
+def load_mlp(ckpt: Checkpoint, cfg: ModelConfig, p: str, shard: Shard) -> MLPWeights:
+    I, D = cfg.intermediate_size, cfg.hidden_size
+    i0, i1 = shard.split(I, f"tensor '{p}gate_proj.weight' rows")
+    return MLPWeights(gate_proj=load_linear(ckpt, p + "gate_proj", (I, D), rows=[(i0, i1)]),
+                      up_proj=load_linear(ckpt, p + "up_proj", (I, D), rows=[(i0, i1)]),
+                      down_proj=load_linear(ckpt, p + "down_proj", (D, I), cols=[(i0, i1)]))
+
+
+def load_attention(ckpt: Checkpoint, cfg: ModelConfig, p: str, shard: Shard) -> AttentionWeights:
     Hq, Hk, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     q0, q1 = shard.split(Hq, f"tensor '{p}q_proj.weight' heads")
     k0, k1 = shard.split(Hk, f"tensor '{p}k_proj.weight' kv heads")
     qw = 2 * Dh if cfg.gated_attention else Dh                          # rows per q head: [q | gate]
-    L.q_proj = load_linear(ckpt, p + "q_proj", (Hq * qw, D), rows=[(q0 * qw, q1 * qw)])
-    L.k_proj = load_linear(ckpt, p + "k_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)])
-    L.v_proj = load_linear(ckpt, p + "v_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)])
-    L.o_proj = load_linear(ckpt, p + "o_proj", (D, Hq * Dh), cols=[(q0 * Dh, q1 * Dh)])
-    L.q_norm = load_norm(ckpt, cfg, p + "q_norm.weight", (Dh,))
-    L.k_norm = load_norm(ckpt, cfg, p + "k_norm.weight", (Dh,))
-    L.heads, L.kv_heads = q1 - q0, k1 - k0
+    return AttentionWeights(
+        q_proj=load_linear(ckpt, p + "q_proj", (Hq * qw, D), rows=[(q0 * qw, q1 * qw)]),
+        k_proj=load_linear(ckpt, p + "k_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)]),
+        v_proj=load_linear(ckpt, p + "v_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)]),
+        o_proj=load_linear(ckpt, p + "o_proj", (D, Hq * Dh), cols=[(q0 * Dh, q1 * Dh)]),
+        q_norm=load_norm(ckpt, cfg, p + "q_norm.weight", (Dh,)),
+        k_norm=load_norm(ckpt, cfg, p + "k_norm.weight", (Dh,)),
+        heads=q1 - q0, kv_heads=k1 - k0)
 
 
-def load_gdn(ckpt: Checkpoint, cfg: ModelConfig, p: str, L: Layer, shard: Shard):
+def load_gdn(ckpt: Checkpoint, cfg: ModelConfig, p: str, shard: Shard) -> GatedDeltaNetWeights:
     Hk, Hv, Dk, Dv, D = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                          cfg.linear_value_head_dim, cfg.hidden_size)
     k0, k1 = shard.split(Hk, f"tensor '{p}in_proj_qkv.weight' key heads")
     v0, v1 = shard.split(Hv, f"tensor '{p}in_proj_z.weight' value heads")
     # The qkv rows are [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]: a rank takes its heads from each of the three parts.
     qkv_rows = [(k0 * Dk, k1 * Dk), (Hk * Dk + k0 * Dk, Hk * Dk + k1 * Dk), (2 * Hk * Dk + v0 * Dv, 2 * Hk * Dk + v1 * Dv)]
-    C = cfg.linear_conv_dim
-    L.in_proj_qkv = load_linear(ckpt, p + "in_proj_qkv", (C, D), rows=qkv_rows)
-    L.in_proj_z = load_linear(ckpt, p + "in_proj_z", (Hv * Dv, D), rows=[(v0 * Dv, v1 * Dv)])
-    L.in_proj_a = load_linear(ckpt, p + "in_proj_a", (Hv, D), rows=[(v0, v1)])
-    L.in_proj_b = load_linear(ckpt, p + "in_proj_b", (Hv, D), rows=[(v0, v1)])
-    L.out_proj = load_linear(ckpt, p + "out_proj", (D, Hv * Dv), cols=[(v0 * Dv, v1 * Dv)])
-    W = cfg.linear_conv_kernel_dim
-    L.conv_w = load_dense(ckpt, p + "conv1d.weight", (C, 1, W), rows=qkv_rows, dtype=torch.float32)[:, 0]  # (C', W)
-    L.A_log = load_dense(ckpt, p + "A_log", (Hv,), rows=[(v0, v1)], dtype=torch.float32)
-    L.dt_bias = load_dense(ckpt, p + "dt_bias", (Hv,), rows=[(v0, v1)], dtype=torch.float32)
-    L.gdn_norm = load_dense(ckpt, p + "norm.weight", (Dv,), dtype=torch.float32)
-    L.k_heads, L.v_heads = k1 - k0, v1 - v0
+    C, W = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
+    return GatedDeltaNetWeights(
+        in_proj_qkv=load_linear(ckpt, p + "in_proj_qkv", (C, D), rows=qkv_rows),
+        in_proj_z=load_linear(ckpt, p + "in_proj_z", (Hv * Dv, D), rows=[(v0 * Dv, v1 * Dv)]),
+        in_proj_a=load_linear(ckpt, p + "in_proj_a", (Hv, D), rows=[(v0, v1)]),
+        in_proj_b=load_linear(ckpt, p + "in_proj_b", (Hv, D), rows=[(v0, v1)]),
+        out_proj=load_linear(ckpt, p + "out_proj", (D, Hv * Dv), cols=[(v0 * Dv, v1 * Dv)]),
+        conv1d=load_dense(ckpt, p + "conv1d.weight", (C, 1, W), rows=qkv_rows, dtype=torch.float32)[:, 0],
+        A_log=load_dense(ckpt, p + "A_log", (Hv,), rows=[(v0, v1)], dtype=torch.float32),
+        dt_bias=load_dense(ckpt, p + "dt_bias", (Hv,), rows=[(v0, v1)], dtype=torch.float32),
+        norm=load_dense(ckpt, p + "norm.weight", (Dv,), dtype=torch.float32),
+        k_heads=k1 - k0, v_heads=v1 - v0)
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """One kind of layer mixer: where its tensors live, how they load, and which Model method runs it."""
+    module: str                    # the HF module under `layers.{i}.`
+    load: Callable                 # (ckpt, cfg, prefix, shard) -> its weights dataclass
+    forward: str                   # the Model method that runs it: (layer, x, batch, cache) -> (T, D)
+
+
+# The layer types of config.json's layer_types, and what each one is. Architecture.layer_types (section 1)
+# says which of them a model_type may use.
+MIXERS = {"full_attention": Mixer("self_attn", load_attention, "attention"),
+          "linear_attention": Mixer("linear_attn", load_gdn, "gated_deltanet")}
+
+
+@dataclass
+class DecoderLayer:
+    """One decoder layer: x += mixer(norm(x)); x += mlp(norm(x))."""
+    index: int                     # i in `layers.{i}.`: the key of its cache tensors
+    kind: str                      # a key of MIXERS: "full_attention" | "linear_attention"
+    input_layernorm: torch.Tensor  # (D,) fp32, zero-centred
+    post_attention_layernorm: torch.Tensor  # (D,) fp32, zero-centred
+    mixer: AttentionWeights | GatedDeltaNetWeights
+    mlp: MLPWeights
+
+
+def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, shard: Shard) -> DecoderLayer:
+    """Read layer i's tensors (this rank's shard of them). Colwise = split output rows; rowwise = split inputs."""
+    p, D, kind = f"{cfg.weight_prefix}layers.{i}.", cfg.hidden_size, cfg.layer_types[i]
+    norm = lambda name: load_norm(ckpt, cfg, p + name, (D,))  # noqa: E731
+    return DecoderLayer(index=i, kind=kind, input_layernorm=norm("input_layernorm.weight"),
+                        post_attention_layernorm=norm("post_attention_layernorm.weight"),
+                        mixer=MIXERS[kind].load(ckpt, cfg, f"{p}{MIXERS[kind].module}.", shard),
+                        mlp=load_mlp(ckpt, cfg, p + "mlp.", shard))
 
 
 class Model:
@@ -1119,6 +1205,7 @@ class Model:
             self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype))
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
+        self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
         self.inv_freq = inv.float().to(device)                             # (R/2,)
 
@@ -1131,61 +1218,72 @@ class Model:
                 t[batch.fresh_slots] = 0
         x = ops.embed(batch.token_ids, self.embed_tokens, self.dtype)      # (T, D)
         residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for L in self.layers:
-            h, residual = ops.add_rmsnorm(x, residual, L.input_norm, eps)
-            mixer = self.attention if L.kind == "full_attention" else self.gated_deltanet
+        for L, mixer in zip(self.layers, self.mixers):
+            h, residual = ops.add_rmsnorm(x, residual, L.input_layernorm, eps)
             x = self.all_reduce(mixer(L, h, batch, cache))
-            h, residual = ops.add_rmsnorm(x, residual, L.post_norm, eps)
-            x = self.all_reduce(self.mlp(L, h))
+            h, residual = ops.add_rmsnorm(x, residual, L.post_attention_layernorm, eps)
+            x = self.all_reduce(self.mlp(L.mlp, h))
         h, _ = ops.add_rmsnorm(x, residual, self.norm, eps)
         return ops.linear(h[batch.logit_rows], self.lm_head).float()       # (R, V)
 
-    def mlp(self, L: Layer, x):
+    def mlp(self, w: MLPWeights, x):
         ops = self.ops
-        return ops.linear(ops.silu_mul(ops.linear(x, L.gate), ops.linear(x, L.up)), L.down)
+        return ops.linear(ops.silu_mul(ops.linear(x, w.gate_proj), ops.linear(x, w.up_proj)), w.down_proj)
 
-    def attention(self, L: Layer, x, batch: Batch, cache: Cache):
-        ops, cfg, T = self.ops, self.cfg, x.shape[0]
+    def attention(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
+        ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
         Dh = cfg.head_dim
-        qg = ops.linear(x, L.q_proj)
+        qg = ops.linear(x, w.q_proj)
         if cfg.gated_attention:                                            # per head: [q | gate]
-            qg = qg.view(T, L.heads, 2, Dh)
-            q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, L.heads * Dh)
+            qg = qg.view(T, w.heads, 2, Dh)
+            q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, w.heads * Dh)
         else:
-            q, gate = qg.view(T, L.heads, Dh), None
-        k = ops.linear(x, L.k_proj).view(T, L.kv_heads, Dh)
-        v = ops.linear(x, L.v_proj).view(T, L.kv_heads, Dh)
-        q, k = ops.qk_norm_rope(q, k, L.q_norm, L.k_norm, cfg.rms_norm_eps, batch.positions, self.inv_freq)
+            q, gate = qg.view(T, w.heads, Dh), None
+        k = ops.linear(x, w.k_proj).view(T, w.kv_heads, Dh)
+        v = ops.linear(x, w.v_proj).view(T, w.kv_heads, Dh)
+        q, k = ops.qk_norm_rope(q, k, w.q_norm, w.k_norm, cfg.rms_norm_eps, batch.positions, self.inv_freq)
         ops.kv_write(k, v, cache.k[L.index], cache.v[L.index], batch.slot_mapping)
         o = ops.attention(q, cache.k[L.index], cache.v[L.index], batch.block_tables, batch.context_lens,
-                          batch.query_start, Dh ** -0.5).reshape(T, L.heads * Dh)
+                          batch.query_start, Dh ** -0.5).reshape(T, w.heads * Dh)
         if gate is not None:
             o = ops.sigmoid_mul(o, gate)
-        return ops.linear(o, L.o_proj)
+        return ops.linear(o, w.o_proj)
 
-    def gated_deltanet(self, L: Layer, x, batch: Batch, cache: Cache):
-        ops, cfg, T = self.ops, self.cfg, x.shape[0]
+    def gated_deltanet(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
+        ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv = ops.conv1d(ops.linear(x, L.in_proj_qkv), L.conv_w, cache.conv[L.index], batch.state_slots,
+        qkv = ops.conv1d(ops.linear(x, w.in_proj_qkv), w.conv1d, cache.conv[L.index], batch.state_slots,
                          batch.query_start)                               # (T, C')
-        nk, nv = L.k_heads * Dk, L.v_heads * Dv
-        q = qkv[:, :nk].reshape(T, L.k_heads, Dk)
-        k = qkv[:, nk:2 * nk].reshape(T, L.k_heads, Dk)
-        v = qkv[:, 2 * nk:].reshape(T, L.v_heads, Dv)
-        g, beta = ops.gdn_gates(ops.linear(x, L.in_proj_a), ops.linear(x, L.in_proj_b), L.A_log, L.dt_bias)
+        nk, nv = w.k_heads * Dk, w.v_heads * Dv
+        q = qkv[:, :nk].reshape(T, w.k_heads, Dk)
+        k = qkv[:, nk:2 * nk].reshape(T, w.k_heads, Dk)
+        v = qkv[:, 2 * nk:].reshape(T, w.v_heads, Dv)
+        g, beta = ops.gdn_gates(ops.linear(x, w.in_proj_a), ops.linear(x, w.in_proj_b), w.A_log, w.dt_bias)
         o = ops.gated_delta(q, k, v, g, beta, cache.ssm[L.index], batch.state_slots, batch.query_start)
-        z = ops.linear(x, L.in_proj_z).view(T, L.v_heads, Dv)
-        o = ops.gated_rmsnorm(o, z, L.gdn_norm, cfg.rms_norm_eps).reshape(T, nv)
-        return ops.linear(o, L.out_proj)
+        z = ops.linear(x, w.in_proj_z).view(T, w.v_heads, Dv)
+        o = ops.gated_rmsnorm(o, z, w.norm, cfg.rms_norm_eps).reshape(T, nv)
+        return ops.linear(o, w.out_proj)
 
 
-def _to_device(L: Layer, device, dtype: torch.dtype) -> Layer:
-    for k, v in vars(L).items():
-        if isinstance(v, Linear):
-            setattr(L, k, v.to(device, dtype))
-        elif isinstance(v, torch.Tensor):
-            setattr(L, k, v.to(device))
-    return L
+def named_weights(weights, prefix: str = "") -> Iterator[tuple[str, Linear | torch.Tensor]]:
+    """Every Linear and tensor of a layer's weights, by dotted field path ("mlp.gate_proj")."""
+    for f in dataclasses.fields(weights):
+        value = getattr(weights, f.name)
+        if isinstance(value, (Linear, torch.Tensor)):
+            yield prefix + f.name, value
+        elif dataclasses.is_dataclass(value):
+            yield from named_weights(value, f"{prefix}{f.name}.")
+
+
+def _to_device(weights, device, dtype: torch.dtype):
+    """A copy of a layer's weights on device: dense Linears take the activation dtype, FP8 stays FP8."""
+    def move(value):
+        if isinstance(value, Linear):
+            return value.to(device, dtype)
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        return _to_device(value, device, dtype) if dataclasses.is_dataclass(value) else value
+    return dataclasses.replace(weights, **{f.name: move(getattr(weights, f.name)) for f in dataclasses.fields(weights)})
 
 
 
@@ -1251,15 +1349,15 @@ def allocate_cache(cfg: ModelConfig, layers: list, num_blocks: int, block_size: 
     cache = Cache({}, {}, {}, {})
     for L in layers:
         if L.kind == "full_attention":
-            shape = (num_blocks, block_size, L.kv_heads, cfg.head_dim)
+            shape = (num_blocks, block_size, L.mixer.kv_heads, cfg.head_dim)
             cache.k[L.index] = torch.zeros(shape, dtype=kv_dtype, device=device)
             cache.v[L.index] = torch.zeros(shape, dtype=kv_dtype, device=device)
         else:
-            conv_dim = L.conv_w.shape[0]
+            conv_dim = L.mixer.conv1d.shape[0]
             cache.conv[L.index] = torch.zeros(num_slots, conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=kv_dtype,
                                               device=device)
-            cache.ssm[L.index] = torch.zeros(num_slots, L.v_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                             dtype=torch.float32, device=device)
+            cache.ssm[L.index] = torch.zeros(num_slots, L.mixer.v_heads, cfg.linear_key_head_dim,
+                                             cfg.linear_value_head_dim, dtype=torch.float32, device=device)
     return cache
 
 
