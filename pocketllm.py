@@ -34,20 +34,29 @@ __version__ = "0.1.0"
 __license__ = "Apache-2.0"
 
 import argparse
+import atexit
+import ctypes
 import dataclasses
+import datetime
 import hmac
 import http.server
+import io
 import itertools
 import json
 import math
 import os
+import pickle
 import queue
 import random
 import re
+import select
+import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -57,6 +66,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
@@ -1178,10 +1188,10 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, shard: Shard) -> Deco
     """Read layer i's tensors (this rank's shard of them). Colwise = split output rows; rowwise = split inputs."""
     p, D, kind = f"{cfg.weight_prefix}layers.{i}.", cfg.hidden_size, cfg.layer_types[i]
     norm = lambda name: load_norm(ckpt, cfg, p + name, (D,))  # noqa: E731
-    return DecoderLayer(index=i, kind=kind, input_layernorm=norm("input_layernorm.weight"),
-                        post_attention_layernorm=norm("post_attention_layernorm.weight"),
-                        mixer=MIXERS[kind].load(ckpt, cfg, f"{p}{MIXERS[kind].module}.", shard),
-                        mlp=load_mlp(ckpt, cfg, p + "mlp.", shard))
+    input_norm, post_norm = norm("input_layernorm.weight"), norm("post_attention_layernorm.weight")
+    mlp = load_mlp(ckpt, cfg, p + "mlp.", shard)        # before the mixer: a refused shard names the MLP first
+    return DecoderLayer(index=i, kind=kind, input_layernorm=input_norm, post_attention_layernorm=post_norm,
+                        mixer=MIXERS[kind].load(ckpt, cfg, f"{p}{MIXERS[kind].module}.", shard), mlp=mlp)
 
 
 class Model:
@@ -1715,12 +1725,6 @@ class Engine:
 
 # ===== SECTION 8b: tensor parallelism (owner: tp) =====
 
-import atexit
-import datetime
-import subprocess
-
-import torch.distributed as dist
-
 # -----------------------------------------------------------------------------------------------
 # 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
 #     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
@@ -1765,81 +1769,194 @@ def _cache_blocks(opts: EngineOptions) -> int:
     return opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // opts.kv_block_size)
 
 
-# Every rank needs a step's Batch. Rank 0 broadcasts it as a fixed header (command and sizes), then one
-# int64 payload holding the Batch's tensors end to end; the workers rebuild the Batch on their device.
+# Cross-rank work is a method call. Rank 0 calls `group.call("run", batch, ENGINE_CACHE)`: the method's name
+# and arguments go to every worker over its control connection, then rank 0 runs the same RankRunner method on
+# its own shard. Workers run calls as they arrive and calls are serialised on rank 0, so every rank runs the
+# same calls in the same order and the all-reduces inside forward pair up. A new cross-rank operation (a
+# prefix-cache state copy, a speculative verify) is a new RankRunner method: the wire does not change. Only
+# rank 0's result is kept; a worker answers only "ready" after loading, or its error before it exits.
 
-PLAN_STEP, PLAN_SCRATCH, PLAN_COPY, PLAN_STOP = range(4)
-HEADER_WORDS = 8                      # command, then up to 7 integer arguments
 ENGINE_CACHE, SCRATCH_CACHE = 0, 1    # which cache a step runs on: the engine's, or logits()'s temporary one
-_BATCH_WIRE = (("token_ids", torch.long), ("positions", torch.long), ("query_start", torch.int32),
-               ("context_lens", torch.int32), ("block_tables", torch.int32), ("slot_mapping", torch.long),
-               ("state_slots", torch.int32), ("logit_rows", torch.long), ("fresh_slots", torch.long))
+STOP = "stop"                         # the call that ends a worker's loop (not a RankRunner method)
 
 
-def pack_batch(batch: Batch) -> tuple[list[int], torch.Tensor]:
-    """-> ([T, B, W, R, F], payload (n,) int64 on the CPU)."""
-    B, W = batch.block_tables.shape
-    sizes = [batch.token_ids.numel(), B, W, batch.logit_rows.numel(), batch.fresh_slots.numel()]
-    payload = torch.cat([getattr(batch, name).reshape(-1).to("cpu", torch.long) for name, _ in _BATCH_WIRE])
-    return sizes, payload
+class RankRunner:
+    """One rank's model shard and caches. Its public methods are the calls rank 0 makes on every rank."""
+
+    def __init__(self, model: Model, opts: EngineOptions, kv_dtype: torch.dtype, device: torch.device,
+                 engine_cache: Cache | None = None):
+        self.model, self.opts, self.kv_dtype, self.device = model, opts, kv_dtype, device
+        self.caches: dict[int, Cache | None] = {ENGINE_CACHE: engine_cache, SCRATCH_CACHE: None}
+
+    @staticmethod
+    def is_call(method: str) -> bool:
+        return not method.startswith("_") and method != "is_call" and callable(vars(RankRunner).get(method))
+
+    def run(self, batch: Batch, which: int) -> torch.Tensor:
+        """One forward step on cache `which`: (R, V) logits, kept on rank 0 and dropped on the workers."""
+        return self.model.forward(batch, self.caches[which])
+
+    def set_scratch(self, nblocks: int) -> None:
+        """LLM.logits()'s temporary cache: nblocks KV blocks and one state slot; 0 frees it."""
+        self.caches[SCRATCH_CACHE] = allocate_cache(self.model.cfg, self.model.layers, nblocks,
+                                                    self.opts.kv_block_size, 1, self.kv_dtype,
+                                                    self.device) if nblocks else None
+
+    def copy_state(self, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None) -> None:
+        """copy_state (section 5) on the engine cache: forked choices (n > 1) start from the parent's state."""
+        copy_state(self.caches[ENGINE_CACHE], src_slot, dst_slot, src_block, dst_block)
 
 
-def wire_lengths(sizes: list[int]) -> list[int]:
-    """The payload length of each _BATCH_WIRE field, from [T, B, W, R, F]."""
-    T, B, W, R, F = sizes
-    return [T, T, B + 1, B, B * W, T, B, R, F]
+def _move(value, device):
+    """value with every tensor in it (also inside a dataclass such as Batch, a list or a tuple) on device: a
+    call's arguments travel as CPU tensors, and each worker moves them to its own device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _move(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value)})
+    if isinstance(value, (list, tuple)):
+        return type(value)(_move(v, device) for v in value)
+    return value
 
 
-def unpack_batch(sizes: list[int], payload: torch.Tensor, device) -> Batch:
-    parts = payload.to(device).split(wire_lengths(sizes))
-    fields = {name: part.to(dtype) for (name, dtype), part in zip(_BATCH_WIRE, parts)}
-    fields["block_tables"] = fields["block_tables"].view(sizes[1], sizes[2])   # (B, W)
-    return Batch(**fields)
+def _tensor_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a tensor as its raw bytes (a CPU copy), several times faster than torch's own reduction."""
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        t = obj.detach().to("cpu").contiguous()
+        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+        return _tensor_from_bytes, (data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+def _dumps(message) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(message)
+    return buf.getvalue()
+
+
+class _Unpickler(pickle.Unpickler):
+    """Finds this file's classes (Batch, ...) whatever the module is called on the sending rank: `__main__`
+    under the CLI, `pocketllm` in a worker, any name in a program that loaded the file by path."""
+
+    def __init__(self, data: bytes, peer_module: str):
+        super().__init__(io.BytesIO(data))
+        self.peer_module = peer_module
+
+    def find_class(self, module: str, name: str):
+        return globals()[name] if module == self.peer_module else super().find_class(module, name)
+
+
+class Channel:
+    """The control connection between rank 0 and one worker: pickled messages, each behind its 8-byte length.
+    It exists only after the handshake below, so only a group member's bytes are ever unpickled."""
+
+    def __init__(self, sock: socket.socket, peer_module: str = __name__):
+        self.sock, self.peer_module = sock, peer_module   # the other rank's name for this file's module
+
+    def send(self, message) -> None:
+        self.send_bytes(_dumps(message))
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(struct.pack("!Q", len(data)) + data)
+
+    def recv(self):
+        return _Unpickler(self.read(struct.unpack("!Q", self.read(8))[0]), self.peer_module).load()
+
+    def read(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise ConnectionError("the other rank closed the connection")
+            buf += chunk
+        return bytes(buf)
+
+    def pending(self) -> bool:
+        """Something (a message, or the end of the connection) can be read without waiting."""
+        return bool(select.select([self.sock], [], [], 0)[0])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# The rendezvous. Rank 0 listens on 127.0.0.1 only, and a connection joins the group only by proving it holds
+# the group's secret (32 random bytes that rank 0 writes to each worker's stdin, never on a command line):
+# rank 0 sends a nonce, the worker answers with its rank, HMAC(secret, nonce, rank) and a nonce of its own,
+# which rank 0 answers in turn (a worker never talks to an impostor holding rank 0's port). Any other
+# connection is closed and the group keeps waiting for the real worker. The collectives rendezvous through a
+# FileStore in a private (0700) directory, and gloo's sockets bind to 127.0.0.1 too; NCCL's bootstrap uses
+# the loopback interface unless NCCL_SOCKET_IFNAME says otherwise.
+
+RENDEZVOUS_HOST = "127.0.0.1"
+HANDSHAKE_TIMEOUT_S = 10.0
+_HANDSHAKE = b"pocketllm-tp-1"
+
+
+def _mac(secret: bytes, role: bytes, nonce: bytes, rank: int) -> bytes:
+    return hmac.new(secret, _HANDSHAKE + role + nonce + struct.pack("!i", rank), "sha256").digest()
+
+
+def admit_worker(sock: socket.socket, secret: bytes, world: int) -> tuple[int, Channel] | None:
+    """Rank 0's side of the handshake: (rank, channel) for a worker holding the secret, else None."""
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    channel, nonce = Channel(sock), os.urandom(16)
+    try:
+        sock.sendall(nonce)
+        reply = channel.read(4 + 32 + 16)                               # rank, its MAC, the worker's nonce
+    except (OSError, ConnectionError):
+        return None
+    rank = struct.unpack("!i", reply[:4])[0]
+    if not 0 < rank < world or not hmac.compare_digest(reply[4:36], _mac(secret, b"worker", nonce, rank)):
+        return None
+    sock.sendall(_mac(secret, b"rank0", reply[36:], rank))
+    sock.settimeout(None)
+    return rank, channel
+
+
+def join_group(port: int, rank: int, secret: bytes, rank0_module: str) -> Channel:
+    """A worker's side of the handshake: its control channel to rank 0."""
+    sock = socket.create_connection((RENDEZVOUS_HOST, port), timeout=HANDSHAKE_TIMEOUT_S)
+    channel, nonce = Channel(sock, rank0_module), os.urandom(16)
+    sock.sendall(struct.pack("!i", rank) + _mac(secret, b"worker", channel.read(16), rank) + nonce)
+    if not hmac.compare_digest(channel.read(32), _mac(secret, b"rank0", nonce, rank)):
+        raise PocketError(f"the process on port {port} is not this group's rank 0 (wrong secret)")
+    sock.settimeout(None)
+    return channel
 
 
 class Comm:
-    """One rank's collectives. Plans travel over gloo (CPU tensors, from rank 0). Activations are summed over
-    the same gloo group on CPU ranks, and over NCCL on GPU ranks: the native library's when the native ops
-    run (it must have NCCL), torch.distributed's when the torch ops do."""
+    """One rank's all-reduce: over gloo on CPU ranks; over NCCL on GPU ranks, the native library's when the
+    native ops run (it must have NCCL), torch.distributed's when the torch ops do."""
 
-    # Workers wait for the next plan for as long as the server idles; a dead peer still fails at once
-    # (its sockets close), so the timeout only bounds a peer that hangs.
-    TIMEOUT = datetime.timedelta(days=30)
+    # Bounds an all-reduce whose peer hangs; a dead peer fails it at once (its sockets close).
+    TIMEOUT = datetime.timedelta(hours=1)
 
     def __init__(self, store, rank: int, world: int, device: torch.device, ops):
-        self.plans = dist.ProcessGroupGloo(dist.PrefixStore("plans/", store), rank, world, self.TIMEOUT)
-        self.all_reduce = self._gloo_all_reduce
         if device.type == "cuda" and hasattr(ops, "nccl_init"):
             self.comm = ops.nccl_init(store.get("nccl_id"), world, rank, device.index)
             self.all_reduce = lambda x: ops.all_reduce(x, self.comm)        # in place, on the ops' stream
-        elif device.type == "cuda":
-            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world)
-            self.all_reduce = self._torch_nccl_all_reduce
+            return
+        if device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=RENDEZVOUS_HOST)]
+            options._timeout = self.TIMEOUT
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, options)
+        self.all_reduce = self._torch_all_reduce
 
-    def _gloo_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.plans.allreduce([x]).wait()
+    def _torch_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.group.allreduce([x]).wait()
         return x
-
-    def _torch_nccl_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.nccl.allreduce([x]).wait()
-        return x
-
-    def send_plan(self, command: int, args: list[int], payload: torch.Tensor | None = None):
-        header = torch.tensor((command, *args) + (0,) * (HEADER_WORDS - 1 - len(args)), dtype=torch.long)
-        self.plans.broadcast(header, 0).wait()
-        if payload is not None and payload.numel():
-            self.plans.broadcast(payload, 0).wait()
-
-    def recv_plan(self) -> tuple[int, list[int], torch.Tensor | None]:
-        header = torch.empty(HEADER_WORDS, dtype=torch.long)
-        self.plans.broadcast(header, 0).wait()
-        command, args = int(header[0]), header[1:].tolist()
-        payload = None
-        if command == PLAN_STEP:
-            payload = torch.empty(sum(wire_lengths(args[1:6])), dtype=torch.long)
-            if payload.numel():
-                self.plans.broadcast(payload, 0).wait()
-        return command, args, payload
 
 
 def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: int, world: int, all_reduce,
@@ -1874,8 +1991,8 @@ _WORKER_BOOT = ("import importlib.util, sys\n"
 
 
 class RankGroup:
-    """Rank 0's side of the group: its own Model shard, the worker processes, and the step protocol.
-    run_batch / logits / copy_state mirror every cache operation on every rank; close() stops them all."""
+    """Rank 0's side of the group: its own RankRunner, the worker processes and their channels. call() runs a
+    RankRunner method on every rank; run_batch / logits / copy_state are the engine's calls. close() stops all."""
 
     POLL_S = 0.2
 
@@ -1884,43 +2001,90 @@ class RankGroup:
         self.devices = parse_devices(opts.devices)
         self.world = len(self.devices)
         self.workers: dict[int, subprocess.Popen] = {}
+        self.channels: dict[int, Channel] = {}  # rank -> its control channel, once it has proven the secret
+        self.reports: dict[int, tuple] = {}     # rank -> its last report: ("ready",) | ("error", type, message)
+        self.refused = 0                        # connections closed for lacking the secret
         self.dead_reason: str | None = None     # set once a rank has failed; every later call raises
         self.dead_kind = ""                     # the failed rank's error type, when it reported one
         self.on_death: Callable[[str], None] | None = None   # told the reason (e.g. to mark the LLM dead)
         self.comm: Comm | None = None
         self.model: Model | None = None
-        self._lock = threading.Lock()           # one plan + forward at a time, in the same order on every rank
+        self.runner: RankRunner | None = None
+        self._lock = threading.RLock()          # one call at a time (logits() makes several under it)
+        self._read_lock = threading.Lock()      # the watcher and the start both read reports
         self._closing = False
-        self._scratch: Cache | None = None
-        self.store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
-                                   wait_for_workers=False)   # port 0: the OS picks a free port
+        self.secret = os.urandom(32)
+        self.rendezvous_dir = Path(tempfile.mkdtemp(prefix="pocketllm-tp-"))   # 0700: this user only
+        self.store = dist.FileStore(str(self.rendezvous_dir / "store"), -1)
+        self.listener = socket.create_server((RENDEZVOUS_HOST, 0))              # port 0: the OS picks
+        self.listener.settimeout(self.POLL_S)
+        self.port = self.listener.getsockname()[1]
         atexit.register(self.close)
 
-    # Start: spawn the workers, load rank 0's shard meanwhile, wait until every rank has loaded, connect.
+    # Start: spawn the workers, admit them, load rank 0's shard meanwhile, wait until every rank has loaded.
 
     def start(self, ckpt_dir):
         device = self.devices[0]
         ops, why = select_ops(self.opts, device)
         _log(self.opts, f"backend: {why}; tensor parallelism over {self.world} ranks ({self.opts.devices})")
         if device.type == "cuda":   # GPU ranks without NCCL are refused, never run without their all-reduce
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")   # one machine: NCCL's bootstrap stays on loopback
             if hasattr(ops, "nccl_unique_id"):
                 self.store.set("nccl_id", ops.nccl_unique_id())   # rank 0 makes the id; raises without NCCL
             elif not dist.is_nccl_available():
                 raise PocketError(f"--devices {self.opts.devices}: tensor parallelism on GPUs needs NCCL, and this "
                                   f"torch build has none (torch.distributed.is_nccl_available() is False)")
+        threading.Thread(target=self._admit, name="pocketllm-rendezvous", daemon=True).start()
         for rank in range(1, self.world):
             spec = {"ckpt": str(Path(ckpt_dir).resolve()), "rank": rank, "world": self.world,
                     "device": str(self.devices[rank]), "dtype": str(self.dtype).removeprefix("torch."),
-                    "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "port": self.store.port,
-                    "parent": os.getpid(),   # every rank runs rank 0's backend, so their all-reduces match
-                    "options": dict(dataclasses.asdict(self.opts), backend=ops.name)}
-            self.workers[rank] = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(Path(__file__).resolve()),
-                                                   json.dumps(spec)], stdin=subprocess.DEVNULL)
+                    "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "port": self.port,
+                    "store": str(self.rendezvous_dir / "store"), "parent": os.getpid(), "module": __name__,
+                    "options": dict(dataclasses.asdict(self.opts), backend=ops.name)}   # every rank: rank 0's ops
+            proc = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(Path(__file__).resolve()),
+                                     json.dumps(spec)], stdin=subprocess.PIPE)
+            self.workers[rank] = proc
+            proc.stdin.write(self.secret.hex().encode() + b"\n")       # the secret, privately
+            proc.stdin.close()
         threading.Thread(target=self._watch, name="pocketllm-ranks", daemon=True).start()
         self.model = _load_rank_model(ckpt_dir, self.opts, ops, self.dtype, device, 0, self.world,
                                       lambda x: self.comm.all_reduce(x), self.opts.quiet)
+        self.runner = RankRunner(self.model, self.opts, self.kv_dtype, device)
         self._wait_until_loaded()
         self.comm = Comm(self.store, 0, self.world, device, ops)
+
+    def _admit(self):
+        """Accept connections on the loopback port until every worker has joined; each handshake runs on its
+        own thread, so a connection that never answers cannot hold up the real worker."""
+        while not self._closing and len(self.channels) < self.world - 1:
+            try:
+                sock, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:         # closed
+                return
+            threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
+        self.listener.close()       # everyone is in: nothing listens any more
+
+    def _handshake(self, sock: socket.socket):
+        joined = admit_worker(sock, self.secret, self.world)
+        with self._read_lock:
+            if joined is not None and joined[0] not in self.channels and not self._closing:
+                self.channels[joined[0]] = joined[1]
+                return
+            self.refused += 1
+        sock.close()
+        _log(self.opts, "tensor-parallel rendezvous: refused a connection without the group's secret")
+
+    def _read_reports(self, rank: int):
+        """Take what rank has sent so far ("ready", or its error) off its channel."""
+        channel = self.channels.get(rank)
+        with self._read_lock:
+            try:
+                while channel is not None and channel.pending():
+                    self.reports[rank] = channel.recv()
+            except (OSError, ConnectionError, EOFError, pickle.UnpicklingError):
+                pass                # the rank is gone; the watcher says how
 
     def _wait_until_loaded(self):
         """Until every worker says it has loaded; a worker that failed (seen by the watcher) fails the start."""
@@ -1928,15 +2092,19 @@ class RankGroup:
         while pending:
             if self.dead_reason:
                 raise (CheckpointError if self.dead_kind == "CheckpointError" else PocketError)(self.dead_reason)
-            pending = {rank for rank in pending if not self.store.check([f"ready/{rank}"])}
+            for rank in list(pending):
+                self._read_reports(rank)
+                if self.reports.get(rank) == ("ready",):
+                    pending.discard(rank)
             time.sleep(0.05)
 
     def _rank_error(self, rank: int) -> tuple[str, str]:
         """(error type name, one line naming the rank and what happened to it)."""
         where = f"rank {rank} ({self.devices[rank]})"
-        if self.store.check([f"error/{rank}"]):
-            err = json.loads(self.store.get(f"error/{rank}"))
-            return err["type"], f"{where} failed: {err['type']}: {err['message']}"
+        self._read_reports(rank)
+        report = self.reports.get(rank, ())
+        if report[:1] == ("error",):
+            return report[1], f"{where} failed: {report[1]}: {report[2]}"
         code = self.workers[rank].returncode
         if code is not None and code < 0:
             return "", f"{where} was killed by {signal.Signals(-code).name}"
@@ -1970,9 +2138,9 @@ class RankGroup:
             raise PocketError("the tensor-parallel group is closed")
 
     def _failed(self, error: Exception) -> Exception:
-        """A step raised. A peer's death surfaces as a collective error: wait for the watcher to name the rank.
-        Anything else is rank 0's own failure, which also ends the group."""
-        if self._closing:                  # close() stopped the workers under a step still in flight
+        """A call raised. A peer's death surfaces as a collective or socket error: wait for the watcher to name
+        the rank. Anything else is rank 0's own failure, which also ends the group."""
+        if self._closing:                  # close() stopped the workers under a call still in flight
             return PocketError("the tensor-parallel group is closed")
         deadline = time.time() + 3.0
         while self.dead_reason is None and time.time() < deadline:
@@ -1982,39 +2150,39 @@ class RankGroup:
             return error
         return PocketError(f"the tensor-parallel group has stopped: {self.dead_reason}")
 
-    # The steps. Every rank runs the same Batch in the same order, so the all-reduces inside forward pair up.
+    # Calls. Every rank runs the same calls in the same order, so the all-reduces inside forward pair up.
 
-    def run_batch(self, batch: Batch, cache: Cache) -> torch.Tensor:
-        with self._lock:
-            return self._step(batch, cache, ENGINE_CACHE)
-
-    def _step(self, batch: Batch, cache: Cache, which: int) -> torch.Tensor:
-        self._check_alive()
-        try:
-            sizes, payload = pack_batch(batch)
-            self.comm.send_plan(PLAN_STEP, [which, *sizes], payload)
-            return self.model.forward(batch, cache)                        # (R, V): full logits, rank 0 only
-        except Exception as e:
-            raise self._failed(e) from e
-
-    def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
-        """copy_state (section 5) on every rank's engine cache: forked choices (n > 1) start from the parent's
-        state. The engine calls this in place of copy_state when a group runs the model."""
+    def call(self, method: str, *args):
+        """RankRunner.<method>(*args) on every rank; returns rank 0's result."""
+        if not RankRunner.is_call(method):
+            raise ValueError(f"RankRunner has no call {method!r}")
         with self._lock:
             self._check_alive()
             try:
-                self.comm.send_plan(PLAN_COPY, [src_slot, dst_slot, -1 if src_block is None else src_block,
-                                                -1 if dst_block is None else dst_block])
+                message = _dumps((method, args))                           # encoded once for every worker
+                for channel in self.channels.values():
+                    channel.send_bytes(message)
+                return getattr(self.runner, method)(*args)
             except Exception as e:
                 raise self._failed(e) from e
-            copy_state(cache, src_slot, dst_slot, src_block, dst_block)
+
+    def run_batch(self, batch: Batch, cache: Cache) -> torch.Tensor:
+        """One engine step on every rank; `cache` is the engine's, rank 0's engine cache."""
+        self.runner.caches[ENGINE_CACHE] = cache
+        return self.call("run", batch, ENGINE_CACHE)                        # (R, V): full logits, rank 0 only
+
+    def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
+        """copy_state (section 5) on every rank's engine cache. The engine calls this in place of copy_state
+        when a group runs the model."""
+        self.runner.caches[ENGINE_CACHE] = cache
+        self.call("copy_state", src_slot, dst_slot, src_block, dst_block)
 
     def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """LLM.logits over the group: every rank runs the prefill chunks on a temporary cache of its own."""
         ids, bs, device = list(token_ids), self.opts.kv_block_size, self.devices[0]
         nblocks = -(-len(ids) // bs)
         with self._lock:
-            self._set_scratch(nblocks)
+            self.call("set_scratch", nblocks)
             try:
                 blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
                 for s in range(0, len(ids), step):
@@ -2025,20 +2193,11 @@ class RankGroup:
                                   t([blocks[i // bs] * bs + i % bs for i in range(s, s + n)], torch.long),
                                   t([0], torch.int32), t(list(range(n)), torch.long),
                                   t([0] if s == 0 else [], torch.long))
-                    out.append(self._step(batch, self._scratch, SCRATCH_CACHE))
+                    out.append(self.call("run", batch, SCRATCH_CACHE))
             finally:
                 if self.dead_reason is None and not self._closing:
-                    self._set_scratch(0)
+                    self.call("set_scratch", 0)
         return torch.cat(out).float().cpu()                                 # (len, V)
-
-    def _set_scratch(self, nblocks: int):
-        self._check_alive()
-        try:
-            self.comm.send_plan(PLAN_SCRATCH, [nblocks])
-        except Exception as e:
-            raise self._failed(e) from e
-        self._scratch = allocate_cache(self.model.cfg, self.model.layers, nblocks, self.opts.kv_block_size, 1,
-                                       self.kv_dtype, self.devices[0]) if nblocks else None
 
     # Shutdown: tell the workers to stop, give them a moment, then make sure.
 
@@ -2050,13 +2209,19 @@ class RankGroup:
         told = False
         if self.comm is not None and self.dead_reason is None and self._lock.acquire(timeout=2.0):
             try:
-                self.comm.send_plan(PLAN_STOP, [])
+                message = _dumps((STOP, ()))
+                for channel in self.channels.values():
+                    channel.send_bytes(message)
                 told = True
             except Exception:       # a worker already gone: the kill below covers it
                 pass
             finally:
                 self._lock.release()
         self._stop_workers(grace_s=5.0 if told else 0.0)
+        self.listener.close()
+        for channel in self.channels.values():
+            channel.close()
+        shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
 
     def _stop_workers(self, grace_s: float):
         deadline = time.time() + grace_s
@@ -2085,47 +2250,48 @@ def start_group(ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: tor
     return group
 
 
-# A worker rank: load the shard, say so, then replay plans until told to stop.
+# A worker rank: join with the secret, load the shard, say so, then run rank 0's calls until told to stop.
 
 def run_rank_worker(spec_json: str) -> int:
     spec = json.loads(spec_json)
     rank, world, parent = spec["rank"], spec["world"], spec["parent"]
+    secret = bytes.fromhex(sys.stdin.readline().strip())   # from rank 0's pipe, never the command line
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent,), name="pocketllm-parent", daemon=True).start()
-    store = dist.TCPStore("127.0.0.1", spec["port"], None, False, datetime.timedelta(days=1))
+    channel: Channel | None = None
     try:
+        channel = join_group(spec["port"], rank, secret, spec["module"])
         opts = EngineOptions(**spec["options"])
         device = torch.device(spec["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dtype, kv_dtype = _DTYPES[spec["dtype"]], _DTYPES[spec["kv_dtype"]]
+        dtype, kv_dtype = getattr(torch, spec["dtype"]), getattr(torch, spec["kv_dtype"])
         comm: list[Comm] = []          # set once every rank has loaded; forward only runs after that
-        ops, _ = select_ops(opts, device)
+        ops = TorchOps() if opts.backend == "torch" else NativeOps(device)   # rank 0's choice, made there
         model = _load_rank_model(spec["ckpt"], opts, ops, dtype, device, rank, world,
                                  lambda x: comm[0].all_reduce(x), quiet=True)
-        caches = {ENGINE_CACHE: allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
-                                               opts.max_batch_size, kv_dtype, device)}
-        store.set(f"ready/{rank}", "1")
-        comm.append(Comm(store, rank, world, device, ops))
+        runner = RankRunner(model, opts, kv_dtype, device,
+                            allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
+                                           opts.max_batch_size, kv_dtype, device))
+        channel.send(("ready",))
+        comm.append(Comm(dist.FileStore(spec["store"], -1), rank, world, device, ops))
         while True:
-            command, args, payload = comm[0].recv_plan()
-            if command == PLAN_STOP:
+            method, args = channel.recv()
+            if method == STOP:
                 return 0
-            if command == PLAN_STEP:
-                model.forward(unpack_batch(args[1:6], payload, device), caches[args[0]])
-            elif command == PLAN_SCRATCH:
-                caches[SCRATCH_CACHE] = allocate_cache(model.cfg, model.layers, args[0], opts.kv_block_size, 1,
-                                                       kv_dtype, device) if args[0] else None
-            elif command == PLAN_COPY:
-                src_block, dst_block = (None if b < 0 else b for b in args[2:4])
-                copy_state(caches[ENGINE_CACHE], args[0], args[1], src_block, dst_block)
+            if not RankRunner.is_call(method):
+                raise PocketError(f"rank 0 called {method!r}, which RankRunner does not have")
+            getattr(runner, method)(*_move(args, device))
     except Exception as e:
         time.sleep(0.5)             # rank 0 gone too (its sockets close before we are re-parented)? then quietly
         if os.getppid() != parent:
             return 1
         if not isinstance(e, PocketError):
             traceback.print_exc()
-        store.set(f"error/{rank}", json.dumps({"type": type(e).__name__, "message": str(e)}))
+        try:
+            channel.send(("error", type(e).__name__, str(e)))
+        except Exception:           # never joined, or rank 0 gone: stderr and the exit code say it
+            print(f"pocketllm: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, PocketError) else 1
 
 
