@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -190,6 +192,129 @@ def test_rank_failing_to_load_ends_the_group(ckpt_factory, monkeypatch):
         pocketllm.LLM(path, devices=cpu_ranks(2), **ENGINE)
     wait_no_ranks(path, 2)
     assert time.time() - t0 < 60
+
+
+# The rendezvous: loopback only, and only with the group's secret.
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses of pid's listening TCP sockets (what `ss -ltnp` shows), read from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, family in (("tcp", "v4"), ("tcp6", "v6")):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:             # state 0A: LISTEN
+                addr, port = cols[1].split(":")
+                raw = bytes.fromhex(addr)
+                if family == "v4":
+                    host = ".".join(str(b) for b in raw[::-1])
+                else:                                             # four little-endian 32-bit words
+                    host = ":".join(raw[i:i + 4][::-1].hex() for i in range(0, 16, 4))
+                found.append(f"{host}:{int(port, 16)}")
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0]
+    return host.startswith("127.") or host in ("00000000:00000000:00000000:00000001",
+                                               "00000000:00000000:ffff0000:0100007f")
+
+
+def test_rendezvous_is_loopback_only_and_needs_the_secret(bf16, monkeypatch):
+    """Three connections reach rank 0's rendezvous port before the real worker: one answers the challenge
+    without the secret, one claims rank 1 with another group's secret, one never answers. Each is closed
+    and counted; the real worker still joins and the group computes TP1's logits. Every listening socket of
+    every rank is on loopback, and the secret is on no worker's command line or environment."""
+    monkeypatch.setattr(pocketllm, "HANDSHAKE_TIMEOUT_S", 2.0)
+    opts = pocketllm.EngineOptions(devices="cpu,cpu", backend="torch", **ENGINE)
+    group = pocketllm.RankGroup(bf16, opts, torch.float32, torch.float32)
+    try:
+        assert group.listener.getsockname()[0] == "127.0.0.1"
+        assert f"127.0.0.1:{group.port}" in listening_addresses(os.getpid())
+        assert (group.rendezvous_dir.stat().st_mode & 0o077) == 0             # the store: this user only
+        guess, silent = (socket.create_connection(("127.0.0.1", group.port)) for _ in range(2))
+        errors = []
+        impostor = threading.Thread(target=lambda: errors.append(pytest.raises(
+            (ConnectionError, OSError), pocketllm.join_group, group.port, 1, os.urandom(32), "pocketllm")))
+        starting = threading.Thread(target=group.start, args=(bf16,))
+        starting.start()
+        impostor.start()
+        guess.settimeout(30)
+        nonce = guess.recv(16)
+        assert len(nonce) == 16
+        guess.sendall(struct.pack("!i", 1) + bytes(32) + os.urandom(16))   # rank 1, a MAC made without it
+        assert guess.recv(1) == b""                                         # closed, nothing told
+        silent.settimeout(30)
+        assert silent.recv(16) and silent.recv(1) == b""                    # closed after the timeout
+        impostor.join(60)
+        assert len(errors) == 1
+        starting.join(120)
+        assert not starting.is_alive() and group.dead_reason is None and list(group.channels) == [1]
+        assert group.refused == 3
+
+        worker = group.workers[1].pid
+        for where in ("cmdline", "environ"):
+            assert group.secret.hex().encode() not in Path(f"/proc/{worker}/{where}").read_bytes()
+        addresses = listening_addresses(worker) + listening_addresses(os.getpid())
+        assert listening_addresses(worker), "gloo's listener should show"
+        assert all(map(is_loopback, addresses)), addresses
+        assert group.listener.fileno() == -1                                # everyone joined: closed
+
+        tp1 = pocketllm.LLM(bf16, backend="torch", **ENGINE)
+        assert relative_error(tp1.logits(PROMPTS[0]), group.logits(PROMPTS[0], 5)) < REL_TOL
+    finally:
+        group.close()
+    assert not group.rendezvous_dir.exists()
+    wait_no_ranks(bf16, 2)
+
+
+def test_worker_without_the_secret_fails_the_start_naming_its_rank(bf16):
+    """Rank 0 checks against a secret other than the one its worker was given: the worker is refused, exits,
+    and the start fails with one line naming it; no rank is left behind."""
+    class Forgetful(pocketllm.RankGroup):
+        def _handshake(self, sock):
+            self.secret = os.urandom(32)
+            super()._handshake(sock)
+
+    group = Forgetful(bf16, pocketllm.EngineOptions(devices="cpu,cpu", backend="torch", **ENGINE), torch.float32,
+                      torch.float32)
+    try:
+        with pytest.raises(pocketllm.PocketError, match=r"rank 1 \(cpu\) exited with code 1"):
+            group.start(bf16)
+        assert group.refused == 1 and group.channels == {}
+    finally:
+        group.close()
+    wait_no_ranks(bf16, 2)
+
+
+def test_worker_refuses_an_impostor_rank0():
+    """A process holding the port a worker was told (rank 0 gone, say) cannot prove the secret: the worker
+    refuses it instead of running its calls."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def impostor():
+        conn, _ = server.accept()
+        conn.sendall(os.urandom(16))
+        conn.recv(4 + 32 + 16)
+        conn.sendall(os.urandom(32))
+        conn.close()
+    threading.Thread(target=impostor, daemon=True).start()
+    with pytest.raises(pocketllm.PocketError, match="not this group's rank 0"):
+        pocketllm.join_group(server.getsockname()[1], 1, os.urandom(32), "pocketllm")
+    server.close()
+
+
+def test_calls_are_runner_methods_only():
+    """group.call runs RankRunner's public methods; any other name is refused before anything is sent."""
+    assert all(pocketllm.RankRunner.is_call(m) for m in ("run", "set_scratch", "copy_state"))
+    assert not any(pocketllm.RankRunner.is_call(m) for m in ("_move", "__init__", "is_call", "stop", "forward"))
 
 
 # A rank dying, and rank 0 being terminated.
