@@ -428,21 +428,30 @@ def _merge_ranges(ranges: Ranges | None, full: int) -> Ranges | None:
     return None if not out or out == [(0, full)] else out
 
 
-def _scale_ranges(ranges: Ranges, block: int, full: int, name: str, what: str) -> Ranges:
-    """Map element ranges of a quantised weight onto the rows/cols of its block-scale tensor."""
-    out = []
+def _scale_pieces(ranges: Ranges | None, block: int, full: int, whole_blocks: bool, name: str,
+                  what: str) -> tuple[int, list[int]]:
+    """A rank's slice along one dimension of an FP8 weight, cut into g-element pieces that each lie inside one
+    stored scale block: (g, the stored block of each piece). g is block itself when every slice boundary falls
+    on a block boundary; a ragged split (192 of 384 rows) gets the largest divisor of block on which they all
+    fall (64), so each rank keeps exactly the scales that cover its rows. The tensor's end needs no alignment
+    (its last stored block is partial too). whole_blocks refuses a ragged split (the native kernels' grid)."""
+    ranges = ranges or [(0, full)]
+    g = block
     for a, b in ranges:
-        if a % block or (b % block and b != full):
-            raise CheckpointError(f"tensor '{name}': {what} slice [{a}, {b}) does not fall on {block}-element "
-                                  f"block boundaries (tensor parallelism needs whole FP8 blocks)")
-        out.append((a // block, -(-b // block)))
-    return out
+        g = math.gcd(g, a, 0 if b == full else b)
+    if g != block and whole_blocks:
+        a, b = next((a, b) for a, b in ranges if a % block or (b % block and b != full))
+        raise CheckpointError(f"tensor '{name}': {what} slice [{a}, {b}) does not fall on {block}-element block "
+                              f"boundaries (the native FP8 kernels need whole blocks; --backend torch splits "
+                              f"anywhere)")
+    return g, [i // block for a, b in ranges for i in range(a, b, g)]
 
 
 def load_linear(ckpt: Checkpoint, prefix: str, shape: tuple[int, int], rows: Ranges | None = None,
-                cols: Ranges | None = None) -> Linear:
+                cols: Ranges | None = None, whole_blocks: bool = False) -> Linear:
     """Load `prefix.weight` (+ `prefix.weight_scale_inv` when FP8), checking the full shape, reading only
-    the requested row/column ranges. FP8 stays FP8; dense weights stay in their stored dtype."""
+    the requested row/column ranges. FP8 stays FP8, with the block scales that cover the slice (on a finer
+    grid for a ragged split, see _scale_pieces); dense weights stay in their stored dtype."""
     name = prefix + ".weight"
     full = tuple(ckpt.shape(name))
     if full != tuple(shape):
@@ -464,10 +473,10 @@ def load_linear(ckpt: Checkpoint, prefix: str, shape: tuple[int, int], rows: Ran
     if ckpt.shape(sname) != want:
         raise CheckpointError(f"tensor '{sname}' has shape {ckpt.shape(sname)}, expected {want} "
                               f"(one scale per {bn}x{bk} block of {list(shape)})")
-    srows = _scale_ranges(rows, bn, shape[0], name, "row") if rows else None
-    scols = _scale_ranges(cols, bk, shape[1], name, "column") if cols else None
-    scale = ckpt.read(sname, srows, scols).to(torch.float32)
-    return Linear(weight, scale.contiguous(), quant.block)
+    gn, srows = _scale_pieces(rows, bn, shape[0], whole_blocks, name, "row")
+    gk, scols = _scale_pieces(cols, bk, shape[1], whole_blocks, name, "column")
+    scale = ckpt.read(sname).to(torch.float32)[srows][:, scols]          # (ceil(N'/gn), ceil(K'/gk))
+    return Linear(weight, scale.contiguous(), (gn, gk))
 
 
 def load_dense(ckpt: Checkpoint, name: str, shape: tuple[int, ...], rows: Ranges | None = None,
@@ -1058,6 +1067,7 @@ class Shard:
     """Which part of the model this rank holds (tensor parallelism, Megatron style); rank 0 of 1 = all."""
     rank: int = 0
     world: int = 1
+    whole_blocks: bool = False    # FP8 slices must fall on whole scale blocks (the native kernels' grid)
 
     def split(self, n: int, what: str) -> tuple[int, int]:
         """This rank's [start, stop) of n units (heads, rows); refuses an uneven split."""
@@ -1116,23 +1126,24 @@ def load_norm(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, .
 
 
 def load_mlp(ckpt: Checkpoint, cfg: ModelConfig, p: str, shard: Shard) -> MLPWeights:
-    I, D = cfg.intermediate_size, cfg.hidden_size
+    I, D, wb = cfg.intermediate_size, cfg.hidden_size, shard.whole_blocks
     i0, i1 = shard.split(I, f"tensor '{p}gate_proj.weight' rows")
-    return MLPWeights(gate_proj=load_linear(ckpt, p + "gate_proj", (I, D), rows=[(i0, i1)]),
-                      up_proj=load_linear(ckpt, p + "up_proj", (I, D), rows=[(i0, i1)]),
-                      down_proj=load_linear(ckpt, p + "down_proj", (D, I), cols=[(i0, i1)]))
+    return MLPWeights(gate_proj=load_linear(ckpt, p + "gate_proj", (I, D), rows=[(i0, i1)], whole_blocks=wb),
+                      up_proj=load_linear(ckpt, p + "up_proj", (I, D), rows=[(i0, i1)], whole_blocks=wb),
+                      down_proj=load_linear(ckpt, p + "down_proj", (D, I), cols=[(i0, i1)], whole_blocks=wb))
 
 
 def load_attention(ckpt: Checkpoint, cfg: ModelConfig, p: str, shard: Shard) -> AttentionWeights:
     Hq, Hk, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    wb = shard.whole_blocks
     q0, q1 = shard.split(Hq, f"tensor '{p}q_proj.weight' heads")
     k0, k1 = shard.split(Hk, f"tensor '{p}k_proj.weight' kv heads")
     qw = 2 * Dh if cfg.gated_attention else Dh                          # rows per q head: [q | gate]
     return AttentionWeights(
-        q_proj=load_linear(ckpt, p + "q_proj", (Hq * qw, D), rows=[(q0 * qw, q1 * qw)]),
-        k_proj=load_linear(ckpt, p + "k_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)]),
-        v_proj=load_linear(ckpt, p + "v_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)]),
-        o_proj=load_linear(ckpt, p + "o_proj", (D, Hq * Dh), cols=[(q0 * Dh, q1 * Dh)]),
+        q_proj=load_linear(ckpt, p + "q_proj", (Hq * qw, D), rows=[(q0 * qw, q1 * qw)], whole_blocks=wb),
+        k_proj=load_linear(ckpt, p + "k_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)], whole_blocks=wb),
+        v_proj=load_linear(ckpt, p + "v_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)], whole_blocks=wb),
+        o_proj=load_linear(ckpt, p + "o_proj", (D, Hq * Dh), cols=[(q0 * Dh, q1 * Dh)], whole_blocks=wb),
         q_norm=load_norm(ckpt, cfg, p + "q_norm.weight", (Dh,)),
         k_norm=load_norm(ckpt, cfg, p + "k_norm.weight", (Dh,)),
         heads=q1 - q0, kv_heads=k1 - k0)
@@ -1145,13 +1156,13 @@ def load_gdn(ckpt: Checkpoint, cfg: ModelConfig, p: str, shard: Shard) -> GatedD
     v0, v1 = shard.split(Hv, f"tensor '{p}in_proj_z.weight' value heads")
     # The qkv rows are [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]: a rank takes its heads from each of the three parts.
     qkv_rows = [(k0 * Dk, k1 * Dk), (Hk * Dk + k0 * Dk, Hk * Dk + k1 * Dk), (2 * Hk * Dk + v0 * Dv, 2 * Hk * Dk + v1 * Dv)]
-    C, W = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
+    C, W, wb = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, shard.whole_blocks
     return GatedDeltaNetWeights(
-        in_proj_qkv=load_linear(ckpt, p + "in_proj_qkv", (C, D), rows=qkv_rows),
-        in_proj_z=load_linear(ckpt, p + "in_proj_z", (Hv * Dv, D), rows=[(v0 * Dv, v1 * Dv)]),
-        in_proj_a=load_linear(ckpt, p + "in_proj_a", (Hv, D), rows=[(v0, v1)]),
-        in_proj_b=load_linear(ckpt, p + "in_proj_b", (Hv, D), rows=[(v0, v1)]),
-        out_proj=load_linear(ckpt, p + "out_proj", (D, Hv * Dv), cols=[(v0 * Dv, v1 * Dv)]),
+        in_proj_qkv=load_linear(ckpt, p + "in_proj_qkv", (C, D), rows=qkv_rows, whole_blocks=wb),
+        in_proj_z=load_linear(ckpt, p + "in_proj_z", (Hv * Dv, D), rows=[(v0 * Dv, v1 * Dv)], whole_blocks=wb),
+        in_proj_a=load_linear(ckpt, p + "in_proj_a", (Hv, D), rows=[(v0, v1)], whole_blocks=wb),
+        in_proj_b=load_linear(ckpt, p + "in_proj_b", (Hv, D), rows=[(v0, v1)], whole_blocks=wb),
+        out_proj=load_linear(ckpt, p + "out_proj", (D, Hv * Dv), cols=[(v0 * Dv, v1 * Dv)], whole_blocks=wb),
         conv1d=load_dense(ckpt, p + "conv1d.weight", (C, 1, W), rows=qkv_rows, dtype=torch.float32)[:, 0],
         A_log=load_dense(ckpt, p + "A_log", (Hv,), rows=[(v0, v1)], dtype=torch.float32),
         dt_bias=load_dense(ckpt, p + "dt_bias", (Hv,), rows=[(v0, v1)], dtype=torch.float32),
@@ -1963,10 +1974,11 @@ def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: in
                      quiet: bool) -> Model:
     ckpt = Checkpoint(ckpt_dir)
     try:
-        return Model(ckpt, ops, dtype, device, shard=Shard(rank, world), num_layers=opts.smoke_layers or None,
+        shard = Shard(rank, world, whole_blocks=ops.name == "native")
+        return Model(ckpt, ops, dtype, device, shard=shard, num_layers=opts.smoke_layers or None,
                      all_reduce=all_reduce, progress=not quiet)
     except CheckpointError as e:
-        if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. an FP8 slice off its 128-blocks
+        if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. native: an FP8 slice off its blocks
             raise CheckpointError(f"{e} at tensor-parallel degree {world}") from None
         raise
     finally:

@@ -159,13 +159,62 @@ def test_non_dividing_degree_is_refused(bf16):
     wait_no_ranks(bf16, 3)
 
 
-def test_fp8_slices_off_block_boundaries_are_refused(ckpt_factory):
-    """intermediate 200 at TP2: 100 gate_proj rows per rank, not whole 128-row FP8 blocks."""
+def test_fp8_slices_off_block_boundaries_are_refused_by_the_native_backend(ckpt_factory, monkeypatch):
+    """intermediate 200 at TP2: 100 gate_proj rows per rank, not whole 128-row FP8 blocks, which the native
+    kernels need (the torch backend splits anywhere: test_ragged_fp8_split_matches_tp1). Refused at load,
+    naming the tensor and the degree; run on the native library's CPU test build."""
+    import build
+    try:
+        build.build(cpu=True, quiet=True)
+    except build.BuildError as e:
+        pytest.skip(f"the native CPU test build does not build here: {str(e).splitlines()[0]}")
+    monkeypatch.setenv("POCKETLLM_NATIVE_CPU", "1")
+    monkeypatch.setenv("ASAN_OPTIONS", "detect_leaks=0:verify_asan_link_order=0")
     path = ckpt_factory("qwen3_5", fp8=True, **HEADS)[0]
     with pytest.raises(pocketllm.CheckpointError, match=r"tensor '.*gate_proj.weight'.*128-element block.*"
                                                          r"tensor-parallel degree 2"):
-        pocketllm.LLM(path, devices=cpu_ranks(2), **ENGINE)
+        pocketllm.LLM(path, devices=cpu_ranks(2), backend="native", **ENGINE)
     wait_no_ranks(path, 2)
+
+
+def test_ragged_fp8_split_matches_tp1(ckpt_factory):
+    """intermediate 200 at TP2 on the torch backend: each rank keeps the scales that cover its 100 rows (and
+    down_proj's 100 columns), on a 4-element grid inside the stored 128-blocks; logits and greedy tokens
+    equal TP1's."""
+    path = ckpt_factory("qwen3_5", fp8=True, **HEADS)[0]
+    tp1, tp2 = pocketllm.LLM(path, **ENGINE), pocketllm.LLM(path, devices=cpu_ranks(2), **ENGINE)
+    try:
+        gate = tp2.model.layers[0].mlp.gate_proj
+        assert gate.shape[0] == 100 and gate.block[0] == 4 and gate.scale.shape[0] == 25
+        ids = PROMPTS[0] + PROMPTS[2]
+        assert relative_error(tp1.logits(ids), tp2.logits(ids, 5)) < REL_TOL
+        assert generate_together(tp2, PROMPTS, max_tokens=8, temperature=0, ignore_eos=True) == \
+            generate_together(tp1, PROMPTS, max_tokens=8, temperature=0, ignore_eos=True)
+    finally:
+        tp2.group.close()
+    wait_no_ranks(path, 2)
+
+
+def test_pocket_tiny_runs_on_two_cpu_ranks():
+    """The bundled model's MLP (384 rows: 192 per rank, half a block) and GDN heads (64 rows) split raggedly;
+    `--devices cpu,cpu` gives one rank's greedy chat answer, tool call included."""
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                             "required": ["city"]}}}]
+    one = pocketllm.LLM(None, quiet=True, max_context=512, max_batch_size=2)
+    two = pocketllm.LLM(None, devices=cpu_ranks(2), quiet=True, max_context=512, max_batch_size=2)
+    try:
+        want, got = (llm.chat(messages, tools=tools, temperature=0, max_tokens=48, logprobs=True)["choices"][0]
+                     for llm in (one, two))
+        assert [t["token"] for t in got["logprobs"]["content"]] == [t["token"] for t in want["logprobs"]["content"]]
+        for message in (want["message"], got["message"]):     # call ids are random per response
+            for call in message.get("tool_calls") or []:
+                call.pop("id")
+        assert got["message"] == want["message"]
+        assert want["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    finally:
+        two.group.close()
 
 
 @pytest.mark.parametrize("spec, message", [("cpu,", "empty entry"), ("cpu,0", "every rank must be a cpu"),
