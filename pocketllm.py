@@ -1739,7 +1739,7 @@ class Engine:
 # -----------------------------------------------------------------------------------------------
 # 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
 #     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
-#     worker processes that replay rank 0's step plans on their shard and their own cache. Activations cross
+#     worker processes that run rank 0's calls (RankRunner methods) on their shard and cache. Activations cross
 #     ranks only in the model's two all-reduces per layer (after the mixer's output projection and after
 #     down_proj). The embedding and lm_head are replicated, not vocab-parallel: rank 0's own lm_head gives
 #     the full logits, so sampling needs no gather and the embedding no all-reduce; the price is one copy of
@@ -1747,7 +1747,8 @@ class Engine:
 #
 #     Lifecycle: one group, one lifetime. start_group returns only after every rank has loaded; a worker
 #     that fails or dies ends the group (named in the message); workers stop when rank 0 says so, when rank 0
-#     disappears, or when their connection to it breaks. See docs/architecture.md, "Tensor parallelism".
+#     disappears, or when their connection to it breaks. Workers join over loopback with the group's secret.
+#     See docs/architecture.md, "Tensor parallelism".
 # -----------------------------------------------------------------------------------------------
 
 def parse_devices(spec: str) -> list[torch.device]:
@@ -2031,6 +2032,7 @@ class RankGroup:
         self.listener = socket.create_server((RENDEZVOUS_HOST, 0))              # port 0: the OS picks
         self.listener.settimeout(self.POLL_S)
         self.port = self.listener.getsockname()[1]
+        self._admitter = threading.Thread(target=self._admit, name="pocketllm-rendezvous", daemon=True)
         atexit.register(self.close)
 
     # Start: spawn the workers, admit them, load rank 0's shard meanwhile, wait until every rank has loaded.
@@ -2046,7 +2048,7 @@ class RankGroup:
             elif not dist.is_nccl_available():
                 raise PocketError(f"--devices {self.opts.devices}: tensor parallelism on GPUs needs NCCL, and this "
                                   f"torch build has none (torch.distributed.is_nccl_available() is False)")
-        threading.Thread(target=self._admit, name="pocketllm-rendezvous", daemon=True).start()
+        self._admitter.start()
         for rank in range(1, self.world):
             spec = {"ckpt": str(Path(ckpt_dir).resolve()), "rank": rank, "world": self.world,
                     "device": str(self.devices[rank]), "dtype": str(self.dtype).removeprefix("torch."),
@@ -2063,20 +2065,33 @@ class RankGroup:
                                       lambda x: self.comm.all_reduce(x), self.opts.quiet)
         self.runner = RankRunner(self.model, self.opts, self.kv_dtype, device)
         self._wait_until_loaded()
+        self._stop_listening()      # everyone is in
         self.comm = Comm(self.store, 0, self.world, device, ops)
 
     def _admit(self):
         """Accept connections on the loopback port until every worker has joined; each handshake runs on its
         own thread, so a connection that never answers cannot hold up the real worker."""
-        while not self._closing and len(self.channels) < self.world - 1:
-            try:
-                sock, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:         # closed
-                return
-            threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
-        self.listener.close()       # everyone is in: nothing listens any more
+        try:
+            while not self._closing and len(self.channels) < self.world - 1:
+                try:
+                    sock, _ = self.listener.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
+        except OSError:             # _stop_listening shut it down
+            pass
+        finally:
+            self.listener.close()
+
+    def _stop_listening(self):
+        """Stop listening now (shutdown also wakes the accept), and let the admitting thread close the socket."""
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:             # already closed
+            pass
+        if self._admitter.is_alive():
+            self._admitter.join(timeout=2.0)
+        self.listener.close()
 
     def _handshake(self, sock: socket.socket):
         joined = admit_worker(sock, self.secret, self.world)
@@ -2230,7 +2245,7 @@ class RankGroup:
             finally:
                 self._lock.release()
         self._stop_workers(grace_s=5.0 if told else 0.0)
-        self.listener.close()
+        self._stop_listening()
         for channel in self.channels.values():
             channel.close()
         shutil.rmtree(self.rendezvous_dir, ignore_errors=True)

@@ -245,8 +245,12 @@ def test_rank_failing_to_load_ends_the_group(ckpt_factory, monkeypatch):
 
 # The rendezvous: loopback only, and only with the group's secret.
 
-def listening_addresses(pid: int) -> list[str]:
-    """The local addresses of pid's listening TCP sockets (what `ss -ltnp` shows), read from /proc."""
+def socket_inode(pid: int, fd: int) -> str:
+    return os.readlink(f"/proc/{pid}/fd/{fd}")[len("socket:["):-1]
+
+
+def listening_sockets(pid: int) -> dict[str, str]:
+    """{socket inode: local address} of pid's listening TCP sockets (what `ss -ltnp` shows), from /proc."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -255,7 +259,7 @@ def listening_addresses(pid: int) -> list[str]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    found = []
+    found = {}
     for table, family in (("tcp", "v4"), ("tcp6", "v6")):
         for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
             cols = line.split()
@@ -266,7 +270,7 @@ def listening_addresses(pid: int) -> list[str]:
                     host = ".".join(str(b) for b in raw[::-1])
                 else:                                             # four little-endian 32-bit words
                     host = ":".join(raw[i:i + 4][::-1].hex() for i in range(0, 16, 4))
-                found.append(f"{host}:{int(port, 16)}")
+                found[cols[9]] = f"{host}:{int(port, 16)}"
     return found
 
 
@@ -286,7 +290,8 @@ def test_rendezvous_is_loopback_only_and_needs_the_secret(bf16, monkeypatch):
     group = pocketllm.RankGroup(bf16, opts, torch.float32, torch.float32)
     try:
         assert group.listener.getsockname()[0] == "127.0.0.1"
-        assert f"127.0.0.1:{group.port}" in listening_addresses(os.getpid())
+        rendezvous = socket_inode(os.getpid(), group.listener.fileno())
+        assert listening_sockets(os.getpid())[rendezvous] == f"127.0.0.1:{group.port}"
         assert (group.rendezvous_dir.stat().st_mode & 0o077) == 0             # the store: this user only
         guess, silent = (socket.create_connection(("127.0.0.1", group.port)) for _ in range(2))
         errors = []
@@ -311,10 +316,11 @@ def test_rendezvous_is_loopback_only_and_needs_the_secret(bf16, monkeypatch):
         worker = group.workers[1].pid
         for where in ("cmdline", "environ"):
             assert group.secret.hex().encode() not in Path(f"/proc/{worker}/{where}").read_bytes()
-        addresses = listening_addresses(worker) + listening_addresses(os.getpid())
-        assert listening_addresses(worker), "gloo's listener should show"
+        ours, theirs = listening_sockets(os.getpid()), listening_sockets(worker)
+        assert theirs, "gloo's listener should show"
+        addresses = list(ours.values()) + list(theirs.values())
         assert all(map(is_loopback, addresses)), addresses
-        assert group.listener.fileno() == -1                                # everyone joined: closed
+        assert rendezvous not in ours                                       # everyone joined: not listening
 
         tp1 = pocketllm.LLM(bf16, backend="torch", **ENGINE)
         assert relative_error(tp1.logits(PROMPTS[0]), group.logits(PROMPTS[0], 5)) < REL_TOL
