@@ -34,22 +34,31 @@ __version__ = "0.1.0"
 __license__ = "Apache-2.0"
 
 import argparse
+import atexit
+import ctypes
 import dataclasses
+import datetime
 import errno
 import hmac
 import http.server
+import io
 import itertools
 import json
 import math
 import os
+import pickle
 import queue
 import random
 import re
+import select
+import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import traceback
@@ -59,6 +68,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
@@ -90,7 +100,28 @@ class RequestError(PocketError):
 # 1. Configuration: what the checkpoint says about the model, and what the user says about the engine.
 # -----------------------------------------------------------------------------------------------
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3")
+@dataclass(frozen=True)
+class Architecture:
+    """What sets one supported model_type apart. A new architecture is a new row of ARCHITECTURES (and, for a
+    new kind of layer, a new row of section 4's MIXERS), not edits across the model."""
+    nested: bool               # config.json keeps the text model under "text_config"
+    weight_prefix: str         # HF names of the decoder's tensors start with this
+    layer_types: tuple[str, ...]   # the mixers its layers may use (keys of MIXERS, section 4)
+    gated_attention: bool      # q_proj rows are [q | gate] per head; o = o_proj(attn * sigmoid(gate))
+    zero_centred_norm: bool    # norms compute x * (1 + w); otherwise x * w
+
+
+ARCHITECTURES = {
+    "qwen3_5": Architecture(nested=True, weight_prefix="model.language_model.",
+                            layer_types=("linear_attention", "full_attention"), gated_attention=True,
+                            zero_centred_norm=True),
+    "qwen3_5_text": Architecture(nested=False, weight_prefix="model.",
+                                 layer_types=("linear_attention", "full_attention"), gated_attention=True,
+                                 zero_centred_norm=True),
+    "qwen3": Architecture(nested=False, weight_prefix="model.", layer_types=("full_attention",),
+                          gated_attention=False, zero_centred_norm=False),
+}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 
 @dataclass
@@ -155,19 +186,20 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"{path}: unsupported model_type {model_type!r} "
                               f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    text = raw.get("text_config") if model_type == "qwen3_5" else raw
+    arch = ARCHITECTURES[model_type]
+    text = raw.get("text_config") if arch.nested else raw
     if not isinstance(text, dict):
-        raise CheckpointError(f"{path}: model_type qwen3_5 needs a 'text_config' object")
+        raise CheckpointError(f"{path}: model_type {model_type} needs a 'text_config' object")
     get = lambda k, d=...: _config_field(text, k, path, d)  # noqa: E731
     n_layers = int(get("num_hidden_layers"))
-    hybrid = model_type != "qwen3"
+    hybrid = "linear_attention" in arch.layer_types
     layer_types = text.get("layer_types")
     if layer_types is None:
         interval = int(text.get("full_attention_interval", 4)) if hybrid else 1
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
-    if len(layer_types) != n_layers or set(layer_types) - {"full_attention", "linear_attention"}:
+    if len(layer_types) != n_layers or set(layer_types) - set(arch.layer_types):
         raise CheckpointError(f"{path}: layer_types must list {n_layers} entries of "
-                              f"'full_attention'/'linear_attention'")
+                              f"{'/'.join(map(repr, arch.layer_types))}")
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
@@ -185,13 +217,13 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
         head_dim=head_dim, rms_norm_eps=float(get("rms_norm_eps", 1e-6)), tie_word_embeddings=tie,
         layer_types=list(layer_types), rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
         rotary_dim=int(head_dim * partial), max_position_embeddings=int(get("max_position_embeddings", 32768)),
-        gated_attention=hybrid, zero_centred_norm=hybrid,
+        gated_attention=arch.gated_attention, zero_centred_norm=arch.zero_centred_norm,
         linear_num_key_heads=int(get("linear_num_key_heads", 0)) if hybrid else 0,
         linear_num_value_heads=int(get("linear_num_value_heads", 0)) if hybrid else 0,
         linear_key_head_dim=int(get("linear_key_head_dim", 0)) if hybrid else 0,
         linear_value_head_dim=int(get("linear_value_head_dim", 0)) if hybrid else 0,
         linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)) if hybrid else 0,
-        weight_prefix="model.language_model." if model_type == "qwen3_5" else "model.", quant=quant)
+        weight_prefix=arch.weight_prefix, quant=quant)
 
 
 def parse_quant_config(q: dict | None, path: Path) -> QuantConfig | None:
@@ -558,21 +590,30 @@ def _merge_ranges(ranges: Ranges | None, full: int) -> Ranges | None:
     return None if not out or out == [(0, full)] else out
 
 
-def _scale_ranges(ranges: Ranges, block: int, full: int, name: str, what: str) -> Ranges:
-    """Map element ranges of a quantised weight onto the rows/cols of its block-scale tensor."""
-    out = []
+def _scale_pieces(ranges: Ranges | None, block: int, full: int, whole_blocks: bool, name: str,
+                  what: str) -> tuple[int, list[int]]:
+    """A rank's slice along one dimension of an FP8 weight, cut into g-element pieces that each lie inside one
+    stored scale block: (g, the stored block of each piece). g is block itself when every slice boundary falls
+    on a block boundary; a ragged split (192 of 384 rows) gets the largest divisor of block on which they all
+    fall (64), so each rank keeps exactly the scales that cover its rows. The tensor's end needs no alignment
+    (its last stored block is partial too). whole_blocks refuses a ragged split (the native kernels' grid)."""
+    ranges = ranges or [(0, full)]
+    g = block
     for a, b in ranges:
-        if a % block or (b % block and b != full):
-            raise CheckpointError(f"tensor '{name}': {what} slice [{a}, {b}) does not fall on {block}-element "
-                                  f"block boundaries (tensor parallelism needs whole FP8 blocks)")
-        out.append((a // block, -(-b // block)))
-    return out
+        g = math.gcd(g, a, 0 if b == full else b)
+    if g != block and whole_blocks:
+        a, b = next((a, b) for a, b in ranges if a % block or (b % block and b != full))
+        raise CheckpointError(f"tensor '{name}': {what} slice [{a}, {b}) does not fall on {block}-element block "
+                              f"boundaries (the native FP8 kernels need whole blocks; --backend torch splits "
+                              f"anywhere)")
+    return g, [i // block for a, b in ranges for i in range(a, b, g)]
 
 
 def load_linear(ckpt: Checkpoint, prefix: str, shape: tuple[int, int], rows: Ranges | None = None,
-                cols: Ranges | None = None) -> Linear:
+                cols: Ranges | None = None, whole_blocks: bool = False) -> Linear:
     """Load `prefix.weight` (+ `prefix.weight_scale_inv` when FP8), checking the full shape, reading only
-    the requested row/column ranges. FP8 stays FP8; dense weights stay in their stored dtype."""
+    the requested row/column ranges. FP8 stays FP8, with the block scales that cover the slice (on a finer
+    grid for a ragged split, see _scale_pieces); dense weights stay in their stored dtype."""
     name = prefix + ".weight"
     full = tuple(ckpt.shape(name))
     if full != tuple(shape):
@@ -594,10 +635,10 @@ def load_linear(ckpt: Checkpoint, prefix: str, shape: tuple[int, int], rows: Ran
     if ckpt.shape(sname) != want:
         raise CheckpointError(f"tensor '{sname}' has shape {ckpt.shape(sname)}, expected {want} "
                               f"(one scale per {bn}x{bk} block of {list(shape)})")
-    srows = _scale_ranges(rows, bn, shape[0], name, "row") if rows else None
-    scols = _scale_ranges(cols, bk, shape[1], name, "column") if cols else None
-    scale = ckpt.read(sname, srows, scols).to(torch.float32)
-    return Linear(weight, scale.contiguous(), quant.block)
+    gn, srows = _scale_pieces(rows, bn, shape[0], whole_blocks, name, "row")
+    gk, scols = _scale_pieces(cols, bk, shape[1], whole_blocks, name, "column")
+    scale = ckpt.read(sname).to(torch.float32)[srows][:, scols]          # (ceil(N'/gn), ceil(K'/gk))
+    return Linear(weight, scale.contiguous(), (gn, gk))
 
 
 def load_dense(ckpt: Checkpoint, name: str, shape: tuple[int, ...], rows: Ranges | None = None,
@@ -1188,6 +1229,7 @@ class Shard:
     """Which part of the model this rank holds (tensor parallelism, Megatron style); rank 0 of 1 = all."""
     rank: int = 0
     world: int = 1
+    whole_blocks: bool = False    # FP8 slices must fall on whole scale blocks (the native kernels' grid)
 
     def split(self, n: int, what: str) -> tuple[int, int]:
         """This rank's [start, stop) of n units (heads, rows); refuses an uneven split."""
@@ -1197,26 +1239,46 @@ class Shard:
         return self.rank * per, (self.rank + 1) * per
 
 
-class Layer:
-    """One decoder layer's weights: a mixer (gated attention or gated DeltaNet) and a SwiGLU MLP."""
+# Layer weights, one dataclass per kind of block. Field names are the HF tensor names under the block's
+# module (`layers.{i}.self_attn.q_proj.weight` -> AttentionWeights.q_proj), loaded unfused: no tensor is
+# concatenated with another, so a checkpoint name always finds its field. Shapes are this rank's shard
+# (H' = H / world heads, I' = I / world rows); D = hidden_size.
+
+@dataclass
+class AttentionWeights:
+    """Gated attention (qwen3_5: o = o_proj(attn(q, k, v) * sigmoid(gate))), or plain attention (qwen3)."""
+    q_proj: Linear                 # (H'*Dh*2, D) rows [q | gate] per head; (H'*Dh, D) when not gated
+    k_proj: Linear                 # (Hk'*Dh, D)
+    v_proj: Linear                 # (Hk'*Dh, D)
+    o_proj: Linear                 # (D, H'*Dh) rowwise: its output is all-reduced
+    q_norm: torch.Tensor           # (Dh,) fp32, zero-centred (y = norm(x) * (1 + w))
+    k_norm: torch.Tensor           # (Dh,) fp32, zero-centred
+    heads: int                     # H': this rank's query heads
+    kv_heads: int                  # Hk': this rank's key/value heads
 
 
-def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, shard: Shard) -> Layer:
-    """Read layer i's tensors (this rank's shard of them). Colwise = split output rows; rowwise = split inputs."""
-    p, L, D = f"{cfg.weight_prefix}layers.{i}.", Layer(), cfg.hidden_size
-    norm = lambda name: load_norm(ckpt, cfg, name, (D,))  # noqa: E731
-    L.kind, L.index = cfg.layer_types[i], i
-    L.input_norm, L.post_norm = norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")
-    I = cfg.intermediate_size
-    i0, i1 = shard.split(I, f"tensor '{p}mlp.gate_proj.weight' rows")
-    L.gate = load_linear(ckpt, p + "mlp.gate_proj", (I, D), rows=[(i0, i1)])
-    L.up = load_linear(ckpt, p + "mlp.up_proj", (I, D), rows=[(i0, i1)])
-    L.down = load_linear(ckpt, p + "mlp.down_proj", (D, I), cols=[(i0, i1)])
-    if L.kind == "full_attention":
-        load_attention(ckpt, cfg, p + "self_attn.", L, shard)
-    else:
-        load_gdn(ckpt, cfg, p + "linear_attn.", L, shard)
-    return L
+@dataclass
+class GatedDeltaNetWeights:
+    """Gated DeltaNet (linear attention): causal conv over [q | k | v], then the gated delta rule."""
+    in_proj_qkv: Linear            # (2*Hk'*Dk + Hv'*Dv, D) rows [q | k | v], each part this rank's heads
+    in_proj_z: Linear              # (Hv'*Dv, D) the output gate
+    in_proj_a: Linear              # (Hv', D) decay input
+    in_proj_b: Linear              # (Hv', D) beta input
+    out_proj: Linear               # (D, Hv'*Dv) rowwise: its output is all-reduced
+    conv1d: torch.Tensor           # (C', W) fp32, HF's (C, 1, W) depthwise kernel without its middle axis
+    A_log: torch.Tensor            # (Hv',) fp32
+    dt_bias: torch.Tensor          # (Hv',) fp32
+    norm: torch.Tensor             # (Dv,) fp32, the gated RMSNorm (plain x * w, not zero-centred)
+    k_heads: int                   # Hk': this rank's key heads
+    v_heads: int                   # Hv': this rank's value heads
+
+
+@dataclass
+class MLPWeights:
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+    gate_proj: Linear              # (I', D) colwise
+    up_proj: Linear                # (I', D) colwise
+    down_proj: Linear              # (D, I') rowwise: its output is all-reduced
 
 
 def load_norm(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -1225,39 +1287,84 @@ def load_norm(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, .
     return w if cfg.zero_centred_norm else w - 1.0   # Qwen3's plain x * w, rewritten as x * (1 + (w - 1))
 
 
-def load_attention(ckpt: Checkpoint, cfg: ModelConfig, p: str, L: Layer, shard: Shard):
+def load_mlp(ckpt: Checkpoint, cfg: ModelConfig, p: str, shard: Shard) -> MLPWeights:
+    I, D, wb = cfg.intermediate_size, cfg.hidden_size, shard.whole_blocks
+    i0, i1 = shard.split(I, f"tensor '{p}gate_proj.weight' rows")
+    return MLPWeights(gate_proj=load_linear(ckpt, p + "gate_proj", (I, D), rows=[(i0, i1)], whole_blocks=wb),
+                      up_proj=load_linear(ckpt, p + "up_proj", (I, D), rows=[(i0, i1)], whole_blocks=wb),
+                      down_proj=load_linear(ckpt, p + "down_proj", (D, I), cols=[(i0, i1)], whole_blocks=wb))
+
+
+def load_attention(ckpt: Checkpoint, cfg: ModelConfig, p: str, shard: Shard) -> AttentionWeights:
     Hq, Hk, Dh, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    wb = shard.whole_blocks
     q0, q1 = shard.split(Hq, f"tensor '{p}q_proj.weight' heads")
     k0, k1 = shard.split(Hk, f"tensor '{p}k_proj.weight' kv heads")
     qw = 2 * Dh if cfg.gated_attention else Dh                          # rows per q head: [q | gate]
-    L.q_proj = load_linear(ckpt, p + "q_proj", (Hq * qw, D), rows=[(q0 * qw, q1 * qw)])
-    L.k_proj = load_linear(ckpt, p + "k_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)])
-    L.v_proj = load_linear(ckpt, p + "v_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)])
-    L.o_proj = load_linear(ckpt, p + "o_proj", (D, Hq * Dh), cols=[(q0 * Dh, q1 * Dh)])
-    L.q_norm = load_norm(ckpt, cfg, p + "q_norm.weight", (Dh,))
-    L.k_norm = load_norm(ckpt, cfg, p + "k_norm.weight", (Dh,))
-    L.heads, L.kv_heads = q1 - q0, k1 - k0
+    return AttentionWeights(
+        q_proj=load_linear(ckpt, p + "q_proj", (Hq * qw, D), rows=[(q0 * qw, q1 * qw)], whole_blocks=wb),
+        k_proj=load_linear(ckpt, p + "k_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)], whole_blocks=wb),
+        v_proj=load_linear(ckpt, p + "v_proj", (Hk * Dh, D), rows=[(k0 * Dh, k1 * Dh)], whole_blocks=wb),
+        o_proj=load_linear(ckpt, p + "o_proj", (D, Hq * Dh), cols=[(q0 * Dh, q1 * Dh)], whole_blocks=wb),
+        q_norm=load_norm(ckpt, cfg, p + "q_norm.weight", (Dh,)),
+        k_norm=load_norm(ckpt, cfg, p + "k_norm.weight", (Dh,)),
+        heads=q1 - q0, kv_heads=k1 - k0)
 
 
-def load_gdn(ckpt: Checkpoint, cfg: ModelConfig, p: str, L: Layer, shard: Shard):
+def load_gdn(ckpt: Checkpoint, cfg: ModelConfig, p: str, shard: Shard) -> GatedDeltaNetWeights:
     Hk, Hv, Dk, Dv, D = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                          cfg.linear_value_head_dim, cfg.hidden_size)
     k0, k1 = shard.split(Hk, f"tensor '{p}in_proj_qkv.weight' key heads")
     v0, v1 = shard.split(Hv, f"tensor '{p}in_proj_z.weight' value heads")
     # The qkv rows are [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]: a rank takes its heads from each of the three parts.
     qkv_rows = [(k0 * Dk, k1 * Dk), (Hk * Dk + k0 * Dk, Hk * Dk + k1 * Dk), (2 * Hk * Dk + v0 * Dv, 2 * Hk * Dk + v1 * Dv)]
-    C = cfg.linear_conv_dim
-    L.in_proj_qkv = load_linear(ckpt, p + "in_proj_qkv", (C, D), rows=qkv_rows)
-    L.in_proj_z = load_linear(ckpt, p + "in_proj_z", (Hv * Dv, D), rows=[(v0 * Dv, v1 * Dv)])
-    L.in_proj_a = load_linear(ckpt, p + "in_proj_a", (Hv, D), rows=[(v0, v1)])
-    L.in_proj_b = load_linear(ckpt, p + "in_proj_b", (Hv, D), rows=[(v0, v1)])
-    L.out_proj = load_linear(ckpt, p + "out_proj", (D, Hv * Dv), cols=[(v0 * Dv, v1 * Dv)])
-    W = cfg.linear_conv_kernel_dim
-    L.conv_w = load_dense(ckpt, p + "conv1d.weight", (C, 1, W), rows=qkv_rows, dtype=torch.float32)[:, 0]  # (C', W)
-    L.A_log = load_dense(ckpt, p + "A_log", (Hv,), rows=[(v0, v1)], dtype=torch.float32)
-    L.dt_bias = load_dense(ckpt, p + "dt_bias", (Hv,), rows=[(v0, v1)], dtype=torch.float32)
-    L.gdn_norm = load_dense(ckpt, p + "norm.weight", (Dv,), dtype=torch.float32)
-    L.k_heads, L.v_heads = k1 - k0, v1 - v0
+    C, W, wb = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, shard.whole_blocks
+    return GatedDeltaNetWeights(
+        in_proj_qkv=load_linear(ckpt, p + "in_proj_qkv", (C, D), rows=qkv_rows, whole_blocks=wb),
+        in_proj_z=load_linear(ckpt, p + "in_proj_z", (Hv * Dv, D), rows=[(v0 * Dv, v1 * Dv)], whole_blocks=wb),
+        in_proj_a=load_linear(ckpt, p + "in_proj_a", (Hv, D), rows=[(v0, v1)], whole_blocks=wb),
+        in_proj_b=load_linear(ckpt, p + "in_proj_b", (Hv, D), rows=[(v0, v1)], whole_blocks=wb),
+        out_proj=load_linear(ckpt, p + "out_proj", (D, Hv * Dv), cols=[(v0 * Dv, v1 * Dv)], whole_blocks=wb),
+        conv1d=load_dense(ckpt, p + "conv1d.weight", (C, 1, W), rows=qkv_rows, dtype=torch.float32)[:, 0],
+        A_log=load_dense(ckpt, p + "A_log", (Hv,), rows=[(v0, v1)], dtype=torch.float32),
+        dt_bias=load_dense(ckpt, p + "dt_bias", (Hv,), rows=[(v0, v1)], dtype=torch.float32),
+        norm=load_dense(ckpt, p + "norm.weight", (Dv,), dtype=torch.float32),
+        k_heads=k1 - k0, v_heads=v1 - v0)
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """One kind of layer mixer: where its tensors live, how they load, and which Model method runs it."""
+    module: str                    # the HF module under `layers.{i}.`
+    load: Callable                 # (ckpt, cfg, prefix, shard) -> its weights dataclass
+    forward: str                   # the Model method that runs it: (layer, x, batch, cache) -> (T, D)
+
+
+# The layer types of config.json's layer_types, and what each one is. Architecture.layer_types (section 1)
+# says which of them a model_type may use.
+MIXERS = {"full_attention": Mixer("self_attn", load_attention, "attention"),
+          "linear_attention": Mixer("linear_attn", load_gdn, "gated_deltanet")}
+
+
+@dataclass
+class DecoderLayer:
+    """One decoder layer: x += mixer(norm(x)); x += mlp(norm(x))."""
+    index: int                     # i in `layers.{i}.`: the key of its cache tensors
+    kind: str                      # a key of MIXERS: "full_attention" | "linear_attention"
+    input_layernorm: torch.Tensor  # (D,) fp32, zero-centred
+    post_attention_layernorm: torch.Tensor  # (D,) fp32, zero-centred
+    mixer: AttentionWeights | GatedDeltaNetWeights
+    mlp: MLPWeights
+
+
+def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, shard: Shard) -> DecoderLayer:
+    """Read layer i's tensors (this rank's shard of them). Colwise = split output rows; rowwise = split inputs."""
+    p, D, kind = f"{cfg.weight_prefix}layers.{i}.", cfg.hidden_size, cfg.layer_types[i]
+    norm = lambda name: load_norm(ckpt, cfg, p + name, (D,))  # noqa: E731
+    input_norm, post_norm = norm("input_layernorm.weight"), norm("post_attention_layernorm.weight")
+    mlp = load_mlp(ckpt, cfg, p + "mlp.", shard)        # before the mixer: a refused shard names the MLP first
+    return DecoderLayer(index=i, kind=kind, input_layernorm=input_norm, post_attention_layernorm=post_norm,
+                        mixer=MIXERS[kind].load(ckpt, cfg, f"{p}{MIXERS[kind].module}.", shard), mlp=mlp)
 
 
 class Model:
@@ -1281,6 +1388,7 @@ class Model:
             self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype))
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
+        self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
         self.inv_freq = inv.float().to(device)                             # (R/2,)
 
@@ -1293,61 +1401,72 @@ class Model:
                 t[batch.fresh_slots] = 0
         x = ops.embed(batch.token_ids, self.embed_tokens, self.dtype)      # (T, D)
         residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for L in self.layers:
-            h, residual = ops.add_rmsnorm(x, residual, L.input_norm, eps)
-            mixer = self.attention if L.kind == "full_attention" else self.gated_deltanet
+        for L, mixer in zip(self.layers, self.mixers):
+            h, residual = ops.add_rmsnorm(x, residual, L.input_layernorm, eps)
             x = self.all_reduce(mixer(L, h, batch, cache))
-            h, residual = ops.add_rmsnorm(x, residual, L.post_norm, eps)
-            x = self.all_reduce(self.mlp(L, h))
+            h, residual = ops.add_rmsnorm(x, residual, L.post_attention_layernorm, eps)
+            x = self.all_reduce(self.mlp(L.mlp, h))
         h, _ = ops.add_rmsnorm(x, residual, self.norm, eps)
         return ops.linear(h[batch.logit_rows], self.lm_head).float()       # (R, V)
 
-    def mlp(self, L: Layer, x):
+    def mlp(self, w: MLPWeights, x):
         ops = self.ops
-        return ops.linear(ops.silu_mul(ops.linear(x, L.gate), ops.linear(x, L.up)), L.down)
+        return ops.linear(ops.silu_mul(ops.linear(x, w.gate_proj), ops.linear(x, w.up_proj)), w.down_proj)
 
-    def attention(self, L: Layer, x, batch: Batch, cache: Cache):
-        ops, cfg, T = self.ops, self.cfg, x.shape[0]
+    def attention(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
+        ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
         Dh = cfg.head_dim
-        qg = ops.linear(x, L.q_proj)
+        qg = ops.linear(x, w.q_proj)
         if cfg.gated_attention:                                            # per head: [q | gate]
-            qg = qg.view(T, L.heads, 2, Dh)
-            q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, L.heads * Dh)
+            qg = qg.view(T, w.heads, 2, Dh)
+            q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, w.heads * Dh)
         else:
-            q, gate = qg.view(T, L.heads, Dh), None
-        k = ops.linear(x, L.k_proj).view(T, L.kv_heads, Dh)
-        v = ops.linear(x, L.v_proj).view(T, L.kv_heads, Dh)
-        q, k = ops.qk_norm_rope(q, k, L.q_norm, L.k_norm, cfg.rms_norm_eps, batch.positions, self.inv_freq)
+            q, gate = qg.view(T, w.heads, Dh), None
+        k = ops.linear(x, w.k_proj).view(T, w.kv_heads, Dh)
+        v = ops.linear(x, w.v_proj).view(T, w.kv_heads, Dh)
+        q, k = ops.qk_norm_rope(q, k, w.q_norm, w.k_norm, cfg.rms_norm_eps, batch.positions, self.inv_freq)
         ops.kv_write(k, v, cache.k[L.index], cache.v[L.index], batch.slot_mapping)
         o = ops.attention(q, cache.k[L.index], cache.v[L.index], batch.block_tables, batch.context_lens,
-                          batch.query_start, Dh ** -0.5).reshape(T, L.heads * Dh)
+                          batch.query_start, Dh ** -0.5).reshape(T, w.heads * Dh)
         if gate is not None:
             o = ops.sigmoid_mul(o, gate)
-        return ops.linear(o, L.o_proj)
+        return ops.linear(o, w.o_proj)
 
-    def gated_deltanet(self, L: Layer, x, batch: Batch, cache: Cache):
-        ops, cfg, T = self.ops, self.cfg, x.shape[0]
+    def gated_deltanet(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
+        ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv = ops.conv1d(ops.linear(x, L.in_proj_qkv), L.conv_w, cache.conv[L.index], batch.state_slots,
+        qkv = ops.conv1d(ops.linear(x, w.in_proj_qkv), w.conv1d, cache.conv[L.index], batch.state_slots,
                          batch.query_start)                               # (T, C')
-        nk, nv = L.k_heads * Dk, L.v_heads * Dv
-        q = qkv[:, :nk].reshape(T, L.k_heads, Dk)
-        k = qkv[:, nk:2 * nk].reshape(T, L.k_heads, Dk)
-        v = qkv[:, 2 * nk:].reshape(T, L.v_heads, Dv)
-        g, beta = ops.gdn_gates(ops.linear(x, L.in_proj_a), ops.linear(x, L.in_proj_b), L.A_log, L.dt_bias)
+        nk, nv = w.k_heads * Dk, w.v_heads * Dv
+        q = qkv[:, :nk].reshape(T, w.k_heads, Dk)
+        k = qkv[:, nk:2 * nk].reshape(T, w.k_heads, Dk)
+        v = qkv[:, 2 * nk:].reshape(T, w.v_heads, Dv)
+        g, beta = ops.gdn_gates(ops.linear(x, w.in_proj_a), ops.linear(x, w.in_proj_b), w.A_log, w.dt_bias)
         o = ops.gated_delta(q, k, v, g, beta, cache.ssm[L.index], batch.state_slots, batch.query_start)
-        z = ops.linear(x, L.in_proj_z).view(T, L.v_heads, Dv)
-        o = ops.gated_rmsnorm(o, z, L.gdn_norm, cfg.rms_norm_eps).reshape(T, nv)
-        return ops.linear(o, L.out_proj)
+        z = ops.linear(x, w.in_proj_z).view(T, w.v_heads, Dv)
+        o = ops.gated_rmsnorm(o, z, w.norm, cfg.rms_norm_eps).reshape(T, nv)
+        return ops.linear(o, w.out_proj)
 
 
-def _to_device(L: Layer, device, dtype: torch.dtype) -> Layer:
-    for k, v in vars(L).items():
-        if isinstance(v, Linear):
-            setattr(L, k, v.to(device, dtype))
-        elif isinstance(v, torch.Tensor):
-            setattr(L, k, v.to(device))
-    return L
+def named_weights(weights, prefix: str = "") -> Iterator[tuple[str, Linear | torch.Tensor]]:
+    """Every Linear and tensor of a layer's weights, by dotted field path ("mlp.gate_proj")."""
+    for f in dataclasses.fields(weights):
+        value = getattr(weights, f.name)
+        if isinstance(value, (Linear, torch.Tensor)):
+            yield prefix + f.name, value
+        elif dataclasses.is_dataclass(value):
+            yield from named_weights(value, f"{prefix}{f.name}.")
+
+
+def _to_device(weights, device, dtype: torch.dtype):
+    """A copy of a layer's weights on device: dense Linears take the activation dtype, FP8 stays FP8."""
+    def move(value):
+        if isinstance(value, Linear):
+            return value.to(device, dtype)
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        return _to_device(value, device, dtype) if dataclasses.is_dataclass(value) else value
+    return dataclasses.replace(weights, **{f.name: move(getattr(weights, f.name)) for f in dataclasses.fields(weights)})
 
 
 
@@ -1413,15 +1532,15 @@ def allocate_cache(cfg: ModelConfig, layers: list, num_blocks: int, block_size: 
     cache = Cache({}, {}, {}, {})
     for L in layers:
         if L.kind == "full_attention":
-            shape = (num_blocks, block_size, L.kv_heads, cfg.head_dim)
+            shape = (num_blocks, block_size, L.mixer.kv_heads, cfg.head_dim)
             cache.k[L.index] = torch.zeros(shape, dtype=kv_dtype, device=device)
             cache.v[L.index] = torch.zeros(shape, dtype=kv_dtype, device=device)
         else:
-            conv_dim = L.conv_w.shape[0]
+            conv_dim = L.mixer.conv1d.shape[0]
             cache.conv[L.index] = torch.zeros(num_slots, conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=kv_dtype,
                                               device=device)
-            cache.ssm[L.index] = torch.zeros(num_slots, L.v_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                             dtype=torch.float32, device=device)
+            cache.ssm[L.index] = torch.zeros(num_slots, L.mixer.v_heads, cfg.linear_key_head_dim,
+                                             cfg.linear_value_head_dim, dtype=torch.float32, device=device)
     return cache
 
 
@@ -1779,16 +1898,10 @@ class Engine:
 
 # ===== SECTION 8b: tensor parallelism (owner: tp) =====
 
-import atexit
-import datetime
-import subprocess
-
-import torch.distributed as dist
-
 # -----------------------------------------------------------------------------------------------
 # 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
 #     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
-#     worker processes that replay rank 0's step plans on their shard and their own cache. Activations cross
+#     worker processes that run rank 0's calls (RankRunner methods) on their shard and cache. Activations cross
 #     ranks only in the model's two all-reduces per layer (after the mixer's output projection and after
 #     down_proj). The embedding and lm_head are replicated, not vocab-parallel: rank 0's own lm_head gives
 #     the full logits, so sampling needs no gather and the embedding no all-reduce; the price is one copy of
@@ -1796,7 +1909,8 @@ import torch.distributed as dist
 #
 #     Lifecycle: one group, one lifetime. start_group returns only after every rank has loaded; a worker
 #     that fails or dies ends the group (named in the message); workers stop when rank 0 says so, when rank 0
-#     disappears, or when their connection to it breaks. See docs/architecture.md, "Tensor parallelism".
+#     disappears, or when their connection to it breaks. Workers join over loopback with the group's secret.
+#     See docs/architecture.md, "Tensor parallelism".
 # -----------------------------------------------------------------------------------------------
 
 def parse_devices(spec: str) -> list[torch.device]:
@@ -1829,91 +1943,205 @@ def _cache_blocks(opts: EngineOptions) -> int:
     return opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // opts.kv_block_size)
 
 
-# Every rank needs a step's Batch. Rank 0 broadcasts it as a fixed header (command and sizes), then one
-# int64 payload holding the Batch's tensors end to end; the workers rebuild the Batch on their device.
+# Cross-rank work is a method call. Rank 0 calls `group.call("run", batch, ENGINE_CACHE)`: the method's name
+# and arguments go to every worker over its control connection, then rank 0 runs the same RankRunner method on
+# its own shard. Workers run calls as they arrive and calls are serialised on rank 0, so every rank runs the
+# same calls in the same order and the all-reduces inside forward pair up. A new cross-rank operation (a
+# prefix-cache state copy, a speculative verify) is a new RankRunner method: the wire does not change. Only
+# rank 0's result is kept; a worker answers only "ready" after loading, or its error before it exits.
 
-PLAN_STEP, PLAN_SCRATCH, PLAN_COPY, PLAN_STOP = range(4)
-HEADER_WORDS = 8                      # command, then up to 7 integer arguments
 ENGINE_CACHE, SCRATCH_CACHE = 0, 1    # which cache a step runs on: the engine's, or logits()'s temporary one
-_BATCH_WIRE = (("token_ids", torch.long), ("positions", torch.long), ("query_start", torch.int32),
-               ("context_lens", torch.int32), ("block_tables", torch.int32), ("slot_mapping", torch.long),
-               ("state_slots", torch.int32), ("logit_rows", torch.long), ("fresh_slots", torch.long))
+STOP = "stop"                         # the call that ends a worker's loop (not a RankRunner method)
 
 
-def pack_batch(batch: Batch) -> tuple[list[int], torch.Tensor]:
-    """-> ([T, B, W, R, F], payload (n,) int64 on the CPU)."""
-    B, W = batch.block_tables.shape
-    sizes = [batch.token_ids.numel(), B, W, batch.logit_rows.numel(), batch.fresh_slots.numel()]
-    payload = torch.cat([getattr(batch, name).reshape(-1).to("cpu", torch.long) for name, _ in _BATCH_WIRE])
-    return sizes, payload
+class RankRunner:
+    """One rank's model shard and caches. Its public methods are the calls rank 0 makes on every rank."""
+
+    def __init__(self, model: Model, opts: EngineOptions, kv_dtype: torch.dtype, device: torch.device,
+                 engine_cache: Cache | None = None):
+        self.model, self.opts, self.kv_dtype, self.device = model, opts, kv_dtype, device
+        self.caches: dict[int, Cache | None] = {ENGINE_CACHE: engine_cache, SCRATCH_CACHE: None}
+
+    @staticmethod
+    def is_call(method: str) -> bool:
+        return not method.startswith("_") and method != "is_call" and callable(vars(RankRunner).get(method))
+
+    def run(self, batch: Batch, which: int) -> torch.Tensor:
+        """One forward step on cache `which`: (R, V) logits, kept on rank 0 and dropped on the workers."""
+        return self.model.forward(batch, self.caches[which])
+
+    def set_scratch(self, nblocks: int) -> None:
+        """LLM.logits()'s temporary cache: nblocks KV blocks and one state slot; 0 frees it."""
+        self.caches[SCRATCH_CACHE] = allocate_cache(self.model.cfg, self.model.layers, nblocks,
+                                                    self.opts.kv_block_size, 1, self.kv_dtype,
+                                                    self.device) if nblocks else None
+
+    def copy_state(self, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None) -> None:
+        """copy_state (section 5) on the engine cache: forked choices (n > 1) start from the parent's state."""
+        copy_state(self.caches[ENGINE_CACHE], src_slot, dst_slot, src_block, dst_block)
 
 
-def wire_lengths(sizes: list[int]) -> list[int]:
-    """The payload length of each _BATCH_WIRE field, from [T, B, W, R, F]."""
-    T, B, W, R, F = sizes
-    return [T, T, B + 1, B, B * W, T, B, R, F]
+def _move(value, device):
+    """value with every tensor in it (also inside a dataclass such as Batch, a list or a tuple) on device: a
+    call's arguments travel as CPU tensors, and each worker moves them to its own device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _move(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value)})
+    if isinstance(value, (list, tuple)):
+        return type(value)(_move(v, device) for v in value)
+    return value
 
 
-def unpack_batch(sizes: list[int], payload: torch.Tensor, device) -> Batch:
-    parts = payload.to(device).split(wire_lengths(sizes))
-    fields = {name: part.to(dtype) for (name, dtype), part in zip(_BATCH_WIRE, parts)}
-    fields["block_tables"] = fields["block_tables"].view(sizes[1], sizes[2])   # (B, W)
-    return Batch(**fields)
+def _tensor_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a tensor as its raw bytes (a CPU copy), several times faster than torch's own reduction."""
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        t = obj.detach().to("cpu").contiguous()
+        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+        return _tensor_from_bytes, (data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+def _dumps(message) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(message)
+    return buf.getvalue()
+
+
+class _Unpickler(pickle.Unpickler):
+    """Finds this file's classes (Batch, ...) whatever the module is called on the sending rank: `__main__`
+    under the CLI, `pocketllm` in a worker, any name in a program that loaded the file by path."""
+
+    def __init__(self, data: bytes, peer_module: str):
+        super().__init__(io.BytesIO(data))
+        self.peer_module = peer_module
+
+    def find_class(self, module: str, name: str):
+        return globals()[name] if module == self.peer_module else super().find_class(module, name)
+
+
+class Channel:
+    """The control connection between rank 0 and one worker: pickled messages, each behind its 8-byte length.
+    It exists only after the handshake below, so only a group member's bytes are ever unpickled."""
+
+    def __init__(self, sock: socket.socket, peer_module: str = __name__):
+        self.sock, self.peer_module = sock, peer_module   # the other rank's name for this file's module
+
+    def send(self, message) -> None:
+        self.send_bytes(_dumps(message))
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(struct.pack("!Q", len(data)) + data)
+
+    def recv(self):
+        return _Unpickler(self.read(struct.unpack("!Q", self.read(8))[0]), self.peer_module).load()
+
+    def read(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise ConnectionError("the other rank closed the connection")
+            buf += chunk
+        return bytes(buf)
+
+    def pending(self) -> bool:
+        """Something (a message, or the end of the connection) can be read without waiting."""
+        return bool(select.select([self.sock], [], [], 0)[0])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# The rendezvous. Rank 0 listens on 127.0.0.1 only, and a connection joins the group only by proving it holds
+# the group's secret (32 random bytes that rank 0 writes to each worker's stdin, never on a command line):
+# rank 0 sends a nonce, the worker answers with its rank, HMAC(secret, nonce, rank) and a nonce of its own,
+# which rank 0 answers in turn (a worker never talks to an impostor holding rank 0's port). Any other
+# connection is closed and the group keeps waiting for the real worker. The collectives rendezvous through a
+# FileStore in a private (0700) directory, and gloo's sockets bind to 127.0.0.1 too; NCCL's bootstrap uses
+# the loopback interface unless NCCL_SOCKET_IFNAME says otherwise.
+
+RENDEZVOUS_HOST = "127.0.0.1"
+HANDSHAKE_TIMEOUT_S = 10.0
+_HANDSHAKE = b"pocketllm-tp-1"
+
+
+def _mac(secret: bytes, role: bytes, nonce: bytes, rank: int) -> bytes:
+    return hmac.new(secret, _HANDSHAKE + role + nonce + struct.pack("!i", rank), "sha256").digest()
+
+
+def admit_worker(sock: socket.socket, secret: bytes, world: int) -> tuple[int, Channel] | None:
+    """Rank 0's side of the handshake: (rank, channel) for a worker holding the secret, else None."""
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    channel, nonce = Channel(sock), os.urandom(16)
+    try:
+        sock.sendall(nonce)
+        reply = channel.read(4 + 32 + 16)                               # rank, its MAC, the worker's nonce
+    except (OSError, ConnectionError):
+        return None
+    rank = struct.unpack("!i", reply[:4])[0]
+    if not 0 < rank < world or not hmac.compare_digest(reply[4:36], _mac(secret, b"worker", nonce, rank)):
+        return None
+    sock.sendall(_mac(secret, b"rank0", reply[36:], rank))
+    sock.settimeout(None)
+    return rank, channel
+
+
+def join_group(port: int, rank: int, secret: bytes, rank0_module: str) -> Channel:
+    """A worker's side of the handshake: its control channel to rank 0."""
+    sock = socket.create_connection((RENDEZVOUS_HOST, port), timeout=HANDSHAKE_TIMEOUT_S)
+    channel, nonce = Channel(sock, rank0_module), os.urandom(16)
+    sock.sendall(struct.pack("!i", rank) + _mac(secret, b"worker", channel.read(16), rank) + nonce)
+    if not hmac.compare_digest(channel.read(32), _mac(secret, b"rank0", nonce, rank)):
+        raise PocketError(f"the process on port {port} is not this group's rank 0 (wrong secret)")
+    sock.settimeout(None)
+    return channel
 
 
 class Comm:
-    """One rank's collectives. Plans travel over gloo (CPU tensors, from rank 0). Activations are summed over
-    the same gloo group on CPU ranks, and over NCCL on GPU ranks: the native library's when the native ops
-    run (it must have NCCL), torch.distributed's when the torch ops do."""
+    """One rank's all-reduce: over gloo on CPU ranks; over NCCL on GPU ranks, the native library's when the
+    native ops run (it must have NCCL), torch.distributed's when the torch ops do."""
 
-    # Workers wait for the next plan for as long as the server idles; a dead peer still fails at once
-    # (its sockets close), so the timeout only bounds a peer that hangs.
-    TIMEOUT = datetime.timedelta(days=30)
+    # Bounds an all-reduce whose peer hangs; a dead peer fails it at once (its sockets close).
+    TIMEOUT = datetime.timedelta(hours=1)
 
     def __init__(self, store, rank: int, world: int, device: torch.device, ops):
-        self.plans = dist.ProcessGroupGloo(dist.PrefixStore("plans/", store), rank, world, self.TIMEOUT)
-        self.all_reduce = self._gloo_all_reduce
         if device.type == "cuda" and hasattr(ops, "nccl_init"):
             self.comm = ops.nccl_init(store.get("nccl_id"), world, rank, device.index)
             self.all_reduce = lambda x: ops.all_reduce(x, self.comm)        # in place, on the ops' stream
-        elif device.type == "cuda":
-            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world)
-            self.all_reduce = self._torch_nccl_all_reduce
+            return
+        if device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=RENDEZVOUS_HOST)]
+            options._timeout = self.TIMEOUT
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, options)
+        self.all_reduce = self._torch_all_reduce
 
-    def _gloo_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.plans.allreduce([x]).wait()
+    def _torch_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.group.allreduce([x]).wait()
         return x
-
-    def _torch_nccl_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.nccl.allreduce([x]).wait()
-        return x
-
-    def send_plan(self, command: int, args: list[int], payload: torch.Tensor | None = None):
-        header = torch.tensor((command, *args) + (0,) * (HEADER_WORDS - 1 - len(args)), dtype=torch.long)
-        self.plans.broadcast(header, 0).wait()
-        if payload is not None and payload.numel():
-            self.plans.broadcast(payload, 0).wait()
-
-    def recv_plan(self) -> tuple[int, list[int], torch.Tensor | None]:
-        header = torch.empty(HEADER_WORDS, dtype=torch.long)
-        self.plans.broadcast(header, 0).wait()
-        command, args = int(header[0]), header[1:].tolist()
-        payload = None
-        if command == PLAN_STEP:
-            payload = torch.empty(sum(wire_lengths(args[1:6])), dtype=torch.long)
-            if payload.numel():
-                self.plans.broadcast(payload, 0).wait()
-        return command, args, payload
 
 
 def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: int, world: int, all_reduce,
                      quiet: bool) -> Model:
     ckpt = Checkpoint(ckpt_dir)
     try:
-        return Model(ckpt, ops, dtype, device, shard=Shard(rank, world), num_layers=opts.smoke_layers or None,
+        shard = Shard(rank, world, whole_blocks=ops.name == "native")
+        return Model(ckpt, ops, dtype, device, shard=shard, num_layers=opts.smoke_layers or None,
                      all_reduce=all_reduce, progress=not quiet)
     except CheckpointError as e:
-        if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. an FP8 slice off its 128-blocks
+        if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. native: an FP8 slice off its blocks
             raise CheckpointError(f"{e} at tensor-parallel degree {world}") from None
         raise
     finally:
@@ -1938,8 +2166,8 @@ _WORKER_BOOT = ("import importlib.util, sys\n"
 
 
 class RankGroup:
-    """Rank 0's side of the group: its own Model shard, the worker processes, and the step protocol.
-    run_batch / logits / copy_state mirror every cache operation on every rank; close() stops them all."""
+    """Rank 0's side of the group: its own RankRunner, the worker processes and their channels. call() runs a
+    RankRunner method on every rank; run_batch / logits / copy_state are the engine's calls. close() stops all."""
 
     POLL_S = 0.2
 
@@ -1948,43 +2176,104 @@ class RankGroup:
         self.devices = parse_devices(opts.devices)
         self.world = len(self.devices)
         self.workers: dict[int, subprocess.Popen] = {}
+        self.channels: dict[int, Channel] = {}  # rank -> its control channel, once it has proven the secret
+        self.reports: dict[int, tuple] = {}     # rank -> its last report: ("ready",) | ("error", type, message)
+        self.refused = 0                        # connections closed for lacking the secret
         self.dead_reason: str | None = None     # set once a rank has failed; every later call raises
         self.dead_kind = ""                     # the failed rank's error type, when it reported one
         self.on_death: Callable[[str], None] | None = None   # told the reason (e.g. to mark the LLM dead)
         self.comm: Comm | None = None
         self.model: Model | None = None
-        self._lock = threading.Lock()           # one plan + forward at a time, in the same order on every rank
+        self.runner: RankRunner | None = None
+        self._lock = threading.RLock()          # one call at a time (logits() makes several under it)
+        self._read_lock = threading.Lock()      # the watcher and the start both read reports
         self._closing = False
-        self._scratch: Cache | None = None
-        self.store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
-                                   wait_for_workers=False)   # port 0: the OS picks a free port
+        self.secret = os.urandom(32)
+        self.rendezvous_dir = Path(tempfile.mkdtemp(prefix="pocketllm-tp-"))   # 0700: this user only
+        self.store = dist.FileStore(str(self.rendezvous_dir / "store"), -1)
+        self.listener = socket.create_server((RENDEZVOUS_HOST, 0))              # port 0: the OS picks
+        self.listener.settimeout(self.POLL_S)
+        self.port = self.listener.getsockname()[1]
+        self._admitter = threading.Thread(target=self._admit, name="pocketllm-rendezvous", daemon=True)
         atexit.register(self.close)
 
-    # Start: spawn the workers, load rank 0's shard meanwhile, wait until every rank has loaded, connect.
+    # Start: spawn the workers, admit them, load rank 0's shard meanwhile, wait until every rank has loaded.
 
     def start(self, ckpt_dir):
         device = self.devices[0]
         ops, why = select_ops(self.opts, device)
         _log(self.opts, f"backend: {why}; tensor parallelism over {self.world} ranks ({self.opts.devices})")
         if device.type == "cuda":   # GPU ranks without NCCL are refused, never run without their all-reduce
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")   # one machine: NCCL's bootstrap stays on loopback
             if hasattr(ops, "nccl_unique_id"):
                 self.store.set("nccl_id", ops.nccl_unique_id())   # rank 0 makes the id; raises without NCCL
             elif not dist.is_nccl_available():
                 raise PocketError(f"--devices {self.opts.devices}: tensor parallelism on GPUs needs NCCL, and this "
                                   f"torch build has none (torch.distributed.is_nccl_available() is False)")
+        self._admitter.start()
         for rank in range(1, self.world):
             spec = {"ckpt": str(Path(ckpt_dir).resolve()), "rank": rank, "world": self.world,
                     "device": str(self.devices[rank]), "dtype": str(self.dtype).removeprefix("torch."),
-                    "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "port": self.store.port,
-                    "parent": os.getpid(),   # every rank runs rank 0's backend, so their all-reduces match
-                    "options": dict(dataclasses.asdict(self.opts), backend=ops.name)}
-            self.workers[rank] = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(Path(__file__).resolve()),
-                                                   json.dumps(spec)], stdin=subprocess.DEVNULL)
+                    "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "port": self.port,
+                    "store": str(self.rendezvous_dir / "store"), "parent": os.getpid(), "module": __name__,
+                    "options": dict(dataclasses.asdict(self.opts), backend=ops.name)}   # every rank: rank 0's ops
+            proc = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, str(Path(__file__).resolve()),
+                                     json.dumps(spec)], stdin=subprocess.PIPE)
+            self.workers[rank] = proc
+            proc.stdin.write(self.secret.hex().encode() + b"\n")       # the secret, privately
+            proc.stdin.close()
         threading.Thread(target=self._watch, name="pocketllm-ranks", daemon=True).start()
         self.model = _load_rank_model(ckpt_dir, self.opts, ops, self.dtype, device, 0, self.world,
                                       lambda x: self.comm.all_reduce(x), self.opts.quiet)
+        self.runner = RankRunner(self.model, self.opts, self.kv_dtype, device)
         self._wait_until_loaded()
+        self._stop_listening()      # everyone is in
         self.comm = Comm(self.store, 0, self.world, device, ops)
+
+    def _admit(self):
+        """Accept connections on the loopback port until every worker has joined; each handshake runs on its
+        own thread, so a connection that never answers cannot hold up the real worker."""
+        try:
+            while not self._closing and len(self.channels) < self.world - 1:
+                try:
+                    sock, _ = self.listener.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
+        except OSError:             # _stop_listening shut it down
+            pass
+        finally:
+            self.listener.close()
+
+    def _stop_listening(self):
+        """Stop listening now (shutdown also wakes the accept), and let the admitting thread close the socket."""
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:             # already closed
+            pass
+        if self._admitter.is_alive():
+            self._admitter.join(timeout=2.0)
+        self.listener.close()
+
+    def _handshake(self, sock: socket.socket):
+        joined = admit_worker(sock, self.secret, self.world)
+        with self._read_lock:
+            if joined is not None and joined[0] not in self.channels and not self._closing:
+                self.channels[joined[0]] = joined[1]
+                return
+            self.refused += 1
+        sock.close()
+        _log(self.opts, "tensor-parallel rendezvous: refused a connection without the group's secret")
+
+    def _read_reports(self, rank: int):
+        """Take what rank has sent so far ("ready", or its error) off its channel."""
+        channel = self.channels.get(rank)
+        with self._read_lock:
+            try:
+                while channel is not None and channel.pending():
+                    self.reports[rank] = channel.recv()
+            except (OSError, ConnectionError, EOFError, pickle.UnpicklingError):
+                pass                # the rank is gone; the watcher says how
 
     def _wait_until_loaded(self):
         """Until every worker says it has loaded; a worker that failed (seen by the watcher) fails the start."""
@@ -1992,15 +2281,19 @@ class RankGroup:
         while pending:
             if self.dead_reason:
                 raise (CheckpointError if self.dead_kind == "CheckpointError" else PocketError)(self.dead_reason)
-            pending = {rank for rank in pending if not self.store.check([f"ready/{rank}"])}
+            for rank in list(pending):
+                self._read_reports(rank)
+                if self.reports.get(rank) == ("ready",):
+                    pending.discard(rank)
             time.sleep(0.05)
 
     def _rank_error(self, rank: int) -> tuple[str, str]:
         """(error type name, one line naming the rank and what happened to it)."""
         where = f"rank {rank} ({self.devices[rank]})"
-        if self.store.check([f"error/{rank}"]):
-            err = json.loads(self.store.get(f"error/{rank}"))
-            return err["type"], f"{where} failed: {err['type']}: {err['message']}"
+        self._read_reports(rank)
+        report = self.reports.get(rank, ())
+        if report[:1] == ("error",):
+            return report[1], f"{where} failed: {report[1]}: {report[2]}"
         code = self.workers[rank].returncode
         if code is not None and code < 0:
             return "", f"{where} was killed by {signal.Signals(-code).name}"
@@ -2034,9 +2327,9 @@ class RankGroup:
             raise PocketError("the tensor-parallel group is closed")
 
     def _failed(self, error: Exception) -> Exception:
-        """A step raised. A peer's death surfaces as a collective error: wait for the watcher to name the rank.
-        Anything else is rank 0's own failure, which also ends the group."""
-        if self._closing:                  # close() stopped the workers under a step still in flight
+        """A call raised. A peer's death surfaces as a collective or socket error: wait for the watcher to name
+        the rank. Anything else is rank 0's own failure, which also ends the group."""
+        if self._closing:                  # close() stopped the workers under a call still in flight
             return PocketError("the tensor-parallel group is closed")
         deadline = time.time() + 3.0
         while self.dead_reason is None and time.time() < deadline:
@@ -2046,39 +2339,39 @@ class RankGroup:
             return error
         return PocketError(f"the tensor-parallel group has stopped: {self.dead_reason}")
 
-    # The steps. Every rank runs the same Batch in the same order, so the all-reduces inside forward pair up.
+    # Calls. Every rank runs the same calls in the same order, so the all-reduces inside forward pair up.
 
-    def run_batch(self, batch: Batch, cache: Cache) -> torch.Tensor:
-        with self._lock:
-            return self._step(batch, cache, ENGINE_CACHE)
-
-    def _step(self, batch: Batch, cache: Cache, which: int) -> torch.Tensor:
-        self._check_alive()
-        try:
-            sizes, payload = pack_batch(batch)
-            self.comm.send_plan(PLAN_STEP, [which, *sizes], payload)
-            return self.model.forward(batch, cache)                        # (R, V): full logits, rank 0 only
-        except Exception as e:
-            raise self._failed(e) from e
-
-    def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
-        """copy_state (section 5) on every rank's engine cache: forked choices (n > 1) start from the parent's
-        state. The engine calls this in place of copy_state when a group runs the model."""
+    def call(self, method: str, *args):
+        """RankRunner.<method>(*args) on every rank; returns rank 0's result."""
+        if not RankRunner.is_call(method):
+            raise ValueError(f"RankRunner has no call {method!r}")
         with self._lock:
             self._check_alive()
             try:
-                self.comm.send_plan(PLAN_COPY, [src_slot, dst_slot, -1 if src_block is None else src_block,
-                                                -1 if dst_block is None else dst_block])
+                message = _dumps((method, args))                           # encoded once for every worker
+                for channel in self.channels.values():
+                    channel.send_bytes(message)
+                return getattr(self.runner, method)(*args)
             except Exception as e:
                 raise self._failed(e) from e
-            copy_state(cache, src_slot, dst_slot, src_block, dst_block)
+
+    def run_batch(self, batch: Batch, cache: Cache) -> torch.Tensor:
+        """One engine step on every rank; `cache` is the engine's, rank 0's engine cache."""
+        self.runner.caches[ENGINE_CACHE] = cache
+        return self.call("run", batch, ENGINE_CACHE)                        # (R, V): full logits, rank 0 only
+
+    def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
+        """copy_state (section 5) on every rank's engine cache. The engine calls this in place of copy_state
+        when a group runs the model."""
+        self.runner.caches[ENGINE_CACHE] = cache
+        self.call("copy_state", src_slot, dst_slot, src_block, dst_block)
 
     def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """LLM.logits over the group: every rank runs the prefill chunks on a temporary cache of its own."""
         ids, bs, device = list(token_ids), self.opts.kv_block_size, self.devices[0]
         nblocks = -(-len(ids) // bs)
         with self._lock:
-            self._set_scratch(nblocks)
+            self.call("set_scratch", nblocks)
             try:
                 blocks, step, out = list(range(nblocks)), chunk_size or len(ids), []
                 for s in range(0, len(ids), step):
@@ -2089,20 +2382,11 @@ class RankGroup:
                                   t([blocks[i // bs] * bs + i % bs for i in range(s, s + n)], torch.long),
                                   t([0], torch.int32), t(list(range(n)), torch.long),
                                   t([0] if s == 0 else [], torch.long))
-                    out.append(self._step(batch, self._scratch, SCRATCH_CACHE))
+                    out.append(self.call("run", batch, SCRATCH_CACHE))
             finally:
                 if self.dead_reason is None and not self._closing:
-                    self._set_scratch(0)
+                    self.call("set_scratch", 0)
         return torch.cat(out).float().cpu()                                 # (len, V)
-
-    def _set_scratch(self, nblocks: int):
-        self._check_alive()
-        try:
-            self.comm.send_plan(PLAN_SCRATCH, [nblocks])
-        except Exception as e:
-            raise self._failed(e) from e
-        self._scratch = allocate_cache(self.model.cfg, self.model.layers, nblocks, self.opts.kv_block_size, 1,
-                                       self.kv_dtype, self.devices[0]) if nblocks else None
 
     # Shutdown: tell the workers to stop, give them a moment, then make sure.
 
@@ -2114,13 +2398,19 @@ class RankGroup:
         told = False
         if self.comm is not None and self.dead_reason is None and self._lock.acquire(timeout=2.0):
             try:
-                self.comm.send_plan(PLAN_STOP, [])
+                message = _dumps((STOP, ()))
+                for channel in self.channels.values():
+                    channel.send_bytes(message)
                 told = True
             except Exception:       # a worker already gone: the kill below covers it
                 pass
             finally:
                 self._lock.release()
         self._stop_workers(grace_s=5.0 if told else 0.0)
+        self._stop_listening()
+        for channel in self.channels.values():
+            channel.close()
+        shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
 
     def _stop_workers(self, grace_s: float):
         deadline = time.time() + grace_s
@@ -2149,47 +2439,48 @@ def start_group(ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: tor
     return group
 
 
-# A worker rank: load the shard, say so, then replay plans until told to stop.
+# A worker rank: join with the secret, load the shard, say so, then run rank 0's calls until told to stop.
 
 def run_rank_worker(spec_json: str) -> int:
     spec = json.loads(spec_json)
     rank, world, parent = spec["rank"], spec["world"], spec["parent"]
+    secret = bytes.fromhex(sys.stdin.readline().strip())   # from rank 0's pipe, never the command line
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent,), name="pocketllm-parent", daemon=True).start()
-    store = dist.TCPStore("127.0.0.1", spec["port"], None, False, datetime.timedelta(days=1))
+    channel: Channel | None = None
     try:
+        channel = join_group(spec["port"], rank, secret, spec["module"])
         opts = EngineOptions(**spec["options"])
         device = torch.device(spec["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dtype, kv_dtype = _DTYPES[spec["dtype"]], _DTYPES[spec["kv_dtype"]]
+        dtype, kv_dtype = getattr(torch, spec["dtype"]), getattr(torch, spec["kv_dtype"])
         comm: list[Comm] = []          # set once every rank has loaded; forward only runs after that
-        ops, _ = select_ops(opts, device)
+        ops = TorchOps() if opts.backend == "torch" else NativeOps(device)   # rank 0's choice, made there
         model = _load_rank_model(spec["ckpt"], opts, ops, dtype, device, rank, world,
                                  lambda x: comm[0].all_reduce(x), quiet=True)
-        caches = {ENGINE_CACHE: allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
-                                               opts.max_batch_size, kv_dtype, device)}
-        store.set(f"ready/{rank}", "1")
-        comm.append(Comm(store, rank, world, device, ops))
+        runner = RankRunner(model, opts, kv_dtype, device,
+                            allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
+                                           opts.max_batch_size, kv_dtype, device))
+        channel.send(("ready",))
+        comm.append(Comm(dist.FileStore(spec["store"], -1), rank, world, device, ops))
         while True:
-            command, args, payload = comm[0].recv_plan()
-            if command == PLAN_STOP:
+            method, args = channel.recv()
+            if method == STOP:
                 return 0
-            if command == PLAN_STEP:
-                model.forward(unpack_batch(args[1:6], payload, device), caches[args[0]])
-            elif command == PLAN_SCRATCH:
-                caches[SCRATCH_CACHE] = allocate_cache(model.cfg, model.layers, args[0], opts.kv_block_size, 1,
-                                                       kv_dtype, device) if args[0] else None
-            elif command == PLAN_COPY:
-                src_block, dst_block = (None if b < 0 else b for b in args[2:4])
-                copy_state(caches[ENGINE_CACHE], args[0], args[1], src_block, dst_block)
+            if not RankRunner.is_call(method):
+                raise PocketError(f"rank 0 called {method!r}, which RankRunner does not have")
+            getattr(runner, method)(*_move(args, device))
     except Exception as e:
         time.sleep(0.5)             # rank 0 gone too (its sockets close before we are re-parented)? then quietly
         if os.getppid() != parent:
             return 1
         if not isinstance(e, PocketError):
             traceback.print_exc()
-        store.set(f"error/{rank}", json.dumps({"type": type(e).__name__, "message": str(e)}))
+        try:
+            channel.send(("error", type(e).__name__, str(e)))
+        except Exception:           # never joined, or rank 0 gone: stderr and the exit code say it
+            print(f"pocketllm: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, PocketError) else 1
 
 

@@ -139,9 +139,9 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     llm = pocketllm.LLM(ckpt, backend=args.backend, device=args.device, quiet=True, max_batch_size=max(batches),
                         max_context=args.prompt_len + args.decode + 16)
-    params = sum(p.numel() for L in llm.model.layers for p in vars(L).values() if isinstance(p, torch.Tensor)) + \
-        sum(getattr(L, k).weight.numel() for L in llm.model.layers for k, v in vars(L).items()
-            if isinstance(v, pocketllm.Linear)) + llm.model.embed_tokens.numel() + llm.model.lm_head.weight.numel()
+    params = sum((w.weight if isinstance(w, pocketllm.Linear) else w).numel()
+                 for L in llm.model.layers for _, w in pocketllm.named_weights(L)) + \
+        llm.model.embed_tokens.numel() + llm.model.lm_head.weight.numel()
     result = {"checkpoint": str(ckpt), "params_M": round(params / 1e6, 1), "threads": torch.get_num_threads(),
               "backend": args.backend}
     bench_decode(llm, 1, 4)                                                 # warm-up

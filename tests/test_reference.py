@@ -58,10 +58,10 @@ def test_greedy_tokens_match_transformers_generate(loaded, mt, fp8):
 def test_fp8_weights_stay_fp8(loaded):
     llm, _ = loaded("qwen3_5", True)
     L = llm.model.layers[0]
-    assert L.in_proj_qkv.weight.dtype == torch.float8_e4m3fn and L.in_proj_qkv.scale is not None
-    assert L.gate.weight.dtype == torch.float8_e4m3fn
+    assert L.mixer.in_proj_qkv.weight.dtype == torch.float8_e4m3fn and L.mixer.in_proj_qkv.scale is not None
+    assert L.mlp.gate_proj.weight.dtype == torch.float8_e4m3fn
     # unquantised linears take the activation dtype (float32 here); the embedding stays as stored
-    assert L.in_proj_a.weight.dtype == torch.float32 and L.in_proj_a.scale is None
+    assert L.mixer.in_proj_a.weight.dtype == torch.float32 and L.mixer.in_proj_a.scale is None
     assert llm.model.lm_head.weight.dtype == torch.float32 and llm.model.embed_tokens.dtype == torch.bfloat16
 
 

@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -157,13 +159,62 @@ def test_non_dividing_degree_is_refused(bf16):
     wait_no_ranks(bf16, 3)
 
 
-def test_fp8_slices_off_block_boundaries_are_refused(ckpt_factory):
-    """intermediate 200 at TP2: 100 gate_proj rows per rank, not whole 128-row FP8 blocks."""
+def test_fp8_slices_off_block_boundaries_are_refused_by_the_native_backend(ckpt_factory, monkeypatch):
+    """intermediate 200 at TP2: 100 gate_proj rows per rank, not whole 128-row FP8 blocks, which the native
+    kernels need (the torch backend splits anywhere: test_ragged_fp8_split_matches_tp1). Refused at load,
+    naming the tensor and the degree; run on the native library's CPU test build."""
+    import build
+    try:
+        build.build(cpu=True, quiet=True)
+    except build.BuildError as e:
+        pytest.skip(f"the native CPU test build does not build here: {str(e).splitlines()[0]}")
+    monkeypatch.setenv("POCKETLLM_NATIVE_CPU", "1")
+    monkeypatch.setenv("ASAN_OPTIONS", "detect_leaks=0:verify_asan_link_order=0")
     path = ckpt_factory("qwen3_5", fp8=True, **HEADS)[0]
     with pytest.raises(pocketllm.CheckpointError, match=r"tensor '.*gate_proj.weight'.*128-element block.*"
                                                          r"tensor-parallel degree 2"):
-        pocketllm.LLM(path, devices=cpu_ranks(2), **ENGINE)
+        pocketllm.LLM(path, devices=cpu_ranks(2), backend="native", **ENGINE)
     wait_no_ranks(path, 2)
+
+
+def test_ragged_fp8_split_matches_tp1(ckpt_factory):
+    """intermediate 200 at TP2 on the torch backend: each rank keeps the scales that cover its 100 rows (and
+    down_proj's 100 columns), on a 4-element grid inside the stored 128-blocks; logits and greedy tokens
+    equal TP1's."""
+    path = ckpt_factory("qwen3_5", fp8=True, **HEADS)[0]
+    tp1, tp2 = pocketllm.LLM(path, **ENGINE), pocketllm.LLM(path, devices=cpu_ranks(2), **ENGINE)
+    try:
+        gate = tp2.model.layers[0].mlp.gate_proj
+        assert gate.shape[0] == 100 and gate.block[0] == 4 and gate.scale.shape[0] == 25
+        ids = PROMPTS[0] + PROMPTS[2]
+        assert relative_error(tp1.logits(ids), tp2.logits(ids, 5)) < REL_TOL
+        assert generate_together(tp2, PROMPTS, max_tokens=8, temperature=0, ignore_eos=True) == \
+            generate_together(tp1, PROMPTS, max_tokens=8, temperature=0, ignore_eos=True)
+    finally:
+        tp2.group.close()
+    wait_no_ranks(path, 2)
+
+
+def test_pocket_tiny_runs_on_two_cpu_ranks():
+    """The bundled model's MLP (384 rows: 192 per rank, half a block) and GDN heads (64 rows) split raggedly;
+    `--devices cpu,cpu` gives one rank's greedy chat answer, tool call included."""
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                             "required": ["city"]}}}]
+    one = pocketllm.LLM(None, quiet=True, max_context=512, max_batch_size=2)
+    two = pocketllm.LLM(None, devices=cpu_ranks(2), quiet=True, max_context=512, max_batch_size=2)
+    try:
+        want, got = (llm.chat(messages, tools=tools, temperature=0, max_tokens=48, logprobs=True)["choices"][0]
+                     for llm in (one, two))
+        assert [t["token"] for t in got["logprobs"]["content"]] == [t["token"] for t in want["logprobs"]["content"]]
+        for message in (want["message"], got["message"]):     # call ids are random per response
+            for call in message.get("tool_calls") or []:
+                call.pop("id")
+        assert got["message"] == want["message"]
+        assert want["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    finally:
+        two.group.close()
 
 
 @pytest.mark.parametrize("spec, message", [("cpu,", "empty entry"), ("cpu,0", "every rank must be a cpu"),
@@ -190,6 +241,135 @@ def test_rank_failing_to_load_ends_the_group(ckpt_factory, monkeypatch):
         pocketllm.LLM(path, devices=cpu_ranks(2), **ENGINE)
     wait_no_ranks(path, 2)
     assert time.time() - t0 < 60
+
+
+# The rendezvous: loopback only, and only with the group's secret.
+
+def socket_inode(pid: int, fd: int) -> str:
+    return os.readlink(f"/proc/{pid}/fd/{fd}")[len("socket:["):-1]
+
+
+def listening_sockets(pid: int) -> dict[str, str]:
+    """{socket inode: local address} of pid's listening TCP sockets (what `ss -ltnp` shows), from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = {}
+    for table, family in (("tcp", "v4"), ("tcp6", "v6")):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:             # state 0A: LISTEN
+                addr, port = cols[1].split(":")
+                raw = bytes.fromhex(addr)
+                if family == "v4":
+                    host = ".".join(str(b) for b in raw[::-1])
+                else:                                             # four little-endian 32-bit words
+                    host = ":".join(raw[i:i + 4][::-1].hex() for i in range(0, 16, 4))
+                found[cols[9]] = f"{host}:{int(port, 16)}"
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0]
+    return host.startswith("127.") or host in ("00000000:00000000:00000000:00000001",
+                                               "00000000:00000000:ffff0000:0100007f")
+
+
+def test_rendezvous_is_loopback_only_and_needs_the_secret(bf16, monkeypatch):
+    """Three connections reach rank 0's rendezvous port before the real worker: one answers the challenge
+    without the secret, one claims rank 1 with another group's secret, one never answers. Each is closed
+    and counted; the real worker still joins and the group computes TP1's logits. Every listening socket of
+    every rank is on loopback, and the secret is on no worker's command line or environment."""
+    monkeypatch.setattr(pocketllm, "HANDSHAKE_TIMEOUT_S", 2.0)
+    opts = pocketllm.EngineOptions(devices="cpu,cpu", backend="torch", **ENGINE)
+    group = pocketllm.RankGroup(bf16, opts, torch.float32, torch.float32)
+    try:
+        assert group.listener.getsockname()[0] == "127.0.0.1"
+        rendezvous = socket_inode(os.getpid(), group.listener.fileno())
+        assert listening_sockets(os.getpid())[rendezvous] == f"127.0.0.1:{group.port}"
+        assert (group.rendezvous_dir.stat().st_mode & 0o077) == 0             # the store: this user only
+        guess, silent = (socket.create_connection(("127.0.0.1", group.port)) for _ in range(2))
+        errors = []
+        impostor = threading.Thread(target=lambda: errors.append(pytest.raises(
+            (ConnectionError, OSError), pocketllm.join_group, group.port, 1, os.urandom(32), "pocketllm")))
+        starting = threading.Thread(target=group.start, args=(bf16,))
+        starting.start()
+        impostor.start()
+        guess.settimeout(30)
+        nonce = guess.recv(16)
+        assert len(nonce) == 16
+        guess.sendall(struct.pack("!i", 1) + bytes(32) + os.urandom(16))   # rank 1, a MAC made without it
+        assert guess.recv(1) == b""                                         # closed, nothing told
+        silent.settimeout(30)
+        assert silent.recv(16) and silent.recv(1) == b""                    # closed after the timeout
+        impostor.join(60)
+        assert len(errors) == 1
+        starting.join(120)
+        assert not starting.is_alive() and group.dead_reason is None and list(group.channels) == [1]
+        assert group.refused == 3
+
+        worker = group.workers[1].pid
+        for where in ("cmdline", "environ"):
+            assert group.secret.hex().encode() not in Path(f"/proc/{worker}/{where}").read_bytes()
+        ours, theirs = listening_sockets(os.getpid()), listening_sockets(worker)
+        assert theirs, "gloo's listener should show"
+        addresses = list(ours.values()) + list(theirs.values())
+        assert all(map(is_loopback, addresses)), addresses
+        assert rendezvous not in ours                                       # everyone joined: not listening
+
+        tp1 = pocketllm.LLM(bf16, backend="torch", **ENGINE)
+        assert relative_error(tp1.logits(PROMPTS[0]), group.logits(PROMPTS[0], 5)) < REL_TOL
+    finally:
+        group.close()
+    assert not group.rendezvous_dir.exists()
+    wait_no_ranks(bf16, 2)
+
+
+def test_worker_without_the_secret_fails_the_start_naming_its_rank(bf16):
+    """Rank 0 checks against a secret other than the one its worker was given: the worker is refused, exits,
+    and the start fails with one line naming it; no rank is left behind."""
+    class Forgetful(pocketllm.RankGroup):
+        def _handshake(self, sock):
+            self.secret = os.urandom(32)
+            super()._handshake(sock)
+
+    group = Forgetful(bf16, pocketllm.EngineOptions(devices="cpu,cpu", backend="torch", **ENGINE), torch.float32,
+                      torch.float32)
+    try:
+        with pytest.raises(pocketllm.PocketError, match=r"rank 1 \(cpu\) exited with code 1"):
+            group.start(bf16)
+        assert group.refused == 1 and group.channels == {}
+    finally:
+        group.close()
+    wait_no_ranks(bf16, 2)
+
+
+def test_worker_refuses_an_impostor_rank0():
+    """A process holding the port a worker was told (rank 0 gone, say) cannot prove the secret: the worker
+    refuses it instead of running its calls."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def impostor():
+        conn, _ = server.accept()
+        conn.sendall(os.urandom(16))
+        conn.recv(4 + 32 + 16)
+        conn.sendall(os.urandom(32))
+        conn.close()
+    threading.Thread(target=impostor, daemon=True).start()
+    with pytest.raises(pocketllm.PocketError, match="not this group's rank 0"):
+        pocketllm.join_group(server.getsockname()[1], 1, os.urandom(32), "pocketllm")
+    server.close()
+
+
+def test_calls_are_runner_methods_only():
+    """group.call runs RankRunner's public methods; any other name is refused before anything is sent."""
+    assert all(pocketllm.RankRunner.is_call(m) for m in ("run", "set_scratch", "copy_state"))
+    assert not any(pocketllm.RankRunner.is_call(m) for m in ("_move", "__init__", "is_call", "stop", "forward"))
 
 
 # A rank dying, and rank 0 being terminated.
