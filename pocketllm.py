@@ -1544,10 +1544,11 @@ class Sampler:
         asked = [i for i, k in enumerate(want) if k is not None]
         if asked:
             L, K = len(asked), max(want[i] for i in asked)
-            values = packed[B:B + L * (K + 1)].view(torch.float32).view(L, K + 1).tolist()
-            top_ids = packed[B + L * (K + 1):].view(L, K).tolist()
+            values = packed[B:B + L * (K + 1)].view(torch.float32).tolist()          # (L, 1 + K) flat
+            top_ids = packed[B + L * (K + 1):].tolist()                               # (L, K) flat
             for j, i in enumerate(asked):
-                logprobs[i] = (values[j][0], list(zip(top_ids[j][:want[i]], values[j][1:1 + want[i]])))
+                v, ids = values[j * (K + 1):(j + 1) * (K + 1)], top_ids[j * K:j * K + want[i]]
+                logprobs[i] = (v[0], list(zip(ids, v[1:1 + want[i]])))
         return SampleResult(tokens, logprobs, failed)
 
     def process(self, x: torch.Tensor, rows: list[SampleRow], params: torch.Tensor,
