@@ -1427,19 +1427,21 @@ def apply_penalties(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Te
     return x - generated * presence - counts * frequency
 
 
-def filter_logits(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def filter_logits(x: torch.Tensor, rows: torch.Tensor, sort: bool = True, min_p: bool = True) -> torch.Tensor:
     """Temperature-scaled x (B, V) -> x with filtered tokens at -inf. rows (B, 8): top_k (V = off), top_p (1 =
     off), min_p (0 = off). top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the sorted
-    top-k probabilities that reaches top_p; min-p drops top-k probabilities below min_p x the largest. A row
-    whose filters are off comes out unchanged."""
-    V = x.shape[-1]
-    top_k, top_p, min_p = rows[:, _TOP_K].long(), rows[:, _TOP_P, None].float(), rows[:, _MIN_P, None].float()
-    sorted_x, order = x.sort(dim=-1, descending=True)                          # (B, V)
-    kth = sorted_x.gather(1, (top_k.clamp(1, V) - 1)[:, None])                 # (B, 1)
-    sorted_p = sorted_x.masked_fill(sorted_x < kth, float("-inf")).softmax(-1)
-    past_p = (sorted_p.cumsum(-1) - sorted_p >= top_p) & (top_p < 1)          # (B, V) in sorted order
-    p = x.masked_fill(x < kth, float("-inf")).softmax(-1)                      # (B, V) after top-k
-    drop = (x < kth) | past_p.scatter(1, order, past_p) | (p < min_p * p.max(-1, keepdim=True).values)
+    top-k probabilities that reaches top_p; min-p drops the tokens whose probability is below min_p x the
+    largest, i.e. whose logit is below the largest + log(min_p). A row whose filters are off comes out
+    unchanged; sort=False (no row has top-k or top-p) and min_p=False skip those stages for the whole batch."""
+    drop = x < x.max(-1, keepdim=True).values + rows[:, _MIN_P, None].float().log() if min_p else \
+        torch.zeros_like(x, dtype=torch.bool)                                  # (B, V); log(0) = -inf keeps all
+    if sort:
+        V, top_p = x.shape[-1], rows[:, _TOP_P, None].float()
+        sorted_x, order = x.sort(dim=-1, descending=True)                      # (B, V)
+        kth = sorted_x.gather(1, (rows[:, _TOP_K].long().clamp(1, V) - 1)[:, None])   # (B, 1)
+        sorted_p = sorted_x.masked_fill(sorted_x < kth, float("-inf")).softmax(-1)
+        past_p = (sorted_p.cumsum(-1) - sorted_p >= top_p) & (top_p < 1)      # (B, V) in sorted order
+        drop |= (x < kth) | past_p.scatter(1, order, past_p)
     return x.masked_fill(drop, float("-inf"))
 
 
@@ -1463,7 +1465,8 @@ class RowParams:
     floats: tuple            # (temperature, top_k, top_p, min_p, presence, frequency, repetition): _TEMPERATURE..
     penalties: bool          # presence, frequency or repetition penalty on
     repetition: bool         # the repetition penalty is on: the prompt's tokens count too
-    filters: bool            # top_k, top_p or min_p on
+    sorts: bool              # top_k or top_p on: the filters sort the row
+    min_p: bool              # min_p on
     bias_ids: list[int]      # logit_bias
     bias_values: list[float]
     banned: list[int]        # -inf until min_tokens tokens exist: stop tokens (and EOS unless ignore_eos)
@@ -1481,7 +1484,7 @@ def prepare_row_params(params: SamplingParams, eos_ids: list[int], vocab_size: i
     floats = tuple(float(v) for v in (p.temperature, top_k, p.top_p, p.min_p, p.presence_penalty,
                                       p.frequency_penalty, p.repetition_penalty))
     return RowParams(floats, bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0),
-                     p.repetition_penalty != 1.0, top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0,
+                     p.repetition_penalty != 1.0, top_k < vocab_size or p.top_p < 1.0, p.min_p > 0.0,
                      list(bias), list(bias.values()), banned if p.min_tokens > 0 else [])
 
 
@@ -1531,8 +1534,9 @@ class Sampler:
             self._own(r.seq.slot, r)
         x, failed = self.process(raw.clone(), rows, params, slots)
         x = scale_by_temperature(x, params)
-        if any(r.params.filters for r in rows):
-            x = filter_logits(x, params)
+        sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p for r in rows)
+        if sort or min_p:
+            x = filter_logits(x, params, sort, min_p)
         tokens = draw_tokens(x, params)                                            # (B,) int64
         self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
         return torch.cat([tokens.int(), *self._logprobs(raw, tokens, rows)]), failed
@@ -1643,7 +1647,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     u = float(torch.rand((), generator=generator, dtype=torch.float64)) * (1 - 2 ** -40)
     table = torch.tensor([row.floats + (u,)], dtype=torch.float64, device=logits.device)   # (1, 8)
     x = scale_by_temperature(logits[None].float(), table)
-    return int(draw_tokens(filter_logits(x, table) if row.filters else x, table)[0])
+    return int(draw_tokens(filter_logits(x, table, row.sorts, row.min_p), table)[0])
 
 
 # -----------------------------------------------------------------------------------------------

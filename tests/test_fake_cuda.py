@@ -25,14 +25,16 @@ def tiny():
 
 
 def cpu_model(tiny):
-    """pocket-tiny loaded for real, fp16 activations as on a GPU (loading reads files: outside fake_cuda)."""
-    return pocketllm.Model(tiny[0], pocketllm.TorchOps(), torch.float16, torch.device("cpu"), progress=False)
+    """pocket-tiny's first two layers (one of each mixer) loaded for real, fp16 activations as on a GPU
+    (loading reads files: outside fake_cuda). Every op runs twice here, fake and real: two layers keep it quick."""
+    return pocketllm.Model(tiny[0], pocketllm.TorchOps(), torch.float16, torch.device("cpu"), num_layers=2,
+                           progress=False)
 
 
 def fake_engine(tiny, model, **opts):
     """Inside fake_cuda: an Engine whose model, cache and sampler live on CUDA."""
     options = pocketllm.EngineOptions(backend="torch", device="cuda", quiet=True, max_context=96,
-                                      max_batch_size=6, kv_block_size=16, **opts)
+                                      max_batch_size=24, kv_block_size=16, **opts)
     return pocketllm.Engine(model_to(model, CUDA), options, tiny[2], torch.float16)
 
 
@@ -100,15 +102,15 @@ FEATURES = {
 }
 
 
-@pytest.mark.parametrize("feature", list(FEATURES))
-def test_sampling_feature_on_fake_cuda(tiny, feature):
-    """Three requests of different lengths (chunked prefill, then decode) with the feature, all at once."""
+def test_every_sampling_feature_on_fake_cuda(tiny):
+    """One request per feature, prompts of two lengths (one prefilled in chunks), all in one batch: prefill,
+    forks, then decode steps, each feature in a batch with all the others."""
     model = cpu_model(tiny)
     with fake_cuda() as real:
-        engine = fake_engine(tiny, model, prefill_token_budget=16)
-        requests = [pocketllm.Request(f"r{i}", p, pocketllm.SamplingParams(max_tokens=3, ignore_eos=True,
-                                                                            **FEATURES[feature]), 7)
-                    for i, p in enumerate(PROMPTS)]
+        engine = fake_engine(tiny, model, prefill_token_budget=64)
+        requests = [pocketllm.Request(name, PROMPTS[i % 2], pocketllm.SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                                  **kw), 7)
+                    for i, (name, kw) in enumerate(FEATURES.items())]
         events = run(engine, real, requests)
     for req, evs in zip(requests, events):
         n = req.params.n
@@ -118,19 +120,22 @@ def test_sampling_feature_on_fake_cuda(tiny, feature):
             assert all(len(ev.logprobs[0][1]) == req.params.logprobs for ev in evs if ev.token_ids)
 
 
-@pytest.mark.parametrize("choice", ["none", "required"])
-def test_tool_choice_masks_on_fake_cuda(tiny, choice):
+def test_tool_choice_masks_on_fake_cuda(tiny):
+    """tool_choice "required" (forced markup, then constrained values) and "none" (a ban), n=2, one batch."""
     _, tokenizer, eos = tiny
     model = cpu_model(tiny)
     with fake_cuda() as real:
         engine = fake_engine(tiny, model)
-        processor = pocketllm.tool_choice_processor(tokenizer, TOOLS, choice, "qwen_xml", False, False,
-                                                    max_tokens=12, eos_token_ids=eos)
-        params = pocketllm.SamplingParams(max_tokens=12, temperature=1.0, seed=1, n=2,
-                                          logits_processors=[processor])
-        events = run(engine, real, [pocketllm.Request("t", PROMPTS[0], params, 0)])[0]
-    if choice == "required":
-        text = tokenizer.decode([t for ev in events if ev.index == 0 for t in ev.token_ids])
+        requests = []
+        for choice in ("required", "none"):
+            processor = pocketllm.tool_choice_processor(tokenizer, TOOLS, choice, "qwen_xml", False, False,
+                                                        max_tokens=30, eos_token_ids=eos)
+            params = pocketllm.SamplingParams(max_tokens=30, temperature=1.0, seed=1, n=2,
+                                              logits_processors=[processor])
+            requests.append(pocketllm.Request(choice, PROMPTS[0], params, 0))
+        events = run(engine, real, requests)[0]
+    for i in range(2):
+        text = tokenizer.decode([t for ev in events if ev.index == i for t in ev.token_ids])
         assert text.startswith("<tool_call>"), text
 
 
