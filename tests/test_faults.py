@@ -172,3 +172,49 @@ def test_the_engine_thread_starts_once(path):
         assert len(started) == 1
     finally:
         llm.close()
+
+
+def test_over_http_a_parsing_fault_is_a_500_for_that_request_only(path, monkeypatch):
+    """The chat output parser raises (injected) for chat requests; completions requests, which have none,
+    run beside them. The chat ones end with a 500 naming their id (a stream: an error event, then [DONE]);
+    the server stays healthy and every block and slot comes back."""
+    llm = make(path, max_context=256)
+    server = llm.serve(port=0, block=False, log_requests=False)
+
+    def broken_feed(self, text):
+        raise KeyError("injected parser fault")
+    monkeypatch.setattr(pocketllm.ChatOutputParser, "feed", broken_feed)
+    answers = {}
+
+    def post(name, route, body):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", route, json.dumps(body))
+        resp = conn.getresponse()
+        answers[name] = (resp.status, resp.read().decode())
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 1.0}
+    jobs = {"chat": ("/v1/chat/completions", chat), "chat_stream": ("/v1/chat/completions", {**chat, "stream": True}),
+            "plain": ("/v1/completions", {"prompt": "hello", "max_tokens": 6, "temperature": 1.0,
+                                          "ignore_eos": True})}
+    try:
+        threads = [threading.Thread(target=post, args=(name, *job)) for name, job in jobs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        status, body = answers["chat"]
+        error = json.loads(body)["error"]
+        assert status == 500 and error["code"] == "request_failed" and "chatcmpl-" in error["message"]
+        assert "injected" not in error["message"]                     # the cause is in the server log only
+        status, body = answers["chat_stream"]
+        events = [e[e.index("data: ") + 6:] for e in body.split("\n\n") if "data: " in e]
+        assert status == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_failed"
+        status, body = answers["plain"]
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 6
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200 and llm.dead_reason is None
+        assert_all_free(llm)
+    finally:
+        server.shutdown()
+        llm.close()
