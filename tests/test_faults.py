@@ -80,7 +80,8 @@ def test_a_request_the_validators_let_through_fails_alone(path):
         llm.wake()
         with pytest.raises(pocketllm.RequestFailed, match="logit_bias"):
             tokens(pocketllm.RequestStream(llm, bad))
-        assert llm.dead_reason is None and len(tokens(llm.submit(PROMPTS[2], pocketllm.SamplingParams(max_tokens=3)))) == 3
+        assert llm.dead_reason is None
+        assert len(tokens(llm.submit(PROMPTS[2], pocketllm.SamplingParams(max_tokens=3)))) == 3
         assert_all_free(llm)
     finally:
         llm.close()
