@@ -1659,8 +1659,9 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
     """Flatten the plan into the tensors the model reads: built on the host, then one copy to the device."""
     ids, pos, slots, starts, ctx, rows = [], [], [], [0], [], []
     for p in plan:
-        toks = p.seq.tokens[p.start:p.start + p.count]
-        ids += toks
+        n = len(p.seq.request.prompt_ids)                  # a decode reads its output, not prompt + output
+        ids += p.seq.output_ids[p.start - n:p.start - n + p.count] if p.start >= n else \
+            p.seq.tokens[p.start:p.start + p.count]
         positions = range(p.start, p.start + p.count)
         pos += positions
         slots += [p.seq.blocks[i // block_size] * block_size + i % block_size for i in positions]
