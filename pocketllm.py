@@ -1572,8 +1572,7 @@ class Sequence:
         self.num_computed = 0              # tokens whose KV/state are in the cache
         self.order = next(Sequence._ids)   # admission order: the newest is preempted first
         self.finished = False
-        seed = self.params.seed if self.params.seed is not None else request.default_seed
-        self.generator = torch.Generator().manual_seed(hash((seed, index)) & 0x7FFFFFFFFFFFFFFF)
+        self.seed = self.params.seed if self.params.seed is not None else request.default_seed   # section 7
 
     @property
     def tokens(self) -> list[int]:
@@ -1664,53 +1663,272 @@ class Scheduler:
 
 
 # -----------------------------------------------------------------------------------------------
-# 7. The sampler, which takes one sequence's logits and returns its next token (and logprobs).
+# 7. The sampler, which takes a step's logits and returns every row's next token (and logprobs): one pass
+#    over the (B, V) logits on their device, and one device-to-host transfer per step.
+#
+#    The order is OpenAI's and vLLM's: penalties (repetition over prompt + generated tokens, presence and
+#    frequency over generated tokens), logit_bias, min_tokens bans, the request's logits processors, then
+#    temperature, top-k, top-p and min-p, then the draw. Greedy rows (temperature 0) take the argmax.
+#
+#    Seeding is counter-based: a row's uniform is a hash of (seed, choice index, step) computed on the host
+#    from plain integers, and the device inverts the row's float64 CDF at it. So a seeded request draws the
+#    same tokens whatever else is in the batch, on any device, with no generator objects and one uniform per
+#    row instead of V random numbers (Gumbel noise would need V hashes per row).
 # -----------------------------------------------------------------------------------------------
 
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's finaliser (Steele, Lea, Flood 2014): an integer -> 64 well-mixed bits."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_uniform(seed: int, index: int, step: int) -> float:
+    """The uniform in [0, 1) for choice `index`'s `step`-th token of a request seeded with `seed`. 40 bits:
+    u * total stays below total in float64, so the inverse CDF never runs past the last token."""
+    h = splitmix64(splitmix64(splitmix64(seed & _MASK64) ^ index) ^ step)
+    return (h >> 24) / float(1 << 40)
+
+
+# The row parameters travel to the device as one (B, 8) float64 tensor, columns in this order.
+_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _UNIFORM = range(8)
+
+
+def apply_penalties(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor:
+    """x (B, V) fp32; counts (B, V) int32 of generated tokens; prompt_seen (B, V) bool; rows (B, 8).
+    Rows whose penalties are off (0, 0, 1) come out bit-identical."""
+    presence, frequency, repetition = (rows[:, c, None].float() for c in (_PRESENCE, _FREQUENCY, _REPETITION))
+    generated = counts > 0                                                     # (B, V)
+    x = torch.where(prompt_seen | generated, torch.where(x > 0, x / repetition, x * repetition), x)
+    return x - generated * presence - counts * frequency
+
+
+def filter_logits(x: torch.Tensor, rows: torch.Tensor, sort: bool = True, min_p: bool = True) -> torch.Tensor:
+    """Temperature-scaled x (B, V) -> x with filtered tokens at -inf. rows (B, 8): top_k (V = off), top_p (1 =
+    off), min_p (0 = off). top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the sorted
+    top-k probabilities that reaches top_p; min-p drops the tokens whose probability is below min_p x the
+    largest, i.e. whose logit is below the largest + log(min_p). A row whose filters are off comes out
+    unchanged; sort=False (no row has top-k or top-p) and min_p=False skip those stages for the whole batch."""
+    drop = x < x.max(-1, keepdim=True).values + rows[:, _MIN_P, None].float().log() if min_p else \
+        torch.zeros_like(x, dtype=torch.bool)                                  # (B, V); log(0) = -inf keeps all
+    if sort:
+        V, top_p = x.shape[-1], rows[:, _TOP_P, None].float()
+        sorted_x, order = x.sort(dim=-1, descending=True)                      # (B, V)
+        kth = sorted_x.gather(1, (rows[:, _TOP_K].long().clamp(1, V) - 1)[:, None])   # (B, 1)
+        sorted_p = sorted_x.masked_fill(sorted_x < kth, float("-inf")).softmax(-1)
+        past_p = (sorted_p.cumsum(-1) - sorted_p >= top_p) & (top_p < 1)      # (B, V) in sorted order
+        drop |= (x < kth) | past_p.scatter(1, order, past_p)
+    return x.masked_fill(drop, float("-inf"))
+
+
+def scale_by_temperature(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x (B, V) / each row's temperature; greedy rows (temperature 0) are divided by 1."""
+    temperature = rows[:, _TEMPERATURE]
+    return x / torch.where(temperature == 0, 1.0, temperature).float()[:, None]
+
+
+def draw_tokens(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x (B, V) scaled, filtered logits; rows (B, 8) -> (B,) int64: the argmax for greedy rows, else the first
+    token where the row's float64 CDF of softmax(x) passes the row's uniform."""
+    cdf = x.softmax(-1).double().cumsum(-1)                                    # (B, V)
+    drawn = torch.searchsorted(cdf, (rows[:, _UNIFORM] * cdf[:, -1])[:, None], right=True)[:, 0]
+    return torch.where(rows[:, _TEMPERATURE] == 0, x.argmax(-1), drawn.clamp(max=x.shape[-1] - 1))
+
+
+@dataclass
+class RowParams:
+    """One request's sampling options as the sampler reads them, prepared once when the engine admits it."""
+    floats: tuple            # (temperature, top_k, top_p, min_p, presence, frequency, repetition): _TEMPERATURE..
+    penalties: bool          # presence, frequency or repetition penalty on
+    repetition: bool         # the repetition penalty is on: the prompt's tokens count too
+    sorts: bool              # top_k or top_p on: the filters sort the row
+    min_p: bool              # min_p on
+    bias_ids: list[int]      # logit_bias
+    bias_values: list[float]
+    banned: list[int]        # -inf until min_tokens tokens exist: stop tokens (and EOS unless ignore_eos)
+
+
+def prepare_row_params(params: SamplingParams, eos_ids: list[int], vocab_size: int) -> RowParams:
+    """Checks every token id against the vocabulary, so that a malformed request fails alone, here."""
+    p = params
+    bias = {int(t): float(b) for t, b in p.logit_bias.items()}
+    banned = list(dict.fromkeys(int(t) for t in [*p.stop_token_ids, *([] if p.ignore_eos else eos_ids)]))
+    for name, ids in (("logit_bias", bias), ("stop_token_ids", banned)):
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise RequestError(f"'{name}' must hold token ids in [0, {vocab_size})", param=name)
+    top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+    floats = tuple(float(v) for v in (p.temperature, top_k, p.top_p, p.min_p, p.presence_penalty,
+                                      p.frequency_penalty, p.repetition_penalty))
+    return RowParams(floats, bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0),
+                     p.repetition_penalty != 1.0, top_k < vocab_size or p.top_p < 1.0, p.min_p > 0.0,
+                     list(bias), list(bias.values()), banned if p.min_tokens > 0 else [])
+
+
+@dataclass
+class SampleRow:
+    """One token to draw this step: its sequence, the row of the step's logits it reads (forked choices
+    share their parent's), and its prepared parameters."""
+    seq: Sequence
+    logit_row: int
+    params: RowParams
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]                                   # one per row
+    logprobs: list                                      # per row: None, or (logprob, [(token id, logprob)] top k)
+    failed: dict[int, Exception]                        # row -> what its logits processor raised
+
+
+class Sampler:
+    """Samples a step's rows together. The penalties' per-sequence state lives on the device, one row per
+    state slot, updated in place: each running sequence's generated-token counts and its prompt's token set.
+    A slot's row belongs to the sequence that last used the slot and is rebuilt from the sequence's tokens
+    only when another sequence took the slot in between (admission, preemption, fork)."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device):
+        self.device = torch.device(device)
+        self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)      # (S, V)
+        self.prompt_seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)  # (S, V)
+        self.owner: list[Sequence | None] = [None] * num_slots
+
+    def sample(self, rows: list[SampleRow], logits: torch.Tensor) -> SampleResult:
+        """Draw one token per row. The step's one device-to-host transfer is the .cpu() here."""
+        packed, failed = self.sample_on_device(rows, logits)
+        return self.unpack(rows, packed.cpu(), failed)
+
+    def sample_on_device(self, rows: list[SampleRow], logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """logits (R, V) fp32 -> (packed (N,) int32 on their device: the B sampled ids, then the requested
+        logprobs as float32 bits and their top-k ids; the rows whose processors raised). Everything before the
+        host transfer, so that tests can run it under FakeTensorMode."""
+        picks = [r.logit_row for r in rows]
+        raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
+        table = torch.tensor([r.params.floats + (self._uniform(r),) for r in rows], dtype=torch.float64)
+        params = table.to(self.device)                                             # (B, 8)
+        slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long).to(self.device)   # (B,)
+        for r in rows:
+            self._own(r.seq.slot, r)
+        x, failed = self.process(raw.clone(), rows, params, slots)
+        x = scale_by_temperature(x, params)
+        sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p for r in rows)
+        if sort or min_p:
+            x = filter_logits(x, params, sort, min_p)
+        tokens = draw_tokens(x, params)                                            # (B,) int64
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        return torch.cat([tokens.int(), *self._logprobs(raw, tokens, rows)]), failed
+
+    def unpack(self, rows: list[SampleRow], packed: torch.Tensor, failed: dict) -> SampleResult:
+        """packed (N,) int32 on the host -> each row's token and logprobs."""
+        B, want = len(rows), [r.seq.params.logprobs for r in rows]
+        tokens, logprobs = packed[:B].tolist(), [None] * B
+        asked = [i for i, k in enumerate(want) if k is not None]
+        if asked:
+            L, K = len(asked), max(want[i] for i in asked)
+            values = packed[B:B + L * (K + 1)].view(torch.float32).tolist()          # (L, 1 + K) flat
+            top_ids = packed[B + L * (K + 1):].tolist()                               # (L, K) flat
+            for j, i in enumerate(asked):
+                v, ids = values[j * (K + 1):(j + 1) * (K + 1)], top_ids[j * K:j * K + want[i]]
+                logprobs[i] = (v[0], list(zip(ids, v[1:1 + want[i]])))
+        return SampleResult(tokens, logprobs, failed)
+
+    def process(self, x: torch.Tensor, rows: list[SampleRow], params: torch.Tensor,
+                slots: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Penalties, logit_bias, min_tokens bans and logits processors on x (B, V), in that order."""
+        if any(r.params.penalties for r in rows):
+            x = apply_penalties(x, self.counts[slots], self.prompt_seen[slots], params)
+        x = self._bias_and_bans(x, rows)
+        return x, self._run_processors(x, rows)
+
+    @staticmethod
+    def _uniform(r: SampleRow) -> float:
+        return 0.0 if r.params.floats[_TEMPERATURE] == 0 else draw_uniform(r.seq.seed, r.seq.index,
+                                                                           len(r.seq.output_ids))
+
+    def _own(self, slot: int, r: SampleRow):
+        """Make the slot's penalty state r.seq's, rebuilt from its tokens if another sequence used it since."""
+        if self.owner[slot] is r.seq:
+            return
+        self.owner[slot] = r.seq
+        if not r.params.penalties:
+            return                                  # its rows are read with zero penalties: any content will do
+        self.counts[slot] = 0
+        self.prompt_seen[slot] = False
+        if r.seq.output_ids:
+            out = torch.tensor(r.seq.output_ids, dtype=torch.long).to(self.device)
+            self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        if r.params.repetition:
+            self.prompt_seen[slot, torch.tensor(r.seq.request.prompt_ids, dtype=torch.long).to(self.device)] = True
+
+    @staticmethod
+    def _bias_and_bans(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """logit_bias and the min_tokens bans (as -inf) of every row: one sparse scatter-add."""
+        at_row, at_id, values = [], [], []
+        for i, r in enumerate(rows):
+            banned = r.params.banned if len(r.seq.output_ids) < r.seq.params.min_tokens else []
+            for ids, vals in ((r.params.bias_ids, r.params.bias_values), (banned, [float("-inf")] * len(banned))):
+                at_row += [i] * len(ids)
+                at_id += ids
+                values += vals
+        if not at_row:
+            return x
+        index = torch.tensor([at_row, at_id], dtype=torch.long).to(x.device)                 # (2, E)
+        return x.index_put((index[0], index[1]), torch.tensor(values, dtype=x.dtype).to(x.device), accumulate=True)
+
+    @staticmethod
+    def _run_processors(x: torch.Tensor, rows: list[SampleRow]) -> dict[int, Exception]:
+        """Each row's logits processors, only on rows that have them; one that raises fails only its request."""
+        failed = {}
+        for i, r in enumerate(rows):
+            for proc in r.seq.params.logits_processors:
+                try:
+                    x[i] = proc(list(r.seq.output_ids), x[i])
+                except Exception as e:
+                    failed[i] = e
+                    break
+        return failed
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[torch.Tensor]:
+        """The model's own log-probabilities (before penalties and temperature) of the sampled tokens and the
+        top k, for the L rows that asked: [(L, 1 + K) float32 bits, (L, K) ids] as int32 words."""
+        want = [(i, r.seq.params.logprobs) for i, r in enumerate(rows) if r.seq.params.logprobs is not None]
+        if not want:
+            return []
+        index = torch.tensor([i for i, _ in want], dtype=torch.long).to(raw.device)        # (L,)
+        lp = raw[index].log_softmax(-1)                                                     # (L, V)
+        top = lp.topk(max(k for _, k in want), dim=-1)                                     # (L, K)
+        values = torch.cat([lp.gather(1, tokens[index, None]), top.values], dim=1)          # (L, 1 + K)
+        return [values.contiguous().view(torch.int32).reshape(-1), top.indices.int().reshape(-1)]
+
+
+# One row through the same stages, for callers and tests that hold a single (V,) row.
+
 def process_logits(logits: torch.Tensor, seq: Sequence, eos_ids: list[int]) -> torch.Tensor:
-    """Penalties, logit_bias, processors and min_tokens on a (V,) fp32 row. Returns a new tensor."""
-    p, out = seq.params, seq.output_ids
-    logits = logits.clone()
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if out and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.tensor(out, dtype=torch.long).unique(return_counts=True)
-        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
-    for tok, bias in p.logit_bias.items():
-        logits[tok] += bias
-    if len(out) < p.min_tokens:
-        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else eos_ids)
-        logits[banned] = float("-inf")
-    for proc in p.logits_processors:
-        logits = proc(list(out), logits)
-    return logits
+    """Penalties, logit_bias, min_tokens bans and processors on one (V,) fp32 row; returns a new tensor."""
+    row = SampleRow(seq, 0, prepare_row_params(seq.params, eos_ids, logits.numel()))
+    sampler = Sampler(1, logits.numel(), logits.device)
+    sampler._own(0, row)
+    params = torch.tensor([row.params.floats + (0.0,)], dtype=torch.float64, device=logits.device)
+    x, failed = sampler.process(logits[None].clone(), [row], params, torch.zeros(1, dtype=torch.long,
+                                                                                  device=logits.device))
+    if failed:
+        raise failed[0]
+    return x[0]
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """temperature (0 = greedy), then top_k, top_p and min_p filters, then a draw from the seeded generator."""
-    if params.temperature == 0:
-        return int(logits.argmax())
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p     # keep the smallest prefix reaching top_p
-        probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
-    if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def token_logprobs(raw: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """The model's own log-probabilities (before penalties and temperature) of the token and the top k."""
-    lp = raw.log_softmax(-1)
-    top = lp.topk(k) if k else None
-    return float(lp[token]), ([] if top is None else list(zip(top.indices.tolist(), top.values.tolist())))
+    """Temperature (0 = greedy), top_k, top_p and min_p on one (V,) row, then a draw at a uniform taken from
+    `generator`."""
+    row = prepare_row_params(params, [], logits.numel())
+    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * (1 - 2 ** -40)
+    table = torch.tensor([row.floats + (u,)], dtype=torch.float64, device=logits.device)   # (1, 8)
+    x = scale_by_temperature(logits[None].float(), table)
+    return int(draw_tokens(filter_logits(x, table, row.sorts, row.min_p), table)[0])
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1719,11 +1937,12 @@ def token_logprobs(raw: torch.Tensor, token: int, k: int) -> tuple[float, list[t
 # -----------------------------------------------------------------------------------------------
 
 def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
-    """Flatten the plan into the tensors the model reads."""
+    """Flatten the plan into the tensors the model reads: built on the host, then one copy to the device."""
     ids, pos, slots, starts, ctx, rows = [], [], [], [0], [], []
     for p in plan:
-        toks = p.seq.tokens[p.start:p.start + p.count]
-        ids += toks
+        n = len(p.seq.request.prompt_ids)                  # a decode reads its output, not prompt + output
+        ids += p.seq.output_ids[p.start - n:p.start - n + p.count] if p.start >= n else \
+            p.seq.tokens[p.start:p.start + p.count]
         positions = range(p.start, p.start + p.count)
         pos += positions
         slots += [p.seq.blocks[i // block_size] * block_size + i % block_size for i in positions]
@@ -1731,16 +1950,18 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
         ctx.append(p.start + p.count)
         rows.append(starts[-1] - 1)
     width = max(len(p.seq.blocks) for p in plan)
-    tables = [p.seq.blocks + [0] * (width - len(p.seq.blocks)) for p in plan]
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    tables = [b for p in plan for b in p.seq.blocks + [0] * (width - len(p.seq.blocks))]   # (B, width) flat
     fresh = [p.seq.slot for p in plan if p.start == 0]
-    return Batch(t(ids, torch.long), t(pos, torch.long), t(starts, torch.int32), t(ctx, torch.int32),
-                 t(tables, torch.int32), t(slots, torch.long), t([p.seq.slot for p in plan], torch.int32),
-                 t(rows, torch.long), t(fresh, torch.long))
+    fields = (ids, pos, starts, ctx, tables, slots, [p.seq.slot for p in plan], rows, fresh)   # _BATCH_WIRE order
+    payload = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long)
+    return unpack_batch([len(ids), len(plan), width, len(rows), len(fresh)], payload, device)
 
 
 # -----------------------------------------------------------------------------------------------
 # 9. The engine: requests in, token ids out. step() = schedule, run, postprocess. It never sees text.
+#    A fault of one request (its parameters, its logits processor) ends that request with an error event
+#    and frees what it holds; anything that escapes step() is the engine's own fault, and the LLM object
+#    then fails every request (section 14).
 # -----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -1749,8 +1970,18 @@ class EngineEvent:
     index: int
     token_ids: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None
-    finish_reason: str | None = None   # "stop" | "length" | "abort"
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
     stop_reason: int | None = None     # the stop token id that ended the choice
+    error: str | None = None           # finish_reason "error": what failed
+    fatal: bool = False                # the error is the engine's: every request got it
+
+
+class RequestFailed(PocketError):
+    """One request failed inside the engine (its parameters, its logits processor); the others go on."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id, self.reason = request_id, message
 
 
 class Request:
@@ -1759,6 +1990,7 @@ class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, default_seed: int):
         self.id, self.prompt_ids, self.params = request_id, list(prompt_ids), params
         self.default_seed = default_seed
+        self.sampling: RowParams | None = None   # prepared by the engine on admission
         self.events: queue.Queue = queue.Queue()
         self.seqs: list[Sequence] = []
         self.finished_choices: set[int] = set()
@@ -1779,6 +2011,7 @@ class Engine:
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
         self.cache = allocate_cache(model.cfg, model.layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
                                     model.device)
+        self.sampler = Sampler(opts.max_batch_size, model.cfg.vocab_size, model.device)
         self.scheduler = Scheduler(opts, self.blocks, self.slots)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
         self.copy_state = copy                    # with tensor parallelism: on every rank's cache
@@ -1814,30 +2047,45 @@ class Engine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                req = msg[1]
-                self.requests[req.id] = req
-                req.seqs = [Sequence(req, 0)]
-                self.scheduler.add(req.seqs[0])
-                self.counters["prompt_tokens"] += len(req.prompt_ids)
+                self._admit(msg[1])
             elif msg[1] in self.requests:
                 for seq in list(self.requests[msg[1]].seqs):
                     if msg[2] is None or seq.index == msg[2]:
                         self._finish(seq, "abort")
 
+    def _admit(self, req: Request):
+        self.requests[req.id] = req
+        req.seqs = [Sequence(req, 0)]
+        self.counters["prompt_tokens"] += len(req.prompt_ids)
+        try:
+            req.sampling = prepare_row_params(req.params, self.eos_ids, self.model.cfg.vocab_size)
+        except Exception as e:
+            self.fail_request(req, "its sampling parameters", e)
+            return
+        self.scheduler.add(req.seqs[0])
+
     def _postprocess(self, plan: list[Scheduled], logits: torch.Tensor):
-        for row, p in enumerate(plan):
+        """Sample every sequence whose chunk reached its end (and the first token of forked choices) at once."""
+        rows = []
+        for r, p in enumerate(plan):
             seq = p.seq
             seq.num_computed += p.count
             if not p.sample or seq.finished:
                 continue
             if not seq.output_ids and seq.request.params.n > 1 and len(seq.request.seqs) == 1:
-                self._fork(seq, logits[row])
-            self._append(seq, logits[row])
+                rows += [SampleRow(child, r, child.request.sampling) for child in self._fork(seq)]
+            rows.append(SampleRow(seq, r, seq.request.sampling))
+        if not rows:
+            return
+        out = self.sampler.sample(rows, logits)
+        for i, error in out.failed.items():
+            self.fail_request(rows[i].seq.request, "its logits processor", error)
+        for row, token, logprobs in zip(rows, out.tokens, out.logprobs):
+            if not row.seq.finished:
+                self._append(row.seq, token, logprobs)
 
-    def _append(self, seq: Sequence, raw: torch.Tensor):
+    def _append(self, seq: Sequence, tok: int, logprobs: tuple | None):
         params = seq.params
-        tok = sample_token(process_logits(raw, seq, self.eos_ids), params, seq.generator)
-        lp = [token_logprobs(raw, tok, params.logprobs)] if params.logprobs is not None else None
         seq.output_ids.append(tok)
         self.counters["generation_tokens"] += 1
         reason, stop = None, None
@@ -1845,15 +2093,15 @@ class Engine:
             reason, stop = "stop", tok
         elif len(seq.output_ids) >= params.max_tokens:
             reason = "length"
-        seq.request.events.put(EngineEvent(seq.index, [tok], lp))
+        seq.request.events.put(EngineEvent(seq.index, [tok], None if logprobs is None else [logprobs]))
         if reason:
             self._finish(seq, reason, stop)
 
-    def _fork(self, parent: Sequence, raw: torch.Tensor):
+    def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the prompt was prefilled once; each extra choice shares its full KV blocks, copies the last
-        partial block and the recurrent state, and samples its own first token from the same logits.
-        Without a free slot or block a choice is recomputed from the prompt instead."""
-        req, bs = parent.request, self.opts.kv_block_size
+        partial block and the recurrent state, and samples its own first token from the same logits (the
+        choices returned). Without a free slot or block a choice is recomputed from the prompt instead."""
+        req, bs, ready = parent.request, self.opts.kv_block_size, []
         for i in range(1, req.params.n):
             child = Sequence(req, i)
             req.seqs.append(child)
@@ -1870,22 +2118,43 @@ class Engine:
             self.copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
             child.slot, child.num_computed = slot, parent.num_computed
             self.scheduler.running.append(child)
-            self._append(child, raw)
+            ready.append(child)
+        return ready
 
-    def _finish(self, seq: Sequence, reason: str, stop: int | None = None):
+    def _finish(self, seq: Sequence, reason: str, stop: int | None = None, error: str | None = None,
+                fatal: bool = False):
         if seq.finished:
             return
         seq.finished = True
         self.scheduler.release(seq)
         req = seq.request
         req.finished_choices.add(seq.index)
-        req.events.put(EngineEvent(seq.index, [], None, reason, stop))
-        if reason == "abort":   # choices not yet forked will never run
+        req.events.put(EngineEvent(seq.index, [], None, reason, stop, error, fatal))
+        if reason in ("abort", "error"):   # choices not yet forked will never run
             for i in range(len(req.seqs), req.params.n):
-                req.finished_choices.add(i)
-                req.events.put(EngineEvent(i, [], None, "abort"))
+                if i not in req.finished_choices:
+                    req.finished_choices.add(i)
+                    req.events.put(EngineEvent(i, [], None, reason, None, error, fatal))
         if len(req.finished_choices) == req.params.n:
             self.requests.pop(req.id, None)
+
+    # Failures: one request's, or the engine's.
+
+    def fail_request(self, req: Request, stage: str, error: Exception):
+        """End one request with an error (logged with its traceback) and free its blocks and slots."""
+        print(f"pocketllm: request {req.id} failed in {stage}:", file=sys.stderr)
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+        message = f"{stage} raised {type(error).__name__}: {error}"
+        for seq in list(req.seqs):
+            self._finish(seq, "error", error=message)
+
+    def fail_all(self, reason: str):
+        """The engine cannot go on: every request, those still in the inbox included, ends with `reason`.
+        Called once the engine thread has stopped stepping."""
+        self._drain_inbox()
+        for req in list(self.requests.values()):
+            for seq in list(req.seqs):
+                self._finish(seq, "error", error=reason, fatal=True)
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -2646,7 +2915,9 @@ class RequestStream:
         while len(self.done) < n:
             ev: EngineEvent = self.request.events.get()
             if ev.finish_reason == "error":
-                raise PocketError(f"the engine failed: {self.llm.dead_reason}")
+                if ev.fatal:
+                    raise PocketError(f"the engine failed: {ev.error}")
+                raise RequestFailed(self.request_id, ev.error)
             if ev.index in self.done:
                 continue                       # tokens produced after a stop string ended this choice
             out = self._convert(ev)
@@ -4793,14 +5064,33 @@ class Completion:
             yield event
 
     def _engine_events(self) -> Iterator:
-        """The stream's events; a fatal engine error while waiting becomes a 503."""
+        """The stream's events; this request's own failure becomes a 500, a fatal engine error a 503."""
         try:
             yield from self.stream
         except RequestError:
             raise
+        except RequestFailed as e:
+            raise self._failed("the engine", e) from None
         except PocketError as e:
             _check_alive(self.llm)
             raise RequestError(str(e), status=503, code="engine_dead") from None
+        except Exception as e:                                  # detokenising this request's tokens
+            raise self._failed("detokenising", e) from None
+
+    def _failed(self, stage: str, error: Exception) -> RequestError:
+        """A fault of this request alone: logged with its traceback; the client gets a 500 naming the request
+        (the engine has freed, or the caller's abort() frees, its blocks and slot)."""
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+        return RequestError(f"request {self.id} failed in {stage} (the cause is logged on the server)",
+                            status=500, code="request_failed")
+
+    def _parse(self, index: int, text: str, final: bool) -> list[dict]:
+        """Feed choice `index`'s new text to its output parser -> message deltas."""
+        try:
+            parser = self.parsers[index]
+            return (parser.feed(text) if text else []) + (parser.finish() if final else [])
+        except Exception as e:
+            raise self._failed("parsing its output", e) from None
 
     def _finish_reason(self, index: int, reason: str) -> str:
         if self.parsers and self.parsers[index].has_tool_calls and reason == "stop":
@@ -4828,9 +5118,7 @@ class Completion:
                 if self.logprobs is not None and event.logprobs:
                     pending.setdefault(i, []).extend(event.logprobs)
                 if self.kind == "chat":
-                    deltas = self.parsers[i].feed(event.text) if event.text else []
-                    if event.finish_reason:
-                        deltas += self.parsers[i].finish()
+                    deltas = self._parse(i, event.text, event.finish_reason is not None)
                     for delta in deltas:
                         yield self._chunk(i, delta, pending.pop(i, None))
                 elif event.text:
@@ -4877,10 +5165,8 @@ class Completion:
             reason, stop_reason = finish[i]
             choice = {"index": i}
             if self.kind == "chat":
-                parser = self.parsers[i]
-                parser.feed(texts.get(i, ""))
-                parser.finish()
-                message = {"role": "assistant", **{k: v for k, v in parser.message().items()
+                self._parse(i, texts.get(i, ""), True)
+                message = {"role": "assistant", **{k: v for k, v in self.parsers[i].message().items()
                                                     if k == "content" or v is not None}}
                 choice.update(message=message, logprobs={"content": _chat_logprobs(logprobs[i])}
                               if self.logprobs is not None else None)
@@ -6091,6 +6377,8 @@ class LLM:
         _log(opts, f"memory per {'rank' if world > 1 else 'device'} (config estimate, docs/serving.md): "
                    f"{format_budget(budget)}")
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
+        self._life = threading.Lock()          # the engine thread's start, submissions, failure and close
+        self._seeds = random.Random(opts.seed)  # unseeded requests' seeds: the same --seed, the same answers
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -6147,16 +6435,17 @@ class LLM:
                 try:
                     with self._lock:
                         self.engine.step()
-                except Exception as e:           # a bug or a device error: fail every request, stay dead
+                except Exception as e:           # the engine's own fault (device, native, a rank, a bug)
                     traceback.print_exc()
                     self._fail_all(f"{type(e).__name__}: {e}")
                     return
 
     def _fail_all(self, reason: str):
-        """Stop for good: every request still queued or running ends with an error event."""
-        self.dead_reason = self.dead_reason or reason
-        for req in list(self.engine.requests.values()):
-            req.events.put(EngineEvent(0, [], None, "error"))
+        """Stop for good: every request, queued in the inbox or running, ends with the error at once; later
+        submissions are refused. Runs on the engine thread after its last step, or after close() joined it."""
+        with self._life:
+            self.dead_reason = self.dead_reason or reason
+            self.engine.fail_all(self.dead_reason)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, param: str = "max_tokens") -> RequestStream:
         """Queue a request; iterate the returned stream for its events. Thread-safe."""
@@ -6172,12 +6461,15 @@ class LLM:
             raise RequestError(f"this request needs {len(prompt_ids)} prompt tokens + {params.max_tokens} max tokens "
                                f"= {total} tokens, over the maximum context length of {limit} tokens", param=param,
                                code="context_length_exceeded")
-        req = Request(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
-                      default_seed=random.getrandbits(62))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="pocketllm-engine", daemon=True)
-            self._thread.start()
-        self.engine.add(req)
+        with self._life:                       # a request added here is failed by _fail_all if need be
+            if self.dead_reason or self._closing:
+                raise PocketError(f"the engine failed: {self.dead_reason or 'the engine was closed'}")
+            req = Request(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
+                          default_seed=self._seeds.getrandbits(62))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="pocketllm-engine", daemon=True)
+                self._thread.start()
+            self.engine.add(req)
         self.wake()
         return RequestStream(self, req)
 
@@ -6187,9 +6479,10 @@ class LLM:
     def close(self):
         """Stop the engine thread (requests still running end with an error) and the tensor-parallel ranks, if
         any. Runs at interpreter exit too; later calls do nothing."""
-        if self._closing:
-            return
-        self._closing = True
+        with self._life:
+            if self._closing:
+                return
+            self._closing = True
         atexit.unregister(self.close)
         self.wake()
         if self._thread is not None and self._thread is not threading.current_thread():

@@ -1,0 +1,91 @@
+"""Fake CUDA on a CPU-only machine, for device-honesty tests.
+
+torch's FakeTensorMode makes `cuda` tensors that hold no data and raises FakeTensorDeviceMismatchError when
+a CPU tensor meets a CUDA one, as a real GPU would. On its own it cannot run code that reads values on the
+host (`int(t)`, `t.tolist()`: the torch backend's prefill loops, the sampler's one transfer). RealValues,
+entered inside it, keeps a real CPU copy beside every fake tensor made from real data and computes each op
+on those copies too, so the fake run is also a real CPU run with real values, while every device check is
+FakeTensorMode's own. It also counts device-to-host reads and refuses a generator on the wrong device
+(FakeTensorMode lets `torch.multinomial(cuda_probs, generator=cpu_generator)` through; CUDA does not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+import pocketllm
+
+CUDA = torch.device("cuda:0")
+
+
+class RealValues(TorchDispatchMode):
+    """Inside a FakeTensorMode: real CPU values for fake tensors, and a count of device-to-host reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: dict[int, tuple] = {}    # id(fake tensor) -> (weakref to it, its real CPU value)
+        self.host_reads: list[str] = []       # one entry per read of a CUDA tensor's data on the host
+
+    def value(self, t):
+        entry = self.values.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = tree_flatten((args, kwargs))[0]
+        generator = kwargs.get("generator")
+        devices = {t.device.type for t in flat if isinstance(t, torch.Tensor)}
+        if generator is not None and {generator.device.type} != devices:
+            raise RuntimeError(f"{func}: a {generator.device.type} generator cannot draw for {devices} tensors")
+        if self._reads_host(func, args, kwargs):
+            self.host_reads.append(str(func))
+        known = all(self.value(t) is not None for t in flat if isinstance(t, FakeTensor))
+        if func is torch.ops.aten._local_scalar_dense.default and known:
+            with _disable_current_modes():
+                return self.value(args[0]).item()
+        out = func(*args, **kwargs)
+        if known:
+            def real(x):
+                if isinstance(x, FakeTensor):
+                    return self.value(x)
+                return torch.device("cpu") if isinstance(x, torch.device) else x
+            with _disable_current_modes():
+                result = func(*tree_map(real, args), **tree_map(real, kwargs))
+            for fake, value in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
+                if isinstance(fake, FakeTensor) and isinstance(value, torch.Tensor):
+                    self.values[id(fake)] = (weakref.ref(fake), value)
+        return out
+
+    @staticmethod
+    def _reads_host(func, args, kwargs) -> bool:
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if src is None or src.device.type != "cuda":
+            return False
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return True
+        return func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and \
+            (kwargs.get("device") or (args[1].device if len(args) > 1 and isinstance(args[1], torch.Tensor)
+                                      else src.device)).type == "cpu"
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """with fake_cuda() as real: ... -- fake CUDA tensors with real values; real.host_reads counts reads."""
+    with FakeTensorMode(allow_non_fake_inputs=True), RealValues() as real:
+        yield real
+
+
+def model_to(model: pocketllm.Model, device: torch.device) -> pocketllm.Model:
+    """Move a loaded Model's weights to `device` (inside fake_cuda: fake CUDA copies of the real weights)."""
+    for L in model.layers:
+        pocketllm._to_device(L, device, model.dtype)
+    model.embed_tokens = model.embed_tokens.to(device)
+    model.lm_head = model.lm_head.to(device, model.dtype)
+    model.norm, model.inv_freq, model.device = model.norm.to(device), model.inv_freq.to(device), device
+    return model
