@@ -1936,6 +1936,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 #    runs the same Batch on its shard (section 8b); sampling happens once, on rank 0.
 # -----------------------------------------------------------------------------------------------
 
+_BATCH_DTYPES = (torch.long, torch.long, torch.int32, torch.int32, torch.int32, torch.long, torch.int32,
+                 torch.long, torch.long)   # Batch's fields in order
+
+
 def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
     """Flatten the plan into the tensors the model reads: built on the host, then one copy to the device."""
     ids, pos, slots, starts, ctx, rows = [], [], [], [0], [], []
@@ -1952,9 +1956,12 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
     width = max(len(p.seq.blocks) for p in plan)
     tables = [b for p in plan for b in p.seq.blocks + [0] * (width - len(p.seq.blocks))]   # (B, width) flat
     fresh = [p.seq.slot for p in plan if p.start == 0]
-    fields = (ids, pos, starts, ctx, tables, slots, [p.seq.slot for p in plan], rows, fresh)   # _BATCH_WIRE order
-    payload = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long)
-    return unpack_batch([len(ids), len(plan), width, len(rows), len(fresh)], payload, device)
+    fields = (ids, pos, starts, ctx, tables, slots, [p.seq.slot for p in plan], rows, fresh)   # Batch's order
+    payload = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long).to(device)   # one copy
+    parts = [part.to(dtype) for part, dtype in zip(payload.split([len(f) for f in fields]), _BATCH_DTYPES)]
+    parts[4] = parts[4].view(len(plan), width)                                  # block tables (B, width)
+    return Batch(*parts)
+
 
 
 # -----------------------------------------------------------------------------------------------
