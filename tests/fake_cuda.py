@@ -83,8 +83,7 @@ def fake_cuda():
 
 def model_to(model: pocketllm.Model, device: torch.device) -> pocketllm.Model:
     """Move a loaded Model's weights to `device` (inside fake_cuda: fake CUDA copies of the real weights)."""
-    for L in model.layers:
-        pocketllm._to_device(L, device, model.dtype)
+    model.layers = [pocketllm._to_device(L, device, model.dtype) for L in model.layers]   # returns a copy
     model.embed_tokens = model.embed_tokens.to(device)
     model.lm_head = model.lm_head.to(device, model.dtype)
     model.norm, model.inv_freq, model.device = model.norm.to(device), model.inv_freq.to(device), device
