@@ -54,7 +54,10 @@ static const char* min_driver(int cuda_major) {
 
 extern "C" int pl_cuda_versions(int32_t* driver_version, int32_t* runtime_version) {
     int driver = 0;
-    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;   // no driver at all reads as 0
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) {   // no driver at all reads as 0
+        cudaGetLastError();                               // not sticky; clear it for the next launch check
+        driver = 0;
+    }
     *driver_version = driver;
     *runtime_version = CUDART_VERSION;
     return 0;
