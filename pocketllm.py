@@ -674,8 +674,24 @@ def dequantize(w: Linear, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+SAFE_ROW_MAX = 2.0 ** 15   # an fp16 intermediate row is scaled to at most this (fp16 stops at 65504)
+
+
+def safe_row_scale(h: torch.Tensor) -> torch.Tensor:
+    """(T, 1): per row, the power of two that brings max |h| to at most SAFE_ROW_MAX (1 when it already is, and
+    for rows with inf/NaN). Dividing by a power of two is exact, so the row keeps its relative precision."""
+    amax = h.abs().amax(-1, keepdim=True).float()                        # (T, 1)
+    exponent = torch.frexp(amax / SAFE_ROW_MAX).exponent                 # amax / 2^15 = m * 2^e, m in [0.5, 1)
+    need = (amax > SAFE_ROW_MAX) & amax.isfinite()
+    return torch.where(need, torch.exp2(exponent.float()), torch.ones_like(amax))
+
+
 class TorchOps:
-    """The reference ops in plain torch. Shapes: T tokens of a flattened batch, B sequences."""
+    """The reference ops in plain torch. Shapes: T tokens of a flattened batch, B sequences.
+
+    Activations are fp16 on GPUs (sm_75 has no bf16), so wherever a value can pass fp16's 65504 the ops work in
+    fp32: `linear(..., torch.float32)` (row-parallel outputs, logits), `silu_mul_linear` (the MLP) and the fp32
+    residual stream of `add_rmsnorm`. See docs/architecture.md, "Number formats"."""
     name = "torch"
 
     def embed(self, ids, table, dtype):
@@ -685,11 +701,15 @@ class TorchOps:
         xf = x.float()                                                   # zero-centred: weights are stored as (w)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)).to(x.dtype)
 
-    def add_rmsnorm(self, x, residual, w, eps):
+    def add_rmsnorm(self, x, residual, w, eps, dtype=None):
+        """residual + x (x fp32 or the activation dtype) in the fp32 residual stream; the norm in `dtype`
+        (default x's)."""
         residual = residual + x.float()                                  # the residual stream stays fp32
-        return self.rmsnorm(residual, w, eps).to(x.dtype), residual
+        return self.rmsnorm(residual, w, eps).to(dtype or x.dtype), residual
 
-    def linear(self, x, w: Linear):
+    def linear(self, x, w: Linear, dtype=None):
+        """x @ w^T in `dtype` (default x's); float32 computes in float32, so sums past 65504 stay finite."""
+        x = x.float() if dtype == torch.float32 else x
         if w.scale is None:
             return x @ w.weight.to(x.dtype).t()                          # (T, N)
         (n, k), bn = w.weight.shape, w.block[0]
@@ -702,6 +722,15 @@ class TorchOps:
 
     def silu_mul(self, g, u):
         return (F.silu(g.float()) * u.float()).to(g.dtype)
+
+    def silu_mul_linear(self, g, u, w: Linear, dtype):
+        """down_proj(silu(g) * u) -> (T, N) fp32, g, u (T, I) fp32. The intermediate is held in `dtype`; in fp16
+        each row is first divided by its safe_row_scale and the output row multiplied back (as the kernels do)."""
+        h = F.silu(g.float()) * u.float()                                # (T, I) fp32
+        if dtype == torch.float32:
+            return self.linear(h, w, torch.float32)
+        s = safe_row_scale(h)                                            # (T, 1)
+        return self.linear((h / s).to(dtype), w, torch.float32) * s
 
     def sigmoid_mul(self, x, gate):
         return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
@@ -832,7 +861,7 @@ def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
 #     The CPU test build (libpocketllm_cpu.so) runs the same kernels on host tensors; CI uses it.
 # -----------------------------------------------------------------------------------------------
 
-NATIVE_ABI_VERSION = 2          # must equal PL_ABI_VERSION in csrc/pocketllm.h
+NATIVE_ABI_VERSION = 3          # must equal PL_ABI_VERSION in csrc/pocketllm.h
 NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
 
 # torch dtype -> the library's pl_dtype code.
@@ -897,6 +926,12 @@ class NativeLibrary:
         count = self.ffi.new("int32_t*")
         self.call("pl_device_count", count)
         return int(count[0])
+
+    def cuda_versions(self) -> tuple[int, int]:
+        """(driver, runtime) CUDA versions as 1000 * major + 10 * minor; driver 0 = no driver found."""
+        driver, runtime = self.ffi.new("int32_t*"), self.ffi.new("int32_t*")
+        self.call("pl_cuda_versions", driver, runtime)
+        return int(driver[0]), int(runtime[0])
 
     def capability(self, device: int = 0) -> tuple[int, int]:
         major, minor = self.ffi.new("int32_t*"), self.ffi.new("int32_t*")
@@ -1014,35 +1049,55 @@ class NativeOps:
                       x.numel() // D, D, eps, self._stream(x))
         return out
 
-    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual (T, D) fp32 is updated in place and returned."""
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual (T, D) fp32 += x (fp32 or the activation dtype), in place, and is returned with its norm in
+        `dtype` (default x's)."""
         x, w = self._as(x), self._as(w)
         D = x.shape[-1]
         if residual.dtype != torch.float32:
             raise PocketError(f"add_rmsnorm: the residual stream must be float32, got {residual.dtype}")
-        out = torch.empty_like(x)                                                    # (T, D)
-        self.lib.call("pl_add_rmsnorm", self._p(x), self._p(residual), self._p(w), self._dt(w), self._p(out),
-                      self._dt(x), x.numel() // D, D, eps, self._stream(x))
+        out = torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)         # (T, D)
+        self.lib.call("pl_add_rmsnorm", self._p(x), self._dt(x), self._p(residual), self._p(w), self._dt(w),
+                      self._p(out), self._dt(out), x.numel() // D, D, eps, self._stream(x))
         return out, residual
 
-    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ w^T in `dtype`: x's own, or float32 (fp32 accumulation either way)."""
+        return self._linear(x, w, dtype or x.dtype, None)
+
+    def _linear(self, x: torch.Tensor, w: Linear, dtype: torch.dtype, row_scale: torch.Tensor | None) -> torch.Tensor:
+        """pl_linear; row_scale (T,) fp32 multiplies output row t (pl_silu_mul's scales), None for none."""
         if w.scale is not None and tuple(w.block) != (128, 128):
             raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w.block)} "
                               f"(use --backend torch)")
         x, weight = self._as(x), self._as(w.weight)
         N, K = weight.shape
-        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)          # (T, N)
+        out = torch.empty(*x.shape[:-1], N, dtype=dtype, device=x.device)            # (T, N)
         scale = self._as(w.scale, torch.float32) if w.scale is not None else None    # (ceil(N/128), ceil(K/128))
-        self.lib.call("pl_linear", self._p(x), self._dt(x), x.numel() // K, K, self._p(weight), self._dt(weight),
-                      0 if scale is None else self._p(scale), N, self._p(out), self._stream(x))
+        self.lib.call("pl_linear", self._p(x), self._dt(x), 0 if row_scale is None else self._p(row_scale),
+                      x.numel() // K, K, self._p(weight), self._dt(weight), 0 if scale is None else self._p(scale),
+                      N, self._p(out), self._dt(out), self._stream(x))
+        return out
+
+    def _silu_mul(self, g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype, row_scale: torch.Tensor | None):
+        g, u = self._as(g), self._as(u, g.dtype)
+        I = g.shape[-1]
+        out = torch.empty(g.shape, dtype=dtype, device=g.device)                    # (T, I)
+        self.lib.call("pl_silu_mul", self._p(g), self._p(u), self._dt(g), g.numel() // I, I, self._p(out),
+                      self._dt(out), 0 if row_scale is None else self._p(row_scale), self._stream(g))
         return out
 
     def silu_mul(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        g, u = self._as(g), self._as(u, g.dtype)
-        out = torch.empty_like(g)                                                    # (T, I)
-        self.lib.call("pl_silu_mul", self._p(g), self._p(u), self._p(out), self._dt(g), g.numel(), self._stream(g))
-        return out
+        return self._silu_mul(g, u, g.dtype, None)
+
+    def silu_mul_linear(self, g: torch.Tensor, u: torch.Tensor, w: Linear, dtype: torch.dtype) -> torch.Tensor:
+        """down_proj(silu(g) * u) -> (T, N) fp32. In fp16 the intermediate's rows are divided by a power of two
+        (pl_silu_mul's row scales) and the GEMM's epilogue multiplies them back: tensor cores, no overflow."""
+        row_scale = None
+        if dtype != torch.float32:
+            row_scale = torch.empty(g.numel() // g.shape[-1], dtype=torch.float32, device=g.device)   # (T,)
+        return self._linear(self._silu_mul(g, u, dtype, row_scale), w, torch.float32, row_scale)
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x, gate = self._as(x), self._as(gate, x.dtype)
@@ -1402,16 +1457,18 @@ class Model:
         x = ops.embed(batch.token_ids, self.embed_tokens, self.dtype)      # (T, D)
         residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for L, mixer in zip(self.layers, self.mixers):
-            h, residual = ops.add_rmsnorm(x, residual, L.input_layernorm, eps)
+            h, residual = ops.add_rmsnorm(x, residual, L.input_layernorm, eps, self.dtype)
             x = self.all_reduce(mixer(L, h, batch, cache))
-            h, residual = ops.add_rmsnorm(x, residual, L.post_attention_layernorm, eps)
+            h, residual = ops.add_rmsnorm(x, residual, L.post_attention_layernorm, eps, self.dtype)
             x = self.all_reduce(self.mlp(L.mlp, h))
-        h, _ = ops.add_rmsnorm(x, residual, self.norm, eps)
-        return ops.linear(h[batch.logit_rows], self.lm_head).float()       # (R, V)
+        h, _ = ops.add_rmsnorm(x, residual, self.norm, eps, self.dtype)
+        return ops.linear(h[batch.logit_rows], self.lm_head, torch.float32)   # (R, V) fp32
 
     def mlp(self, w: MLPWeights, x):
         ops = self.ops
-        return ops.linear(ops.silu_mul(ops.linear(x, w.gate_proj), ops.linear(x, w.up_proj)), w.down_proj)
+        f32 = torch.float32                                                # gate, up, output: may pass 65504
+        return ops.silu_mul_linear(ops.linear(x, w.gate_proj, f32), ops.linear(x, w.up_proj, f32), w.down_proj,
+                                   self.dtype)
 
     def attention(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
         ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
@@ -1430,7 +1487,7 @@ class Model:
                           batch.query_start, Dh ** -0.5).reshape(T, w.heads * Dh)
         if gate is not None:
             o = ops.sigmoid_mul(o, gate)
-        return ops.linear(o, w.o_proj)
+        return ops.linear(o, w.o_proj, torch.float32)                      # row-parallel: fp32
 
     def gated_deltanet(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
         ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
@@ -1445,7 +1502,7 @@ class Model:
         o = ops.gated_delta(q, k, v, g, beta, cache.ssm[L.index], batch.state_slots, batch.query_start)
         z = ops.linear(x, w.in_proj_z).view(T, w.v_heads, Dv)
         o = ops.gated_rmsnorm(o, z, w.norm, cfg.rms_norm_eps).reshape(T, nv)
-        return ops.linear(o, w.out_proj)
+        return ops.linear(o, w.out_proj, torch.float32)                    # row-parallel: fp32
 
 
 def named_weights(weights, prefix: str = "") -> Iterator[tuple[str, Linear | torch.Tensor]]:

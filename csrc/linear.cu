@@ -1,5 +1,7 @@
 // Linear layers, y = x W^T with W (N, K): FP8 e4m3 weights with 128x128 block scales (ragged edge blocks),
-// or dense fp32/fp16/bf16 weights. Always fp32 accumulation.
+// or dense fp32/fp16/bf16 weights. Always fp32 accumulation. The output is the activation type or fp32 (TO):
+// with fp16 activations the row-parallel outputs and the logits are written in fp32, since their sums can pass
+// 65504; an optional per-row input scale rs (from pl_silu_mul) multiplies each output row in the epilogue.
 //   decode (T <= 16), fp16 activations and e4m3 weights: tensor-core GEMV (mma m16n8k8 with the weight as
 //     the 16-row operand, tokens as the 8-column one; 16-byte loads, weights widened in registers);
 //   decode otherwise (fp32 activations, dense or ragged weights): one warp per output row streams the row once
@@ -11,6 +13,9 @@
 
 static const int GEMV_MAX_T = 16;
 static const int GEMV_WARPS = 4;      // output rows per block
+
+// The epilogue's value of output row t: the fp32 sum times that row's input scale, if any.
+__device__ __forceinline__ float row_scaled(float v, const float* rs, int64_t t) { return rs ? v * rs[t] : v; }
 
 // ---- Loads of 16 consecutive values to fp32 (16-byte vector loads; the caller guarantees alignment). ----
 
@@ -40,8 +45,9 @@ __device__ __forceinline__ void dequant16(const uint8_t* p, float* v) {
 // VEC: K % 16 == 0 and 16-byte aligned rows, so every lane loads 16 weights (one 16-byte word) per step and
 // the 16 lie inside one 128-wide scale block. Otherwise one value per lane per step.
 
-template <typename TA, bool VEC>
-__global__ void gemv_fp8_kernel(const TA* x, int T, int K, const uint8_t* w, const float* scale, int N, TA* out) {
+template <typename TA, typename TO, bool VEC>
+__global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, const uint8_t* w, const float* scale,
+                                int N, TO* out) {
   int lane = threadIdx.x & 31;
   int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
   if (n >= N) return;                                 // whole warps leave together; no block barrier follows
@@ -76,7 +82,7 @@ __global__ void gemv_fp8_kernel(const TA* x, int T, int K, const uint8_t* w, con
   for (int t = 0; t < GEMV_MAX_T; t++) {
     if (t >= T) break;
     float v = warp_sum(acc[t]);
-    if (lane == 0) out[(int64_t)t * N + n] = from_f<TA>(v);
+    if (lane == 0) out[(int64_t)t * N + n] = from_f<TO>(row_scaled(v, rs, t));
   }
 }
 
@@ -110,8 +116,8 @@ __device__ __forceinline__ void load8_x(const TA* p, float* v) {
   for (int j = 0; j < 8; j++) v[j] = to_f(p[j]);
 }
 
-template <typename TA, int WDT, bool VEC>
-__global__ void gemv_dense_kernel(const TA* x, int T, int K, const void* w, int N, TA* out) {
+template <typename TA, typename TO, int WDT, bool VEC>
+__global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, const void* w, int N, TO* out) {
   int lane = threadIdx.x & 31;
   int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
   if (n >= N) return;
@@ -142,7 +148,7 @@ __global__ void gemv_dense_kernel(const TA* x, int T, int K, const void* w, int 
   for (int t = 0; t < GEMV_MAX_T; t++) {
     if (t < T) {
       float v = warp_sum(acc[t]);
-      if (lane == 0) out[(int64_t)t * N + n] = from_f<TA>(v);
+      if (lane == 0) out[(int64_t)t * N + n] = from_f<TO>(row_scaled(v, rs, t));
     }
   }
 }
@@ -157,9 +163,9 @@ __global__ void gemv_dense_kernel(const TA* x, int T, int K, const void* w, int 
 
 static const int GEMV_MMA_WARPS = 8;
 
-template <int NT>
-__global__ void gemv_mma_kernel(const pl_half* x, int T, int K, const uint8_t* w, const float* scale, int N,
-                                pl_half* out) {
+template <int NT, typename TO>
+__global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K, const uint8_t* w,
+                                const float* scale, int N, TO* out) {
   __shared__ float red[GEMV_MMA_WARPS][32][NT * 4];
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int g = lane >> 2, t = lane & 3;
@@ -222,7 +228,7 @@ __global__ void gemv_mma_kernel(const pl_half* x, int T, int K, const uint8_t* w
       float v = 0.f;
       for (int w2 = 0; w2 < GEMV_MMA_WARPS; w2++) v += red[w2][lane][j * 4 + i];
       int n = n0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (i & 1);
-      if (n < N && tok < T) out[(int64_t)tok * N + n] = pl_f2h(v);
+      if (n < N && tok < T) out[(int64_t)tok * N + n] = from_f<TO>(row_scaled(v, rs, tok));
     }
 }
 
@@ -231,9 +237,9 @@ __global__ void gemv_mma_kernel(const pl_half* x, int T, int K, const uint8_t* w
 
 static const int TM = 64, TN = 64, TK = 32;
 
-template <typename TA>
-__global__ void gemm_tiled_kernel(const TA* x, int T, int K, const void* w, int wdt, const float* scale, int N,
-                                  TA* out) {
+template <typename TA, typename TO>
+__global__ void gemm_tiled_kernel(const TA* x, const float* rs, int T, int K, const void* w, int wdt,
+                                  const float* scale, int N, TO* out) {
   __shared__ float xs[TK][TM + 1];
   __shared__ float ws[TK][TN + 1];
   int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
@@ -265,7 +271,7 @@ __global__ void gemm_tiled_kernel(const TA* x, int T, int K, const void* w, int 
   for (int i = 0; i < 4; i++)
     for (int j = 0; j < 4; j++) {
       int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
-      if (m < T && n < N) out[(int64_t)m * N + n] = from_f<TA>(acc[i][j]);
+      if (m < T && n < N) out[(int64_t)m * N + n] = from_f<TO>(row_scaled(acc[i][j], rs, m));
     }
 }
 
@@ -328,9 +334,9 @@ __device__ __forceinline__ void stage_tiles(const pl_half* x, int T, int K, cons
   }
 }
 
-template <bool FP8, bool VEC>
-__global__ void gemm_mma_kernel(const pl_half* x, int T, int K, const void* w, const float* scale, int N,
-                                pl_half* out) {
+template <bool FP8, bool VEC, typename TO>
+__global__ void gemm_mma_kernel(const pl_half* x, const float* rs, int T, int K, const void* w, const float* scale,
+                                int N, TO* out) {
   __shared__ __align__(16) pl_half xs[TM][MK + MPAD];
   __shared__ __align__(16) pl_half ws[TN][MK + MPAD];
   int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
@@ -366,93 +372,106 @@ __global__ void gemm_mma_kernel(const pl_half* x, int T, int K, const void* w, c
     for (int ni = 0; ni < 4; ni++)
       for (int i = 0; i < 4; i++) {
         int m = m0 + wm + mi * 16 + g + (i >= 2 ? 8 : 0), n = n0 + wn + ni * 8 + 2 * t + (i & 1);
-        if (m < T && n < N) out[(int64_t)m * N + n] = pl_f2h(acc[mi][ni][i]);
+        if (m < T && n < N) out[(int64_t)m * N + n] = from_f<TO>(row_scaled(acc[mi][ni][i], rs, m));
       }
 }
 
 // ---- The launcher. ------------------------------------------------------------------------------------------
 
 // The tensor-core path takes fp16 activations with e4m3 or fp16 weights; returns false for other cases.
-static bool launch_mma(const float*, int64_t, int64_t, const void*, int, const float*, int64_t, float*, dim3,
-                       uint64_t) {
+template <typename TO>
+static bool launch_mma(const float*, const float*, int64_t, int64_t, const void*, int, const float*, int64_t, TO*,
+                       dim3, uint64_t) {
   return false;
 }
 
-static bool launch_mma(const pl_half* x, int64_t T, int64_t K, const void* w, int wdt, const float* scale, int64_t N,
-                       pl_half* out, dim3 grid, uint64_t stream) {
+template <typename TO>
+static bool launch_mma(const pl_half* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
+                       const float* scale, int64_t N, TO* out, dim3 grid, uint64_t stream) {
   if (wdt != PL_E4M3 && wdt != PL_F16) return false;
   bool vec = K % 16 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0;
   dim3 block(128);
   if (wdt == PL_E4M3 && vec)
-    PL_LAUNCH((gemm_mma_kernel<true, true>), grid, block, 0, stream, x, (int)T, (int)K, w, scale, (int)N, out);
+    PL_LAUNCH((gemm_mma_kernel<true, true, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, out);
   else if (wdt == PL_E4M3)
-    PL_LAUNCH((gemm_mma_kernel<true, false>), grid, block, 0, stream, x, (int)T, (int)K, w, scale, (int)N, out);
+    PL_LAUNCH((gemm_mma_kernel<true, false, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, out);
   else if (vec)
-    PL_LAUNCH((gemm_mma_kernel<false, true>), grid, block, 0, stream, x, (int)T, (int)K, w, scale, (int)N, out);
+    PL_LAUNCH((gemm_mma_kernel<false, true, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, out);
   else
-    PL_LAUNCH((gemm_mma_kernel<false, false>), grid, block, 0, stream, x, (int)T, (int)K, w, scale, (int)N, out);
+    PL_LAUNCH((gemm_mma_kernel<false, false, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, out);
   return true;
 }
 
 // The tensor-core GEMV takes fp16 activations, e4m3 weights, K % 16 == 0, aligned; false for other cases.
-static bool launch_gemv_mma(const float*, int64_t, int64_t, const void*, int, const float*, int64_t, float*,
-                            uint64_t) {
+template <typename TO>
+static bool launch_gemv_mma(const float*, const float*, int64_t, int64_t, const void*, int, const float*, int64_t,
+                            TO*, uint64_t) {
   return false;
 }
 
-static bool launch_gemv_mma(const pl_half* x, int64_t T, int64_t K, const void* w, int wdt, const float* scale,
-                            int64_t N, pl_half* out, uint64_t stream) {
+template <typename TO>
+static bool launch_gemv_mma(const pl_half* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
+                            const float* scale, int64_t N, TO* out, uint64_t stream) {
   if (wdt != PL_E4M3 || K % 16 != 0 || ((uintptr_t)x & 15) != 0 || ((uintptr_t)w & 15) != 0) return false;
   dim3 grid((unsigned)((N + 15) / 16)), block(32 * GEMV_MMA_WARPS);
+  const uint8_t* w8 = (const uint8_t*)w;
   if (T <= 8)
-    PL_LAUNCH(gemv_mma_kernel<1>, grid, block, 0, stream, x, (int)T, (int)K, (const uint8_t*)w, scale, (int)N, out);
+    PL_LAUNCH((gemv_mma_kernel<1, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, out);
   else
-    PL_LAUNCH(gemv_mma_kernel<2>, grid, block, 0, stream, x, (int)T, (int)K, (const uint8_t*)w, scale, (int)N, out);
+    PL_LAUNCH((gemv_mma_kernel<2, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, out);
   return true;
 }
 
-template <typename TA>
-static void launch_linear(const TA* x, int64_t T, int64_t K, const void* w, int wdt, const float* scale,
-                          int64_t N, TA* out, uint64_t stream) {
+template <typename TA, typename TO>
+static void launch_linear(const TA* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
+                          const float* scale, int64_t N, TO* out, uint64_t stream) {
   if (T <= GEMV_MAX_T) {
-    if (launch_gemv_mma(x, T, K, w, wdt, scale, N, out, stream)) return;
+    if (launch_gemv_mma(x, rs, T, K, w, wdt, scale, N, out, stream)) return;
     dim3 grid((unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS)), block(32 * GEMV_WARPS);
     bool vec = ((uintptr_t)w & 15) == 0 && ((uintptr_t)x & 15) == 0;
+    const uint8_t* w8 = (const uint8_t*)w;
+    int t = (int)T, k = (int)K, n = (int)N;
     if (wdt == PL_E4M3 && vec && K % 16 == 0)
-      PL_LAUNCH((gemv_fp8_kernel<TA, true>), grid, block, 0, stream, x, (int)T, (int)K, (const uint8_t*)w,
-                scale, (int)N, out);
+      PL_LAUNCH((gemv_fp8_kernel<TA, TO, true>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, out);
     else if (wdt == PL_E4M3)
-      PL_LAUNCH((gemv_fp8_kernel<TA, false>), grid, block, 0, stream, x, (int)T, (int)K, (const uint8_t*)w,
-                scale, (int)N, out);
+      PL_LAUNCH((gemv_fp8_kernel<TA, TO, false>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, out);
     else if (vec && K % 8 == 0 && wdt == PL_BF16)
-      PL_LAUNCH((gemv_dense_kernel<TA, PL_BF16, true>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_BF16, true>), grid, block, 0, stream, x, rs, t, k, w, n, out);
     else if (vec && K % 8 == 0 && wdt == PL_F16)
-      PL_LAUNCH((gemv_dense_kernel<TA, PL_F16, true>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F16, true>), grid, block, 0, stream, x, rs, t, k, w, n, out);
     else if (vec && K % 8 == 0)
-      PL_LAUNCH((gemv_dense_kernel<TA, PL_F32, true>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F32, true>), grid, block, 0, stream, x, rs, t, k, w, n, out);
     else if (wdt == PL_BF16)
-      PL_LAUNCH((gemv_dense_kernel<TA, PL_BF16, false>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_BF16, false>), grid, block, 0, stream, x, rs, t, k, w, n, out);
     else if (wdt == PL_F16)
-      PL_LAUNCH((gemv_dense_kernel<TA, PL_F16, false>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F16, false>), grid, block, 0, stream, x, rs, t, k, w, n, out);
     else
-      PL_LAUNCH((gemv_dense_kernel<TA, PL_F32, false>), grid, block, 0, stream, x, (int)T, (int)K, w, (int)N, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F32, false>), grid, block, 0, stream, x, rs, t, k, w, n, out);
     return;
   }
   dim3 grid((unsigned)((N + TN - 1) / TN), (unsigned)((T + TM - 1) / TM));
-  if (!launch_mma(x, T, K, w, wdt, scale, N, out, grid, stream))
-    PL_LAUNCH(gemm_tiled_kernel<TA>, grid, dim3(256), 0, stream, x, (int)T, (int)K, w, wdt,
+  if (!launch_mma(x, rs, T, K, w, wdt, scale, N, out, grid, stream))
+    PL_LAUNCH((gemm_tiled_kernel<TA, TO>), grid, dim3(256), 0, stream, x, rs, (int)T, (int)K, w, wdt,
               wdt == PL_E4M3 ? scale : (const float*)0, (int)N, out);
 }
 
-extern "C" int pl_linear(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
-                         uint64_t scale, int64_t N, uint64_t out, uint64_t stream) {
+extern "C" int pl_linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
+                         int32_t w_dtype, uint64_t scale, int64_t N, uint64_t out, int32_t out_dtype,
+                         uint64_t stream) {
   PL_REQUIRE(w_dtype >= PL_F32 && w_dtype <= PL_E4M3, "weight dtype must be 0..3 (fp32, fp16, bf16, e4m3)");
   PL_REQUIRE(w_dtype != PL_E4M3 || scale != 0, "an e4m3 weight needs its fp32 block scales");
+  PL_REQUIRE(out_dtype == act_dtype || out_dtype == PL_F32,
+             "output dtype %d: must be the activation dtype (%d) or 0 (fp32)", (int)out_dtype, (int)act_dtype);
   PL_REQUIRE(K > 0 && K < (1ll << 31) && N < (1ll << 31) && T < 65535ll * TM, "linear shape out of range");
   if (T == 0 || N == 0) return 0;
+  const float* rs = (const float*)x_row_scale;
   PL_DISPATCH_ACT(act_dtype, TA,
-    launch_linear<TA>((const TA*)x, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, (TA*)out,
-                      stream));
+    if (out_dtype == PL_F32)
+      launch_linear<TA, float>((const TA*)x, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N,
+                               (float*)out, stream);
+    else
+      launch_linear<TA, TA>((const TA*)x, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N,
+                            (TA*)out, stream));
   PL_CHECK_LAUNCH();
   return 0;
 }

@@ -36,8 +36,8 @@ extern "C" int pl_embed(uint64_t ids, int64_t T, uint64_t table, int32_t table_d
 // ADD: residual (fp32) += x, then out = rmsnorm(residual). Each thread re-reads only elements it wrote itself,
 // so the second pass needs no barrier; out may alias x.
 
-template <typename TA, bool ADD>
-__global__ void rmsnorm_kernel(const TA* x, float* residual, const void* w, int wdt, TA* out, int D, float eps) {
+template <typename TX, typename TA, bool ADD>
+__global__ void rmsnorm_kernel(const TX* x, float* residual, const void* w, int wdt, TA* out, int D, float eps) {
   __shared__ float red[32];
   int64_t row = (int64_t)blockIdx.x * D;
   float ss = 0.f;
@@ -57,37 +57,79 @@ extern "C" int pl_rmsnorm(uint64_t x, uint64_t w, int32_t w_dtype, uint64_t out,
                           int32_t D, float eps, uint64_t stream) {
   if (T == 0) return 0;
   PL_DISPATCH_ACT(act_dtype, TA,
-    PL_LAUNCH((rmsnorm_kernel<TA, false>), dim3((unsigned)T), dim3(ROW_THREADS), 0, stream,
+    PL_LAUNCH((rmsnorm_kernel<TA, TA, false>), dim3((unsigned)T), dim3(ROW_THREADS), 0, stream,
               (const TA*)x, (float*)0, (const void*)w, (int)w_dtype, (TA*)out, (int)D, eps));
   PL_CHECK_LAUNCH();
   return 0;
 }
 
-extern "C" int pl_add_rmsnorm(uint64_t x, uint64_t residual, uint64_t w, int32_t w_dtype, uint64_t out,
-                              int32_t act_dtype, int64_t T, int32_t D, float eps, uint64_t stream) {
+extern "C" int pl_add_rmsnorm(uint64_t x, int32_t x_dtype, uint64_t residual, uint64_t w, int32_t w_dtype,
+                              uint64_t out, int32_t act_dtype, int64_t T, int32_t D, float eps, uint64_t stream) {
   if (T == 0) return 0;
-  PL_DISPATCH_ACT(act_dtype, TA,
-    PL_LAUNCH((rmsnorm_kernel<TA, true>), dim3((unsigned)T), dim3(ROW_THREADS), 0, stream,
-              (const TA*)x, (float*)residual, (const void*)w, (int)w_dtype, (TA*)out, (int)D, eps));
+  PL_DISPATCH_ACT(x_dtype, TX, PL_DISPATCH_ACT(act_dtype, TA,
+    PL_LAUNCH((rmsnorm_kernel<TX, TA, true>), dim3((unsigned)T), dim3(ROW_THREADS), 0, stream,
+              (const TX*)x, (float*)residual, (const void*)w, (int)w_dtype, (TA*)out, (int)D, eps)));
   PL_CHECK_LAUNCH();
   return 0;
 }
 
 // ---- SwiGLU and the sigmoid output gate: elementwise over n values. ----------------------------------------
 
-template <typename TA, bool SILU>
-__global__ void gate_mul_kernel(const TA* a, const TA* b, TA* out, int64_t n) {
+template <typename TI, typename TO, bool SILU>
+__global__ void gate_mul_kernel(const TI* a, const TI* b, TO* out, int64_t n) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     float va = to_f(a[i]), vb = to_f(b[i]);
-    out[i] = from_f<TA>(SILU ? silu_f(va) * vb : va * sigmoid_f(vb));
+    out[i] = from_f<TO>(SILU ? silu_f(va) * vb : va * sigmoid_f(vb));
   }
 }
 
-extern "C" int pl_silu_mul(uint64_t g, uint64_t u, uint64_t out, int32_t act_dtype, int64_t n, uint64_t stream) {
-  if (n == 0) return 0;
-  PL_DISPATCH_ACT(act_dtype, TA,
-    PL_LAUNCH((gate_mul_kernel<TA, true>), ew_grid(n), dim3(EW_THREADS), 0, stream,
-              (const TA*)g, (const TA*)u, (TA*)out, n));
+// SwiGLU into a safe range, one block per row: the MLP intermediate of a Qwen-family model can pass fp16's
+// 65504, so the row is divided by a power of two (exact: only the exponent changes) that brings its largest
+// |value| to at most 2^15, and down_proj multiplies its output row back (pl_linear's x_row_scale). Two passes
+// over the row (the second re-reads it from L2) cost less than an fp32 intermediate would in the GEMM.
+static const float SAFE_ROW_MAX = 32768.f;
+
+template <typename TI, typename TO>
+__global__ void silu_mul_rows_kernel(const TI* g, const TI* u, int64_t I, TO* out, float* row_scale) {
+  __shared__ float red[32];
+  int64_t row = (int64_t)blockIdx.x * I;
+  float amax = 0.f;
+  for (int64_t i = threadIdx.x; i < I; i += blockDim.x) amax = fmaxf(amax, fabsf(silu_f(to_f(g[row + i])) * to_f(u[row + i])));
+  amax = block_max(amax, red);
+  float s = 1.f;
+  if (amax > SAFE_ROW_MAX && amax < INFINITY) {   // inf / NaN rows stay as they are: nothing to rescue
+    int e;
+    frexpf(amax / SAFE_ROW_MAX, &e);               // amax / 2^15 = m * 2^e, m in [0.5, 1): 2^e >= it
+    s = ldexpf(1.f, e);
+  }
+  if (threadIdx.x == 0) row_scale[blockIdx.x] = s;
+  float inv = 1.f / s;                              // a power of two: exact
+  for (int64_t i = threadIdx.x; i < I; i += blockDim.x)
+    out[row + i] = from_f<TO>(silu_f(to_f(g[row + i])) * to_f(u[row + i]) * inv);
+}
+
+template <typename TI, typename TO>
+static void launch_silu_mul(const TI* g, const TI* u, int64_t T, int64_t I, TO* out, float* row_scale,
+                            uint64_t stream) {
+  if (row_scale)
+    PL_LAUNCH((silu_mul_rows_kernel<TI, TO>), dim3((unsigned)T), dim3(ROW_THREADS), 0, stream, g, u, I, out,
+              row_scale);
+  else
+    PL_LAUNCH((gate_mul_kernel<TI, TO, true>), ew_grid(T * I), dim3(EW_THREADS), 0, stream, g, u, out, T * I);
+}
+
+extern "C" int pl_silu_mul(uint64_t g, uint64_t u, int32_t in_dtype, int64_t T, int64_t I, uint64_t out,
+                           int32_t out_dtype, uint64_t row_scale, uint64_t stream) {
+  PL_REQUIRE(out_dtype == in_dtype || (in_dtype == PL_F32 && out_dtype == PL_F16),
+             "silu_mul: output dtype %d from input dtype %d (must be the input dtype, or fp16 from fp32)",
+             (int)out_dtype, (int)in_dtype);
+  PL_REQUIRE(T < 65535ll * 32768 && I > 0, "silu_mul shape out of range");
+  if (T == 0) return 0;
+  if (out_dtype == PL_F16 && in_dtype == PL_F32)
+    launch_silu_mul((const float*)g, (const float*)u, T, I, (pl_half*)out, (float*)row_scale, stream);
+  else
+    PL_DISPATCH_ACT(in_dtype, TA,
+      launch_silu_mul((const TA*)g, (const TA*)u, T, I, (TA*)out, (float*)row_scale, stream));
   PL_CHECK_LAUNCH();
   return 0;
 }
@@ -96,7 +138,7 @@ extern "C" int pl_sigmoid_mul(uint64_t x, uint64_t gate, uint64_t out, int32_t a
                               uint64_t stream) {
   if (n == 0) return 0;
   PL_DISPATCH_ACT(act_dtype, TA,
-    PL_LAUNCH((gate_mul_kernel<TA, false>), ew_grid(n), dim3(EW_THREADS), 0, stream,
+    PL_LAUNCH((gate_mul_kernel<TA, TA, false>), ew_grid(n), dim3(EW_THREADS), 0, stream,
               (const TA*)x, (const TA*)gate, (TA*)out, n));
   PL_CHECK_LAUNCH();
   return 0;

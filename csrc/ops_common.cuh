@@ -65,6 +65,17 @@ __device__ __forceinline__ float block_sum(float v, float* red /* __shared__ [32
   return total;
 }
 
+__device__ __forceinline__ float block_max(float v, float* red /* __shared__ [32] */) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float m = red[0];
+  for (int w = 1; w < nwarps; w++) m = fmaxf(m, red[w]);
+  return m;
+}
+
 // The sequence owning flattened row r (query_start (B+1,) int32): the last b with query_start[b] <= r.
 __device__ __forceinline__ int find_seq(const int32_t* query_start, int B, int64_t r) {
   int lo = 0, hi = B - 1;

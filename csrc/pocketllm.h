@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bumped on every incompatible change of the declarations below; pocketllm.py checks it on load. */
-#define PL_ABI_VERSION 2
+#define PL_ABI_VERSION 3
 
 #ifdef __cplusplus
 extern "C" {
@@ -36,7 +36,11 @@ int32_t pl_abi_version(void);
 const char* pl_last_error(void);
 /* 1 for the CPU test build (libpocketllm_cpu.so: kernels run on host memory), 0 for the CUDA build. */
 int32_t pl_is_cpu_build(void);
-/* Visible CUDA devices. Fails, with the driver's reason, when there is no usable GPU or driver. */
+/* The CUDA version the installed driver supports and the one of the runtime this library carries, both as
+ * 1000 * major + 10 * minor (e.g. 12040, 13000); driver 0 = no driver found. Never fails. */
+int pl_cuda_versions(int32_t* driver_version, int32_t* runtime_version);
+/* Visible CUDA devices. Fails, with the driver's reason, when there is no usable GPU or driver; first of all
+ * when the driver is older than the carried runtime needs, in one line naming the minimum driver. */
 int pl_device_count(int32_t* count);
 /* Compute capability of a device, e.g. 7 5 for an RTX 2080 Ti. */
 int pl_device_capability(int32_t device, int32_t* major, int32_t* minor);
@@ -72,15 +76,22 @@ int pl_embed(uint64_t ids, int64_t T, uint64_t table, int32_t table_dtype, int64
 /* out (T, D) act = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32; out may alias x. */
 int pl_rmsnorm(uint64_t x, uint64_t w, int32_t w_dtype, uint64_t out, int32_t act_dtype, int64_t T,
                int32_t D, float eps, uint64_t stream);
-/* residual (T, D) fp32 += x (in place); out (T, D) act = rmsnorm(residual) as above. */
-int pl_add_rmsnorm(uint64_t x, uint64_t residual, uint64_t w, int32_t w_dtype, uint64_t out,
+/* residual (T, D) fp32 += x (T, D) of x_dtype (fp32 or fp16: the row-parallel outputs arrive in fp32) in
+   place; out (T, D) act = rmsnorm(residual) as above. */
+int pl_add_rmsnorm(uint64_t x, int32_t x_dtype, uint64_t residual, uint64_t w, int32_t w_dtype, uint64_t out,
                    int32_t act_dtype, int64_t T, int32_t D, float eps, uint64_t stream);
-/* out (T, N) act = x (T, K) act @ w^T, w (N, K) of w_dtype; for w_dtype 3, scale is the fp32
-   (ceil(N/128), ceil(K/128)) block-scale tensor, else 0. T <= 16 takes the GEMV path. */
-int pl_linear(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
-              uint64_t scale, int64_t N, uint64_t out, uint64_t stream);
-/* out = silu(g) * u over n elements (act); out may alias g or u. */
-int pl_silu_mul(uint64_t g, uint64_t u, uint64_t out, int32_t act_dtype, int64_t n, uint64_t stream);
+/* out (T, N) of out_dtype = x_row_scale[t] * (x (T, K) act @ w^T), w (N, K) of w_dtype; for w_dtype 3, scale
+   is the fp32 (ceil(N/128), ceil(K/128)) block-scale tensor, else 0. x_row_scale (T,) fp32, or 0 for none
+   (pl_silu_mul's row scales). out_dtype is act_dtype or 0 (fp32: what fp16 activations need where a sum may
+   pass 65504). Accumulation is fp32 always. T <= 16 takes the GEMV path. */
+int pl_linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
+              int32_t w_dtype, uint64_t scale, int64_t N, uint64_t out, int32_t out_dtype, uint64_t stream);
+/* out (T, I) of out_dtype = silu(g) * u / row_scale[t], g, u (T, I) of in_dtype, in fp32; out_dtype is in_dtype
+   or fp16 from fp32 inputs. row_scale: 0 for none, or (T,) fp32 written with the power of two that brings the
+   row's largest |value| to at most 2^15 (1 when it already is), so an fp16 out never overflows and keeps its
+   relative precision. out may alias g or u when the dtypes match and row_scale is 0. */
+int pl_silu_mul(uint64_t g, uint64_t u, int32_t in_dtype, int64_t T, int64_t I, uint64_t out, int32_t out_dtype,
+                uint64_t row_scale, uint64_t stream);
 /* out = x * sigmoid(gate) over n elements (act); out may alias x or gate. */
 int pl_sigmoid_mul(uint64_t x, uint64_t gate, uint64_t out, int32_t act_dtype, int64_t n, uint64_t stream);
 /* q (T, Hq, Dh), k (T, Hk, Dh) act -> q_out, k_out (may alias q, k): per-head zero-centred RMSNorm with

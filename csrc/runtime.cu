@@ -37,11 +37,42 @@ extern "C" int32_t pl_is_cpu_build(void) { return PL_CPU_EMU; }
 
 // ---------------------------------------------------------------------------------------------------------
 // Devices. The CUDA runtime is linked statically and finds the driver itself, so loading the library never
-// fails for want of a GPU; this query is where that shows.
+// fails for want of a GPU; this query is where that shows. A runtime of CUDA major version M runs on any driver
+// that supports M.0 or newer (minor version compatibility), so the driver is checked against the runtime's major
+// version and refused in one line naming the oldest driver that would do.
 // ---------------------------------------------------------------------------------------------------------
+
+// The oldest Linux driver of each CUDA major version (CUDA release notes, "minor version compatibility").
+static const char* min_driver(int cuda_major) {
+    switch (cuda_major) {
+        case 11: return "450.80.02";
+        case 12: return "525.60.13";
+        case 13: return "580.65.06";
+        default: return "one supporting it";
+    }
+}
+
+extern "C" int pl_cuda_versions(int32_t* driver_version, int32_t* runtime_version) {
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) {   // no driver at all reads as 0
+        cudaGetLastError();                               // not sticky; clear it for the next launch check
+        driver = 0;
+    }
+    *driver_version = driver;
+    *runtime_version = CUDART_VERSION;
+    return 0;
+}
 
 extern "C" int pl_device_count(int32_t* count) {
     *count = 0;
+    int32_t driver = 0, runtime = 0;
+    pl_cuda_versions(&driver, &runtime);
+    if (driver != 0 && driver / 1000 < runtime / 1000)
+        PL_FAIL("no usable GPU: the NVIDIA driver supports CUDA %d.%d, but this library carries the CUDA %d.%d "
+                "runtime, which needs driver %s or newer: update the driver, or build the library with a CUDA "
+                "%d.x toolkit (python build.py --nvcc PATH; docs/abi.md)",
+                driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10, min_driver(runtime / 1000),
+                driver / 1000);
 #if PL_CPU_EMU
     PL_FAIL("this is the CPU test build (libpocketllm_cpu.so): its kernels run on host memory, not on a GPU");
 #else
@@ -49,9 +80,9 @@ extern "C" int pl_device_count(int32_t* count) {
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice) {
         cudaGetLastError();  // not sticky; clear it
-        PL_FAIL("no usable GPU: %s (this library carries the CUDA %d.%d runtime; it needs an NVIDIA GPU and a "
-                "driver that supports that version)",
-                cudaGetErrorString(e), CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10);
+        PL_FAIL("no usable GPU: %s (this library carries the CUDA %d.%d runtime; it needs an NVIDIA GPU and "
+                "driver %s or newer)",
+                cudaGetErrorString(e), runtime / 1000, runtime % 1000 / 10, min_driver(runtime / 1000));
     }
     PL_CHECK(e);
     *count = n;

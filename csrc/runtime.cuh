@@ -782,6 +782,14 @@ inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyK
     return cudaSuccess;
 }
 inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+// The emulated runtime stands for CUDA 13.0. The driver's CUDA version is PL_EMU_DRIVER_VERSION (default: the
+// same), a hook of this test build only: it simulates an old driver so that the refusal is testable.
+#define CUDART_VERSION 13000
+inline cudaError_t cudaDriverGetVersion(int* v) {
+    const char* s = getenv("PL_EMU_DRIVER_VERSION");
+    *v = s ? atoi(s) : CUDART_VERSION;
+    return cudaSuccess;
+}
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
     switch (a) {
         case cudaDevAttrMaxSharedMemoryPerBlock: *v = (int)pl_cpu::kDefaultSmem; return cudaSuccess;

@@ -163,3 +163,63 @@ def test_native_ops_refuse_what_the_kernels_cannot_read(cpu_build):
     w = pocketllm.Linear(torch.zeros(64, 64, dtype=torch.float8_e4m3fn), torch.ones(1, 1), (64, 64))
     with pytest.raises(pocketllm.PocketError, match="128x128 weight blocks"):
         ops.linear(torch.randn(1, 64), w)
+
+
+# ---- Drivers and toolkits: the library names the driver it needs; build.py builds against another toolkit. ----
+
+def test_old_driver_is_refused_naming_the_minimum(cpu_build, monkeypatch):
+    """The CPU build stands for the CUDA 13.0 runtime, and its test hook PL_EMU_DRIVER_VERSION simulates the
+    driver: one that supports only CUDA 12.4 is refused in one line naming driver 580.65.06, and `auto` falls back
+    to torch saying so (the CUDA build runs the same check with the real driver's version)."""
+    lib = pocketllm.load_native(cpu_build=True)
+    monkeypatch.delenv("PL_EMU_DRIVER_VERSION", raising=False)
+    assert lib.cuda_versions() == (13000, 13000)
+    monkeypatch.setenv("PL_EMU_DRIVER_VERSION", "12040")
+    assert lib.cuda_versions() == (12040, 13000)
+    with pytest.raises(pocketllm.NativeError, match=r"the NVIDIA driver supports CUDA 12\.4, but this library carries "
+                                                    r"the CUDA 13\.0 runtime, which needs driver 580\.65\.06 or newer"):
+        lib.device_count()
+    assert "\n" not in lib.last_error() and "--nvcc" in lib.last_error()
+    monkeypatch.setattr(pocketllm, "load_native", lambda cpu_build=False: lib)   # stands in for the CUDA build
+    ok, why = pocketllm.native_status("cuda")
+    assert not ok and "580.65.06" in why
+    ops, reason = pocketllm.select_ops(pocketllm.EngineOptions(backend="auto", device="cuda"), torch.device("cuda"))
+    assert ops.name == "torch" and "driver 580.65.06 or newer" in reason
+    monkeypatch.setenv("PL_EMU_DRIVER_VERSION", "13020")                         # a newer driver passes the check
+    with pytest.raises(pocketllm.NativeError, match="CPU test build"):
+        lib.device_count()
+
+
+FAKE_NVCC = """#!/bin/sh
+case "$*" in *--version*) echo "Cuda compilation tools, release $FAKE_CUDA, V$FAKE_CUDA.1"; exit 0;; esac
+echo "$*" >> "$FAKE_LOG"
+while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then echo fake > "$2"; fi; shift; done
+"""
+
+
+def test_build_with_another_toolkit(tmp_path, monkeypatch):
+    """--nvcc picks the compiler, --cudart links that runtime directory's static cudart, and the toolkit's
+    version keys the cache: a library built with CUDA 12.4 is not taken for a CUDA 13.0 one, or vice versa.
+    (A stand-in nvcc records the commands; the real CUDA 12 build is described in docs/abi.md.)"""
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text(FAKE_NVCC)
+    nvcc.chmod(0o755)
+    log = tmp_path / "commands.log"
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_CUDA", "12.4")
+    rt = tmp_path / "nvidia" / "cuda_runtime"
+    out_dir = tmp_path / "out"
+    lib = builder.build(nvcc=str(nvcc), cudart=rt, out_dir=out_dir, quiet=True)
+    commands = log.read_text().splitlines()
+    assert len(commands) == len(list((ROOT / "csrc").glob("*.cu"))) + 1                  # each source, one link
+    assert all(f"-I {rt / 'include'}" in c for c in commands[:-1])
+    assert f"-cudart none {rt / 'lib' / 'libcudart_static.a'}" in commands[-1]
+    assert lib.with_name(lib.name + ".stamp").read_text().splitlines()[1] == "cuda 12.4"
+    builder.build(nvcc=str(nvcc), cudart=rt, out_dir=out_dir, quiet=True)
+    assert len(log.read_text().splitlines()) == len(commands)                           # up to date: nothing ran
+    monkeypatch.setenv("FAKE_CUDA", "13.0")
+    builder.build(nvcc=str(nvcc), cudart=rt, out_dir=out_dir, quiet=True)
+    assert len(log.read_text().splitlines()) == 2 * len(commands)                       # another toolkit: rebuilt
+    with pytest.raises(builder.BuildError, match="nvcc not found at"):
+        builder.build(nvcc=str(tmp_path / "missing"), out_dir=tmp_path / "out2", quiet=True)

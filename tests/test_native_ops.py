@@ -220,7 +220,7 @@ def test_add_rmsnorm(lib, act, T, D):
     residual = rnd(T, D, device=dev, scale=3.0)
     new_residual = residual.double() + x.double()
     out = poisoned((T, D), act, dev)
-    lib.call("pl_add_rmsnorm", p(x), p(residual), p(w), BF16, p(out), CODE[act], T, D, 1e-6)
+    lib.call("pl_add_rmsnorm", p(x), CODE[act], p(residual), p(w), BF16, p(out), CODE[act], T, D, 1e-6)
     check(residual, new_residual, 1e-6, "add_rmsnorm residual")
     check(out, ref_rmsnorm(new_residual, w, 1e-6), TOL[act], "add_rmsnorm normed")
 
@@ -231,7 +231,7 @@ def test_silu_mul_sigmoid_mul(lib, act):
     T, I = 5, 333
     g, u = rnd(T, I, dtype=act, device=dev, scale=3), rnd(T, I, dtype=act, device=dev)
     out = poisoned((T, I), act, dev)
-    lib.call("pl_silu_mul", p(g), p(u), p(out), CODE[act], T * I)
+    lib.call("pl_silu_mul", p(g), p(u), CODE[act], T, I, p(out), CODE[act], 0)
     check(out, F.silu(g.double()) * u.double(), TOL[act], "silu_mul")
     out = poisoned((T, I), act, dev)
     lib.call("pl_sigmoid_mul", p(g), p(u), p(out), CODE[act], T * I)
@@ -325,7 +325,7 @@ def test_linear_fp8(lib, act, T, N, K):
     w, scale = fp8_weight(N, K, dev)
     x = rnd(T, K, dtype=act, device=dev)
     out = poisoned((T, N), act, dev)
-    lib.call("pl_linear", p(x), CODE[act], T, K, p(w), E4M3, p(scale), N, p(out))
+    lib.call("pl_linear", p(x), CODE[act], 0, T, K, p(w), E4M3, p(scale), N, p(out), CODE[act])
     ref = x.double().cpu() @ dequant(w.cpu().float(), scale.cpu()).T
     check(out, ref, TOL[act], f"linear fp8 T={T} N={N} K={K}")
 
@@ -338,7 +338,7 @@ def test_linear_dense(lib, act, wdt, T, N, K):
     w = rnd(N, K, dtype=wdt, device=dev, scale=0.1)
     x = rnd(T, K, dtype=act, device=dev)
     out = poisoned((T, N), act, dev)
-    lib.call("pl_linear", p(x), CODE[act], T, K, p(w), CODE[wdt], 0, N, p(out))
+    lib.call("pl_linear", p(x), CODE[act], 0, T, K, p(w), CODE[wdt], 0, N, p(out), CODE[act])
     check(out, x.double().cpu() @ w.double().cpu().T, TOL[act], "linear dense")
 
 
@@ -358,7 +358,7 @@ def test_mlp_large_activations_fp16(lib, T):
     w = wf.reshape(N, K).to(torch.float8_e4m3fn)
     w, scale, x = w.to(dev), scale.to(dev), x.to(dev)
     out = poisoned((T, N), act, dev)
-    lib.call("pl_linear", p(x), F16, T, K, p(w), E4M3, p(scale), N, p(out))
+    lib.call("pl_linear", p(x), F16, 0, T, K, p(w), E4M3, p(scale), N, p(out), F16)
     ref = x.double().cpu() @ dequant(w.cpu().float(), scale.cpu()).T
     assert ref.abs().max() < 60000
     check(out, ref, 3e-3, "linear with large partial sums")
@@ -366,7 +366,7 @@ def test_mlp_large_activations_fp16(lib, T):
     g = torch.tensor([[-2e4, -80.0, 200.0, 250.0, 30000.0]], dtype=act, device=dev)
     u = torch.tensor([[3e4, 500.0, 300.0, -250.0, 2.0]], dtype=act, device=dev)
     out = poisoned(g.shape, act, dev)
-    lib.call("pl_silu_mul", p(g), p(u), p(out), F16, g.numel())
+    lib.call("pl_silu_mul", p(g), p(u), F16, 1, g.numel(), p(out), F16, 0)
     check(out, F.silu(g.double()) * u.double(), 2e-3, "silu_mul large")
     # rmsnorm / add_rmsnorm of rows with |x| ~ 1e4 (sum of squares ~ 1e11).
     D = 256
@@ -375,8 +375,88 @@ def test_mlp_large_activations_fp16(lib, T):
     new_residual = residual.double() + x.double()
     w = rnd(D, device=dev, scale=0.2)
     out = poisoned((2, D), act, dev)
-    lib.call("pl_add_rmsnorm", p(x), p(residual), p(w), F32, p(out), F16, 2, D, 1e-6)
+    lib.call("pl_add_rmsnorm", p(x), F16, p(residual), p(w), F32, p(out), F16, 2, D, 1e-6)
     check(out, ref_rmsnorm(new_residual, w, 1e-6), 2e-3, "add_rmsnorm large")
+
+
+# ---- Beyond fp16's range: fp32 outputs of the linear, the row-scaled SwiGLU, the fp32 residual input. -------
+# With fp16 activations the row-parallel outputs (o_proj, out_proj, down_proj), gate/up and the logits are
+# written in fp32 and the MLP intermediate is scaled per row, because their values can pass 65504.
+
+def pow2_row_scale_ref(h: torch.Tensor) -> torch.Tensor:
+    """The documented row scale, computed independently: the least power of two s with max|h| / s <= 2^15."""
+    amax = h.abs().amax(-1).double()
+    return torch.where(amax > 2.0 ** 15, 2.0 ** torch.ceil(torch.log2(amax / 2.0 ** 15)), torch.ones_like(amax))
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("T,N,K", LINEAR_SHAPES)
+def test_linear_fp32_output_beyond_fp16_range(lib, act, T, N, K):
+    """Outputs near 1e6 (fp16 would be inf), each row times its input row scale (powers of two up to 2^8)."""
+    dev = lib.device
+    w, scale = fp8_weight(N, K, dev)
+    scale = scale * 10.0                                                            # weights ~3
+    x = rnd(T, K, dtype=act, device=dev, scale=5000.0)
+    rs = (2.0 ** torch.arange(T).remainder(9)).float().to(dev)                      # (T,)
+    out = poisoned((T, N), torch.float32, dev)
+    lib.call("pl_linear", p(x), CODE[act], p(rs), T, K, p(w), E4M3, p(scale), N, p(out), F32)
+    ref = (x.double().cpu() @ dequant(w.cpu().float(), scale.cpu()).T) * rs.double().cpu()[:, None]
+    assert ref.abs().max() > 1e5
+    check(out, ref, 2e-5 if act == torch.float32 else 1e-3, f"linear fp32 out T={T} N={N} K={K}")
+
+
+@pytest.mark.parametrize("T,N,K", [(3, 48, 80), (20, 96, 256)])
+def test_linear_dense_fp32_output(lib, T, N, K):
+    """The lm_head path (dense fp16 weight): fp32 logits from fp16 activations."""
+    dev = lib.device
+    w = rnd(N, K, dtype=torch.float16, device=dev, scale=30.0)
+    x = rnd(T, K, dtype=torch.float16, device=dev, scale=300.0)
+    out = poisoned((T, N), torch.float32, dev)
+    lib.call("pl_linear", p(x), F16, 0, T, K, p(w), CODE[torch.float16], 0, N, p(out), F32)
+    ref = x.double().cpu() @ w.double().cpu().T
+    assert ref.abs().max() > 1e5
+    check(out, ref, 1e-3, "linear dense fp32 out")
+
+
+def test_linear_refuses_fp16_output_from_fp32(lib):
+    x, w = rnd(2, 64, device=lib.device), rnd(8, 64, device=lib.device)
+    out = poisoned((2, 8), torch.float16, lib.device)
+    with pytest.raises(RuntimeError, match="output dtype 1: must be the activation dtype"):
+        lib.call("pl_linear", p(x), F32, 0, 2, 64, p(w), F32, 0, 8, p(out), F16)
+
+
+def test_silu_mul_row_scaled_to_fp16(lib):
+    """fp32 gate/up whose products reach 1e7: fp16 out divided per row by a power of two, never inf."""
+    dev = lib.device
+    T, I = 4, 300
+    g, u = rnd(T, I, device=dev, scale=50.0), rnd(T, I, device=dev, scale=100.0)
+    u[0] *= 4.0
+    g[1] *= 40.0
+    u[2] *= 1e-3                                                     # a row inside the range keeps scale 1
+    g[3, 17], u[3, 17] = 3000.0, 4000.0                              # one huge element sets its row's scale
+    ref = F.silu(g.double().cpu()) * u.double().cpu()                # (T, I)
+    out, rs = poisoned((T, I), torch.float16, dev), poisoned((T,), torch.float32, dev)
+    lib.call("pl_silu_mul", p(g), p(u), F32, T, I, p(out), F16, p(rs))
+    want_rs = pow2_row_scale_ref(ref)
+    assert ref.abs().max() > 1e6 and want_rs[2] == 1 and (want_rs > 1).sum() == 3
+    assert torch.equal(rs.cpu().double(), want_rs)
+    assert torch.isfinite(out).all() and out.abs().max() <= 2.0 ** 15
+    check(out.double().cpu() * rs.double().cpu()[:, None], ref, 1e-3, "silu_mul row-scaled")
+    out32 = poisoned((T, I), torch.float32, dev)                     # fp32 out, no scale: plain
+    lib.call("pl_silu_mul", p(g), p(u), F32, T, I, p(out32), F32, 0)
+    check(out32, ref, 2e-5, "silu_mul fp32")
+
+
+def test_add_rmsnorm_of_fp32_input_beyond_fp16(lib):
+    """The residual add takes the fp32 row-parallel output (values ~1e6) and writes the norm in fp16."""
+    dev, D = lib.device, 200
+    x, residual = rnd(3, D, device=dev, scale=1e6), rnd(3, D, device=dev, scale=10.0)
+    w = rnd(D, device=dev, scale=0.2)
+    new_residual = residual.double() + x.double()
+    out = poisoned((3, D), torch.float16, dev)
+    lib.call("pl_add_rmsnorm", p(x), F32, p(residual), p(w), F32, p(out), F16, 3, D, 1e-6)
+    check(residual, new_residual, 1e-6, "add_rmsnorm fp32 x residual")
+    check(out, ref_rmsnorm(new_residual, w, 1e-6), 2e-3, "add_rmsnorm fp32 x normed")
 
 
 # ---- Paged attention: prefill (cached prefix + new rows, varlen) and decode (split-K). --------------------
@@ -514,7 +594,15 @@ def _nativeops_cases(pl, act):
         ("embed", (torch.tensor([3, 0, 36, 5, 5, 17, 1]), r(37, D, dtype=torch.bfloat16))),
         ("rmsnorm", (r(T, D), r(D, scale=0.2, dtype=torch.float32), 1e-6)),     # norm weights load as fp32
         ("add_rmsnorm", (r(T, D), r(T, D, dtype=torch.float32, scale=3), r(D, scale=0.2, dtype=torch.float32), 1e-6)),
+        ("add_rmsnorm", (r(T, D, dtype=torch.float32, scale=1e5), r(T, D, dtype=torch.float32, scale=3),
+                         r(D, scale=0.2, dtype=torch.float32), 1e-6, act)),
         ("linear", (r(3, 256), pl.Linear(w8, s8))),
+        ("linear", (r(3, 256, scale=300), pl.Linear(w8, s8), torch.float32)),
+        ("linear", (r(20, 256, scale=300), pl.Linear(w8, s8), torch.float32)),
+        ("silu_mul_linear", (r(3, 256, scale=40, dtype=torch.float32), r(3, 256, scale=90, dtype=torch.float32),
+                             pl.Linear(r(48, 256, scale=0.1, dtype=torch.bfloat16), None), act)),
+        ("silu_mul_linear", (r(20, 256, scale=40, dtype=torch.float32), r(20, 256, scale=90, dtype=torch.float32),
+                             pl.Linear(*fp8_weight(96, 256, "cpu", gen=g)), act)),
         ("linear", (r(20, 256), pl.Linear(w8, s8))),
         ("linear", (r(5, 64), pl.Linear(r(48, 64, scale=0.1, dtype=torch.bfloat16), None))),
         ("silu_mul", (r(T, 130, scale=3), r(T, 130))),

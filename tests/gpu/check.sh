@@ -5,12 +5,14 @@
 #   tests/gpu/check.sh LOGDIR
 #
 # Steps (each with its own time limit; a failed step is reported and the next one still runs):
-#   1 prereqs   torch with CUDA, the GPU, cffi, nvcc, NCCL, the library: says exactly what is missing
+#   1 prereqs   torch with CUDA, the GPU, its driver (against the library's CUDA runtime), cffi, nvcc, NCCL, the
+#               library: says exactly what is missing
 #   2 library   the prebuilt build/libpocketllm.so loads on this GPU; otherwise it is rebuilt here for this
 #               GPU's arch (needs nvcc, a few minutes), then loaded again
 #   3 wrappers  tests/test_emu_layer.py on cuda: mma / ldmatrix / conversions / shuffles on the hardware agree
 #               with the layouts the CPU execution layer computes
 #   4 ops       tests/test_native_ops.py on cuda: every native op against the reference, poisoned outputs
+#   4b kernels  the fp32-output linears and the row-scaled MLP at the real K (5120, 17408) vs float64
 #   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy
 #   6 parity    tests/gpu/test_gpu_parity.py: native vs torch, identical greedy tokens for 64 steps
 #   7 synth     a synthetic FP8 checkpoint with the 27B's layer shapes, 4 layers (tests/gpu/serve_check.py)
@@ -78,6 +80,7 @@ run prereqs 60 "$PY" tests/gpu/gpu_check.py prereqs "$LOG"
 run library 300 bash -c load_or_rebuild
 run wrappers 120 "$PY" -m pytest -q -x tests/test_emu_layer.py -k cuda -p no:cacheprovider
 run ops 150 "$PY" -m pytest -q tests/test_native_ops.py -k cuda -p no:cacheprovider
+run kernels 90 "$PY" tests/gpu/gpu_check.py kernels "$LOG"
 run nccl 60 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
 run parity 120 "$PY" -m pytest -q tests/gpu/test_gpu_parity.py -p no:cacheprovider
 export POCKETLLM_SYNTH=${TMPDIR:-/tmp}/pocketllm-synth-27b-shapes

@@ -1,12 +1,15 @@
 """The GPU check's Python steps (called by tests/gpu/check.sh; each prints what it measured and writes JSON).
 
-    python tests/gpu/gpu_check.py prereqs LOGDIR   # torch CUDA, GPU, cffi, nvcc, NCCL, the library: what is missing
+    python tests/gpu/gpu_check.py prereqs LOGDIR   # torch CUDA, GPU, driver, cffi, nvcc, NCCL, the library
     python tests/gpu/gpu_check.py load LOGDIR      # the native library loads and native_status() is ok
+    python tests/gpu/gpu_check.py kernels LOGDIR   # fp32-output linears at the real K (5120, 17408) vs torch
     python tests/gpu/gpu_check.py nccl LOGDIR      # a one-rank communicator: unique id, init, all-reduce, destroy
     python tests/gpu/gpu_check.py bench LOGDIR     # kernel bandwidth vs measured copy bandwidth, 27B decode shapes
     python tests/gpu/gpu_check.py decode LOGDIR    # decode tokens/s at batch 1, 8 and 32, 27B shapes, 4 layers
 
-Timing: CUDA events around each call after warm-up, the median of many runs. Bandwidth = the bytes a kernel
+Timing: after warm-up, the GPU is held busy (torch.cuda._sleep) while the host queues REPS back-to-back calls, so
+the CUDA events around them measure the kernels and not Python's launch overhead; the median over many such runs,
+divided by REPS. Bandwidth = the bytes a kernel
 must move at least (weights, KV cache or recurrent state read, outputs written) / median time; the copy
 bandwidth is a device-to-device copy of 2 GiB (read + write counted).
 """
@@ -62,6 +65,8 @@ def prereqs(logdir: Path) -> int:
     info["nvcc"] = build.find_nvcc() or "not found (the prebuilt library must load as it is)"
     lib = ROOT / "build" / "libpocketllm.so"
     info["library"] = str(lib) if lib.exists() else "not built"
+    if lib.exists():
+        info["cuda_driver"] = cuda_driver_line(missing)
     if not lib.exists() and not build.find_nvcc():
         missing.append("build/libpocketllm.so is not there and nvcc is not available to build it")
     try:
@@ -76,6 +81,20 @@ def prereqs(logdir: Path) -> int:
     for k, v in info.items():
         print(f"{k:12s} {v}")
     return 1 if missing else 0
+
+
+def cuda_driver_line(missing: list[str]) -> str:
+    """"driver supports CUDA 12.4, library carries CUDA 13.0", and a missing entry when the driver is too old."""
+    import pocketllm
+    try:
+        lib = pocketllm.load_native()
+        driver, runtime = lib.cuda_versions()
+        lib.device_count()                                     # the library's own driver check
+    except pocketllm.PocketError as e:
+        missing.append(str(e))
+        return f"unusable: {e}"
+    v = lambda n: f"{n // 1000}.{n % 1000 // 10}"  # noqa: E731
+    return f"driver supports CUDA {v(driver)}, the library carries the CUDA {v(runtime)} runtime"
 
 
 def load(logdir: Path) -> int:
@@ -111,18 +130,25 @@ def nccl(logdir: Path) -> int:
 
 # ---- Kernel benchmarks on the 27B decode shapes (TP1), each against the measured copy bandwidth ----
 
+REPS = 10            # back-to-back calls per timed run
+HOLD_CYCLES = 2e7    # ~10 ms of GPU spin: longer than the host needs to queue REPS calls
+
+
 def median_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Milliseconds per call of fn's GPU work, without the host's launch overhead (see the module docstring)."""
     import torch
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(HOLD_CYCLES))
         a.record()
-        fn()
+        for _ in range(REPS):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / REPS)
     return statistics.median(times)
 
 
@@ -140,6 +166,55 @@ LINEARS_27B = {   # name: (N, K) at TP1
     "attn.k/v": (1024, 5120), "attn.o": (5120, 6144), "gdn.in_proj_qkv": (10240, 5120),
     "gdn.in_proj_z": (6144, 5120), "gdn.out_proj": (5120, 6144),
 }
+FP32_OUT = {"mlp.gate/up", "mlp.down", "attn.o", "gdn.out_proj"}   # written in fp32 by the model (fp16 range)
+
+
+def fp8_linear(N: int, K: int):
+    import torch
+    import pocketllm
+    return pocketllm.Linear(weight=(torch.randn(N, K, device="cuda") * 0.5).to(torch.float8_e4m3fn),
+                            scale=torch.rand((N + 127) // 128, (K + 127) // 128, device="cuda") * 0.01)
+
+
+# ---- The fp32-output kernels at the real K, against torch in float64 on the same fp16 inputs ----
+
+def kernels(logdir: Path) -> int:
+    """Every path (tensor-core GEMV at B 1 and 9, tensor-core GEMM at 40 and 200 tokens) with fp32 outputs far
+    beyond fp16's range, and the MLP's row-scaled SwiGLU + down_proj, at K = 5120 and 17408."""
+    import torch
+    import torch.nn.functional as F
+    import pocketllm
+    torch.manual_seed(0)
+    ops, tops, rows, ok = pocketllm.NativeOps("cuda"), pocketllm.TorchOps(), [], True
+    for N, K in ((5120, 17408), (17408, 5120), (1536, 17408)):
+        w = fp8_linear(N, K)
+        w.scale.mul_(100)                                             # weights ~0.25: outputs ~1e5 and more
+        wd = pocketllm.dequantize(w, torch.float64)                  # (N, K) exact
+        for B in (1, 9, 40, 200):
+            x = (torch.randn(B, K, device="cuda") * 2e4).clamp(-6e4, 6e4).to(torch.float16)
+            got = ops.linear(x, w, torch.float32)
+            want = x.double() @ wd.t()
+            err = float((got.double() - want).abs().max() / want.abs().max())
+            rows.append({"op": "linear fp32 out", "N": N, "K": K, "B": B, "max_abs": float(want.abs().max()),
+                         "rel_err": err, "finite": bool(torch.isfinite(got).all())})
+            ok &= rows[-1]["finite"] and err <= 1e-4
+            if K == 17408:                                            # the MLP: gate, up fp32 -> down
+                g, u = torch.randn(B, K, device="cuda") * 60, torch.randn(B, K, device="cuda") * 90
+                got = ops.silu_mul_linear(g, u, w, torch.float16)
+                ref_t = tops.silu_mul_linear(g, u, w, torch.float16)
+                want = (F.silu(g.double()) * u.double()) @ wd.t()
+                err = float((got.double() - want).abs().max() / want.abs().max())
+                err_t = float((ref_t.double() - want).abs().max() / want.abs().max())
+                rows.append({"op": "silu_mul_linear fp16", "N": N, "K": K, "B": B,
+                             "max_abs": float(want.abs().max()), "rel_err": err, "torch_rel_err": err_t,
+                             "finite": bool(torch.isfinite(got).all())})
+                ok &= rows[-1]["finite"] and err <= 2e-3
+        del w, wd
+    for r in rows:
+        print(f"{r['op']:22s} {r['N']:>6}x{r['K']:<6} B={r['B']:<4} max|ref| {r['max_abs']:9.3g} "
+              f"rel err {r['rel_err']:.2e}{'' if r['finite'] else ' NON-FINITE'}", flush=True)
+    save(logdir, "kernels", {"ok": ok, "rows": rows})
+    return 0 if ok else 1
 
 
 def bench(logdir: Path) -> int:
@@ -159,18 +234,19 @@ def bench(logdir: Path) -> int:
               flush=True)
 
     for name, (N, K) in LINEARS_27B.items():
-        w = pocketllm.Linear(weight=(torch.randn(N, K, device="cuda") * 0.5).to(torch.float8_e4m3fn),
-                             scale=torch.rand((N + 127) // 128, (K + 127) // 128, device="cuda") * 0.01)
+        w = fp8_linear(N, K)
+        out = torch.float32 if name in FP32_OUT else act
         for B in (1, 8):
             x = torch.randn(B, K, device="cuda").to(act)
-            nbytes = N * K + w.scale.numel() * 4 + B * (K + N) * 2
-            row(f"FP8 GEMV {name}", f"{N}x{K}", B, nbytes, lambda: ops.linear(x, w))
+            nbytes = N * K + w.scale.numel() * 4 + B * K * 2 + B * N * out.itemsize
+            kernel = f"FP8 GEMV {name}{' f32out' if out == torch.float32 else ''}"
+            row(kernel, f"{N}x{K}", B, nbytes, lambda: ops.linear(x, w, out))
         del w
     head = pocketllm.Linear(weight=torch.randn(248320, 5120, device="cuda").to(torch.bfloat16))
     for B in (1, 8):
         x = torch.randn(B, 5120, device="cuda").to(act)
-        row("bf16 GEMV lm_head", "248320x5120", B, 248320 * 5120 * 2 + B * (5120 + 248320) * 2,
-            lambda: ops.linear(x, head))
+        row("bf16 GEMV lm_head f32out", "248320x5120", B, 248320 * 5120 * 2 + B * (5120 * 2 + 248320 * 4),
+            lambda: ops.linear(x, head, torch.float32))
     del head
 
     # Decode attention at 4k context: 24 q heads, 4 kv heads, head_dim 256, fp16 KV, block size 16.
@@ -255,12 +331,13 @@ def decode(logdir: Path) -> int:
 def main() -> int:
     step, logdir = sys.argv[1], Path(sys.argv[2])
     logdir.mkdir(parents=True, exist_ok=True)
-    if step in ("nccl", "bench", "decode"):
+    if step in ("kernels", "nccl", "bench", "decode"):
         import torch
         if not torch.cuda.is_available():
             print(f"{step}: skipped, torch sees no CUDA GPU")
             return 1
-    return {"prereqs": prereqs, "load": load, "nccl": nccl, "bench": bench, "decode": decode}[step](logdir)
+    steps = {"prereqs": prereqs, "load": load, "kernels": kernels, "nccl": nccl, "bench": bench, "decode": decode}
+    return steps[step](logdir)
 
 
 if __name__ == "__main__":
