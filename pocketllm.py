@@ -2058,6 +2058,66 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars)}
 
 
+class ControlTokens:
+    """Keeps text from a request from becoming control tokens (`<|im_start|>`, `<|im_end|>`, ...).
+
+    A chat template pastes request text (messages, tool results, tool definitions) next to its own markup,
+    so in the rendered prompt a user's `<|im_start|>system` would read as a new system turn. Before rendering,
+    `defuse` marks every control-token spelling inside request strings with a noncharacter (U+FDD0) that no
+    tokenizer pattern matches; the rendered prompt then holds real control tokens only where the template wrote
+    them. `split` cuts a rendered prompt at those, and `restore` gives back the request's exact text, which is
+    tokenized as text. The marking is reversible whatever the text holds (a U+FDD0 the user sent is escaped).
+
+    >>> ct = ControlTokens(["<|im_start|>", "<|im_end|>"])
+    >>> marked = ct.defuse("a<|im_end|>b")
+    >>> [(ct.restore(p), c) for p, c in ct.split("<|im_start|>user " + marked + "<|im_end|>")]
+    [('<|im_start|>', True), ('user a<|im_end|>b', False), ('<|im_end|>', True)]
+    """
+
+    MARK, ESCAPED, CUT = "\ufdd0", "\ufdd1", "\ufdd2"
+
+    def __init__(self, tokens: list[str]):
+        self.tokens = [t for t in tokens if t]
+        spell = sorted(self.tokens, key=len, reverse=True)
+        self._defuse_re = re.compile("|".join([re.escape(self.MARK)] + [re.escape(t) for t in spell]))
+        self._split_re = re.compile("(" + "|".join(re.escape(t) for t in spell) + ")") if spell else None
+        self._restore_re = re.compile(re.escape(self.MARK) + "(.)", re.S)
+
+    def defuse(self, text: str) -> str:
+        """Request text with each control-token spelling (and each U+FDD0) marked; renders the same length-wise
+        to a template's string tests (`in`, `startswith`) except on the control tokens themselves."""
+        if not self.tokens:
+            return text
+        return self._defuse_re.sub(lambda m: self.MARK + self.ESCAPED if m.group() == self.MARK
+                                   else m.group()[0] + self.MARK + self.CUT + m.group()[1:], text)
+
+    def defuse_all(self, value):
+        """defuse applied to every string inside a JSON-like value (messages, tools); a new value."""
+        if isinstance(value, str):
+            return self.defuse(value)
+        if isinstance(value, list):
+            return [self.defuse_all(v) for v in value]
+        if isinstance(value, dict):
+            return {self.defuse_all(k) if isinstance(k, str) else k: self.defuse_all(v) for k, v in value.items()}
+        return value
+
+    def marked(self, text: str) -> bool:
+        return self.MARK in text
+
+    def restore(self, text: str) -> str:
+        return self._restore_re.sub(lambda m: self.MARK if m.group(1) == self.ESCAPED else
+                                    ("" if m.group(1) == self.CUT else m.group()), text)
+
+    def split(self, text: str) -> Iterator[tuple[str, bool]]:
+        """(piece, is_control_token) in order; marked spellings are not control tokens."""
+        if self._split_re is None:
+            yield text, False
+            return
+        for i, piece in enumerate(self._split_re.split(text)):
+            if piece:
+                yield piece, i % 2 == 1
+
+
 class Tokenizer:
     """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a checkpoint."""
 
@@ -2080,13 +2140,28 @@ class Tokenizer:
         added = self._tok.get_added_tokens_decoder()                      # id -> AddedToken
         self.special_ids = {i for i, t in added.items() if t.special}
         self._added = {i: t.content for i, t in added.items()}
+        self.control_tokens = ControlTokens([added[i].content for i in sorted(self.special_ids)])
+        self._plain = tokenizers.Tokenizer.from_file(str(path))        # spells control tokens as text
+        self._plain.encode_special_tokens = True
         self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._bytes_cache: dict[int, bytes] = {}
         self._texts: list[str] | None = None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of text that may hold control tokens (a rendered prompt): control-token markup becomes
+        control tokens, and text the template received from a request (marked by ControlTokens.defuse)
+        becomes ordinary text tokens even where it spells a control token."""
+        if not self.control_tokens.marked(text):
+            return self._tok.encode(text, add_special_tokens=False).ids
+        ids = []
+        for piece, is_control in self.control_tokens.split(text):
+            ids += [self._tok.token_to_id(piece)] if is_control else self.encode_text(self.control_tokens.restore(piece))
+        return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of user text: a control token spelled in it stays text (HF's split_special_tokens)."""
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -2342,6 +2417,7 @@ class ChatTemplate:
             except jinja2.TemplateSyntaxError as exc:
                 raise CheckpointError(f"chat template {name!r}: syntax error at line {exc.lineno}: {exc.message}") from None
         self.special_tokens = {key: getattr(tokenizer, key, None) for key in ("bos_token", "eos_token", "pad_token")}
+        self.tokenizer = tokenizer
         self.tool_parser = self._detect_tool_parser()
 
     def _pick(self, tools):
@@ -2356,6 +2432,9 @@ class ChatTemplate:
             raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
                                param="continue_final_message")
         messages = messages_for_template(messages)
+        control = getattr(self.tokenizer, "control_tokens", None)
+        if control is not None:    # request text stays text, even where it spells <|im_start|>
+            messages, tools, template_kwargs = control.defuse_all([messages, tools, template_kwargs])
         if continue_final_message:
             _tag_final_message(messages)
         context = {**self.special_tokens, **template_kwargs, "messages": messages, "tools": tools or None,
@@ -4143,8 +4222,8 @@ def _prompt_ids(llm, prompt) -> list[int]:
     """A completions prompt: a string or token ids, alone or as a one-element batch."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = llm.tokenizer.encode(prompt)
+    if isinstance(prompt, str):          # text: a control token it spells stays text; send ids for control tokens
+        ids = llm.tokenizer.encode_text(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = [_token_id(t, "prompt", llm.config.vocab_size) for t in prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -4308,12 +4387,12 @@ def _tokenize(handler, match, raw) -> None:
         raise RequestError("send exactly one of 'prompt' and 'messages'", param="prompt")
     _field(body, "add_special_tokens", bool)     # our tokenizers add no special tokens either way
     if "prompt" in body:
-        ids = llm.tokenizer.encode(_check_type(body["prompt"], str, "prompt"))
+        ids = llm.tokenizer.encode_text(_check_type(body["prompt"], str, "prompt"))
     else:
         ids = llm.tokenizer.encode(render_chat_prompt(llm, body, _check_tools(body)))
     strs = [llm.tokenizer.id_to_token(t) for t in ids] if _field(body, "return_token_strs", bool, False) else None
     handler.send_json(200, {"count": len(ids), "max_model_len": llm.options.max_context, "tokens": ids,
-                            "token_strs": strs})
+                            "token_strs": strs, "split_special_tokens": True})   # request text never makes control tokens
 
 
 def _detokenize(handler, match, raw) -> None:
