@@ -4279,6 +4279,8 @@ def llm_chat(llm, messages: list[dict], tools: list[dict] | None = None, stream:
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
 DEFAULT_SOCKET_TIMEOUT = 60.0      # seconds a client may stay silent (idle keep-alive, a slow body or read)
+DEFAULT_MAX_CONNECTIONS = 256      # open connections; one more is answered 503 and closed
+DEFAULT_SEND_BUFFER = 64 * 2 ** 10 # bytes the kernel holds for a client that stops reading (no autotuning to MBs)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
                500: "internal_server_error", 503: "service_unavailable"}
@@ -4478,7 +4480,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.socket_timeout      # applied to the socket by StreamRequestHandler
+        self.request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.send_buffer_bytes)
         super().setup()
+
+    def handle_one_request(self) -> None:
+        # The whole request (line, headers, body) must arrive within the socket timeout: a client sending
+        # one byte a second never trips the per-read timeout, so the server's reaper enforces a deadline.
+        self.server.deadlines.arm(self)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.deadlines.disarm(self)
 
     def do_GET(self): self.handle_request("GET")
     def do_POST(self): self.handle_request("POST")
@@ -4493,6 +4505,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             path = urllib.parse.urlsplit(self.path).path
             raw = self.read_body()
+            self.server.deadlines.disarm(self)          # read in time; generating may take as long as it takes
             if path != "/health":
                 self.check_auth()
             self.endpoint, match, endpoint = find_route(method, path)
@@ -4608,11 +4621,49 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def send_event(self, data: dict | str) -> None:
         text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
         payload = b"data: " + text.encode() + b"\n\n"
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+        # A reader that stops reading fills the socket buffer and blocks this write: after the socket timeout
+        # the connection is cut, the stream's request aborted, and what the engine buffered for it released.
+        self.server.deadlines.arm(self)
+        try:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+        finally:
+            self.server.deadlines.disarm(self)
 
     def log_message(self, format: str, *args) -> None:
         if self.server.log_requests:
             sys.stderr.write(f"pocketllm: {self.address_string()} {format % args}\n")
+
+
+class Deadlines:
+    """Connections that must finish reading a request or writing an event by a deadline. One reaper thread
+    shuts down the socket of any that is late, which wakes its blocked read or write with an error."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.lock, self.due = seconds, threading.Lock(), {}   # handler -> monotonic deadline
+        self.stopped = threading.Event()
+        threading.Thread(target=self._reap, name="pocketllm-reaper", daemon=True).start()
+
+    def arm(self, handler) -> None:
+        with self.lock:
+            self.due[handler] = time.monotonic() + self.seconds
+
+    def disarm(self, handler) -> None:
+        with self.lock:
+            self.due.pop(handler, None)
+
+    def _reap(self) -> None:
+        while not self.stopped.wait(min(1.0, self.seconds / 4)):
+            now = time.monotonic()
+            with self.lock:
+                late = [h for h, t in self.due.items() if t < now]
+                for h in late:
+                    del self.due[h]
+            for h in late:
+                h.close_connection = True
+                try:
+                    h.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 class PocketServer(http.server.ThreadingHTTPServer):
@@ -4623,7 +4674,8 @@ class PocketServer(http.server.ThreadingHTTPServer):
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
-                 log_requests: bool = True):
+                 log_requests: bool = True, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER):
         if ":" in host:
             self.address_family = socket.AF_INET6
         try:
@@ -4633,6 +4685,41 @@ class PocketServer(http.server.ThreadingHTTPServer):
         self.llm, self.api_key, self.max_request_bytes = llm, api_key, max_request_bytes
         self.socket_timeout, self.log_requests = socket_timeout, log_requests
         self.metrics, self.started, self.serving = ServerMetrics(), int(time.time()), False
+        self.max_connections, self.connections, self.count_lock = max_connections, set(), threading.Lock()
+        self.send_buffer_bytes = send_buffer_bytes
+        self.deadlines = Deadlines(socket_timeout)
+
+    # At most max_connections at once: one more is answered 503 on a short-lived thread and closed, so a
+    # client opening hundreds of idle connections cannot starve the others of threads and sockets.
+
+    def process_request(self, request, client_address) -> None:
+        with self.count_lock:
+            admitted = len(self.connections) < self.max_connections
+            if admitted:
+                self.connections.add(request)
+        if admitted:
+            super().process_request(request, client_address)
+        else:
+            threading.Thread(target=self._refuse, args=(request,), daemon=True).start()
+
+    def _refuse(self, request) -> None:
+        body = json.dumps(error_body(503, f"too many connections (the limit is {self.max_connections}); retry "
+                                          "later")).encode()
+        try:
+            request.settimeout(2.0)
+            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            request.shutdown(socket.SHUT_WR)
+            request.recv(65536)                # let the client's request arrive, so closing sends no reset
+        except OSError:
+            pass
+        self.metrics.count("other", 503)
+        super().shutdown_request(request)
+
+    def shutdown_request(self, request) -> None:
+        with self.count_lock:
+            self.connections.discard(request)
+        super().shutdown_request(request)
 
     @property
     def port(self) -> int:
@@ -4657,6 +4744,7 @@ class PocketServer(http.server.ThreadingHTTPServer):
             self.serving = False
             if in_main:
                 signal.signal(signal.SIGTERM, previous)
+            self.deadlines.stopped.set()
             self.server_close()
 
     def handle_error(self, request, client_address) -> None:
@@ -4668,6 +4756,7 @@ class PocketServer(http.server.ThreadingHTTPServer):
         if self.serving:
             super().shutdown()
             self.serving = False
+        self.deadlines.stopped.set()
         self.server_close()
 
 
@@ -4697,7 +4786,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help=f"largest request body accepted (default {DEFAULT_MAX_REQUEST_BYTES}); larger is 413")
     group.add_argument("--socket-timeout", type=float, default=DEFAULT_SOCKET_TIMEOUT,
-                       help=f"seconds a silent client may hold a connection (default {DEFAULT_SOCKET_TIMEOUT:g})")
+                       help=f"seconds a client may take to send a request, or stall reading a stream, and may "
+                            f"stay silent on a kept-alive connection (default {DEFAULT_SOCKET_TIMEOUT:g})")
+    group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       help=f"open connections at most; one more is answered 503 (default {DEFAULT_MAX_CONNECTIONS})")
 
 
 def run_server(llm, args: argparse.Namespace) -> int:
@@ -4709,7 +4801,8 @@ def run_server(llm, args: argparse.Namespace) -> int:
     if args.tool_parser:
         _chat_template(llm).tool_parser = args.tool_parser
     server = PocketServer(llm, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
-                          max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout)
+                          max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
+                          max_connections=args.max_connections)
     print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
     server.run()
     return 0
