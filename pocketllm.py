@@ -2844,6 +2844,66 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars)}
 
 
+class ControlTokens:
+    """Keeps text from a request from becoming control tokens (`<|im_start|>`, `<|im_end|>`, ...).
+
+    A chat template pastes request text (messages, tool results, tool definitions) next to its own markup,
+    so in the rendered prompt a user's `<|im_start|>system` would read as a new system turn. Before rendering,
+    `defuse` marks every control-token spelling inside request strings with a noncharacter (U+FDD0) that no
+    tokenizer pattern matches; the rendered prompt then holds real control tokens only where the template wrote
+    them. `split` cuts a rendered prompt at those, and `restore` gives back the request's exact text, which is
+    tokenized as text. The marking is reversible whatever the text holds (a U+FDD0 the user sent is escaped).
+
+    >>> ct = ControlTokens(["<|im_start|>", "<|im_end|>"])
+    >>> marked = ct.defuse("a<|im_end|>b")
+    >>> [(ct.restore(p), c) for p, c in ct.split("<|im_start|>user " + marked + "<|im_end|>")]
+    [('<|im_start|>', True), ('user a<|im_end|>b', False), ('<|im_end|>', True)]
+    """
+
+    MARK, ESCAPED, CUT = "\ufdd0", "\ufdd1", "\ufdd2"
+
+    def __init__(self, tokens: list[str]):
+        self.tokens = [t for t in tokens if t]
+        spell = sorted(self.tokens, key=len, reverse=True)
+        self._defuse_re = re.compile("|".join([re.escape(self.MARK)] + [re.escape(t) for t in spell]))
+        self._split_re = re.compile("(" + "|".join(re.escape(t) for t in spell) + ")") if spell else None
+        self._restore_re = re.compile(re.escape(self.MARK) + "(.)", re.S)
+
+    def defuse(self, text: str) -> str:
+        """Request text with each control-token spelling (and each U+FDD0) marked; renders the same length-wise
+        to a template's string tests (`in`, `startswith`) except on the control tokens themselves."""
+        if not self.tokens:
+            return text
+        return self._defuse_re.sub(lambda m: self.MARK + self.ESCAPED if m.group() == self.MARK
+                                   else m.group()[0] + self.MARK + self.CUT + m.group()[1:], text)
+
+    def defuse_all(self, value):
+        """defuse applied to every string inside a JSON-like value (messages, tools); a new value."""
+        if isinstance(value, str):
+            return self.defuse(value)
+        if isinstance(value, list):
+            return [self.defuse_all(v) for v in value]
+        if isinstance(value, dict):
+            return {self.defuse_all(k) if isinstance(k, str) else k: self.defuse_all(v) for k, v in value.items()}
+        return value
+
+    def marked(self, text: str) -> bool:
+        return self.MARK in text
+
+    def restore(self, text: str) -> str:
+        return self._restore_re.sub(lambda m: self.MARK if m.group(1) == self.ESCAPED else
+                                    ("" if m.group(1) == self.CUT else m.group()), text)
+
+    def split(self, text: str) -> Iterator[tuple[str, bool]]:
+        """(piece, is_control_token) in order; marked spellings are not control tokens."""
+        if self._split_re is None:
+            yield text, False
+            return
+        for i, piece in enumerate(self._split_re.split(text)):
+            if piece:
+                yield piece, i % 2 == 1
+
+
 class Tokenizer:
     """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a checkpoint."""
 
@@ -2866,13 +2926,28 @@ class Tokenizer:
         added = self._tok.get_added_tokens_decoder()                      # id -> AddedToken
         self.special_ids = {i for i, t in added.items() if t.special}
         self._added = {i: t.content for i, t in added.items()}
+        self.control_tokens = ControlTokens([added[i].content for i in sorted(self.special_ids)])
+        self._plain = tokenizers.Tokenizer.from_file(str(path))        # spells control tokens as text
+        self._plain.encode_special_tokens = True
         self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._bytes_cache: dict[int, bytes] = {}
         self._texts: list[str] | None = None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of text that may hold control tokens (a rendered prompt): control-token markup becomes
+        control tokens, and text the template received from a request (marked by ControlTokens.defuse)
+        becomes ordinary text tokens even where it spells a control token."""
+        if not self.control_tokens.marked(text):
+            return self._tok.encode(text, add_special_tokens=False).ids
+        ids = []
+        for piece, is_control in self.control_tokens.split(text):
+            ids += [self._tok.token_to_id(piece)] if is_control else self.encode_text(self.control_tokens.restore(piece))
+        return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of user text: a control token spelled in it stays text (HF's split_special_tokens)."""
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -3130,6 +3205,7 @@ class ChatTemplate:
             except jinja2.TemplateSyntaxError as exc:
                 raise CheckpointError(f"chat template {name!r}: syntax error at line {exc.lineno}: {exc.message}") from None
         self.special_tokens = {key: getattr(tokenizer, key, None) for key in ("bos_token", "eos_token", "pad_token")}
+        self.tokenizer = tokenizer
         self.tool_parser = self._detect_tool_parser()
 
     def _pick(self, tools):
@@ -3144,6 +3220,9 @@ class ChatTemplate:
             raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
                                param="continue_final_message")
         messages = messages_for_template(messages)
+        control = getattr(self.tokenizer, "control_tokens", None)
+        if control is not None:    # request text stays text, even where it spells <|im_start|>
+            messages, tools, template_kwargs = control.defuse_all([messages, tools, template_kwargs])
         if continue_final_message:
             _tag_final_message(messages)
         context = {**self.special_tokens, **template_kwargs, "messages": messages, "tools": tools or None,
@@ -5280,7 +5359,7 @@ def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Complet
     """Validate a /v1/completions body and submit it."""
     values, include_usage = _generation_values(llm, body, COMPLETION_FIELDS)
     prompt = values["prompt"]
-    prompt_ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    prompt_ids = llm.tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt   # text stays text
     if not prompt_ids:
         raise RequestError("'prompt' must not be empty", param="prompt")
     max_tokens_field = _max_tokens_field(values, ("max_tokens",))
@@ -5317,6 +5396,8 @@ def llm_chat(llm, messages: list[dict], tools: list[dict] | None = None, stream:
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
 DEFAULT_SOCKET_TIMEOUT = 60.0      # seconds a client may stay silent (idle keep-alive, a slow body or read)
+DEFAULT_MAX_CONNECTIONS = 256      # open connections; one more is answered 503 and closed
+DEFAULT_SEND_BUFFER = 64 * 2 ** 10 # bytes the kernel holds for a client that stops reading (no autotuning to MBs)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
                500: "internal_server_error", 503: "service_unavailable"}
@@ -5418,12 +5499,12 @@ def _tokenize(handler, match, raw) -> None:
     values = read_fields(_json_body(raw), TOKENIZE_FIELDS, llm.config.vocab_size)
     _check_model(llm, values)
     if values["prompt"] is not None:
-        ids = llm.tokenizer.encode(values["prompt"])
+        ids = llm.tokenizer.encode_text(values["prompt"])
     else:
         ids = llm.tokenizer.encode(render_chat_prompt(llm, values, values["tools"]))
     strs = [llm.tokenizer.id_to_token(t) for t in ids] if values["return_token_strs"] else None
     handler.send_json(200, {"count": len(ids), "max_model_len": llm.options.max_context, "tokens": ids,
-                            "token_strs": strs})
+                            "token_strs": strs, "split_special_tokens": True})   # request text never makes control tokens
 
 
 def _detokenize(handler, match, raw) -> None:
@@ -5873,7 +5954,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.socket_timeout      # applied to the socket by StreamRequestHandler
+        self.request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.send_buffer_bytes)
         super().setup()
+
+    def handle_one_request(self) -> None:
+        # The whole request (line, headers, body) must arrive within the socket timeout: a client sending
+        # one byte a second never trips the per-read timeout, so the server's reaper enforces a deadline.
+        self.server.deadlines.arm(self)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.deadlines.disarm(self)
 
     def do_GET(self): self.handle_request("GET")
     def do_POST(self): self.handle_request("POST")
@@ -5888,6 +5979,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             path = urllib.parse.urlsplit(self.path).path
             raw = self.read_body()
+            self.server.deadlines.disarm(self)          # read in time; generating may take as long as it takes
             if path not in PUBLIC_PATHS:
                 self.check_auth()
             self.endpoint, match, endpoint = find_route(method, path)
@@ -6003,11 +6095,49 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def send_event(self, data: dict | str) -> None:
         text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
         payload = b"data: " + text.encode() + b"\n\n"
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+        # A reader that stops reading fills the socket buffer and blocks this write: after the socket timeout
+        # the connection is cut, the stream's request aborted, and what the engine buffered for it released.
+        self.server.deadlines.arm(self)
+        try:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+        finally:
+            self.server.deadlines.disarm(self)
 
     def log_message(self, format: str, *args) -> None:
         if self.server.log_requests:
             sys.stderr.write(f"pocketllm: {self.address_string()} {format % args}\n")
+
+
+class Deadlines:
+    """Connections that must finish reading a request or writing an event by a deadline. One reaper thread
+    shuts down the socket of any that is late, which wakes its blocked read or write with an error."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.lock, self.due = seconds, threading.Lock(), {}   # handler -> monotonic deadline
+        self.stopped = threading.Event()
+        threading.Thread(target=self._reap, name="pocketllm-reaper", daemon=True).start()
+
+    def arm(self, handler) -> None:
+        with self.lock:
+            self.due[handler] = time.monotonic() + self.seconds
+
+    def disarm(self, handler) -> None:
+        with self.lock:
+            self.due.pop(handler, None)
+
+    def _reap(self) -> None:
+        while not self.stopped.wait(min(1.0, self.seconds / 4)):
+            now = time.monotonic()
+            with self.lock:
+                late = [h for h, t in self.due.items() if t < now]
+                for h in late:
+                    del self.due[h]
+            for h in late:
+                h.close_connection = True
+                try:
+                    h.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 class PocketServer(http.server.ThreadingHTTPServer):
@@ -6018,7 +6148,8 @@ class PocketServer(http.server.ThreadingHTTPServer):
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
-                 log_requests: bool = True):
+                 log_requests: bool = True, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER):
         if ":" in host:
             self.address_family = socket.AF_INET6
         try:
@@ -6028,6 +6159,41 @@ class PocketServer(http.server.ThreadingHTTPServer):
         self.llm, self.api_key, self.max_request_bytes = llm, api_key, max_request_bytes
         self.socket_timeout, self.log_requests = socket_timeout, log_requests
         self.metrics, self.started, self.serving = ServerMetrics(), int(time.time()), False
+        self.max_connections, self.connections, self.count_lock = max_connections, set(), threading.Lock()
+        self.send_buffer_bytes = send_buffer_bytes
+        self.deadlines = Deadlines(socket_timeout)
+
+    # At most max_connections at once: one more is answered 503 on a short-lived thread and closed, so a
+    # client opening hundreds of idle connections cannot starve the others of threads and sockets.
+
+    def process_request(self, request, client_address) -> None:
+        with self.count_lock:
+            admitted = len(self.connections) < self.max_connections
+            if admitted:
+                self.connections.add(request)
+        if admitted:
+            super().process_request(request, client_address)
+        else:
+            threading.Thread(target=self._refuse, args=(request,), daemon=True).start()
+
+    def _refuse(self, request) -> None:
+        body = json.dumps(error_body(503, f"too many connections (the limit is {self.max_connections}); retry "
+                                          "later")).encode()
+        try:
+            request.settimeout(2.0)
+            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            request.shutdown(socket.SHUT_WR)
+            request.recv(65536)                # let the client's request arrive, so closing sends no reset
+        except OSError:
+            pass
+        self.metrics.count("other", 503)
+        super().shutdown_request(request)
+
+    def shutdown_request(self, request) -> None:
+        with self.count_lock:
+            self.connections.discard(request)
+        super().shutdown_request(request)
 
     @property
     def port(self) -> int:
@@ -6052,6 +6218,7 @@ class PocketServer(http.server.ThreadingHTTPServer):
             self.serving = False
             if in_main:
                 signal.signal(signal.SIGTERM, previous)
+            self.deadlines.stopped.set()
             self.server_close()
 
     def handle_error(self, request, client_address) -> None:
@@ -6063,6 +6230,7 @@ class PocketServer(http.server.ThreadingHTTPServer):
         if self.serving:
             super().shutdown()
             self.serving = False
+        self.deadlines.stopped.set()
         self.server_close()
 
 
@@ -6111,7 +6279,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help="largest request body accepted; larger is 413 (default: %(default)s)")
     group.add_argument("--socket-timeout", type=float, default=DEFAULT_SOCKET_TIMEOUT,
-                       help="seconds a silent client may hold a connection (default: %(default)g)")
+                       help="seconds a client may take to send a request, or stall reading a stream, and may "
+                            "stay silent on a kept-alive connection (default: %(default)g)")
+    group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       help="open connections at most; one more is answered 503 (default: %(default)s)")
 
 
 def run_server(llm, args: argparse.Namespace) -> int:
@@ -6125,7 +6296,8 @@ def run_server(llm, args: argparse.Namespace) -> int:
         _chat_template(llm).tool_parser = args.tool_parser
     _log(llm.options, llm.warm_up())
     server = PocketServer(llm, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
-                          max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout)
+                          max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
+                          max_connections=args.max_connections)
     print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
     print(f"pocketllm: chat page at {_chat_page_url(args.host, server.port)}", flush=True)
     server.run()

@@ -1,0 +1,130 @@
+"""Slow and greedy clients cannot stall the others or pin engine memory (real sockets, bounded in time).
+
+A client that sends its headers or body a byte at a time is cut off once the socket timeout has passed since
+its request began; a client holding idle connections meets the connection cap (503 beyond it); a client that
+opens a long stream and never reads it is cut off after its writes stall for the socket timeout, and its
+request is aborted: the engine's blocks and slots come back. Meanwhile another client is served normally.
+"""
+
+import http.client
+import json
+import socket
+import time
+
+import pytest
+
+import pocketllm
+
+TIMEOUT = 2.0        # the server's socket timeout in these tests
+CAP = 8              # its connection cap
+CHAT = {"model": "pocket-tiny", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4,
+        "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = pocketllm.LLM(str(pocketllm.DEFAULT_CKPT), quiet=True, max_context=4096, max_batch_size=4)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    srv = llm.serve(port=0, block=False, log_requests=False, socket_timeout=TIMEOUT, max_connections=CAP,
+                    send_buffer_bytes=8192)
+    yield srv
+    srv.shutdown()
+
+
+def chat(server, body=CHAT):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    return resp.status, data
+
+
+def closed_within(sock, seconds) -> float:
+    """Seconds until the server closes sock (recv gives EOF or a reset), reading whatever arrives."""
+    start = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionError:
+        pass
+    return time.monotonic() - start
+
+
+def wait_until(predicate, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_byte_a_second_is_cut_off_and_others_are_served(server, part):
+    body = json.dumps(CHAT).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    start = time.monotonic()
+    slow, fast = (head, b"") if part == "headers" else (body, head)
+    sock.sendall(fast)
+    cut = False
+    for byte in slow:                      # one byte each 0.2 s: never silent for a whole socket timeout
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            cut = True
+            break
+        if time.monotonic() - start > TIMEOUT + 3:
+            break
+        time.sleep(0.2)
+        if part == "headers" and byte == head[5]:
+            assert chat(server)[0] == 200   # another client is served meanwhile
+    if not cut:
+        closed_within(sock, 5)
+    assert time.monotonic() - start < TIMEOUT + 4, "the slow client held its connection past the deadline"
+    sock.close()
+    assert chat(server)[0] == 200
+
+
+def test_idle_connections_meet_the_cap_with_503(server):
+    assert wait_until(lambda: len(server.connections) == 0, 5)
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(CAP)]
+    assert wait_until(lambda: len(server.connections) == CAP, 5)
+    extra = []
+    for _ in range(40):                    # hundreds would do the same; each is answered at once
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/v1/models")
+        resp = conn.getresponse()
+        extra.append((resp.status, json.loads(resp.read())))
+        conn.close()
+    assert all(status == 503 and "too many connections" in body["error"]["message"] for status, body in extra)
+    for sock in idle:
+        sock.close()
+    assert wait_until(lambda: len(server.connections) == 0, 5)
+    assert chat(server)[0] == 200
+
+
+def test_a_stream_nobody_reads_is_aborted_and_releases_the_engine(server, llm):
+    body = dict(CHAT, stream=True, max_tokens=3000, ignore_eos=True, temperature=1.0)
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    assert wait_until(lambda: llm.stats()["running"] == 1, 10)
+    # Never read. The request ends long before 3000 tokens could be buffered at a reader's pace.
+    assert wait_until(lambda: llm.stats()["running"] == 0, 45), "the stalled stream kept generating"
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["slots_used"] == 0
+    assert llm.stats()["generation_tokens_total"] < 3000 + 100
+    sock.close()
+    assert chat(server)[0] == 200
