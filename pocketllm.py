@@ -9,23 +9,33 @@ Quickstart:
     llm = pocketllm.LLM("/models/Qwen3.5-27B-FP8")
     print(llm.generate("The capital of France is", max_tokens=8)["text"])
 
-Sections, in dependency order (each name is defined above its first use):
+Sections, in the order a request flows; each name is defined above its first use (two tables refer to
+themselves: SamplingParams' rows, and the route table that /openapi.json lists):
 
      0. Header: imports, version, the error hierarchy.
-     1. Configuration: the model config from config.json, engine options, sampling parameters.
-     2. Checkpoint loading: safetensors, HF names, FP8 block scales, shard helpers.
-     3. Backends: the op list; the torch reference ops, then the native (cffi) ops.
-     4. The model: norms, RoPE, gated DeltaNet, gated attention, MLP, layers, forward over a batch.
+     1. Configuration: the model config (ARCHITECTURES: one entry per model_type), engine options, and the
+        sampling parameters, each field with its row (type, range, default, layer, policy) of the field tables.
+     2. Checkpoint loading: safetensors, HF names kept, FP8 block scales, shard helpers (ragged splits too).
+     3. Backends: the op list and the torch reference ops; 3b the native (cffi) ops; 3c choosing the
+        device, dtypes and backend before any weight loads.
+     4. The model: layer weights as dataclasses per kind (MIXERS), RoPE, gated DeltaNet, gated attention,
+        MLP, the forward over an explicit Batch.
      5. Memory: paged KV blocks and recurrent-state slots.
      6. Scheduler: sequences, continuous batching, chunked prefill, preemption.
-     7. Sampler.
-     8. Runner and tensor parallelism.
-     9. Engine: step = schedule, run, postprocess; request queues; abort. Token ids only.
-    10. Text: tokenizer, incremental UTF-8-safe detokenizer, stop strings, sandboxed chat templates.
-    11. Output parsing: reasoning and tool calls, streaming by partial re-parse and diff; tool_choice.
-    12. OpenAI protocol: request validation into native types; response and chunk builders.
-    13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE.
-    14. The LLM object (the Python API) and the CLI.
+     7. Sampler: one batched pass over the step's logits on their device, one transfer to the host.
+     8. Runner: a plan becomes a Batch; 8b tensor parallelism: the runner in other processes, reached by
+        method calls (RankGroup.call).
+     9. Engine: step = schedule, run, postprocess; request queues; abort; per-request faults. Token ids only.
+    10. Text: tokenizer (control tokens only from templates), UTF-8-safe detokenizer, stop strings;
+        10b tool calls in text: the tools a request offers, one class per call format (TOOL_FORMATS);
+        10c sandboxed chat templates.
+    11. Output parsing: reasoning and tool calls, streaming by partial re-parse and diff; tool_choice by
+        constrained decoding.
+    12. OpenAI protocol: the field tables (validation, docs/api.md, /openapi.json), request reading into
+        SamplingParams and prompt ids, response and chunk builders. No sockets.
+    13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
+        chat page at /.
+    14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ __version__ = "0.1.0"
 __license__ = "Apache-2.0"
 
 import argparse
+import ast
 import atexit
+import copy
 import ctypes
 import dataclasses
 import datetime
@@ -62,11 +74,17 @@ import tempfile
 import threading
 import time
 import traceback
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import jinja2.utils
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -93,8 +111,6 @@ class RequestError(PocketError):
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
 
-
-# ===== SECTION 1: configuration (owner: core) =====
 
 # -----------------------------------------------------------------------------------------------
 # 1. Configuration: what the checkpoint says about the model, and what the user says about the engine.
@@ -180,6 +196,23 @@ def _config_field(cfg: dict, key: str, path: Path, default: Any = ...):
     return default
 
 
+def parse_quant_config(q: dict | None, path: Path) -> QuantConfig | None:
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"{path}: unsupported quantization quant_method={method!r} (supported: fp8)")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"{path}: unsupported fp8 fmt {fmt!r} (supported: e4m3)")
+    block = q.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise CheckpointError(f"{path}: fp8 quantization needs weight_block_size [rows, cols] "
+                              f"(per-tensor fp8 is not supported)")
+    return QuantConfig(block=(int(block[0]), int(block[1])),
+                       modules_to_not_convert=tuple(q.get("modules_to_not_convert") or ()))
+
+
 def parse_model_config(raw: dict, path: Path) -> ModelConfig:
     """Translate an HF config.json (nested qwen3_5, flat qwen3_5_text, or qwen3) into a ModelConfig."""
     model_type = raw.get("model_type")
@@ -226,23 +259,6 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
         weight_prefix=arch.weight_prefix, quant=quant)
 
 
-def parse_quant_config(q: dict | None, path: Path) -> QuantConfig | None:
-    if not q:
-        return None
-    method = q.get("quant_method")
-    if method != "fp8":
-        raise CheckpointError(f"{path}: unsupported quantization quant_method={method!r} (supported: fp8)")
-    fmt = q.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise CheckpointError(f"{path}: unsupported fp8 fmt {fmt!r} (supported: e4m3)")
-    block = q.get("weight_block_size")
-    if not block or len(block) != 2:
-        raise CheckpointError(f"{path}: fp8 quantization needs weight_block_size [rows, cols] "
-                              f"(per-tensor fp8 is not supported)")
-    return QuantConfig(block=(int(block[0]), int(block[1])),
-                       modules_to_not_convert=tuple(q.get("modules_to_not_convert") or ()))
-
-
 @dataclass
 class EngineOptions:
     """How the engine runs. Every field is also a CLI flag (--max-batch-size, ...) and an LLM(...) keyword."""
@@ -262,6 +278,11 @@ class EngineOptions:
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
     seed: int = 0                      # default seed for unseeded requests' generators
     quiet: bool = False                # no startup log lines
+
+
+def _log(opts: EngineOptions, msg: str):
+    if not opts.quiet:
+        print(f"pocketllm: {msg}", file=sys.stderr, flush=True)
 
 
 # The request-field tables. Every field a request may carry is one Field row, written once: its JSON type,
@@ -347,17 +368,17 @@ def read_field(row: Field, value, param: str, vocab_size: int | None = None):
     return row.read(value, param, vocab_size) if row.read else value
 
 
-def _token_ids(value, param: str, vocab_size: int | None) -> list[int]:
-    """A JSON array of token ids, each in [0, vocab_size)."""
-    return [_token_id(t, param, vocab_size) for t in _check_type(value, list, param)]
-
-
 def _token_id(value, param: str, vocab_size: int | None) -> int:
     value = _check_type(value, int, param)
     if value < 0 or (vocab_size is not None and value >= vocab_size):
         raise RequestError(f"'{param}' must hold token ids between 0 and {(vocab_size or 0) - 1}, got {value}",
                            param=param)
     return value
+
+
+def _token_ids(value, param: str, vocab_size: int | None) -> list[int]:
+    """A JSON array of token ids, each in [0, vocab_size)."""
+    return [_token_id(t, param, vocab_size) for t in _check_type(value, list, param)]
 
 
 def _stop_strings(value, param: str, vocab_size: int | None) -> list[str]:
@@ -369,6 +390,9 @@ def _stop_strings(value, param: str, vocab_size: int | None) -> list[str]:
         if not _check_type(s, str, param):
             raise RequestError(f"'{param}' strings must not be empty", param=param)
     return list(stop)
+
+
+LOGIT_BIAS_VALUE = Field(kind="number", lo=-100, hi=100)
 
 
 def _logit_bias(value, param: str, vocab_size: int | None) -> dict[int, float]:
@@ -393,7 +417,6 @@ def _logits_processors(value, param: str, vocab_size: int | None) -> list:
     return list(value)
 
 
-LOGIT_BIAS_VALUE = Field(kind="number", lo=-100, hi=100)
 TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "x-token-id": True}}
 
 
@@ -469,9 +492,6 @@ SAMPLING_FIELDS = {f.name: dataclasses.replace(f.metadata["row"], name=f.name)
                    for f in dataclasses.fields(SamplingParams)}
 
 
-
-# ===== SECTION 2: checkpoint loading (owner: core) =====
-
 # -----------------------------------------------------------------------------------------------
 # 2. Checkpoint loading: lazily opened safetensors, HF names kept as they are, FP8 kept as FP8.
 # -----------------------------------------------------------------------------------------------
@@ -495,6 +515,20 @@ class Linear:
         if self.scale is None:
             return Linear(self.weight.to(device, dtype or self.weight.dtype))
         return Linear(self.weight.to(device), self.scale.to(device), self.block)
+
+
+def _read_json(path: Path, required: bool) -> dict | None:
+    if not path.exists():
+        if required:
+            raise CheckpointError(f"{path}: file not found")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
 
 
 class Checkpoint:
@@ -563,20 +597,6 @@ class Checkpoint:
 
     def close(self):
         self._files.clear()
-
-
-def _read_json(path: Path, required: bool) -> dict | None:
-    if not path.exists():
-        if required:
-            raise CheckpointError(f"{path}: file not found")
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 def _merge_ranges(ranges: Ranges | None, full: int) -> Ranges | None:
@@ -653,9 +673,6 @@ def load_dense(ckpt: Checkpoint, name: str, shape: tuple[int, ...], rows: Ranges
     return t.to(dtype) if dtype is not None else t
 
 
-
-# ===== SECTION 3: torch backend ops (owner: core) =====
-
 # -----------------------------------------------------------------------------------------------
 # 3. Backends. The model calls a short list of ops; TorchOps is the reference that runs anywhere.
 #    The native backend (3b) implements the same methods with the CUDA library. docs/abi.md lists them.
@@ -666,7 +683,7 @@ def dequantize(w: Linear, dtype: torch.dtype) -> torch.Tensor:
     allocated and scaled in place, one row of blocks at a time (edge blocks may be ragged)."""
     if w.scale is None:
         return w.weight.to(dtype)
-    (n, k), (bn, bk) = w.weight.shape, w.block
+    k, (bn, bk) = w.weight.shape[1], w.block
     out = w.weight.to(dtype)                                             # (N, K)
     cols = w.scale.to(dtype).repeat_interleave(bk, dim=1)[:, :k]         # (N/bn, K): each scale over its columns
     for i in range(cols.shape[0]):
@@ -684,6 +701,52 @@ def safe_row_scale(h: torch.Tensor) -> torch.Tensor:
     exponent = torch.frexp(amax / SAFE_ROW_MAX).exponent                 # amax / 2^15 = m * 2^e, m in [0.5, 1)
     need = (amax > SAFE_ROW_MAX) & amax.isfinite()
     return torch.where(need, torch.exp2(exponent.float()), torch.ones_like(amax))
+
+
+def _rope(x, cos, sin):
+    """Rotate-half RoPE on the first 2 * cos.shape[-1] dims of each head; the rest pass through."""
+    r = cos.shape[-1]
+    x1, x2, rest = x[..., :r].float(), x[..., r:2 * r].float(), x[..., 2 * r:]
+    return torch.cat([(x1 * cos - x2 * sin).to(x.dtype), (x2 * cos + x1 * sin).to(x.dtype), rest], -1)
+
+
+def decode_delta_step(q, k, v, g, beta, S):
+    """One token of the gated delta rule for B sequences. q, k (B, H, Dk); v (B, H, Dv); S (B, H, Dk, Dv)."""
+    S = S * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", S, k))     # (B, H, Dv)
+    S = S + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", S, q), S
+
+
+def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
+    """The gated delta rule over m tokens of one sequence in chunks (the WY/UT form).
+    q, k (m, H, Dk) normalised; v (m, H, Dv); g, beta (m, H); S (H, Dk, Dv) fp32 initial state.
+    Within a chunk with cumulative log-decay c: the corrections u = (I + L)^-1 (beta v - beta k_decayed S),
+    where L is the strictly lower part of (beta k k^T) * exp(c_i - c_j); outputs read S and the chunk's u."""
+    m = q.shape[0]
+    out = torch.empty_like(v)
+    for c0 in range(0, m, chunk):
+        qc, kc, vc = (t[c0:c0 + chunk].transpose(0, 1) for t in (q, k, v))  # (H, C, D)
+        gc, bc = g[c0:c0 + chunk].t(), beta[c0:c0 + chunk].t()              # (H, C)
+        cum = gc.cumsum(-1)                                                 # (H, C)
+        n = cum.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # (H, C, C)
+        kb = kc * bc[..., None]
+        lower = (kb @ kc.transpose(-1, -2) * decay).tril(-1)
+        eye = torch.eye(n, device=q.device).expand_as(lower)
+        rhs = torch.cat([vc * bc[..., None], kb * cum.exp()[..., None]], -1)  # (H, C, Dv + Dk)
+        sol = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        u = sol[..., :vc.shape[-1]] - sol[..., vc.shape[-1]:] @ S          # (H, C, Dv): delta-rule corrections
+        attn = (qc @ kc.transpose(-1, -2)) * decay                         # (H, C, C) causal, incl. diagonal
+        out[c0:c0 + chunk] = ((qc * cum.exp()[..., None]) @ S + attn @ u).transpose(0, 1)
+        last = cum[:, -1:]                                                 # (H, 1)
+        S = S * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
+    return out, S
+
+
+def _l2norm(x, eps: float = 1e-6):
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class TorchOps:
@@ -805,55 +868,6 @@ class TorchOps:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (w.float() * y * F.silu(z.float())).to(x.dtype)
 
-
-def _rope(x, cos, sin):
-    """Rotate-half RoPE on the first 2 * cos.shape[-1] dims of each head; the rest pass through."""
-    r = cos.shape[-1]
-    x1, x2, rest = x[..., :r].float(), x[..., r:2 * r].float(), x[..., 2 * r:]
-    return torch.cat([(x1 * cos - x2 * sin).to(x.dtype), (x2 * cos + x1 * sin).to(x.dtype), rest], -1)
-
-
-def _l2norm(x, eps: float = 1e-6):
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def decode_delta_step(q, k, v, g, beta, S):
-    """One token of the gated delta rule for B sequences. q, k (B, H, Dk); v (B, H, Dv); S (B, H, Dk, Dv)."""
-    S = S * g.exp()[..., None, None]
-    delta = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", S, k))     # (B, H, Dv)
-    S = S + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("bhkv,bhk->bhv", S, q), S
-
-
-def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
-    """The gated delta rule over m tokens of one sequence in chunks (the WY/UT form).
-    q, k (m, H, Dk) normalised; v (m, H, Dv); g, beta (m, H); S (H, Dk, Dv) fp32 initial state.
-    Within a chunk with cumulative log-decay c: the corrections u = (I + L)^-1 (beta v - beta k_decayed S),
-    where L is the strictly lower part of (beta k k^T) * exp(c_i - c_j); outputs read S and the chunk's u."""
-    m = q.shape[0]
-    out = torch.empty_like(v)
-    for c0 in range(0, m, chunk):
-        qc, kc, vc = (t[c0:c0 + chunk].transpose(0, 1) for t in (q, k, v))  # (H, C, D)
-        gc, bc = g[c0:c0 + chunk].t(), beta[c0:c0 + chunk].t()              # (H, C)
-        cum = gc.cumsum(-1)                                                 # (H, C)
-        n = cum.shape[-1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # (H, C, C)
-        kb = kc * bc[..., None]
-        lower = (kb @ kc.transpose(-1, -2) * decay).tril(-1)
-        eye = torch.eye(n, device=q.device).expand_as(lower)
-        rhs = torch.cat([vc * bc[..., None], kb * cum.exp()[..., None]], -1)  # (H, C, Dv + Dk)
-        sol = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
-        u = sol[..., :vc.shape[-1]] - sol[..., vc.shape[-1]:] @ S          # (H, C, Dv): delta-rule corrections
-        attn = (qc @ kc.transpose(-1, -2)) * decay                         # (H, C, C) causal, incl. diagonal
-        out[c0:c0 + chunk] = ((qc * cum.exp()[..., None]) @ S + attn @ u).transpose(0, 1)
-        last = cum[:, -1:]                                                 # (H, 1)
-        S = S * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
-    return out, S
-
-
-
-# ===== SECTION 3b: native backend ops (owner: native) =====
 
 # -----------------------------------------------------------------------------------------------
 # 3b. The native backend: the same ops, run by the CUDA library in csrc/ (libpocketllm.so), reached
@@ -984,6 +998,34 @@ def native_status(device: torch.device | str | None = None) -> tuple[bool, str]:
     if (major, minor) < NATIVE_MIN_CAPABILITY:
         return False, f"GPU compute capability {major}.{minor} is below the required 7.5"
     return True, f"{lib.path.name} (ABI {NATIVE_ABI_VERSION}) on {torch.cuda.get_device_name(index)} (sm_{major}{minor})"
+
+
+def nccl_library_candidates() -> list[str | None]:
+    """Where to look for libnccl.so.2: $NCCL_ROOT/lib, the nvidia-nccl-cu* wheel, then the loader's search."""
+    found: list[str | None] = []
+    if os.environ.get("NCCL_ROOT"):
+        found.append(str(Path(os.environ["NCCL_ROOT"]) / "lib" / "libnccl.so.2"))
+    # The wheel's files are located, not imported: it is an optional place to find the .so, not a dependency.
+    for site in sys.path:
+        lib = Path(site or ".") / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+        if lib.exists():
+            found.append(str(lib))
+    return found + [None]
+
+
+def nccl_status(lib: NativeLibrary) -> tuple[bool, str]:
+    """(True, "NCCL <version> from <where>") once the library has loaded NCCL, else (False, every reason)."""
+    reasons = []
+    for cand in nccl_library_candidates():
+        try:
+            lib.call("pl_nccl_load", lib.ffi.NULL if cand is None else cand.encode())
+        except NativeError:
+            reasons.append(lib.last_error())
+            continue
+        version = lib.ffi.new("int32_t*")
+        lib.call("pl_nccl_version", version)
+        return True, f"NCCL {version[0]} from {cand or 'libnccl.so.2'}"
+    return False, "; ".join(reasons)
 
 
 class NativeOps:
@@ -1218,35 +1260,143 @@ class NativeOps:
             raise PocketError(f"tensor parallelism needs NCCL: {why}")
 
 
-def nccl_library_candidates() -> list[str | None]:
-    """Where to look for libnccl.so.2: $NCCL_ROOT/lib, the nvidia-nccl-cu* wheel, then the loader's search."""
-    found: list[str | None] = []
-    if os.environ.get("NCCL_ROOT"):
-        found.append(str(Path(os.environ["NCCL_ROOT"]) / "lib" / "libnccl.so.2"))
-    # The wheel's files are located, not imported: it is an optional place to find the .so, not a dependency.
-    for site in sys.path:
-        lib = Path(site or ".") / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
-        if lib.exists():
-            found.append(str(lib))
-    return found + [None]
+# -----------------------------------------------------------------------------------------------
+# 3c. Choosing the backend: which device, dtypes and ops a configuration runs with, all checked before
+#     a weight loads (--device auto, --backend auto); tensor-parallel ranks choose the same way.
+# -----------------------------------------------------------------------------------------------
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+NATIVE_ACTIVATION_DTYPES = (torch.float16, torch.float32)   # csrc/pocketllm.h: act_dtype is fp32 or fp16
 
 
-def nccl_status(lib: NativeLibrary) -> tuple[bool, str]:
-    """(True, "NCCL <version> from <where>") once the library has loaded NCCL, else (False, every reason)."""
-    reasons = []
-    for cand in nccl_library_candidates():
+def resolve_dtype(name: str, device: torch.device, what: str) -> torch.dtype:
+    """--dtype / --kv-dtype: auto (float16 on a GPU, float32 on the CPU), a torch name, or vLLM's half / bf16."""
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in _DTYPES:
+        raise PocketError(f"--{what} must be one of auto, {', '.join(_DTYPES)} (or {', '.join(_DTYPE_ALIASES)}); "
+                          f"got {name!r}")
+    return _DTYPES[name]
+
+
+def resolve_dtypes(opts: EngineOptions, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(activation dtype, KV-cache dtype) on device."""
+    dtype = resolve_dtype(opts.dtype, device, "dtype")
+    return dtype, dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device: auto (the first CUDA device torch sees, else the CPU), cpu, cuda or cuda:N."""
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name == "auto":
+        return torch.device("cuda", 0) if cuda_count else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise PocketError(f"--device {name!r} is not a device (expected auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise PocketError(f"--device {name}: pocketllm runs on cpu or cuda devices, not {device.type}")
+    if cuda_count == 0:
+        raise PocketError(f"--device {name}: torch {torch.__version__} sees no CUDA device "
+                          f"(torch.cuda.is_available() is False); use --device cpu, or leave --device auto")
+    if (device.index or 0) >= cuda_count:
+        raise PocketError(f"--device {name}: only {cuda_count} CUDA device(s) visible "
+                          f"(cuda:0 .. cuda:{cuda_count - 1})")
+    return torch.device("cuda", device.index or 0)
+
+
+def _native_refusal(dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+    """Why the native kernels cannot run with these dtypes, or None when they can."""
+    act, kv = str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch.")
+    if dtype not in NATIVE_ACTIVATION_DTYPES:
+        return (f"the native kernels take float16 or float32 activations, not {act}: "
+                f"use --dtype float16, or --backend torch")
+    if kv_dtype != dtype:
+        return (f"the native attention reads the KV cache in the activation dtype ({act}), not {kv}: "
+                f"leave --kv-dtype at auto")
+    return None
+
+
+def choose_backend(backend: str, device: torch.device, dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> tuple[str, str]:
+    """--backend: torch (the reference, anywhere), native (the CUDA library), or auto: native when the library
+    loads on this device and its kernels take these dtypes, else torch. (name, why); an explicit native that
+    cannot run is refused here, before any weight loads, never at the first request."""
+    if backend not in ("auto", "torch", "native"):
+        raise PocketError(f"--backend must be auto, torch or native (got {backend!r})")
+    if backend == "torch":
+        return "torch", "asked for"
+    ok, status = native_status(device)
+    refusal = _native_refusal(dtype, kv_dtype) if ok else status
+    if refusal is None:
+        return "native", status
+    if backend == "native":
+        raise PocketError(f"--backend native: {refusal}")
+    return "torch", refusal
+
+
+@dataclass
+class Placement:
+    """Where and how the model runs, decided from the options alone, before any weight loads."""
+    device: torch.device               # rank 0's device
+    backend: str                       # torch | native
+    dtype: torch.dtype                 # activations
+    kv_dtype: torch.dtype              # KV cache and convolution state
+    why: str                           # why this backend: the start-up line says it
+
+    def describe(self) -> str:
+        name = lambda dt: str(dt).removeprefix("torch.")  # noqa: E731
+        where = f"{self.device} ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" \
+            else str(self.device)
+        return (f"backend {self.backend} on {where}, {name(self.dtype)} activations, {name(self.kv_dtype)} KV cache: "
+                f"{self.why}")
+
+
+def parse_devices(spec: str) -> list[torch.device]:
+    """--devices: "cpu,cpu" (CPU ranks, gloo) or "0,1,2,3" / "cuda:0,cuda:1" (one GPU each, NCCL)."""
+    names = [s.strip() for s in spec.split(",")]
+    if not all(names):
+        raise PocketError(f"--devices {spec!r}: empty entry (expected e.g. cpu,cpu or 0,1)")
+    devices = []
+    for name in names:
         try:
-            lib.call("pl_nccl_load", lib.ffi.NULL if cand is None else cand.encode())
-        except NativeError:
-            reasons.append(lib.last_error())
-            continue
-        version = lib.ffi.new("int32_t*")
-        lib.call("pl_nccl_version", version)
-        return True, f"NCCL {version[0]} from {cand or 'libnccl.so.2'}"
-    return False, "; ".join(reasons)
+            devices.append(torch.device("cuda", int(name)) if name.isdigit() else torch.device(name))
+        except (RuntimeError, ValueError):
+            raise PocketError(f"--devices {spec!r}: {name!r} is not a device (expected cpu, 0, cuda:1, ...)") from None
+    kinds = {d.type for d in devices}
+    if kinds - {"cpu", "cuda"} or len(kinds) > 1:
+        raise PocketError(f"--devices {spec!r}: every rank must be a cpu, or every rank a cuda device")
+    if "cuda" in kinds:
+        indices = [d.index or 0 for d in devices]
+        devices = [torch.device("cuda", i) for i in indices]
+        if len(set(indices)) < len(indices):
+            raise PocketError(f"--devices {spec!r}: one rank per GPU (NCCL refuses two ranks on one device); "
+                              f"for tests on one machine use --devices cpu,cpu")
+        if max(indices) >= torch.cuda.device_count():
+            raise PocketError(f"--devices {spec!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return devices
 
 
-# ===== SECTION 4: the model (owner: core) =====
+def plan_placement(opts: EngineOptions) -> Placement:
+    """Validate every device x backend x dtype x kv-dtype choice and resolve the autos. PocketError naming the
+    flag for anything that cannot run."""
+    if opts.backend not in ("auto", "torch", "native"):
+        raise PocketError(f"--backend must be auto, torch or native (got {opts.backend!r})")
+    device = parse_devices(opts.devices)[0] if opts.devices else resolve_device(opts.device)
+    dtype, kv_dtype = resolve_dtypes(opts, device)
+    backend, why = choose_backend(opts.backend, device, dtype, kv_dtype)
+    return Placement(device, backend, dtype, kv_dtype, why)
+
+
+def select_ops(opts: EngineOptions, device: torch.device):
+    """The backend's ops on `device` and why they were chosen (choose_backend). Tensor-parallel ranks use it."""
+    backend, why = choose_backend(opts.backend, device, *resolve_dtypes(opts, device))
+    return (NativeOps(device) if backend == "native" else TorchOps()), f"{backend} ({why})"
+
 
 # -----------------------------------------------------------------------------------------------
 # 4. The model: weights per layer, and a forward pass over an explicit Batch of varlen sequences.
@@ -1422,6 +1572,17 @@ def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, shard: Shard) -> Deco
                         mixer=MIXERS[kind].load(ckpt, cfg, f"{p}{MIXERS[kind].module}.", shard), mlp=mlp)
 
 
+def _to_device(weights, device, dtype: torch.dtype):
+    """A copy of a layer's weights on device: dense Linears take the activation dtype, FP8 stays FP8."""
+    def move(value):
+        if isinstance(value, Linear):
+            return value.to(device, dtype)
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        return _to_device(value, device, dtype) if dataclasses.is_dataclass(value) else value
+    return dataclasses.replace(weights, **{f.name: move(getattr(weights, f.name)) for f in dataclasses.fields(weights)})
+
+
 class Model:
     """The decoder: embedding, layers, final norm, lm_head. forward(batch) -> logits of batch.logit_rows.
     With tensor parallelism each rank holds a shard and `all_reduce` sums the row-parallel outputs."""
@@ -1514,20 +1675,6 @@ def named_weights(weights, prefix: str = "") -> Iterator[tuple[str, Linear | tor
         elif dataclasses.is_dataclass(value):
             yield from named_weights(value, f"{prefix}{f.name}.")
 
-
-def _to_device(weights, device, dtype: torch.dtype):
-    """A copy of a layer's weights on device: dense Linears take the activation dtype, FP8 stays FP8."""
-    def move(value):
-        if isinstance(value, Linear):
-            return value.to(device, dtype)
-        if isinstance(value, torch.Tensor):
-            return value.to(device)
-        return _to_device(value, device, dtype) if dataclasses.is_dataclass(value) else value
-    return dataclasses.replace(weights, **{f.name: move(getattr(weights, f.name)) for f in dataclasses.fields(weights)})
-
-
-
-# ===== SECTION 5-9: memory, scheduler, sampler, runner, engine (owner: core) =====
 
 # -----------------------------------------------------------------------------------------------
 # 5. Memory: a pool of paged KV blocks (reference counted, so forked choices share their prompt) and a
@@ -2020,217 +2167,6 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
     return Batch(*parts)
 
 
-
-# -----------------------------------------------------------------------------------------------
-# 9. The engine: requests in, token ids out. step() = schedule, run, postprocess. It never sees text.
-#    A fault of one request (its parameters, its logits processor) ends that request with an error event
-#    and frees what it holds; anything that escapes step() is the engine's own fault, and the LLM object
-#    then fails every request (section 14).
-# -----------------------------------------------------------------------------------------------
-
-@dataclass
-class EngineEvent:
-    """What the engine reports for one choice after a step (token ids only; the text layer decodes)."""
-    index: int
-    token_ids: list[int]
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
-    stop_reason: int | None = None     # the stop token id that ended the choice
-    error: str | None = None           # finish_reason "error": what failed
-    fatal: bool = False                # the error is the engine's: every request got it
-
-
-class RequestFailed(PocketError):
-    """One request failed inside the engine (its parameters, its logits processor); the others go on."""
-
-    def __init__(self, request_id: str, message: str):
-        super().__init__(f"request {request_id} failed: {message}")
-        self.request_id, self.reason = request_id, message
-
-
-class Request:
-    """One submitted prompt with n choices. The engine thread writes events; the client thread reads them."""
-
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, default_seed: int):
-        self.id, self.prompt_ids, self.params = request_id, list(prompt_ids), params
-        self.default_seed = default_seed
-        self.sampling: RowParams | None = None   # prepared by the engine on admission
-        self.events: queue.Queue = queue.Queue()
-        self.seqs: list[Sequence] = []
-        self.finished_choices: set[int] = set()
-        self.arrival = time.time()
-
-
-class Engine:
-    """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
-
-    def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
-                 run_batch: Callable | None = None, copy: Callable = copy_state):
-        self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
-        bs = opts.kv_block_size
-        num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
-        if num_blocks * bs < opts.max_context:
-            raise PocketError(f"--num-kv-blocks {num_blocks} x --kv-block-size {bs} cannot hold one sequence of "
-                              f"--max-context {opts.max_context} tokens")
-        self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
-        self.cache = allocate_cache(model.cfg, model.layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
-                                    model.device)
-        self.sampler = Sampler(opts.max_batch_size, model.cfg.vocab_size, model.device)
-        self.scheduler = Scheduler(opts, self.blocks, self.slots)
-        self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
-        self.copy_state = copy                    # with tensor parallelism: on every rank's cache
-        self.requests: dict[str, Request] = {}
-        self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
-
-    # Thread-safe entry points: they only post to the inbox, which step() drains.
-
-    def add(self, request: Request):
-        self.inbox.put(("add", request))
-
-    def abort(self, request_id: str, index: int | None = None):
-        self.inbox.put(("abort", request_id, index))
-
-    def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or not self.inbox.empty())
-
-    # The step.
-
-    def step(self) -> None:
-        self._drain_inbox()
-        plan = self.scheduler.schedule()
-        if not plan:
-            return
-        logits = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device))   # (B, V)
-        self._postprocess(plan, logits)
-
-    def _drain_inbox(self):
-        while True:
-            try:
-                msg = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            if msg[0] == "add":
-                self._admit(msg[1])
-            elif msg[1] in self.requests:
-                for seq in list(self.requests[msg[1]].seqs):
-                    if msg[2] is None or seq.index == msg[2]:
-                        self._finish(seq, "abort")
-
-    def _admit(self, req: Request):
-        self.requests[req.id] = req
-        req.seqs = [Sequence(req, 0)]
-        self.counters["prompt_tokens"] += len(req.prompt_ids)
-        try:
-            req.sampling = prepare_row_params(req.params, self.eos_ids, self.model.cfg.vocab_size)
-        except Exception as e:
-            self.fail_request(req, "its sampling parameters", e)
-            return
-        self.scheduler.add(req.seqs[0])
-
-    def _postprocess(self, plan: list[Scheduled], logits: torch.Tensor):
-        """Sample every sequence whose chunk reached its end (and the first token of forked choices) at once."""
-        rows = []
-        for r, p in enumerate(plan):
-            seq = p.seq
-            seq.num_computed += p.count
-            if not p.sample or seq.finished:
-                continue
-            if not seq.output_ids and seq.request.params.n > 1 and len(seq.request.seqs) == 1:
-                rows += [SampleRow(child, r, child.request.sampling) for child in self._fork(seq)]
-            rows.append(SampleRow(seq, r, seq.request.sampling))
-        if not rows:
-            return
-        out = self.sampler.sample(rows, logits)
-        for i, error in out.failed.items():
-            self.fail_request(rows[i].seq.request, "its logits processor", error)
-        for row, token, logprobs in zip(rows, out.tokens, out.logprobs):
-            if not row.seq.finished:
-                self._append(row.seq, token, logprobs)
-
-    def _append(self, seq: Sequence, tok: int, logprobs: tuple | None):
-        params = seq.params
-        seq.output_ids.append(tok)
-        self.counters["generation_tokens"] += 1
-        reason, stop = None, None
-        if tok in params.stop_token_ids or (not params.ignore_eos and tok in self.eos_ids):
-            reason, stop = "stop", tok
-        elif len(seq.output_ids) >= params.max_tokens:
-            reason = "length"
-        seq.request.events.put(EngineEvent(seq.index, [tok], None if logprobs is None else [logprobs]))
-        if reason:
-            self._finish(seq, reason, stop)
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """n > 1: the prompt was prefilled once; each extra choice shares its full KV blocks, copies the last
-        partial block and the recurrent state, and samples its own first token from the same logits (the
-        choices returned). Without a free slot or block a choice is recomputed from the prompt instead."""
-        req, bs, ready = parent.request, self.opts.kv_block_size, []
-        for i in range(1, req.params.n):
-            child = Sequence(req, i)
-            req.seqs.append(child)
-            partial = parent.num_computed % bs != 0
-            slot = self.slots.alloc() if len(self.scheduler.running) < self.opts.max_batch_size else None
-            block = self.blocks.alloc() if slot is not None and partial else None
-            if slot is None or (partial and block is None):
-                if slot is not None:
-                    self.slots.release(slot)
-                self.scheduler.waiting.insert(0, child)   # recomputes the prompt, then samples
-                continue
-            shared = parent.blocks[:-1] if partial else parent.blocks
-            child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
-            self.copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
-            child.slot, child.num_computed = slot, parent.num_computed
-            self.scheduler.running.append(child)
-            ready.append(child)
-        return ready
-
-    def _finish(self, seq: Sequence, reason: str, stop: int | None = None, error: str | None = None,
-                fatal: bool = False):
-        if seq.finished:
-            return
-        seq.finished = True
-        self.scheduler.release(seq)
-        req = seq.request
-        req.finished_choices.add(seq.index)
-        req.events.put(EngineEvent(seq.index, [], None, reason, stop, error, fatal))
-        if reason in ("abort", "error"):   # choices not yet forked will never run
-            for i in range(len(req.seqs), req.params.n):
-                if i not in req.finished_choices:
-                    req.finished_choices.add(i)
-                    req.events.put(EngineEvent(i, [], None, reason, None, error, fatal))
-        if len(req.finished_choices) == req.params.n:
-            self.requests.pop(req.id, None)
-
-    # Failures: one request's, or the engine's.
-
-    def fail_request(self, req: Request, stage: str, error: Exception):
-        """End one request with an error (logged with its traceback) and free its blocks and slots."""
-        print(f"pocketllm: request {req.id} failed in {stage}:", file=sys.stderr)
-        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
-        message = f"{stage} raised {type(error).__name__}: {error}"
-        for seq in list(req.seqs):
-            self._finish(seq, "error", error=message)
-
-    def fail_all(self, reason: str):
-        """The engine cannot go on: every request, those still in the inbox included, ends with `reason`.
-        Called once the engine thread has stopped stepping."""
-        self._drain_inbox()
-        for req in list(self.requests.values()):
-            for seq in list(req.seqs):
-                self._finish(seq, "error", error=reason, fatal=True)
-
-    def stats(self) -> dict:
-        s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": self.blocks.used,
-                "kv_blocks_total": self.blocks.total, "slots_used": self.slots.used, "slots_total": self.slots.total,
-                "prompt_tokens_total": self.counters["prompt_tokens"],
-                "generation_tokens_total": self.counters["generation_tokens"]}
-
-
-
-# ===== SECTION 8b: tensor parallelism (owner: tp) =====
-
 # -----------------------------------------------------------------------------------------------
 # 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
 #     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
@@ -2246,29 +2182,6 @@ class Engine:
 #     See docs/architecture.md, "Tensor parallelism".
 # -----------------------------------------------------------------------------------------------
 
-def parse_devices(spec: str) -> list[torch.device]:
-    """--devices: "cpu,cpu" (CPU ranks, gloo) or "0,1,2,3" / "cuda:0,cuda:1" (one GPU each, NCCL)."""
-    names = [s.strip() for s in spec.split(",")]
-    if not all(names):
-        raise PocketError(f"--devices {spec!r}: empty entry (expected e.g. cpu,cpu or 0,1)")
-    devices = []
-    for name in names:
-        try:
-            devices.append(torch.device("cuda", int(name)) if name.isdigit() else torch.device(name))
-        except (RuntimeError, ValueError):
-            raise PocketError(f"--devices {spec!r}: {name!r} is not a device (expected cpu, 0, cuda:1, ...)") from None
-    kinds = {d.type for d in devices}
-    if kinds - {"cpu", "cuda"} or len(kinds) > 1:
-        raise PocketError(f"--devices {spec!r}: every rank must be a cpu, or every rank a cuda device")
-    if "cuda" in kinds:
-        indices = [d.index or 0 for d in devices]
-        devices = [torch.device("cuda", i) for i in indices]
-        if len(set(indices)) < len(indices):
-            raise PocketError(f"--devices {spec!r}: one rank per GPU (NCCL refuses two ranks on one device); "
-                              f"for tests on one machine use --devices cpu,cpu")
-        if max(indices) >= torch.cuda.device_count():
-            raise PocketError(f"--devices {spec!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    return devices
 
 
 def _cache_blocks(opts: EngineOptions) -> int:
@@ -2774,6 +2687,13 @@ def start_group(ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: tor
 
 # A worker rank: join with the secret, load the shard, say so, then run rank 0's calls until told to stop.
 
+def _exit_with_parent(parent: int):
+    """Rank 0 gone (killed, crashed): this rank has nothing left to do."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def run_rank_worker(spec_json: str) -> int:
     spec = json.loads(spec_json)
     rank, world, parent = spec["rank"], spec["world"], spec["parent"]
@@ -2817,15 +2737,212 @@ def run_rank_worker(spec_json: str) -> int:
         return 2 if isinstance(e, PocketError) else 1
 
 
-def _exit_with_parent(parent: int):
-    """Rank 0 gone (killed, crashed): this rank has nothing left to do."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
+# -----------------------------------------------------------------------------------------------
+# 9. The engine: requests in, token ids out. step() = schedule, run, postprocess. It never sees text.
+#    A fault of one request (its parameters, its logits processor) ends that request with an error event
+#    and frees what it holds; anything that escapes step() is the engine's own fault, and the LLM object
+#    then fails every request (section 14).
+# -----------------------------------------------------------------------------------------------
+
+@dataclass
+class EngineEvent:
+    """What the engine reports for one choice after a step (token ids only; the text layer decodes)."""
+    index: int
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None     # the stop token id that ended the choice
+    error: str | None = None           # finish_reason "error": what failed
+    fatal: bool = False                # the error is the engine's: every request got it
 
 
+class RequestFailed(PocketError):
+    """One request failed inside the engine (its parameters, its logits processor); the others go on."""
 
-# ===== SECTION 10: text (owner: core: tokenizer + detokenizer; text: chat templates) =====
+    def __init__(self, request_id: str, message: str):
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id, self.reason = request_id, message
+
+
+class Request:
+    """One submitted prompt with n choices. The engine thread writes events; the client thread reads them."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, default_seed: int):
+        self.id, self.prompt_ids, self.params = request_id, list(prompt_ids), params
+        self.default_seed = default_seed
+        self.sampling: RowParams | None = None   # prepared by the engine on admission
+        self.events: queue.Queue = queue.Queue()
+        self.seqs: list[Sequence] = []
+        self.finished_choices: set[int] = set()
+        self.arrival = time.time()
+
+
+class Engine:
+    """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
+
+    def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
+                 run_batch: Callable | None = None, copy: Callable = copy_state):
+        self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
+        bs = opts.kv_block_size
+        num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
+        if num_blocks * bs < opts.max_context:
+            raise PocketError(f"--num-kv-blocks {num_blocks} x --kv-block-size {bs} cannot hold one sequence of "
+                              f"--max-context {opts.max_context} tokens")
+        self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
+        self.cache = allocate_cache(model.cfg, model.layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
+                                    model.device)
+        self.sampler = Sampler(opts.max_batch_size, model.cfg.vocab_size, model.device)
+        self.scheduler = Scheduler(opts, self.blocks, self.slots)
+        self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
+        self.copy_state = copy                    # with tensor parallelism: on every rank's cache
+        self.requests: dict[str, Request] = {}
+        self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    # Thread-safe entry points: they only post to the inbox, which step() drains.
+
+    def add(self, request: Request):
+        self.inbox.put(("add", request))
+
+    def abort(self, request_id: str, index: int | None = None):
+        self.inbox.put(("abort", request_id, index))
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or not self.inbox.empty())
+
+    # The step.
+
+    def step(self) -> None:
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        logits = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device))   # (B, V)
+        self._postprocess(plan, logits)
+
+    def _drain_inbox(self):
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                self._admit(msg[1])
+            elif msg[1] in self.requests:
+                for seq in list(self.requests[msg[1]].seqs):
+                    if msg[2] is None or seq.index == msg[2]:
+                        self._finish(seq, "abort")
+
+    def _admit(self, req: Request):
+        self.requests[req.id] = req
+        req.seqs = [Sequence(req, 0)]
+        self.counters["prompt_tokens"] += len(req.prompt_ids)
+        try:
+            req.sampling = prepare_row_params(req.params, self.eos_ids, self.model.cfg.vocab_size)
+        except Exception as e:
+            self.fail_request(req, "its sampling parameters", e)
+            return
+        self.scheduler.add(req.seqs[0])
+
+    def _postprocess(self, plan: list[Scheduled], logits: torch.Tensor):
+        """Sample every sequence whose chunk reached its end (and the first token of forked choices) at once."""
+        rows = []
+        for r, p in enumerate(plan):
+            seq = p.seq
+            seq.num_computed += p.count
+            if not p.sample or seq.finished:
+                continue
+            if not seq.output_ids and seq.request.params.n > 1 and len(seq.request.seqs) == 1:
+                rows += [SampleRow(child, r, child.request.sampling) for child in self._fork(seq)]
+            rows.append(SampleRow(seq, r, seq.request.sampling))
+        if not rows:
+            return
+        out = self.sampler.sample(rows, logits)
+        for i, error in out.failed.items():
+            self.fail_request(rows[i].seq.request, "its logits processor", error)
+        for row, token, logprobs in zip(rows, out.tokens, out.logprobs):
+            if not row.seq.finished:
+                self._append(row.seq, token, logprobs)
+
+    def _append(self, seq: Sequence, tok: int, logprobs: tuple | None):
+        params = seq.params
+        seq.output_ids.append(tok)
+        self.counters["generation_tokens"] += 1
+        reason, stop = None, None
+        if tok in params.stop_token_ids or (not params.ignore_eos and tok in self.eos_ids):
+            reason, stop = "stop", tok
+        elif len(seq.output_ids) >= params.max_tokens:
+            reason = "length"
+        seq.request.events.put(EngineEvent(seq.index, [tok], None if logprobs is None else [logprobs]))
+        if reason:
+            self._finish(seq, reason, stop)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the prompt was prefilled once; each extra choice shares its full KV blocks, copies the last
+        partial block and the recurrent state, and samples its own first token from the same logits (the
+        choices returned). Without a free slot or block a choice is recomputed from the prompt instead."""
+        req, bs, ready = parent.request, self.opts.kv_block_size, []
+        for i in range(1, req.params.n):
+            child = Sequence(req, i)
+            req.seqs.append(child)
+            partial = parent.num_computed % bs != 0
+            slot = self.slots.alloc() if len(self.scheduler.running) < self.opts.max_batch_size else None
+            block = self.blocks.alloc() if slot is not None and partial else None
+            if slot is None or (partial and block is None):
+                if slot is not None:
+                    self.slots.release(slot)
+                self.scheduler.waiting.insert(0, child)   # recomputes the prompt, then samples
+                continue
+            shared = parent.blocks[:-1] if partial else parent.blocks
+            child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
+            self.copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
+            child.slot, child.num_computed = slot, parent.num_computed
+            self.scheduler.running.append(child)
+            ready.append(child)
+        return ready
+
+    def _finish(self, seq: Sequence, reason: str, stop: int | None = None, error: str | None = None,
+                fatal: bool = False):
+        if seq.finished:
+            return
+        seq.finished = True
+        self.scheduler.release(seq)
+        req = seq.request
+        req.finished_choices.add(seq.index)
+        req.events.put(EngineEvent(seq.index, [], None, reason, stop, error, fatal))
+        if reason in ("abort", "error"):   # choices not yet forked will never run
+            for i in range(len(req.seqs), req.params.n):
+                if i not in req.finished_choices:
+                    req.finished_choices.add(i)
+                    req.events.put(EngineEvent(i, [], None, reason, None, error, fatal))
+        if len(req.finished_choices) == req.params.n:
+            self.requests.pop(req.id, None)
+
+    # Failures: one request's, or the engine's.
+
+    def fail_request(self, req: Request, stage: str, error: Exception):
+        """End one request with an error (logged with its traceback) and free its blocks and slots."""
+        print(f"pocketllm: request {req.id} failed in {stage}:", file=sys.stderr)
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+        message = f"{stage} raised {type(error).__name__}: {error}"
+        for seq in list(req.seqs):
+            self._finish(seq, "error", error=message)
+
+    def fail_all(self, reason: str):
+        """The engine cannot go on: every request, those still in the inbox included, ends with `reason`.
+        Called once the engine thread has stopped stepping."""
+        self._drain_inbox()
+        for req in list(self.requests.values()):
+            for seq in list(req.seqs):
+                self._finish(seq, "error", error=reason, fatal=True)
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": self.blocks.used,
+                "kv_blocks_total": self.blocks.total, "slots_used": self.slots.used, "slots_total": self.slots.total,
+                "prompt_tokens_total": self.counters["prompt_tokens"],
+                "generation_tokens_total": self.counters["generation_tokens"]}
+
 
 # -----------------------------------------------------------------------------------------------
 # 10. Text: the tokenizer, an incremental detokenizer that never splits a UTF-8 character, stop strings,
@@ -2904,6 +3021,9 @@ class ControlTokens:
                 yield piece, i % 2 == 1
 
 
+_BYTE_DECODER = _byte_decoder()
+
+
 class Tokenizer:
     """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a checkpoint."""
 
@@ -2978,9 +3098,6 @@ class Tokenizer:
         if self._texts is None:
             self._texts = [self.token_bytes(i).decode("utf-8", "replace") for i in range(self.vocab_size)]
         return self._texts
-
-
-_BYTE_DECODER = _byte_decoder()
 
 
 class TextStream:
@@ -3087,274 +3204,10 @@ class RequestStream:
         self.llm.wake()
 
 
-
-# ===== SECTION 11: output parsing and tool_choice (owner: text) =====
-import ast
-import copy
-import datetime
-
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-import jinja2.utils
-
-
 # -----------------------------------------------------------------------------------------------
-# Chat templates: the checkpoint's jinja2 template is untrusted code, so it runs in an immutable
-# sandbox with the globals and filters HF templates expect.
-# -----------------------------------------------------------------------------------------------
-
-def _template_raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _template_strftime_now(fmt):
-    return datetime.datetime.now().strftime(fmt)
-
-
-def _template_tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    """HF's tojson: keeps non-ASCII and key order, no HTML escaping (jinja2's own tojson does both)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """HF's `{% generation %}...{% endgeneration %}` (marks assistant text for training masks): renders the body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller):
-        return caller()
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja2's namespace() refusing underscore names, which could shadow its internals (as HF does)."""
-
-    def __init__(*args, **kwargs):
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.sandbox.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
-
-
-class _TemplateSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """Refuses unsafe attribute access at once; the stock sandbox renders it as an empty Undefined."""
-
-    def unsafe_undefined(self, obj, attribute):
-        raise jinja2.sandbox.SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
-
-
-def _named_templates(source) -> dict[str, str]:
-    """tokenizer_config.json's chat_template is a string or a list of {"name", "template"}."""
-    if isinstance(source, str):
-        return {"default": source}
-    if isinstance(source, dict):
-        return {str(k): v for k, v in source.items() if isinstance(v, str)}
-    if isinstance(source, list):
-        return {t["name"]: t["template"] for t in source
-                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
-    return {}
-
-
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_fn", "description": "probe", "parameters": {
-    "type": "object", "properties": {"probe_arg": {"type": "string"}}, "required": ["probe_arg"]}}}]
-_PROBE_MESSAGES = [
-    {"role": "user", "content": "probe"},
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_probe", "type": "function", "function": {
-        "name": "probe_fn", "arguments": {"probe_arg": "probe_value"}}}]},
-    {"role": "tool", "tool_call_id": "call_probe", "content": "probe result"},
-]
-
-
-class ChatTemplate:
-    """The checkpoint's chat template: messages (+ tools) -> prompt text.
-
-    `source` is a template string or tokenizer_config.json's list of named templates ("tool_use" is used
-    when tools are given, else "default"). `tool_parser` is the tool-call format the template teaches the
-    model (a TOOL_FORMATS key), found by rendering a probe conversation; callers may override it.
-    """
-
-    def __init__(self, source, tokenizer=None):
-        env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True,
-                               extensions=[jinja2.ext.loopcontrols, _GenerationTag])
-        env.filters["tojson"] = _template_tojson
-        env.globals["raise_exception"] = _template_raise_exception
-        env.globals["strftime_now"] = _template_strftime_now
-        env.globals["namespace"] = _TemplateNamespace
-        self.sources = _named_templates(source)
-        if not self.sources:
-            raise CheckpointError("chat template: expected a string or a list of {name, template} objects")
-        self.templates = {}
-        for name, text in self.sources.items():
-            try:
-                self.templates[name] = env.from_string(text)
-            except jinja2.TemplateSyntaxError as exc:
-                raise CheckpointError(f"chat template {name!r}: syntax error at line {exc.lineno}: {exc.message}") from None
-        self.special_tokens = {key: getattr(tokenizer, key, None) for key in ("bos_token", "eos_token", "pad_token")}
-        self.tokenizer = tokenizer
-        self.tool_parser = self._detect_tool_parser()
-
-    def _pick(self, tools):
-        if tools and "tool_use" in self.templates:
-            return self.templates["tool_use"]
-        return self.templates.get("default") or next(iter(self.templates.values()))
-
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt=True,
-               continue_final_message=False, **template_kwargs) -> str:
-        """Render in the sandbox. Any template failure is the request's fault: RequestError(param="messages")."""
-        if add_generation_prompt and continue_final_message:
-            raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
-                               param="continue_final_message")
-        messages = messages_for_template(messages)
-        control = getattr(self.tokenizer, "control_tokens", None)
-        if control is not None:    # request text stays text, even where it spells <|im_start|>
-            messages, tools, template_kwargs = control.defuse_all([messages, tools, template_kwargs])
-        if continue_final_message:
-            _tag_final_message(messages)
-        context = {**self.special_tokens, **template_kwargs, "messages": messages, "tools": tools or None,
-                   "add_generation_prompt": bool(add_generation_prompt)}
-        try:
-            text = self._pick(tools).render(**context)
-        except Exception as exc:   # the template is untrusted code: whatever it raises is reported, not a 500
-            message = str(exc).replace("\n", " ").strip() or type(exc).__name__
-            raise RequestError(f"chat template error: {message}", param="messages") from None
-        if continue_final_message:
-            text = _cut_at_continue_tag(text)
-        return text
-
-    def _detect_tool_parser(self) -> str:
-        try:
-            text = self.render(_PROBE_MESSAGES, tools=_PROBE_TOOLS, add_generation_prompt=True)
-        except RequestError:
-            text = ""
-        return detect_tool_format(text, "\n".join(self.sources.values()), _PROBE_TOOLS[0]["function"]["name"])
-
-
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "   # trailing space: shows whether the template trimmed the content
-
-
-def _tag_final_message(messages: list[dict]) -> None:
-    """continue_final_message (as HF): mark where the final message's content ends, then cut the prompt there."""
-    if not messages or not isinstance(messages[-1], dict) or not isinstance(messages[-1].get("content"), str):
-        raise RequestError("continue_final_message needs a final message with text content", param="messages")
-    messages[-1]["content"] += _CONTINUE_TAG
-
-
-def _cut_at_continue_tag(text: str) -> str:
-    at = text.rfind(_CONTINUE_TAG.strip())
-    if at == -1:
-        raise RequestError("continue_final_message: the chat template does not render the final message's content",
-                           param="messages")
-    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
-
-
-def load_chat_template(tokenizer, override_path: str | None = None, ckpt_dir=None) -> ChatTemplate | None:
-    """The chat template: --chat-template FILE (a .jinja text, or a .json with "chat_template"), else the
-    tokenizer's (chat_template.jinja before tokenizer_config.json), else those files in ckpt_dir. None if none."""
-    source = None
-    if override_path:
-        path = Path(override_path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise PocketError(f"--chat-template {path}: cannot read it ({exc.strerror})") from None
-        source = text
-        if path.suffix == ".json":
-            try:
-                source = json.loads(text)["chat_template"]
-            except (ValueError, KeyError, TypeError):
-                raise PocketError(f"--chat-template {path}: a .json file must hold a \"chat_template\" key") from None
-    else:
-        source = getattr(tokenizer, "chat_template_source", None)
-        if source is None and ckpt_dir is not None:
-            source = _chat_template_from_dir(Path(ckpt_dir))
-    return ChatTemplate(source, tokenizer) if source else None
-
-
-def _chat_template_from_dir(ckpt_dir: Path):
-    if (ckpt_dir / "chat_template.jinja").is_file():
-        return (ckpt_dir / "chat_template.jinja").read_text(encoding="utf-8")
-    if (ckpt_dir / "tokenizer_config.json").is_file():
-        try:
-            return json.loads((ckpt_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
-        except (ValueError, AttributeError):
-            raise CheckpointError(f"{ckpt_dir / 'tokenizer_config.json'}: not a JSON object") from None
-    return None
-
-
-def messages_for_template(messages: list[dict]) -> list[dict]:
-    """A converted deep copy of OpenAI messages for the template; the request's own objects are untouched.
-
-    - tool_calls[].function.arguments: a JSON string holding an object becomes that object (key order kept),
-      as templates iterate it with `|items`; any other string (invalid JSON, or JSON that is not an object)
-      is left as the string, so the template decides (a template that needs a mapping then fails with a 400).
-    - content parts [{"type": "text", "text": ...}, ...] become their texts joined with "\\n"; other part
-      types are refused. None content becomes "".
-
-    >>> messages_for_template([{"role": "assistant", "content": None, "tool_calls": [
-    ...     {"function": {"name": "f", "arguments": '{"b": 1, "a": 2}'}}]}])[0]["tool_calls"][0]["function"]
-    {'name': 'f', 'arguments': {'b': 1, 'a': 2}}
-    """
-    converted = copy.deepcopy(messages)
-    for i, message in enumerate(converted if isinstance(converted, list) else []):
-        if not isinstance(message, dict):
-            continue
-        content = message.get("content")
-        if content is None:
-            message["content"] = ""
-        elif isinstance(content, list):
-            message["content"] = _flatten_content(content, f"messages[{i}].content")
-        for call in message.get("tool_calls") or []:
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                try:
-                    arguments = json.loads(function["arguments"])
-                except ValueError:
-                    continue
-                if isinstance(arguments, dict):
-                    function["arguments"] = arguments
-    return converted
-
-
-def _flatten_content(parts: list, where: str) -> str:
-    texts = []
-    for j, part in enumerate(parts):
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise RequestError(f"{where}[{j}]: content parts of type {kind!r} are not supported (text only)",
-                               param="messages")
-    return "\n".join(texts)
-
-
-def prompt_ends_in_reasoning(prompt_text: str) -> bool:
-    """True when the prompt's last turn opened <think> and did not close it (the model starts in reasoning)."""
-    turn = prompt_text[prompt_text.rfind("<|im_start|>"):] if "<|im_start|>" in prompt_text else prompt_text
-    return turn.rfind("<think>") > turn.rfind("</think>")
-
-
-# -----------------------------------------------------------------------------------------------
-# Output parsing: generated text -> reasoning_content, content and tool_calls. One scanner reads the
-# text left to right and commits only what more text cannot change. Streaming re-runs it over the
-# accumulated text (resuming where it last committed) and sends the difference, so a stream always
-# assembles to exactly the non-streamed parse.
+# 10b. Tool calls in text: the tools a request offers (checked once, by tool_functions), how argument
+#      values are read by their schema types, and one class per format a model writes calls in
+#      (TOOL_FORMATS). The chat templates below detect their format; the scanner in section 11 reads it.
 # -----------------------------------------------------------------------------------------------
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
@@ -3498,6 +3351,29 @@ TOOL_KEYS = ("type", "function")
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 
 
+def _only_keys(obj: dict, known: tuple, where: str) -> None:
+    for key in obj:
+        if key not in known:
+            raise RequestError(f"'{where}.{key}' is not supported", param=f"{where}.{key}")
+
+
+def _tool_function(name: str, parameters, where: str) -> ToolFunction:
+    """A function's `parameters` schema: `properties` an object of schemas, `required` an array of names."""
+    parameters = {} if parameters is None else _check_type(parameters, dict, where)
+    properties = parameters.get("properties")
+    properties = {} if properties is None else _check_type(properties, dict, f"{where}.properties")
+    for key, schema in properties.items():
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"'{where}.properties.{key}' must be a JSON schema (an object), got "
+                               f"{_json_type(schema)}", param=f"{where}.properties.{key}")
+    required = parameters.get("required")
+    required = [] if required is None else _check_type(required, list, f"{where}.required")
+    for j, item in enumerate(required):
+        _check_type(item, str, f"{where}.required[{j}]")
+    ordered = [p for p in properties if p in required] + [p for p in required if p not in properties]
+    return ToolFunction(name, properties, list(dict.fromkeys(ordered)))
+
+
 def tool_functions(tools) -> dict[str, ToolFunction]:
     """The one walk over a request's `tools`: every tool checked (a RequestError naming the path, such as
     `tools[0].function.parameters.required`) and normalised. name -> ToolFunction, in the request's order."""
@@ -3520,29 +3396,6 @@ def tool_functions(tools) -> dict[str, ToolFunction]:
                 _check_type(function[key], kind, f"{where}.function.{key}")
         functions[name] = _tool_function(name, function.get("parameters"), f"{where}.function.parameters")
     return functions
-
-
-def _only_keys(obj: dict, known: tuple, where: str) -> None:
-    for key in obj:
-        if key not in known:
-            raise RequestError(f"'{where}.{key}' is not supported", param=f"{where}.{key}")
-
-
-def _tool_function(name: str, parameters, where: str) -> ToolFunction:
-    """A function's `parameters` schema: `properties` an object of schemas, `required` an array of names."""
-    parameters = {} if parameters is None else _check_type(parameters, dict, where)
-    properties = parameters.get("properties")
-    properties = {} if properties is None else _check_type(properties, dict, f"{where}.properties")
-    for key, schema in properties.items():
-        if not isinstance(schema, (dict, bool)):
-            raise RequestError(f"'{where}.properties.{key}' must be a JSON schema (an object), got "
-                               f"{_json_type(schema)}", param=f"{where}.properties.{key}")
-    required = parameters.get("required")
-    required = [] if required is None else _check_type(required, list, f"{where}.required")
-    for j, item in enumerate(required):
-        _check_type(item, str, f"{where}.required[{j}]")
-    ordered = [p for p in properties if p in required] + [p for p in required if p not in properties]
-    return ToolFunction(name, properties, list(dict.fromkeys(ordered)))
 
 
 def _tool_schemas(tools) -> dict[str, dict]:
@@ -3924,6 +3777,263 @@ def detect_tool_format(rendered: str, source: str, probe_name: str) -> str:
     return found.name
 
 
+# -----------------------------------------------------------------------------------------------
+# 10c. Chat templates: the checkpoint's jinja2 template is untrusted code, so it runs in an immutable
+#      sandbox with the globals and filters HF templates expect.
+# -----------------------------------------------------------------------------------------------
+
+def _template_raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _template_strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _template_tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """HF's tojson: keeps non-ASCII and key order, no HTML escaping (jinja2's own tojson does both)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """HF's `{% generation %}...{% endgeneration %}` (marks assistant text for training masks): renders the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller):
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2's namespace() refusing underscore names, which could shadow its internals (as HF does)."""
+
+    def __init__(*args, **kwargs):
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.sandbox.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
+
+
+class _TemplateSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Refuses unsafe attribute access at once; the stock sandbox renders it as an empty Undefined."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise jinja2.sandbox.SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+def _named_templates(source) -> dict[str, str]:
+    """tokenizer_config.json's chat_template is a string or a list of {"name", "template"}."""
+    if isinstance(source, str):
+        return {"default": source}
+    if isinstance(source, dict):
+        return {str(k): v for k, v in source.items() if isinstance(v, str)}
+    if isinstance(source, list):
+        return {t["name"]: t["template"] for t in source
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {}
+
+
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_fn", "description": "probe", "parameters": {
+    "type": "object", "properties": {"probe_arg": {"type": "string"}}, "required": ["probe_arg"]}}}]
+_PROBE_MESSAGES = [
+    {"role": "user", "content": "probe"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_probe", "type": "function", "function": {
+        "name": "probe_fn", "arguments": {"probe_arg": "probe_value"}}}]},
+    {"role": "tool", "tool_call_id": "call_probe", "content": "probe result"},
+]
+
+
+def _flatten_content(parts: list, where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"{where}[{j}]: content parts of type {kind!r} are not supported (text only)",
+                               param="messages")
+    return "\n".join(texts)
+
+
+def messages_for_template(messages: list[dict]) -> list[dict]:
+    """A converted deep copy of OpenAI messages for the template; the request's own objects are untouched.
+
+    - tool_calls[].function.arguments: a JSON string holding an object becomes that object (key order kept),
+      as templates iterate it with `|items`; any other string (invalid JSON, or JSON that is not an object)
+      is left as the string, so the template decides (a template that needs a mapping then fails with a 400).
+    - content parts [{"type": "text", "text": ...}, ...] become their texts joined with "\\n"; other part
+      types are refused. None content becomes "".
+
+    >>> messages_for_template([{"role": "assistant", "content": None, "tool_calls": [
+    ...     {"function": {"name": "f", "arguments": '{"b": 1, "a": 2}'}}]}])[0]["tool_calls"][0]["function"]
+    {'name': 'f', 'arguments': {'b': 1, 'a': 2}}
+    """
+    converted = copy.deepcopy(messages)
+    for i, message in enumerate(converted if isinstance(converted, list) else []):
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if content is None:
+            message["content"] = ""
+        elif isinstance(content, list):
+            message["content"] = _flatten_content(content, f"messages[{i}].content")
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    arguments = json.loads(function["arguments"])
+                except ValueError:
+                    continue
+                if isinstance(arguments, dict):
+                    function["arguments"] = arguments
+    return converted
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "   # trailing space: shows whether the template trimmed the content
+
+
+def _tag_final_message(messages: list[dict]) -> None:
+    """continue_final_message (as HF): mark where the final message's content ends, then cut the prompt there."""
+    if not messages or not isinstance(messages[-1], dict) or not isinstance(messages[-1].get("content"), str):
+        raise RequestError("continue_final_message needs a final message with text content", param="messages")
+    messages[-1]["content"] += _CONTINUE_TAG
+
+
+def _cut_at_continue_tag(text: str) -> str:
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at == -1:
+        raise RequestError("continue_final_message: the chat template does not render the final message's content",
+                           param="messages")
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+
+
+class ChatTemplate:
+    """The checkpoint's chat template: messages (+ tools) -> prompt text.
+
+    `source` is a template string or tokenizer_config.json's list of named templates ("tool_use" is used
+    when tools are given, else "default"). `tool_parser` is the tool-call format the template teaches the
+    model (a TOOL_FORMATS key), found by rendering a probe conversation; callers may override it.
+    """
+
+    def __init__(self, source, tokenizer=None):
+        env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True,
+                               extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        env.filters["tojson"] = _template_tojson
+        env.globals["raise_exception"] = _template_raise_exception
+        env.globals["strftime_now"] = _template_strftime_now
+        env.globals["namespace"] = _TemplateNamespace
+        self.sources = _named_templates(source)
+        if not self.sources:
+            raise CheckpointError("chat template: expected a string or a list of {name, template} objects")
+        self.templates = {}
+        for name, text in self.sources.items():
+            try:
+                self.templates[name] = env.from_string(text)
+            except jinja2.TemplateSyntaxError as exc:
+                raise CheckpointError(f"chat template {name!r}: syntax error at line {exc.lineno}: {exc.message}") from None
+        self.special_tokens = {key: getattr(tokenizer, key, None) for key in ("bos_token", "eos_token", "pad_token")}
+        self.tokenizer = tokenizer
+        self.tool_parser = self._detect_tool_parser()
+
+    def _pick(self, tools):
+        if tools and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        return self.templates.get("default") or next(iter(self.templates.values()))
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt=True,
+               continue_final_message=False, **template_kwargs) -> str:
+        """Render in the sandbox. Any template failure is the request's fault: RequestError(param="messages")."""
+        if add_generation_prompt and continue_final_message:
+            raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
+                               param="continue_final_message")
+        messages = messages_for_template(messages)
+        control = getattr(self.tokenizer, "control_tokens", None)
+        if control is not None:    # request text stays text, even where it spells <|im_start|>
+            messages, tools, template_kwargs = control.defuse_all([messages, tools, template_kwargs])
+        if continue_final_message:
+            _tag_final_message(messages)
+        context = {**self.special_tokens, **template_kwargs, "messages": messages, "tools": tools or None,
+                   "add_generation_prompt": bool(add_generation_prompt)}
+        try:
+            text = self._pick(tools).render(**context)
+        except Exception as exc:   # the template is untrusted code: whatever it raises is reported, not a 500
+            message = str(exc).replace("\n", " ").strip() or type(exc).__name__
+            raise RequestError(f"chat template error: {message}", param="messages") from None
+        if continue_final_message:
+            text = _cut_at_continue_tag(text)
+        return text
+
+    def _detect_tool_parser(self) -> str:
+        try:
+            text = self.render(_PROBE_MESSAGES, tools=_PROBE_TOOLS, add_generation_prompt=True)
+        except RequestError:
+            text = ""
+        return detect_tool_format(text, "\n".join(self.sources.values()), _PROBE_TOOLS[0]["function"]["name"])
+
+
+def _chat_template_from_dir(ckpt_dir: Path):
+    if (ckpt_dir / "chat_template.jinja").is_file():
+        return (ckpt_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    if (ckpt_dir / "tokenizer_config.json").is_file():
+        try:
+            return json.loads((ckpt_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError):
+            raise CheckpointError(f"{ckpt_dir / 'tokenizer_config.json'}: not a JSON object") from None
+    return None
+
+
+def load_chat_template(tokenizer, override_path: str | None = None, ckpt_dir=None) -> ChatTemplate | None:
+    """The chat template: --chat-template FILE (a .jinja text, or a .json with "chat_template"), else the
+    tokenizer's (chat_template.jinja before tokenizer_config.json), else those files in ckpt_dir. None if none."""
+    source = None
+    if override_path:
+        path = Path(override_path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PocketError(f"--chat-template {path}: cannot read it ({exc.strerror})") from None
+        source = text
+        if path.suffix == ".json":
+            try:
+                source = json.loads(text)["chat_template"]
+            except (ValueError, KeyError, TypeError):
+                raise PocketError(f"--chat-template {path}: a .json file must hold a \"chat_template\" key") from None
+    else:
+        source = getattr(tokenizer, "chat_template_source", None)
+        if source is None and ckpt_dir is not None:
+            source = _chat_template_from_dir(Path(ckpt_dir))
+    return ChatTemplate(source, tokenizer) if source else None
+
+
+def prompt_ends_in_reasoning(prompt_text: str) -> bool:
+    """True when the prompt's last turn opened <think> and did not close it (the model starts in reasoning)."""
+    turn = prompt_text[prompt_text.rfind("<|im_start|>"):] if "<|im_start|>" in prompt_text else prompt_text
+    return turn.rfind("<think>") > turn.rfind("</think>")
+
+
+# -----------------------------------------------------------------------------------------------
+# 11. Output parsing: generated text -> reasoning_content, content and tool_calls. One scanner reads the
+#     text left to right and commits only what more text cannot change. Streaming re-runs it over the
+#     accumulated text (resuming where it last committed) and sends the difference, so a stream always
+#     assembles to exactly the non-streamed parse.
+# -----------------------------------------------------------------------------------------------
+
 _PROSE_MODES = ("start", "think", "text")
 
 
@@ -4242,6 +4352,15 @@ class _Deviation(Exception):
     """The sampled token is not one the program allowed (another constraint won): stop constraining."""
 
 
+def _value_done(kind: str, text: str) -> bool:
+    """Whether the value so far may be closed."""
+    if kind in ("integer", "number"):
+        return _number_state(text, kind == "integer") in ("zero", "int", "frac", "exp_digits")
+    if kind in ("object", "array"):
+        return _as_type(text, kind)[0]
+    return bool(text.strip())
+
+
 class _CallProgram:
     """The constraint program of one choice: a generator that yields _Allowed and receives the sampled ids.
     `used` counts the tokens generated so far."""
@@ -4382,15 +4501,6 @@ def _forced_value_shape(schema, json_form: bool = False) -> tuple[str, list[str]
     if kind == "null":
         return kind, ["null"]
     return kind, None
-
-
-def _value_done(kind: str, text: str) -> bool:
-    """Whether the value so far may be closed."""
-    if kind in ("integer", "number"):
-        return _number_state(text, kind == "integer") in ("zero", "int", "frac", "exp_digits")
-    if kind in ("object", "array"):
-        return _as_type(text, kind)[0]
-    return bool(text.strip())
 
 
 class _ToolChoicePlan:
@@ -4552,6 +4662,11 @@ def _resolve_tool_choice(tool_choice, names: list[str]):
     return tool_choice if name is None else name
 
 
+def _forced_functions(tools) -> dict[str, tuple[dict, list[str]]]:
+    """name -> (properties, required parameters in schema order, then any required ones not described)."""
+    return {name: (function.properties, function.required) for name, function in tool_functions(tools).items()}
+
+
 def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, parallel_tool_calls: bool,
                           in_reasoning: bool, max_tokens: int, *, eos_token_ids=None) -> Callable | None:
     """A SamplingParams.logits_processors entry enforcing tool_choice and parallel_tool_calls, or None.
@@ -4590,16 +4705,6 @@ def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, paral
                            f"(at least {smallest} tokens)", param="max_tokens")
     return _ToolChoiceProcessor(plan)
 
-
-def _forced_functions(tools) -> dict[str, tuple[dict, list[str]]]:
-    """name -> (properties, required parameters in schema order, then any required ones not described)."""
-    return {name: (function.properties, function.required) for name, function in tool_functions(tools).items()}
-
-
-# ===== SECTION 12-13: OpenAI protocol and HTTP server (owner: server) =====
-
-import select
-import urllib.parse
 
 # -----------------------------------------------------------------------------------------------
 # 12. The OpenAI protocol: request bodies checked field by field into SamplingParams and prompt ids,
@@ -6304,9 +6409,6 @@ def run_server(llm, args: argparse.Namespace) -> int:
     return 0
 
 
-
-# ===== SECTION 14: the LLM object and the CLI (owner: core; server adds chat/serve) =====
-
 # -----------------------------------------------------------------------------------------------
 # 14. The LLM object, the Python API that the server and embedding users share, and the CLI.
 # -----------------------------------------------------------------------------------------------
@@ -6322,119 +6424,6 @@ def bundled_model_dir() -> Path:
 DEFAULT_CKPT = bundled_model_dir()
 DEFAULT_MAX_BATCH_SIZE = 16            # running sequences when not sized from GPU memory (the CPU, --devices)
 MAX_SIZED_BATCH_SIZE = 256             # the most sequences memory sizing picks (vLLM's max_num_seqs default)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
-NATIVE_ACTIVATION_DTYPES = (torch.float16, torch.float32)   # csrc/pocketllm.h: act_dtype is fp32 or fp16
-
-
-def _log(opts: EngineOptions, msg: str):
-    if not opts.quiet:
-        print(f"pocketllm: {msg}", file=sys.stderr, flush=True)
-
-
-def resolve_dtype(name: str, device: torch.device, what: str) -> torch.dtype:
-    """--dtype / --kv-dtype: auto (float16 on a GPU, float32 on the CPU), a torch name, or vLLM's half / bf16."""
-    if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in _DTYPES:
-        raise PocketError(f"--{what} must be one of auto, {', '.join(_DTYPES)} (or {', '.join(_DTYPE_ALIASES)}); "
-                          f"got {name!r}")
-    return _DTYPES[name]
-
-
-def resolve_dtypes(opts: EngineOptions, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
-    """(activation dtype, KV-cache dtype) on device."""
-    dtype = resolve_dtype(opts.dtype, device, "dtype")
-    return dtype, dtype if opts.kv_dtype == "auto" else resolve_dtype(opts.kv_dtype, device, "kv-dtype")
-
-
-def resolve_device(name: str) -> torch.device:
-    """--device: auto (the first CUDA device torch sees, else the CPU), cpu, cuda or cuda:N."""
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if name == "auto":
-        return torch.device("cuda", 0) if cuda_count else torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise PocketError(f"--device {name!r} is not a device (expected auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise PocketError(f"--device {name}: pocketllm runs on cpu or cuda devices, not {device.type}")
-    if cuda_count == 0:
-        raise PocketError(f"--device {name}: torch {torch.__version__} sees no CUDA device "
-                          f"(torch.cuda.is_available() is False); use --device cpu, or leave --device auto")
-    if (device.index or 0) >= cuda_count:
-        raise PocketError(f"--device {name}: only {cuda_count} CUDA device(s) visible "
-                          f"(cuda:0 .. cuda:{cuda_count - 1})")
-    return torch.device("cuda", device.index or 0)
-
-
-def _native_refusal(dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
-    """Why the native kernels cannot run with these dtypes, or None when they can."""
-    act, kv = str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch.")
-    if dtype not in NATIVE_ACTIVATION_DTYPES:
-        return (f"the native kernels take float16 or float32 activations, not {act}: "
-                f"use --dtype float16, or --backend torch")
-    if kv_dtype != dtype:
-        return (f"the native attention reads the KV cache in the activation dtype ({act}), not {kv}: "
-                f"leave --kv-dtype at auto")
-    return None
-
-
-def choose_backend(backend: str, device: torch.device, dtype: torch.dtype,
-                   kv_dtype: torch.dtype) -> tuple[str, str]:
-    """--backend: torch (the reference, anywhere), native (the CUDA library), or auto: native when the library
-    loads on this device and its kernels take these dtypes, else torch. (name, why); an explicit native that
-    cannot run is refused here, before any weight loads, never at the first request."""
-    if backend not in ("auto", "torch", "native"):
-        raise PocketError(f"--backend must be auto, torch or native (got {backend!r})")
-    if backend == "torch":
-        return "torch", "asked for"
-    ok, status = native_status(device)
-    refusal = _native_refusal(dtype, kv_dtype) if ok else status
-    if refusal is None:
-        return "native", status
-    if backend == "native":
-        raise PocketError(f"--backend native: {refusal}")
-    return "torch", refusal
-
-
-@dataclass
-class Placement:
-    """Where and how the model runs, decided from the options alone, before any weight loads."""
-    device: torch.device               # rank 0's device
-    backend: str                       # torch | native
-    dtype: torch.dtype                 # activations
-    kv_dtype: torch.dtype              # KV cache and convolution state
-    why: str                           # why this backend: the start-up line says it
-
-    def describe(self) -> str:
-        name = lambda dt: str(dt).removeprefix("torch.")  # noqa: E731
-        where = f"{self.device} ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" \
-            else str(self.device)
-        return (f"backend {self.backend} on {where}, {name(self.dtype)} activations, {name(self.kv_dtype)} KV cache: "
-                f"{self.why}")
-
-
-def plan_placement(opts: EngineOptions) -> Placement:
-    """Validate every device x backend x dtype x kv-dtype choice and resolve the autos. PocketError naming the
-    flag for anything that cannot run."""
-    if opts.backend not in ("auto", "torch", "native"):
-        raise PocketError(f"--backend must be auto, torch or native (got {opts.backend!r})")
-    device = parse_devices(opts.devices)[0] if opts.devices else resolve_device(opts.device)
-    dtype, kv_dtype = resolve_dtypes(opts, device)
-    backend, why = choose_backend(opts.backend, device, dtype, kv_dtype)
-    return Placement(device, backend, dtype, kv_dtype, why)
-
-
-def select_ops(opts: EngineOptions, device: torch.device):
-    """The backend's ops on `device` and why they were chosen (choose_backend). Tensor-parallel ranks use it."""
-    backend, why = choose_backend(opts.backend, device, *resolve_dtypes(opts, device))
-    return (NativeOps(device) if backend == "native" else TorchOps()), f"{backend} ({why})"
-
-
 # Memory. The cache's tensors are measured by allocating them on the meta device (no memory), so sizing and
 # allocate_cache cannot disagree; memory_budget estimates every part from config.json alone (docs/serving.md).
 
@@ -6551,6 +6540,65 @@ def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int,
         raise PocketError(f"--max-batch-size {batch}: its recurrent state leaves room for {max(blocks, 0)} KV blocks, "
                           f"fewer than one sequence of --max-context {opts.max_context} needs ({need}); lower it")
     return batch, int(blocks)
+
+
+def _check_options(opts: EngineOptions, cfg: ModelConfig):
+    for name in ("max_context", "kv_block_size", "prefill_token_budget"):
+        if getattr(opts, name) < 1:
+            raise PocketError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_batch_size", "num_kv_blocks"):
+        if getattr(opts, name) < 0:
+            raise PocketError(f"--{name.replace('_', '-')} must be >= 0 (0: sized for you)")
+    if not 0.0 < opts.gpu_memory_utilization <= 1.0:
+        raise PocketError(f"--gpu-memory-utilization must be in (0, 1] (got {opts.gpu_memory_utilization:g})")
+    if opts.smoke_layers < 0 or opts.smoke_layers > cfg.num_hidden_layers:
+        raise PocketError(f"--smoke-layers must be in [0, {cfg.num_hidden_layers}]")
+
+
+def _eos_ids(ckpt: Checkpoint, tok: Tokenizer) -> list[int]:
+    """Stop tokens: generation_config.json's eos_token_id (int or list), else the tokenizer's eos token."""
+    eos = ckpt.generation_config.get("eos_token_id")
+    if eos is None:
+        eos = ckpt.raw_config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not ids and tok.eos_token and tok.token_to_id(tok.eos_token) is not None:
+        ids = [tok.token_to_id(tok.eos_token)]
+    return [int(i) for i in ids]
+
+
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(ckpt: Checkpoint, source: str, opts: EngineOptions) -> dict:
+    """The sampling defaults of requests that do not set them, as vLLM applies them: generation_config.json's
+    temperature, top_p, top_k, min_p and repetition_penalty (source "auto"; a directory: its generation_config.json;
+    "none": pocketllm's own defaults). Checked against the SamplingParams rows; logged."""
+    if source == "none":
+        config, where = {}, None
+    elif source == "auto":
+        config, where = ckpt.generation_config, ckpt.path / "generation_config.json"
+    else:
+        where = Path(source) / "generation_config.json"
+        config = _read_json(where, required=True)
+    defaults = {}
+    for name in GENERATION_DEFAULT_FIELDS:
+        if config.get(name) is not None:
+            try:
+                defaults[name] = read_field(SAMPLING_FIELDS[name], config[name], name)
+            except RequestError as e:
+                raise CheckpointError(f"{where}: {e} (--generation-config none ignores the file)") from None
+    shown = ", ".join(f"{name}={defaults.get(name, SAMPLING_FIELDS[name].default)}"
+                      for name in GENERATION_DEFAULT_FIELDS)
+    _log(opts, f"generation defaults: {shown} ({f'from {where}' if defaults else 'built in'})")
+    return defaults
+
+
+def _sampling_params(sampling: dict, defaults: dict) -> SamplingParams:
+    """LLM.generate's keywords as SamplingParams; the ones not given take the checkpoint's generation defaults."""
+    unknown = set(sampling) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise RequestError(f"unknown sampling option(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    return SamplingParams(**{**defaults, **{name: value for name, value in sampling.items() if value is not None}})
 
 
 class LLM:
@@ -6780,66 +6828,6 @@ class LLM:
                               dev([0], torch.int32), dev(list(range(n)), torch.long), dev([0] if s == 0 else [], torch.long))
                 out.append(self.model.forward(batch, cache))
         return torch.cat(out).float().cpu()
-
-
-def _sampling_params(sampling: dict, defaults: dict) -> SamplingParams:
-    """LLM.generate's keywords as SamplingParams; the ones not given take the checkpoint's generation defaults."""
-    unknown = set(sampling) - set(SAMPLING_FIELDS)
-    if unknown:
-        raise RequestError(f"unknown sampling option(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
-    return SamplingParams(**{**defaults, **{name: value for name, value in sampling.items() if value is not None}})
-
-
-def _check_options(opts: EngineOptions, cfg: ModelConfig):
-    for name in ("max_context", "kv_block_size", "prefill_token_budget"):
-        if getattr(opts, name) < 1:
-            raise PocketError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("max_batch_size", "num_kv_blocks"):
-        if getattr(opts, name) < 0:
-            raise PocketError(f"--{name.replace('_', '-')} must be >= 0 (0: sized for you)")
-    if not 0.0 < opts.gpu_memory_utilization <= 1.0:
-        raise PocketError(f"--gpu-memory-utilization must be in (0, 1] (got {opts.gpu_memory_utilization:g})")
-    if opts.smoke_layers < 0 or opts.smoke_layers > cfg.num_hidden_layers:
-        raise PocketError(f"--smoke-layers must be in [0, {cfg.num_hidden_layers}]")
-
-
-def _eos_ids(ckpt: Checkpoint, tok: Tokenizer) -> list[int]:
-    """Stop tokens: generation_config.json's eos_token_id (int or list), else the tokenizer's eos token."""
-    eos = ckpt.generation_config.get("eos_token_id")
-    if eos is None:
-        eos = ckpt.raw_config.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if not ids and tok.eos_token and tok.token_to_id(tok.eos_token) is not None:
-        ids = [tok.token_to_id(tok.eos_token)]
-    return [int(i) for i in ids]
-
-
-
-GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def generation_defaults(ckpt: Checkpoint, source: str, opts: EngineOptions) -> dict:
-    """The sampling defaults of requests that do not set them, as vLLM applies them: generation_config.json's
-    temperature, top_p, top_k, min_p and repetition_penalty (source "auto"; a directory: its generation_config.json;
-    "none": pocketllm's own defaults). Checked against the SamplingParams rows; logged."""
-    if source == "none":
-        config, where = {}, None
-    elif source == "auto":
-        config, where = ckpt.generation_config, ckpt.path / "generation_config.json"
-    else:
-        where = Path(source) / "generation_config.json"
-        config = _read_json(where, required=True)
-    defaults = {}
-    for name in GENERATION_DEFAULT_FIELDS:
-        if config.get(name) is not None:
-            try:
-                defaults[name] = read_field(SAMPLING_FIELDS[name], config[name], name)
-            except RequestError as e:
-                raise CheckpointError(f"{where}: {e} (--generation-config none ignores the file)") from None
-    shown = ", ".join(f"{name}={defaults.get(name, SAMPLING_FIELDS[name].default)}"
-                      for name in GENERATION_DEFAULT_FIELDS)
-    _log(opts, f"generation defaults: {shown} ({f'from {where}' if defaults else 'built in'})")
-    return defaults
 
 
 # The command line. Every flag has help with its default, vLLM's names are aliases where the meaning is the
