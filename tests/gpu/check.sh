@@ -5,14 +5,16 @@
 #   tests/gpu/check.sh LOGDIR
 #
 # Steps (each with its own time limit; a failed step is reported and the next one still runs):
-#   1 prereqs   torch with CUDA, the GPU, its driver (against the library's CUDA runtime), cffi, nvcc, NCCL, the
-#               library: says exactly what is missing
+#   1 prereqs   torch with CUDA, the GPU, its driver (against the library's CUDA runtime), transformers with
+#               Qwen3.5, cffi, nvcc, NCCL, the library: says exactly what is missing
 #   2 library   the prebuilt build/libpocketllm.so loads on this GPU; otherwise it is rebuilt here for this
 #               GPU's arch (needs nvcc, a few minutes), then loaded again
 #   3 wrappers  tests/test_emu_layer.py on cuda: mma / ldmatrix / conversions / shuffles on the hardware agree
 #               with the layouts the CPU execution layer computes
 #   4 ops       tests/test_native_ops.py on cuda: every native op against the reference, poisoned outputs
 #   4b kernels  the fp32-output linears and the row-scaled MLP at the real K (5120, 17408) vs float64
+#   4c ptx_sm75 the linear ops again with CUDA_FORCE_PTX_JIT=1: the sm_75 (Turing) code path from the library's
+#               compute_75 PTX, as far as one newer GPU can run it
 #   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy
 #   6 parity    tests/gpu/test_gpu_parity.py: native vs torch, identical greedy tokens for 64 steps
 #   7 synth     a synthetic FP8 checkpoint with the 27B's layer shapes, 4 layers (tests/gpu/serve_check.py)
@@ -70,8 +72,9 @@ load_or_rebuild() {
     "$PY" tests/gpu/gpu_check.py load "$LOG" && return 0
     local arch
     arch=$("$PY" -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}{p[1]}')") || return 1
-    echo "the prebuilt library does not load here: rebuilding for sm_$arch"
-    "$PY" build.py --arch "$arch" && "$PY" tests/gpu/gpu_check.py load "$LOG"
+    # Rebuilt for the default architectures (sm_75 + sm_90, the tests' stamp), so no test rebuilds it again.
+    echo "the prebuilt library does not load here (this GPU is sm_$arch): rebuilding for the default architectures"
+    "$PY" build.py && "$PY" tests/gpu/gpu_check.py load "$LOG"
 }
 export -f load_or_rebuild
 export PY LOG
@@ -81,6 +84,9 @@ run library 300 bash -c load_or_rebuild
 run wrappers 120 "$PY" -m pytest -q -x tests/test_emu_layer.py -k cuda -p no:cacheprovider
 run ops 150 "$PY" -m pytest -q tests/test_native_ops.py -k cuda -p no:cacheprovider
 run kernels 90 "$PY" tests/gpu/gpu_check.py kernels "$LOG"
+# The Turing code path on this GPU: the library's compute_75 PTX, JIT-compiled (mma m16n8k8, no cp.async).
+run ptx_sm75 90 env CUDA_FORCE_PTX_JIT=1 "$PY" -m pytest -q -x tests/test_native_ops.py -k "cuda and linear" \
+    -p no:cacheprovider
 run nccl 60 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
 run parity 120 "$PY" -m pytest -q tests/gpu/test_gpu_parity.py -p no:cacheprovider
 export POCKETLLM_SYNTH=${TMPDIR:-/tmp}/pocketllm-synth-27b-shapes

@@ -16,6 +16,7 @@ bandwidth is a device-to-device copy of 2 GiB (read + write counted).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -51,6 +52,14 @@ def prereqs(logdir: Path) -> int:
             missing.append("torch reports no CUDA device (torch.cuda.is_available() is False)")
     except ImportError:
         missing.append("torch is not installed")
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+        if importlib.util.find_spec("transformers.models.qwen3_5") is None:
+            missing.append(f"transformers {transformers.__version__} has no Qwen3.5 (qwen3_5): the parity and "
+                           "reference checks need transformers>=5.2")
+    except ImportError:
+        missing.append("transformers is not installed (the parity and reference checks need it)")
     try:
         import cffi
         info["cffi"] = cffi.__version__
