@@ -223,18 +223,31 @@ def test_budget_weights_match_the_checkpoint_files():
     assert abs(estimate - stored) / stored < 0.02, (estimate, stored)
 
 
-def test_budget_of_the_27b_on_one_and_four_gpus():
+def config_27b() -> "pocketllm.ModelConfig":
+    """Qwen3.5-27B FP8's text config (docs/qwen-facts.md): the bundled model's config.json (FP8, qwen3_5) with
+    the 27B's shapes. docs/serving.md's memory table is computed from it."""
     raw = json.loads((TINY / "config.json").read_text())
     text = raw["text_config"]
     text.update(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                 num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
                 linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16)
-    cfg = pocketllm.parse_model_config(raw, Path("27b/config.json"))
+                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, tie_word_embeddings=False)
+    return pocketllm.parse_model_config(raw, Path("27b/config.json"))
+
+
+def weights(budget: dict) -> int:
+    return budget["layers"] + budget["embedding"] + budget["lm_head"]
+
+
+def test_budget_of_the_27b_on_one_and_four_gpus():
+    cfg = config_27b()
     one = pocketllm.memory_budget(cfg, 1, max_context=8192, max_batch_size=8)
     four = pocketllm.memory_budget(cfg, 4, max_context=8192, max_batch_size=8)
-    assert 26 * GiB < one["weights"] < 31 * GiB                    # 27B params: ~25 GB FP8 layers + 5 GB bf16 embeddings
-    assert four["weights"] < one["weights"] / 2                    # layers split, embeddings replicated
+    assert 26 * GiB < weights(one) < 31 * GiB                      # 27B params: ~25 GB FP8 layers + 5 GB bf16 embeddings
+    assert weights(four) < weights(one) / 2                        # layers split
+    # embedding and lm_head vocab-parallel: 248320 / 4 rows x 5120 x 2 bytes each
+    assert one["embedding"] == one["lm_head"] == 248320 * 5120 * 2 and four["embedding"] == 62080 * 5120 * 2
+    assert four["layers"] == -(-(one["layers"] - 2 * 5120) // 4) + 2 * 5120   # the final norm on every rank
     # 16 attention layers x K,V x 8 x 8192 tokens x 4 heads x 256 x 2 bytes = 4 GiB; TP4 holds one head each
     assert one["kv_cache"] == 16 * 2 * 8 * 8192 * 4 * 256 * 2 and four["kv_cache"] == one["kv_cache"] // 4
     assert one["recurrent_state"] > 8 * 48 * 48 * 128 * 128 * 4    # 48 GDN layers x 8 sequences x fp32 state
