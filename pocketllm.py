@@ -2211,10 +2211,10 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
 # 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
 #     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
 #     worker processes that run rank 0's calls (RankRunner methods) on their shard and cache. Activations cross
-#     ranks only in the model's two all-reduces per layer (after the mixer's output projection and after
-#     down_proj). The embedding and lm_head are replicated, not vocab-parallel: rank 0's own lm_head gives
-#     the full logits, so sampling needs no gather and the embedding no all-reduce; the price is one copy of
-#     each per rank (2 x 2.5 GB bf16 at 27B), and the workers' logits rows are computed and dropped.
+#     ranks only in the model's all-reduces: two per layer (after the mixer's output projection and after
+#     down_proj), and two per step for the vocab-parallel embedding and lm_head (each rank holds 1/N of their
+#     rows: the lookup is summed from the ranks' rows, the (R, V) logits gathered from their columns), so
+#     rank 0 samples from the full logits and no rank holds a whole 2.5 GB table at 27B (Model.embed/head).
 #
 #     Lifecycle: one group, one lifetime. start_group returns only after every rank has loaded; a worker
 #     that fails or dies ends the group (named in the message); workers stop when rank 0 says so, when rank 0
