@@ -255,7 +255,7 @@ def test_budget_of_the_27b_on_one_and_four_gpus():
 
 # ---- A configuration that cannot fit is refused before any weight loads ----
 
-CARD_2080TI = 11 * GiB
+CARD_2080TI = int(10.75 * GiB)                # what CUDA reports for an "11 GB" RTX 2080 Ti
 
 
 def fake_gpus(monkeypatch, total: int, free: int):
@@ -276,7 +276,7 @@ def test_the_27b_fits_four_11gb_cards_and_what_does_not_is_refused_naming_the_fi
     cfg = config_27b()
     fake_gpus(monkeypatch, CARD_2080TI, CARD_2080TI - 300 * (1 << 20))      # a CUDA context's worth in use
     fits(cfg, "0,1,2,3", max_context=8192, max_batch_size=8)
-    fits(cfg, "0,1,2,3", max_context=32768, max_batch_size=4)
+    fits(cfg, "0,1,2,3", max_context=16384, max_batch_size=4)
     with pytest.raises(pocketllm.PocketError) as e:                          # 64 x 32k tokens of KV cache per rank
         fits(cfg, "0,1,2,3", max_context=32768, max_batch_size=64)
     said = str(e.value)
