@@ -1443,6 +1443,15 @@ class Shard:
         per = n // self.world
         return self.rank * per, (self.rank + 1) * per
 
+    def vocab(self, V: int) -> tuple[int, int]:
+        """This rank's [start, stop) of the vocabulary (embedding and lm_head rows): ceil(V / world) rows each,
+        the last rank the rest (a ragged split is fine). The native backend cuts on 128-row boundaries, whole
+        FP8 blocks should the lm_head be quantised. One rank's slice may be empty when V is tiny."""
+        per = -(-V // self.world)
+        if self.whole_blocks:
+            per = -(-per // 128) * 128
+        return min(self.rank * per, V), min((self.rank + 1) * per, V)
+
 
 # Layer weights, one dataclass per kind of block. Field names are the HF tensor names under the block's
 # module (`layers.{i}.self_attn.q_proj.weight` -> AttentionWeights.q_proj), loaded unfused: no tensor is
@@ -1594,9 +1603,12 @@ class Model:
         self.all_reduce = all_reduce or (lambda x: x)
         n = num_layers or cfg.num_hidden_layers
         V, D, p = cfg.vocab_size, cfg.hidden_size, cfg.weight_prefix
-        self.embed_tokens = load_dense(ckpt, p + "embed_tokens.weight", (V, D)).to(device)   # (V, D) stored dtype
+        self.vocab = v0, v1 = shard.vocab(V)                               # this rank's rows of both (section 8b)
+        self.embed_tokens = load_dense(ckpt, p + "embed_tokens.weight", (V, D),
+                                       rows=[(v0, v1)]).to(device)         # (V', D) stored dtype
         head = p + "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        self.lm_head = load_linear(ckpt, head, (V, D)).to(device, dtype)   # replicated: sampling sees full logits
+        self.lm_head = load_linear(ckpt, head, (V, D), rows=[(v0, v1)],
+                                   whole_blocks=shard.whole_blocks).to(device, dtype)   # (V', D)
         self.norm = load_norm(ckpt, cfg, p + "norm.weight", (D,)).to(device)
         self.layers = []
         t0 = time.time()
@@ -1615,7 +1627,7 @@ class Model:
         if batch.fresh_slots.numel():                                      # a slot's previous owner's state
             for t in itertools.chain(cache.conv.values(), cache.ssm.values()):
                 t[batch.fresh_slots] = 0
-        x = ops.embed(batch.token_ids, self.embed_tokens, self.dtype)      # (T, D)
+        x = self.embed(batch.token_ids)                                    # (T, D)
         residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for L, mixer in zip(self.layers, self.mixers):
             h, residual = ops.add_rmsnorm(x, residual, L.input_layernorm, eps, self.dtype)
@@ -1623,7 +1635,35 @@ class Model:
             h, residual = ops.add_rmsnorm(x, residual, L.post_attention_layernorm, eps, self.dtype)
             x = self.all_reduce(self.mlp(L.mlp, h))
         h, _ = ops.add_rmsnorm(x, residual, self.norm, eps, self.dtype)
-        return ops.linear(h[batch.logit_rows], self.lm_head, torch.float32)   # (R, V) fp32
+        return self.head(h[batch.logit_rows])                              # (R, V) fp32
+
+    # Vocab-parallel embedding and lm_head: each rank holds rows [v0, v1) of both. Lookup: a rank fills the
+    # rows of the ids it owns, zeros elsewhere, and an all-reduce sums them (exact: one rank is non-zero per
+    # row). Head: a rank computes its (R, V') columns into a zeroed (R, V) and the same all-reduce gathers
+    # them, so rank 0 samples from the full logits. Both in fp32, like the layers' all-reduces.
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.world == 1:
+            return self.ops.embed(ids, self.embed_tokens, self.dtype)     # (T, D)
+        v0, v1 = self.vocab
+        local = ids - v0                                                   # (T,)
+        own = (local >= 0) & (local < v1 - v0)
+        x = torch.zeros(ids.numel(), self.cfg.hidden_size, dtype=torch.float32, device=ids.device)   # (T, D)
+        if v1 > v0:
+            x = self.ops.embed(torch.where(own, local, 0), self.embed_tokens, torch.float32)
+            x.masked_fill_(~own[:, None], 0.0)
+        return self.all_reduce(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.shard.world == 1:
+            return self.ops.linear(h, self.lm_head, torch.float32)        # (R, V)
+        v0, v1 = self.vocab
+        logits = torch.zeros(h.shape[0], self.cfg.vocab_size, dtype=torch.float32, device=h.device)   # (R, V)
+        if not h.shape[0]:                                                 # every rank has the same rows
+            return logits
+        if v1 > v0:
+            logits[:, v0:v1] = self.ops.linear(h, self.lm_head, torch.float32)   # (R, V') this rank's columns
+        return self.all_reduce(logits)
 
     def mlp(self, w: MLPWeights, x):
         ops = self.ops
@@ -2171,10 +2211,10 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
 # 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
 #     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
 #     worker processes that run rank 0's calls (RankRunner methods) on their shard and cache. Activations cross
-#     ranks only in the model's two all-reduces per layer (after the mixer's output projection and after
-#     down_proj). The embedding and lm_head are replicated, not vocab-parallel: rank 0's own lm_head gives
-#     the full logits, so sampling needs no gather and the embedding no all-reduce; the price is one copy of
-#     each per rank (2 x 2.5 GB bf16 at 27B), and the workers' logits rows are computed and dropped.
+#     ranks only in the model's all-reduces: two per layer (after the mixer's output projection and after
+#     down_proj), and two per step for the vocab-parallel embedding and lm_head (each rank holds 1/N of their
+#     rows: the lookup is summed from the ranks' rows, the (R, V) logits gathered from their columns), so
+#     rank 0 samples from the full logits and no rank holds a whole 2.5 GB table at 27B (Model.embed/head).
 #
 #     Lifecycle: one group, one lifetime. start_group returns only after every rank has loaded; a worker
 #     that fails or dies ends the group (named in the message); workers stop when rank 0 says so, when rank 0
@@ -2221,6 +2261,15 @@ class RankRunner:
         self.caches[SCRATCH_CACHE] = allocate_cache(self.model.cfg, self.model.layers, nblocks,
                                                     self.opts.kv_block_size, 1, self.kv_dtype,
                                                     self.device) if nblocks else None
+
+    def vocab_shards(self) -> list[tuple[int, int, int, int]]:
+        """Every rank's (v0, v1, embed_tokens rows, lm_head rows) as loaded, gathered to rank 0 through the
+        model's all-reduce: what each rank holds, for the start-up log and the tests."""
+        m = self.model
+        table = torch.zeros(m.shard.world, 4, dtype=torch.float32, device=self.device)   # (world, 4) exact < 2^24
+        table[m.shard.rank] = torch.tensor([*m.vocab, m.embed_tokens.shape[0], m.lm_head.shape[0]],
+                                           dtype=torch.float32)
+        return [tuple(int(v) for v in row) for row in m.all_reduce(table).cpu().tolist()]
 
     def copy_state(self, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None) -> None:
         """copy_state (section 5) on the engine cache: forked choices (n > 1) start from the parent's state."""
@@ -6448,10 +6497,10 @@ def workspace_bytes(cfg: ModelConfig, prefill_token_budget: int, max_batch_size:
     return prefill_token_budget * per_token + max(max_batch_size, 1) * cfg.vocab_size * 4 * 4 + 256 * (1 << 20)
 
 
-def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
-    """One rank's weights from the config: FP8 matrices at 1 byte plus an fp32 scale per 128x128 block (bf16
-    ones at 2 bytes), vectors and the small GDN a/b projections at 2 bytes; the embedding and lm_head are
-    replicated on every rank (section 8b), the layers split `world` ways."""
+def layer_bytes(cfg: ModelConfig, world: int = 1) -> int:
+    """One rank's share of the layers' weights from the config: FP8 matrices at 1 byte plus an fp32 scale per
+    128x128 block (bf16 ones at 2 bytes), vectors and the small GDN a/b projections at 2 bytes; split `world`
+    ways."""
     D, I, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     fp8 = cfg.quant is not None
 
@@ -6470,15 +6519,26 @@ def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
         + 2 * 2 * cfg.linear_num_value_heads + 2 * cfg.linear_value_head_dim}
     mlp = 2 * matrix(I, D) + matrix(D, I) + 2 * 2 * D
     layers = sum(per_layer[t] + mlp for t in cfg.layer_types[:cfg.num_hidden_layers])
-    embeddings = 2 * cfg.vocab_size * D * (1 if cfg.tie_word_embeddings else 2) + 2 * D
-    return embeddings + -(-layers // world)
+    return -(-layers // world) + 2 * D                                  # + the final norm
+
+
+def vocab_bytes(cfg: ModelConfig, world: int = 1) -> int:
+    """One rank's slice of the embedding, or of the lm_head (the same size): rank 0's ceil(V / world) rows at
+    2 bytes (bf16, fp16 on GPUs), vocab-parallel (section 8b)."""
+    return 2 * -(-cfg.vocab_size // world) * cfg.hidden_size
+
+
+def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
+    """One rank's weights as stored: its layer share and its embedding and lm_head rows (one table when tied)."""
+    return layer_bytes(cfg, world) + vocab_bytes(cfg, world) * (1 if cfg.tie_word_embeddings else 2)
 
 
 def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, max_batch_size: int = 16,
                   num_kv_blocks: int = 0, kv_block_size: int = 16, prefill_token_budget: int = 512,
                   kv_bytes: int = 2, act_bytes: int = 2) -> dict[str, int]:
-    """Bytes per GPU (rank) of each part: weights, KV cache, recurrent state, workspace, and their total.
-    num_kv_blocks 0 means max_batch_size sequences of max_context. Heads split `world` ways (at least one each).
+    """Bytes per GPU (rank) of each part: the layers' weights, the embedding and lm_head slices (each rank
+    loads both, also when tied), KV cache, recurrent state, workspace, and their total. num_kv_blocks 0 means
+    max_batch_size sequences of max_context. Heads and vocabulary split `world` ways (at least one head each).
 
     >>> cfg = ModelConfig("qwen3", 1000, 64, 128, 2, 4, 2, 16, 1e-6, False, ["full_attention"] * 2, 1e4, 16,
     ...                   4096, False, False)
@@ -6492,7 +6552,8 @@ def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, 
     state = cfg.num_linear_layers * max_batch_size * (
         v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
         + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
-    parts = {"weights": weight_bytes(cfg, world), "kv_cache": kv, "recurrent_state": state,
+    parts = {"layers": layer_bytes(cfg, world), "embedding": vocab_bytes(cfg, world),
+             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": state,
              "workspace": workspace_bytes(cfg, prefill_token_budget, max_batch_size, act_bytes)}
     return {**parts, "total": sum(parts.values())}
 
@@ -6540,6 +6601,41 @@ def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int,
         raise PocketError(f"--max-batch-size {batch}: its recurrent state leaves room for {max(blocks, 0)} KV blocks, "
                           f"fewer than one sequence of --max-context {opts.max_context} needs ({need}); lower it")
     return batch, int(blocks)
+
+
+def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch.device], dtype: torch.dtype,
+                      kv_dtype: torch.dtype, sized: bool) -> None:
+    """Refuse, in one line and before any weight loads, a configuration whose per-rank memory_budget exceeds what
+    a GPU of `devices` may use: its free memory less (1 - --gpu-memory-utilization) of the card, as
+    size_from_memory counts. Free memory is asked of rank 0's device only (this process's); the other ranks'
+    cards count as wholly free from their properties, since asking them would leave a CUDA context of this
+    process on each. A cache sized from memory (`sized`) needs at least one sequence of --max-context;
+    otherwise the cache holds --max-batch-size of them (or --num-kv-blocks)."""
+    world, bs = len(devices), opts.kv_block_size
+    batch = opts.max_batch_size or 1
+    blocks = opts.num_kv_blocks or -(-opts.max_context // bs) * (1 if sized else batch)
+    need = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=batch, num_kv_blocks=blocks,
+                         kv_block_size=bs, prefill_token_budget=opts.prefill_token_budget,
+                         kv_bytes=kv_dtype.itemsize, act_bytes=dtype.itemsize)
+    weights = need["layers"] + need["embedding"] + need["lm_head"]
+    for device in devices:
+        if device.type != "cuda":
+            continue
+        if device == devices[0]:
+            free, total = torch.cuda.mem_get_info(device)
+        else:
+            free = total = torch.cuda.get_device_properties(device).total_memory
+        usable = free - int((1 - opts.gpu_memory_utilization) * total)
+        if need["total"] <= usable:
+            continue
+        more = f"--devices with more than {world} GPUs (--tensor-parallel-size)"
+        fix = (f"the weights alone ({format_bytes(weights)}) do not fit: use {more}" if weights > usable else
+               f"lower --max-context/--max-model-len (now {opts.max_context})" +
+               ("" if sized else f" or --max-batch-size/--max-num-seqs (now {batch})") + f", or use {more}")
+        raise PocketError(f"{device} can use {format_bytes(max(usable, 0))} ({format_bytes(free)} free of "
+                          f"{format_bytes(total)} at --gpu-memory-utilization {opts.gpu_memory_utilization:g}), "
+                          f"but {world} rank(s) need {format_bytes(need['total'])} each "
+                          f"({format_budget(need)}); {fix}")
 
 
 def _check_options(opts: EngineOptions, cfg: ModelConfig):
@@ -6633,11 +6729,16 @@ class LLM:
         sized = memory_sized(device, opts)
         if not sized:
             opts.max_batch_size = opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+        check_memory_fits(cfg, opts, parse_devices(opts.devices) if opts.devices else [device], self.dtype,
+                          kv_dtype, sized)
         self.dead_reason: str | None = None
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
             self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
             self.group.on_death = lambda reason: setattr(self, "dead_reason", reason)
+            shards = self.group.call("vocab_shards")
+            _log(opts, "vocab-parallel embedding and lm_head rows per rank: " +
+                 ", ".join(f"{r}: [{a}, {b})" for r, (a, b, _, _) in enumerate(shards)))
             self.model, run_batch = self.group.model, lambda batch: self.group.run_batch(batch, self.engine.cache)
         else:
             _log(opts, placement.describe())

@@ -223,21 +223,91 @@ def test_budget_weights_match_the_checkpoint_files():
     assert abs(estimate - stored) / stored < 0.02, (estimate, stored)
 
 
-def test_budget_of_the_27b_on_one_and_four_gpus():
+def config_27b() -> "pocketllm.ModelConfig":
+    """Qwen3.5-27B FP8's text config (docs/qwen-facts.md): the bundled model's config.json (FP8, qwen3_5) with
+    the 27B's shapes. docs/serving.md's memory table is computed from it."""
     raw = json.loads((TINY / "config.json").read_text())
     text = raw["text_config"]
     text.update(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                 num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
                 linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16)
-    cfg = pocketllm.parse_model_config(raw, Path("27b/config.json"))
+                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, tie_word_embeddings=False)
+    return pocketllm.parse_model_config(raw, Path("27b/config.json"))
+
+
+def weights(budget: dict) -> int:
+    return budget["layers"] + budget["embedding"] + budget["lm_head"]
+
+
+def test_budget_of_the_27b_on_one_and_four_gpus():
+    cfg = config_27b()
     one = pocketllm.memory_budget(cfg, 1, max_context=8192, max_batch_size=8)
     four = pocketllm.memory_budget(cfg, 4, max_context=8192, max_batch_size=8)
-    assert 26 * GiB < one["weights"] < 31 * GiB                    # 27B params: ~25 GB FP8 layers + 5 GB bf16 embeddings
-    assert four["weights"] < one["weights"] / 2                    # layers split, embeddings replicated
+    assert 26 * GiB < weights(one) < 31 * GiB                      # 27B params: ~25 GB FP8 layers + 5 GB bf16 embeddings
+    assert weights(four) < weights(one) / 2                        # layers split
+    # embedding and lm_head vocab-parallel: 248320 / 4 rows x 5120 x 2 bytes each
+    assert one["embedding"] == one["lm_head"] == 248320 * 5120 * 2 and four["embedding"] == 62080 * 5120 * 2
+    assert four["layers"] == -(-(one["layers"] - 2 * 5120) // 4) + 2 * 5120   # the final norm on every rank
     # 16 attention layers x K,V x 8 x 8192 tokens x 4 heads x 256 x 2 bytes = 4 GiB; TP4 holds one head each
     assert one["kv_cache"] == 16 * 2 * 8 * 8192 * 4 * 256 * 2 and four["kv_cache"] == one["kv_cache"] // 4
     assert one["recurrent_state"] > 8 * 48 * 48 * 128 * 128 * 4    # 48 GDN layers x 8 sequences x fp32 state
+
+
+# ---- A configuration that cannot fit is refused before any weight loads ----
+
+CARD_2080TI = int(10.75 * GiB)                # what CUDA reports for an "11 GB" RTX 2080 Ti
+
+
+def fake_gpus(monkeypatch, total: int, free: int):
+    """CUDA devices of `total` bytes, rank 0's with `free` of them free (the others are not asked)."""
+    class Props:
+        name, total_memory = "fake GPU", total
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+
+
+def fits(cfg, devices: str, sized: bool = False, **options) -> None:
+    opts = pocketllm.EngineOptions(devices=devices, **options)
+    pocketllm.check_memory_fits(cfg, opts, pocketllm.parse_devices(devices), torch.float16, torch.float16, sized)
+
+
+def test_the_27b_fits_four_11gb_cards_and_what_does_not_is_refused_naming_the_fix(monkeypatch):
+    cfg = config_27b()
+    fake_gpus(monkeypatch, CARD_2080TI, CARD_2080TI - 300 * (1 << 20))      # a CUDA context's worth in use
+    fits(cfg, "0,1,2,3", max_context=8192, max_batch_size=8)
+    fits(cfg, "0,1,2,3", max_context=16384, max_batch_size=4)
+    with pytest.raises(pocketllm.PocketError) as e:                          # 64 x 32k tokens of KV cache per rank
+        fits(cfg, "0,1,2,3", max_context=32768, max_batch_size=64)
+    said = str(e.value)
+    assert "\n" not in said and said.startswith("cuda:0 can use ") and "need" in said
+    assert "--max-model-len (now 32768)" in said and "--max-num-seqs (now 64)" in said and "more than 4 GPUs" in said
+    with pytest.raises(pocketllm.PocketError, match=r"the weights alone \(.*\) do not fit: use --devices with "
+                                                    r"more than 2 GPUs"):
+        fits(cfg, "0,1", max_context=4096, max_batch_size=1)
+    fake_gpus(monkeypatch, 24 * GiB, 23 * GiB)
+    fits(cfg, "0,1", max_context=8192, max_batch_size=8)
+    fake_gpus(monkeypatch, 80 * GiB, 79 * GiB)                               # one card, cache sized from memory
+    fits(cfg, "0", sized=True, max_context=32768, max_batch_size=0, num_kv_blocks=0)
+    fits(cfg, "cpu,cpu", max_context=32768, max_batch_size=64)               # CPU ranks: nothing to ask
+
+
+def test_a_gpu_too_small_is_refused_before_any_weight_loads(monkeypatch):
+    """LLM() on a (faked) 768 MiB GPU with pocket-tiny at a context whose KV cache needs more (one 200000-token
+    sequence: 586 MiB, plus 261 MiB of workspace): one line, and the model is never built. 4096 tokens fit."""
+    fake_gpus(monkeypatch, 768 << 20, 768 << 20)
+    placement = pocketllm.Placement(torch.device("cuda", 0), "torch", torch.float16, torch.float16, "faked")
+    monkeypatch.setattr(pocketllm, "plan_placement", lambda opts: placement)
+
+    def loads(*args, **kwargs):
+        raise AssertionError("a weight was loaded before the memory check")
+    monkeypatch.setattr(pocketllm, "Model", loads)
+    monkeypatch.setattr(pocketllm, "start_group", loads)
+    with pytest.raises(pocketllm.PocketError, match=r"^cuda:0 can use .* lower --max-context/--max-model-len "
+                                                    r"\(now 200000\)"):
+        pocketllm.LLM(TINY, quiet=True, max_context=200000, max_batch_size=64, num_kv_blocks=0)
+    with pytest.raises(AssertionError, match="a weight was loaded"):             # past the check: loading starts
+        pocketllm.LLM(TINY, quiet=True, max_context=4096, max_batch_size=64, num_kv_blocks=0)
 
 
 # ---- The warm-up, for real ----

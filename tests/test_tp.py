@@ -71,6 +71,17 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / a.abs().max())
 
 
+def use_native_cpu_build(monkeypatch):
+    """Run the native backend on the library's CPU test build (workers inherit the environment)."""
+    import build
+    try:
+        build.build(cpu=True, quiet=True)
+    except build.BuildError as e:
+        pytest.skip(f"the native CPU test build does not build here: {str(e).splitlines()[0]}")
+    monkeypatch.setenv("POCKETLLM_NATIVE_CPU", "1")
+    monkeypatch.setenv("ASAN_OPTIONS", "detect_leaks=0:verify_asan_link_order=0")
+
+
 def generate_together(llm, prompts, **sampling) -> list[list[int]]:
     """Submit every prompt at once (one batch, chunked prefill under the small token budget)."""
     streams = [llm.submit(p, pocketllm.SamplingParams(**sampling)) for p in prompts]
@@ -143,6 +154,63 @@ def test_one_rank_group_is_tp1(bf16):
         one.group.close()
 
 
+# Vocab-parallel embedding and lm_head: each rank holds ceil(V / n) rows of both (the last rank the rest); the
+# lookup and the logits come back whole through the all-reduce. V = 601 divides by neither 2 nor 4.
+
+ODD_VOCAB = 601
+
+
+@pytest.mark.parametrize("model_type, fp8, n, dims", [
+    ("qwen3_5", False, 4, HEADS), ("qwen3_5", True, 2, FP8_DIMS),
+    ("qwen3", False, 2, dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    ("qwen3", True, 2, dict(FP8_DIMS, num_key_value_heads=4, num_attention_heads=4, head_dim=64))],
+    ids=["qwen3_5-bf16-tp4", "qwen3_5-fp8-tp2", "qwen3-tied-bf16-tp2", "qwen3-fp8-tp2"])
+def test_vocab_parallel_slices_match_tp1(ckpt_factory, model_type, fp8, n, dims):
+    path = ckpt_factory(model_type, fp8=fp8, vocab_size=ODD_VOCAB, **dims)[0]
+    tp1, tpn = pocketllm.LLM(path, **ENGINE), pocketllm.LLM(path, devices=cpu_ranks(n), **ENGINE)
+    try:
+        per = -(-ODD_VOCAB // n)
+        want = [(r * per, min((r + 1) * per, ODD_VOCAB)) for r in range(n)]
+        shards = tpn.group.call("vocab_shards")                     # what each rank loaded, gathered to rank 0
+        assert [(a, b) for a, b, _, _ in shards] == want
+        assert all(emb == head == b - a for a, b, emb, head in shards) and want[-1][1] - want[-1][0] < per
+        assert tpn.model.embed_tokens.shape == (per, tp1.config.hidden_size) and tpn.model.lm_head.shape[0] == per
+        ids = PROMPTS[0] + PROMPTS[2] + [ODD_VOCAB - 1, 0, per - 1, per]   # ids at the slices' edges
+        want_logits = tp1.logits(ids)
+        assert want_logits.shape == (len(ids), ODD_VOCAB)
+        assert relative_error(want_logits, tpn.logits(ids, 5)) < REL_TOL
+        assert relative_error(want_logits[:4], tpn.logits(ids[:4], 1)) < REL_TOL   # decode steps
+        prompts = PROMPTS + [[ODD_VOCAB - 1, per, per - 1, 1]]
+        assert generate_together(tpn, prompts, max_tokens=8, temperature=0, ignore_eos=True) == \
+            generate_together(tp1, prompts, max_tokens=8, temperature=0, ignore_eos=True)
+        sampled = dict(max_tokens=8, temperature=1.0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3,
+                       repetition_penalty=1.1, seed=7, ignore_eos=True)
+        assert generate_together(tpn, prompts, **sampled) == generate_together(tp1, prompts, **sampled)
+    finally:
+        tpn.group.close()
+        tp1.close()
+    wait_no_ranks(path, n)
+
+
+def test_vocab_parallel_on_the_native_backend_cuts_whole_blocks(ckpt_factory, monkeypatch):
+    """The native backend's vocabulary slices fall on 128-row boundaries (384 + 217 rows of 601 at TP2); logits
+    and greedy tokens equal the native TP1's. Run on the native library's CPU test build."""
+    use_native_cpu_build(monkeypatch)
+    path = ckpt_factory("qwen3_5", fp8=True, vocab_size=ODD_VOCAB, **FP8_DIMS)[0]
+    tp1 = pocketllm.LLM(path, backend="native", **ENGINE)
+    tp2 = pocketllm.LLM(path, devices=cpu_ranks(2), backend="native", **ENGINE)
+    try:
+        assert tp2.group.call("vocab_shards") == [(0, 384, 384, 384), (384, ODD_VOCAB, 217, 217)]
+        ids = PROMPTS[0] + [ODD_VOCAB - 1, 383, 384]
+        assert relative_error(tp1.logits(ids), tp2.logits(ids, 5)) < REL_TOL
+        assert generate_together(tp2, PROMPTS, max_tokens=6, temperature=0, ignore_eos=True) == \
+            generate_together(tp1, PROMPTS, max_tokens=6, temperature=0, ignore_eos=True)
+    finally:
+        tp2.group.close()
+        tp1.close()
+    wait_no_ranks(path, 2)
+
+
 # Refusals and failures while starting.
 
 def test_non_dividing_degree_is_refused(bf16):
@@ -163,13 +231,7 @@ def test_fp8_slices_off_block_boundaries_are_refused_by_the_native_backend(ckpt_
     """intermediate 200 at TP2: 100 gate_proj rows per rank, not whole 128-row FP8 blocks, which the native
     kernels need (the torch backend splits anywhere: test_ragged_fp8_split_matches_tp1). Refused at load,
     naming the tensor and the degree; run on the native library's CPU test build."""
-    import build
-    try:
-        build.build(cpu=True, quiet=True)
-    except build.BuildError as e:
-        pytest.skip(f"the native CPU test build does not build here: {str(e).splitlines()[0]}")
-    monkeypatch.setenv("POCKETLLM_NATIVE_CPU", "1")
-    monkeypatch.setenv("ASAN_OPTIONS", "detect_leaks=0:verify_asan_link_order=0")
+    use_native_cpu_build(monkeypatch)
     path = ckpt_factory("qwen3_5", fp8=True, **HEADS)[0]
     with pytest.raises(pocketllm.CheckpointError, match=r"tensor '.*gate_proj.weight'.*128-element block.*"
                                                          r"tensor-parallel degree 2"):
