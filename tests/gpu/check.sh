@@ -13,7 +13,8 @@
 #               with the layouts the CPU execution layer computes
 #   4 ops       tests/test_native_ops.py on cuda: every native op against the reference, poisoned outputs
 #   4b kernels  the fp32-output linears and the row-scaled MLP at the real K (5120, 17408) vs float64
-#   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy
+#   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy; init and step
+#               timeouts abort the communicator (a peer that never joins, a GPU spin ahead of the step)
 #   6 parity    tests/gpu/test_gpu_parity.py: native vs torch, identical greedy tokens for 64 steps
 #   7 synth     a synthetic FP8 checkpoint with the 27B's layer shapes, 4 layers (tests/gpu/serve_check.py)
 #   8 serve_tiny       `python pocketllm.py` on the GPU (--device auto, --backend native: the defaults must pick
@@ -81,7 +82,7 @@ run library 300 bash -c load_or_rebuild
 run wrappers 120 "$PY" -m pytest -q -x tests/test_emu_layer.py -k cuda -p no:cacheprovider
 run ops 150 "$PY" -m pytest -q tests/test_native_ops.py -k cuda -p no:cacheprovider
 run kernels 90 "$PY" tests/gpu/gpu_check.py kernels "$LOG"
-run nccl 60 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
+run nccl 120 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
 run parity 120 "$PY" -m pytest -q tests/gpu/test_gpu_parity.py -p no:cacheprovider
 export POCKETLLM_SYNTH=${TMPDIR:-/tmp}/pocketllm-synth-27b-shapes
 run synth 150 "$PY" tests/gpu/serve_check.py synth "$POCKETLLM_SYNTH"
