@@ -2426,7 +2426,7 @@ class Comm:
         self._bounded(lambda: self.group.allreduce([x], options).wait())
         return x
 
-    def flag(self) -> str:
+    def _flag(self) -> str:
         """The option that bounds the next wait."""
         return "--collective-warmup-timeout" if self.steps < self.WARMUP_STEPS else "--collective-timeout"
 
@@ -2439,7 +2439,7 @@ class Comm:
         except Exception as e:
             if time.monotonic() - started < 0.9 * bound:
                 raise
-            raise CollectiveTimeout(self.waiting_for, bound, self.flag()) from e
+            raise CollectiveTimeout(self.waiting_for, bound, self._flag()) from e
 
 
 def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: int, world: int, all_reduce,
