@@ -278,6 +278,8 @@ class EngineOptions:
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
     seed: int = 0                      # default seed for unseeded requests' generators
     quiet: bool = False                # no startup log lines
+    collective_timeout: float = 30.0   # tensor parallelism: seconds an all-reduce may wait for its peers
+    collective_warmup_timeout: float = 300.0   # the same bound for the group's start and first steps (kernel JIT)
 
 
 def _log(opts: EngineOptions, msg: str):
@@ -875,7 +877,7 @@ class TorchOps:
 #     The CPU test build (libpocketllm_cpu.so) runs the same kernels on host tensors; CI uses it.
 # -----------------------------------------------------------------------------------------------
 
-NATIVE_ABI_VERSION = 3          # must equal PL_ABI_VERSION in csrc/pocketllm.h
+NATIVE_ABI_VERSION = 4          # must equal PL_ABI_VERSION in csrc/pocketllm.h
 NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
 
 # torch dtype -> the library's pl_dtype code.
@@ -1237,19 +1239,28 @@ class NativeOps:
         self.lib.call("pl_nccl_unique_id", buf)
         return bytes(self.lib.ffi.buffer(buf))
 
-    def nccl_init(self, unique_id: bytes, nranks: int, rank: int, device: int | None) -> int:
-        """A communicator of `nranks` on `device` (None: torch's current device); returns its handle."""
+    def nccl_init(self, unique_id: bytes, nranks: int, rank: int, device: int | None, timeout_s: float) -> int:
+        """A communicator of `nranks` on `device` (None: torch's current device), once every rank has joined
+        within timeout_s (else NativeError, the communicator aborted); returns its handle."""
         self._require_nccl()
         device = torch.cuda.current_device() if device is None else device
         if len(unique_id) != self.lib.lib.PL_NCCL_ID_BYTES:
             raise PocketError(f"NCCL unique id must be {self.lib.lib.PL_NCCL_ID_BYTES} bytes, got {len(unique_id)}")
         comm = self.lib.ffi.new("uint64_t*")
-        self.lib.call("pl_nccl_init", unique_id, nranks, rank, device, comm)
+        self.lib.call("pl_nccl_init", unique_id, nranks, rank, device, timeout_s, comm)
         return int(comm[0])
 
     def all_reduce(self, x: torch.Tensor, comm: int) -> torch.Tensor:
         self.lib.call("pl_nccl_all_reduce_sum", comm, self._p(x), x.numel(), self._dt(x), self._stream(x))
         return x
+
+    def nccl_wait(self, comm: int, timeout_s: float) -> None:
+        """Until the all-reduces queued on this device's stream have completed; past timeout_s, or on NCCL's
+        asynchronous error (a peer gone), the communicator is aborted and NativeError says which."""
+        self.lib.call("pl_nccl_wait", comm, self._stream(torch.empty(0, device=self.device)), timeout_s)
+
+    def nccl_abort(self, comm: int) -> None:
+        self.lib.call("pl_nccl_abort", comm)
 
     def nccl_destroy(self, comm: int) -> None:
         self.lib.call("pl_nccl_destroy", comm)
@@ -2402,30 +2413,82 @@ def join_group(port: int, rank: int, secret: bytes, rank0_module: str) -> Channe
     return channel
 
 
+class CollectiveTimeout(PocketError):
+    """A collective waited past its bound for the other ranks: one of them is hung (a dead one fails it sooner)."""
+
+    def __init__(self, what: str, bound_s: float, flag: str):
+        super().__init__(f"{what} took more than {bound_s:g} s ({flag}): one of the other ranks is hung")
+
+
 class Comm:
     """One rank's all-reduce: over gloo on CPU ranks; over NCCL on GPU ranks, the native library's when the
-    native ops run (it must have NCCL), torch.distributed's when the torch ops do."""
+    native ops run (it must have NCCL), torch.distributed's when the torch ops do.
 
-    # Bounds an all-reduce whose peer hangs; a dead peer fails it at once (its sockets close).
-    TIMEOUT = datetime.timedelta(hours=1)
+    Every wait is bounded, so no rank waits forever on a peer: --collective-warmup-timeout while the ranks
+    connect and for the first WARMUP_STEPS steps (they JIT-compile kernels), --collective-timeout after. On
+    gloo a dead peer fails the all-reduce at once (its sockets close) and a hung one at the bound. On the
+    native NCCL path the step's all-reduces are queued on the stream and finish_step waits for them, polling
+    NCCL's asynchronous error; an error or the bound aborts the communicator."""
 
-    def __init__(self, store, rank: int, world: int, device: torch.device, ops):
+    WARMUP_STEPS = 2          # a prefill and a decode: each JIT-compiles kernels the other does not run
+
+    def __init__(self, store, rank: int, world: int, device: torch.device, ops, opts: EngineOptions):
+        self.opts, self.steps, self.sync = opts, 0, lambda: None
+        self.waiting_for = "connecting to the other ranks"      # what a timeout names
+        warmup = datetime.timedelta(seconds=opts.collective_warmup_timeout)
+        store.set_timeout(warmup)                   # a peer that never publishes its address
         if device.type == "cuda" and hasattr(ops, "nccl_init"):
-            self.comm = ops.nccl_init(store.get("nccl_id"), world, rank, device.index)
+            init = lambda: ops.nccl_init(store.get("nccl_id"), world, rank, device.index, self.timeout_s)  # noqa: E731
+            self.comm = self._bounded(init)
             self.all_reduce = lambda x: ops.all_reduce(x, self.comm)        # in place, on the ops' stream
-            return
-        if device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world)
+            self.sync = lambda: self._bounded(lambda: ops.nccl_wait(self.comm, self.timeout_s))
         else:
-            options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=RENDEZVOUS_HOST)]
-            options._timeout = self.TIMEOUT
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, options)
-        self.all_reduce = self._torch_all_reduce
+            self.group = self._bounded(lambda: self._torch_group(store, rank, world, device, warmup))
+            self.all_reduce = self._torch_all_reduce
+        self.all_reduce(torch.zeros(1, device=device))   # every rank has joined (gloo may connect only now)
+        self.sync()
+        self.waiting_for = "an all-reduce"
+
+    @staticmethod
+    def _torch_group(store, rank: int, world: int, device: torch.device, timeout: datetime.timedelta):
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world, options)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=RENDEZVOUS_HOST)]
+        options._timeout = timeout
+        return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, options)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.opts.collective_warmup_timeout if self.steps < self.WARMUP_STEPS else self.opts.collective_timeout
+
+    def finish_step(self) -> None:
+        """After a step (a RankRunner.run): its collectives have completed (NCCL: waited for, bounded)."""
+        self.sync()
+        self.steps += 1
 
     def _torch_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.group.allreduce([x]).wait()
+        options = dist.AllreduceOptions()
+        options.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._bounded(lambda: self.group.allreduce([x], options).wait())
         return x
+
+    def _flag(self) -> str:
+        """The option that bounds the next wait."""
+        return "--collective-warmup-timeout" if self.steps < self.WARMUP_STEPS else "--collective-timeout"
+
+    def _bounded(self, wait: Callable):
+        """wait(), which gives up at the bound: its failure there is a CollectiveTimeout. One sooner is a peer's
+        death (its connections closed, or NCCL's asynchronous error), which the group's watcher names."""
+        bound, started = self.timeout_s, time.monotonic()
+        try:
+            return wait()
+        except Exception as e:
+            if time.monotonic() - started < 0.9 * bound:
+                raise
+            raise CollectiveTimeout(self.waiting_for, bound, self._flag()) from e
 
 
 def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: int, world: int, all_reduce,
@@ -2523,7 +2586,30 @@ class RankGroup:
         self.runner = RankRunner(self.model, self.opts, self.kv_dtype, device)
         self._wait_until_loaded()
         self._stop_listening()      # everyone is in
-        self.comm = Comm(self.store, 0, self.world, device, ops)
+        self.comm = self._connect(ops)
+
+    def _connect(self, ops) -> Comm:
+        """Rank 0's Comm, made on a helper thread: a worker that dies before it joins fails the start as soon as
+        the watcher sees it, and a hung one at the warm-up bound (the helper is left to give up on its own)."""
+        made: list = []
+        bound = self.opts.collective_warmup_timeout     # each of gloo's stages has it: bound the whole here
+        deadline = time.monotonic() + bound
+
+        def connect():
+            try:
+                made.append(Comm(self.store, 0, self.world, self.devices[0], ops, self.opts))
+            except Exception as e:
+                made.append(e)
+        helper = threading.Thread(target=connect, name="pocketllm-connect", daemon=True)
+        helper.start()
+        while helper.is_alive() and self.dead_reason is None and time.monotonic() < deadline:
+            helper.join(self.POLL_S)
+        if self.dead_reason is None and not made:
+            made.append(CollectiveTimeout("connecting to the other ranks", bound, "--collective-warmup-timeout"))
+        if self.dead_reason is None and isinstance(made[0], Exception):
+            raise self._failed(made[0])
+        self._check_alive()
+        return made[0]
 
     def _admit(self):
         """Accept connections on the loopback port until every worker has joined; each handshake runs on its
@@ -2626,6 +2712,8 @@ class RankGroup:
         the rank. Anything else is rank 0's own failure, which also ends the group."""
         if self._closing:                  # close() stopped the workers under a call still in flight
             return PocketError("the tensor-parallel group is closed")
+        if isinstance(error, CollectiveTimeout) and self.dead_reason is None:   # hung, not dead: nothing to wait for
+            self._fail("", f"rank 0 ({self.devices[0]}): {error}")
         deadline = time.time() + 3.0
         while self.dead_reason is None and time.time() < deadline:
             time.sleep(self.POLL_S)
@@ -2646,7 +2734,10 @@ class RankGroup:
                 message = _dumps((method, args))                           # encoded once for every worker
                 for channel in self.channels.values():
                     channel.send_bytes(message)
-                return getattr(self.runner, method)(*args)
+                result = getattr(self.runner, method)(*args)
+                if method == "run":
+                    self.comm.finish_step()
+                return result
             except Exception as e:
                 raise self._failed(e) from e
 
@@ -2765,7 +2856,7 @@ def run_rank_worker(spec_json: str) -> int:
                             allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
                                            opts.max_batch_size, kv_dtype, device))
         channel.send(("ready",))
-        comm.append(Comm(dist.FileStore(spec["store"], -1), rank, world, device, ops))
+        comm.append(Comm(dist.FileStore(spec["store"], -1), rank, world, device, ops, opts))
         while True:
             method, args = channel.recv()
             if method == STOP:
@@ -2773,6 +2864,8 @@ def run_rank_worker(spec_json: str) -> int:
             if not RankRunner.is_call(method):
                 raise PocketError(f"rank 0 called {method!r}, which RankRunner does not have")
             getattr(runner, method)(*_move(args, device))
+            if method == "run":
+                comm[0].finish_step()
     except Exception as e:
         time.sleep(0.5)             # rank 0 gone too (its sockets close before we are re-parented)? then quietly
         if os.getppid() != parent:
@@ -6645,6 +6738,9 @@ def _check_options(opts: EngineOptions, cfg: ModelConfig):
     for name in ("max_batch_size", "num_kv_blocks"):
         if getattr(opts, name) < 0:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 0 (0: sized for you)")
+    for name in ("collective_timeout", "collective_warmup_timeout"):
+        if not getattr(opts, name) > 0:
+            raise PocketError(f"--{name.replace('_', '-')} must be > 0 seconds (got {getattr(opts, name):g})")
     if not 0.0 < opts.gpu_memory_utilization <= 1.0:
         raise PocketError(f"--gpu-memory-utilization must be in (0, 1] (got {opts.gpu_memory_utilization:g})")
     if opts.smoke_layers < 0 or opts.smoke_layers > cfg.num_hidden_layers:
@@ -6957,6 +7053,10 @@ ENGINE_FLAG_HELP = {
                     "(default: %(default)s)",
     "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
     "quiet": "no start-up log lines (default: off)",
+    "collective_timeout": "tensor parallelism: seconds an all-reduce may wait for the other ranks before the group "
+                          "is stopped and the engine reports it (default: %(default)s)",
+    "collective_warmup_timeout": "the same bound while the ranks connect and for their first steps, which include "
+                                 "kernel JIT compilation (default: %(default)s)",
 }
 # vLLM's names for the same things (vllm serve --help).
 VLLM_ALIASES = {"max_context": "--max-model-len", "max_batch_size": "--max-num-seqs",

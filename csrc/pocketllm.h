@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bumped on every incompatible change of the declarations below; pocketllm.py checks it on load. */
-#define PL_ABI_VERSION 3
+#define PL_ABI_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -49,15 +49,25 @@ int pl_device_capability(int32_t device, int32_t* major, int32_t* minor);
 int pl_set_device(int32_t device);
 
 /* NCCL is loaded at run time (dlopen), so one binary works with or without it. pl_nccl_load opens `path`
- * (NULL: the default search for libnccl.so.2) once; it fails, saying why, when NCCL is unusable. The other
- * NCCL functions fail until a load succeeded. A unique id is PL_NCCL_ID_BYTES opaque bytes. */
+ * (NULL: the default search for libnccl.so.2) once; it fails, saying why, when NCCL is unusable (older than
+ * 2.14; in the CPU test build anything but the test NCCL of tests/fake_nccl.c). The other NCCL functions fail
+ * until a load succeeded. A unique id is PL_NCCL_ID_BYTES opaque bytes. No call waits on a peer unbounded:
+ * a failure or a timeout aborts the communicator (ncclCommAbort) and returns -1 naming it; an aborted
+ * communicator refuses every call but pl_nccl_destroy. */
 enum { PL_NCCL_ID_BYTES = 128 };
 int pl_nccl_load(const char* path);
 int pl_nccl_version(int32_t* version);
 int pl_nccl_unique_id(uint8_t* id_out);
-int pl_nccl_init(const uint8_t* id, int32_t nranks, int32_t rank, int32_t device, uint64_t* comm_out);
-/* In-place sum over all ranks of `count` elements of dtype PL_F16 or PL_F32, on `stream`. */
+/* A non-blocking communicator, polled until every rank has joined or `timeout_s` has passed. */
+int pl_nccl_init(const uint8_t* id, int32_t nranks, int32_t rank, int32_t device, double timeout_s,
+                 uint64_t* comm_out);
+/* In-place sum over all ranks of `count` elements of dtype PL_F16 or PL_F32, queued on `stream`. */
 int pl_nccl_all_reduce_sum(uint64_t comm, uint64_t ptr, uint64_t count, int32_t dtype, uint64_t stream);
+/* Until the collectives queued on `stream` so far have completed, polling NCCL's asynchronous error, for at
+ * most `timeout_s` seconds. */
+int pl_nccl_wait(uint64_t comm, uint64_t stream, double timeout_s);
+/* ncclCommAbort now (a peer is known dead); the handle stays valid for pl_nccl_destroy. */
+int pl_nccl_abort(uint64_t comm);
 int pl_nccl_destroy(uint64_t comm);
 
 /* ---- ops (native-kernels) ---- */

@@ -15,7 +15,8 @@
 #   4b kernels  the fp32-output linears and the row-scaled MLP at the real K (5120, 17408) vs float64
 #   4c ptx_sm75 the linear ops again with CUDA_FORCE_PTX_JIT=1: the sm_75 (Turing) code path from the library's
 #               compute_75 PTX, as far as one newer GPU can run it
-#   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy
+#   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy; init and step
+#               timeouts abort the communicator (a peer that never joins, a GPU spin ahead of the step)
 #   6 parity    tests/gpu/test_gpu_parity.py: native vs torch, identical greedy tokens for 64 steps
 #   7 synth     a synthetic FP8 checkpoint with the 27B's layer shapes, 4 layers (tests/gpu/serve_check.py)
 #   8 serve_tiny       `python pocketllm.py` on the GPU (--device auto, --backend native: the defaults must pick
@@ -87,7 +88,7 @@ run kernels 90 "$PY" tests/gpu/gpu_check.py kernels "$LOG"
 # The Turing code path on this GPU: the library's compute_75 PTX, JIT-compiled (mma m16n8k8, no cp.async).
 run ptx_sm75 90 env CUDA_FORCE_PTX_JIT=1 "$PY" -m pytest -q -x tests/test_native_ops.py -k "cuda and linear" \
     -p no:cacheprovider
-run nccl 60 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
+run nccl 120 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
 run parity 120 "$PY" -m pytest -q tests/gpu/test_gpu_parity.py -p no:cacheprovider
 export POCKETLLM_SYNTH=${TMPDIR:-/tmp}/pocketllm-synth-27b-shapes
 run synth 150 "$PY" tests/gpu/serve_check.py synth "$POCKETLLM_SYNTH"

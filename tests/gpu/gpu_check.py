@@ -114,27 +114,76 @@ def load(logdir: Path) -> int:
     return 0 if ok else 1
 
 
-# ---- NCCL: one GPU means one rank, which still exercises every call ----
+# ---- NCCL: one GPU means one rank, which still exercises every call, and the bounded waits: a peer that
+#      never joins (a two-rank init with one rank), a step that never completes (a GPU spin queued before the
+#      all-reduce), both ending in ncclCommAbort and an error naming the timeout, within it ----
+
+SPIN_CYCLES = 16_000_000_000      # torch.cuda._sleep: about 8 s at 2 GHz, 11 s at 1.5 GHz
+
+
+def _fails_within(call, match: str, low_s: float, high_s: float) -> dict:
+    """{"ok": call() raised naming `match` after low_s..high_s seconds, the message, the seconds}."""
+    t0 = time.monotonic()
+    try:
+        call()
+        return {"ok": False, "error": "no error", "seconds": time.monotonic() - t0}
+    except Exception as e:
+        took = time.monotonic() - t0
+        return {"ok": match in str(e) and low_s <= took < high_s, "error": str(e), "seconds": round(took, 2)}
+
 
 def nccl(logdir: Path) -> int:
+    import tempfile
     import torch
+    import torch.distributed as dist
     import pocketllm
     ops = pocketllm.NativeOps("cuda")
     ok, why = pocketllm.nccl_status(ops.lib)
     result = {"available": ok, "reason": why}
     if ok:
+        device = torch.cuda.current_device()
         uid = ops.nccl_unique_id()
-        comm = ops.nccl_init(uid, 1, 0, torch.cuda.current_device())
+        comm = ops.nccl_init(uid, 1, 0, device, 60.0)
         for dtype in (torch.float16, torch.float32):
             x = torch.randn(5120 * 8, device="cuda").to(dtype)
             before = x.clone()
             ops.all_reduce(x, comm)
-            torch.cuda.synchronize()
+            ops.nccl_wait(comm, 60.0)
             result[f"all_reduce_{dtype}"] = bool(torch.equal(x, before))   # the sum over one rank
         ops.nccl_destroy(comm)
+        # A peer that never joins: rank 0 of two, alone.
+        result["check_init_timeout"] = _fails_within(lambda: ops.nccl_init(ops.nccl_unique_id(), 2, 0, device, 3.0),
+                                                     "did not complete within 3 s", 2.9, 15.0)
+        # A step that never completes in time: a GPU spin ahead of the all-reduce, waited for 1 s.
+        comm = ops.nccl_init(ops.nccl_unique_id(), 1, 0, device, 60.0)
+        x = torch.ones(1024, device="cuda")
+        torch.cuda._sleep(SPIN_CYCLES)
+        ops.all_reduce(x, comm)
+        result["check_step_timeout"] = _fails_within(lambda: ops.nccl_wait(comm, 1.0),
+                                                     "did not complete within 1 s", 0.9, 10.0)
+        result["check_aborted_is_refused"] = _fails_within(lambda: ops.all_reduce(x, comm), "aborted", 0.0, 5.0)
+        ops.nccl_destroy(comm)
+        torch.cuda.synchronize()
+        # The engine's Comm: the barrier at connect, a bounded step, then the steady bound firing.
+        with tempfile.TemporaryDirectory() as d:
+            store = dist.FileStore(str(Path(d) / "store"), -1)
+            store.set("nccl_id", ops.nccl_unique_id())
+            opts = pocketllm.EngineOptions(collective_timeout=1.0, collective_warmup_timeout=60.0)
+            c = pocketllm.Comm(store, 0, 1, torch.device("cuda", device), ops, opts)
+            for _ in range(pocketllm.Comm.WARMUP_STEPS):
+                c.all_reduce(torch.ones(8, device="cuda"))
+                c.finish_step()
+            torch.cuda._sleep(SPIN_CYCLES)
+            c.all_reduce(torch.ones(8, device="cuda"))
+            result["check_comm_timeout"] = _fails_within(c.finish_step, "took more than 1 s (--collective-timeout)",
+                                                         0.9, 10.0)
+            ops.nccl_destroy(c.comm)
+            torch.cuda.synchronize()
     save(logdir, "nccl", result)
     print(result)
-    return 0 if ok and all(v for k, v in result.items() if k.startswith("all_reduce")) else 1
+    passed = [v for k, v in result.items() if k.startswith("all_reduce")] + \
+        [v["ok"] for k, v in result.items() if k.startswith("check_")]
+    return 0 if ok and all(passed) else 1
 
 
 # ---- Kernel benchmarks on the 27B decode shapes (TP1), each against the measured copy bandwidth ----
