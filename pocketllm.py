@@ -5454,6 +5454,26 @@ class DisconnectWatch:
 
 # The endpoints. Each takes the handler, the path match and the raw body, and sends one response.
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value, param: str) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, which JSON's \\uD800 escapes can
+    spell but no text is; None if there is none."""
+    if isinstance(value, str):
+        return param if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _SURROGATE.search(key):        # named escaped: the answer must be text
+            key = key.encode("utf-8", "backslashreplace").decode()
+            return f"{param}.{key}" if param else key
+        where = f"{param}[{key}]" if isinstance(key, int) else f"{param}.{key}" if param else key
+        found = _lone_surrogate(item, where)
+        if found is not None:
+            return found
+    return None
+
+
 def _json_body(raw: bytes) -> dict:
     def refuse_constant(name):
         raise ValueError(f"{name} is not valid JSON")
@@ -5463,6 +5483,9 @@ def _json_body(raw: bytes) -> dict:
         raise RequestError(f"malformed JSON body: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {_json_type(body)}", code="invalid_json")
+    if b"\\u" in raw and (where := _lone_surrogate(body, "")) is not None:
+        raise RequestError(f"'{where}' holds a lone UTF-16 surrogate escape, which is not text", param=where,
+                           code="invalid_json")
     return body
 
 
