@@ -88,6 +88,7 @@ def test_fuzzed_bodies_get_a_clean_answer(server, llm, doc, path):
         assert problem is None, problem
 
     one()
+    print(path, dict(sorted(statuses.items())))
     assert sum(statuses.values()) >= EXAMPLES[path] // 2, statuses
     assert any(status == 200 for status in statuses), statuses      # the valid half does get answers
     assert any(400 <= status < 500 for status in statuses), statuses
