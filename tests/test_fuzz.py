@@ -115,5 +115,9 @@ def test_the_checker_catches_bad_answers():
         **error["error"], "param": "nothing[0]"}}).encode())
     assert fuzzing.check_answer("/x", fields, body, 400, b'{"detail": "no"}')
     assert fuzzing.check_answer("/x", fields, body, 200, b'data: {"error": {}}\n\ndata: [DONE]\n\n')
+    for key in ("a.b[0", "a\\udfffb"):                     # an unknown key spelling a path, or a lone surrogate
+        named = json.dumps({**error, "error": {**error["error"], "param": key}}).encode()
+        assert fuzzing.check_answer("/x", fields, ('{"%s": 1}' % key).encode(), 400, named) is None
+        assert fuzzing.check_answer("/x", fields, b'{"b": 1}', 400, named)
     assert fuzzing.check_answer("/x", fields, b"[", 400, json.dumps({**error, "error": {
         **error["error"], "param": None}}).encode()) is None                # not an object: nothing to name
