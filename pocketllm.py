@@ -4862,7 +4862,10 @@ MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reason
 MESSAGE_NULL_ONLY_KEYS = {"refusal", "annotations", "audio", "function_call", "reasoning"}
 RENDER_ARGUMENTS = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
-STREAM_OPTIONS = ("include_usage", "include_obfuscation")     # obfuscation: accepted, we never pad chunks
+STREAM_OPTIONS = ("include_usage", "include_obfuscation",      # obfuscation: accepted, we never pad chunks
+                  "continuous_usage_stats")                     # vLLM's: usage on every chunk
+THINKING_OFF_EFFORTS = ("none", "minimal")                      # without a template that reads reasoning_effort
+VERBOSITIES = ("low", "medium", "high")
 
 
 # The readers of the protocol's nested fields, read(value, param, vocab_size) -> value: each checks one JSON
@@ -5054,8 +5057,9 @@ GENERATION_FIELDS = {
              stream_options=Field(kind="object", layer="server", read=_read_stream_options, relate=_only_with_stream,
                                   schema=STREAM_OPTIONS_SCHEMA, shape="object, only with `stream: true`",
                                   why="`include_usage` (boolean): every chunk carries `usage: null` and a last "
-                                      "chunk the usage; `include_obfuscation` (boolean): accepted, chunks are never "
-                                      "padded; other keys 400")),
+                                      "chunk the usage; `continuous_usage_stats` (boolean, vLLM's): every chunk "
+                                      "carries the usage so far instead of null; `include_obfuscation` (boolean): "
+                                      "accepted, chunks are never padded; other keys 400")),
     **_sampling_rows("n"),
     "max_tokens": dataclasses.replace(SAMPLING_FIELDS["max_tokens"], default=None,
                                       default_text="the rest of the context"),
@@ -5065,7 +5069,10 @@ GENERATION_FIELDS = {
     **_table(**{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why="bookkeeping on OpenAI's side")
                 for name, kind in (("user", "string"), ("metadata", "object"), ("store", "boolean"),
                                    ("service_tier", "string"), ("prompt_cache_key", "string"),
-                                   ("prompt_cache_retention", "string"), ("safety_identifier", "string"))}),
+                                   ("prompt_cache_retention", "string"), ("prompt_cache_options", "object"),
+                                   ("safety_identifier", "string"))}),
+    **_table(moderation=Field(kind="object", layer="server", policy=NO_EFFECT,
+                              why="OpenAI's moderation model: none runs here, nothing is scored or blocked")),
 }
 
 UNIMPLEMENTED = "not implemented: accepted only at the values that leave the answer unchanged"
@@ -5110,8 +5117,10 @@ CHAT_FIELDS = {
                                    why="passed to the template (`enable_thinking`, ...); the keys `messages`, "
                                        "`tools`, `add_generation_prompt`, `continue_final_message` are 400"),
         reasoning_effort=Field(kind="string", enum=REASONING_EFFORTS, layer="template",
-                               why="passed to a template that reads it (over `chat_template_kwargs`); with one "
-                                   "that does not, 400 (`code: unsupported_field`)"),
+                               why="passed to a template that reads it (over `chat_template_kwargs`); otherwise "
+                                   "`none` and `minimal` set `enable_thinking: false` and `low`, `medium`, `high` "
+                                   "set `enable_thinking: true` (over `chat_template_kwargs`), and with a template "
+                                   "that reads neither it is 400 (`code: unsupported_field`)"),
         add_generation_prompt=Field(kind="boolean", layer="template",
                                     default_text="true (false with `continue_final_message`)", why="vLLM extra"),
         continue_final_message=Field(kind="boolean", default=False, layer="template",
@@ -5127,7 +5136,9 @@ CHAT_FIELDS = {
                             shape="string or object", why="deprecated by OpenAI: use `tool_choice`"),
         web_search_options=Field(kind="object", policy=DEFAULT_ONLY, allowed=(None,), layer="server",
                                  why=UNIMPLEMENTED),
-        verbosity=Field(kind="string", policy=DEFAULT_ONLY, allowed=(None,), layer="template", why=UNIMPLEMENTED)),
+        verbosity=Field(kind="string", enum=VERBOSITIES, layer="template",
+                        why="passed to a template that reads it (over `chat_template_kwargs`); with one that does "
+                            "not, 400 (`code: unsupported_field`)")),
 }
 
 COMPLETION_FIELDS = {
@@ -5168,7 +5179,7 @@ DETOKENIZE_FIELDS = _table(
 
 # The template's own fields, read again by render_chat_prompt (which also serves /tokenize and raw bodies).
 TEMPLATE_FIELDS = {name: CHAT_FIELDS[name] for name in ("messages", "chat_template_kwargs", "add_generation_prompt",
-                                                        "continue_final_message", "reasoning_effort")}
+                                                        "continue_final_message", "reasoning_effort", "verbosity")}
 
 # The tables rendered: docs/api.md's field lists (between `<!-- fields: NAME -->` markers) and /openapi.json.
 
@@ -5327,12 +5338,31 @@ def _chat_template(llm):
     return template
 
 
-def _reasoning_effort(llm, effort: str) -> str:
-    """OpenAI's reasoning_effort, honoured by templates that read it (newer Qwen templates do), else refused."""
-    if "reasoning_effort" not in "".join(getattr(_chat_template(llm), "sources", {}).values()):
-        raise RequestError("'reasoning_effort' is not supported: this model's chat template does not read it",
-                           param="reasoning_effort", code="unsupported_field")
-    return effort
+def _template_reads(llm, name: str) -> bool:
+    return name in "".join(getattr(_chat_template(llm), "sources", {}).values())
+
+
+def _unsupported_by_template(name: str) -> RequestError:
+    return RequestError(f"'{name}' is not supported: this model's chat template does not read it", param=name,
+                        code="unsupported_field")
+
+
+def _template_choices(llm, values: dict) -> dict:
+    """The template kwargs of the top-level fields: reasoning_effort and verbosity go to a template that reads
+    them; without one, reasoning_effort turns thinking off (none, minimal) or on, as enable_thinking."""
+    kwargs = {}
+    if values["verbosity"] is not None:
+        if not _template_reads(llm, "verbosity"):
+            raise _unsupported_by_template("verbosity")
+        kwargs["verbosity"] = values["verbosity"]
+    effort = values["reasoning_effort"]
+    if effort is not None and _template_reads(llm, "reasoning_effort"):
+        kwargs["reasoning_effort"] = effort
+    elif effort is not None:
+        if not _template_reads(llm, "enable_thinking"):
+            raise _unsupported_by_template("reasoning_effort")
+        kwargs["enable_thinking"] = effort not in THINKING_OFF_EFFORTS
+    return kwargs
 
 
 def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
@@ -5346,8 +5376,7 @@ def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
     if continue_final and (add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise RequestError("'continue_final_message' needs a final assistant message and "
                            "'add_generation_prompt' false", param="continue_final_message")
-    if values["reasoning_effort"] is not None:
-        template_kwargs = {**template_kwargs, "reasoning_effort": _reasoning_effort(llm, values["reasoning_effort"])}
+    template_kwargs = {**template_kwargs, **_template_choices(llm, values)}
     copy = messages_for_template(messages)
     for message in copy:                     # OpenAI's developer role is the system role of older templates
         if message["role"] == "developer":
@@ -5422,10 +5451,12 @@ class ServerMetrics:
 class Completion:
     """One validated, submitted request. `chunks()` streams it, `response()` waits for it; `abort()` cancels."""
 
-    def __init__(self, llm, stream, kind: str, stream_mode: bool, include_usage: bool, logprobs: int | None,
-                 parsers: list | None = None, metrics: ServerMetrics | None = None):
+    def __init__(self, llm, stream, kind: str, stream_mode: bool, stream_options: dict | None,
+                 logprobs: int | None, parsers: list | None = None, metrics: ServerMetrics | None = None):
         self.llm, self.stream, self.kind, self.stream_mode = llm, stream, kind, stream_mode
-        self.include_usage, self.logprobs, self.parsers, self.metrics = include_usage, logprobs, parsers, metrics
+        self.logprobs, self.parsers, self.metrics = logprobs, parsers, metrics
+        self.include_usage = bool((stream_options or {}).get("include_usage"))
+        self.continuous_usage = bool((stream_options or {}).get("continuous_usage_stats"))
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.object = "chat.completion" if kind == "chat" else "text_completion"
         self.created, self.submitted = int(time.time()), time.monotonic()
@@ -5535,7 +5566,9 @@ class Completion:
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         chunk = self._envelope([choice])
-        if self.include_usage:
+        if self.continuous_usage:
+            chunk["usage"] = self._usage()
+        elif self.include_usage:
             chunk["usage"] = None
         return chunk
 
@@ -5568,17 +5601,17 @@ class Completion:
         return {**self._envelope(choices), "usage": self._usage()}
 
 
-def _generation_values(llm, body, table: dict[str, Field]) -> tuple[dict, bool]:
+def _generation_values(llm, body, table: dict[str, Field]) -> dict:
     """What both completion endpoints read first: the body through its table (unset sampling fields take the
-    checkpoint's generation defaults), for our model; and include_usage."""
+    checkpoint's generation defaults), for our model."""
     values = read_fields(body, table, llm.config.vocab_size, getattr(llm, "generation_defaults", None))
     _check_model(llm, values)
-    return values, bool((values["stream_options"] or {}).get("include_usage"))
+    return values
 
 
 def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
     """Validate a /v1/chat/completions body, render the prompt and submit it."""
-    values, include_usage = _generation_values(llm, body, CHAT_FIELDS)
+    values = _generation_values(llm, body, CHAT_FIELDS)
     tools, tool_choice = values["tools"], values["tool_choice"]
     prompt_text = render_chat_prompt(llm, values, tools)
     prompt_ids = llm.tokenizer.encode(prompt_text)
@@ -5599,12 +5632,12 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
                for _ in range(params.n)]
     return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "chat", values["stream"],
-                      include_usage, params.logprobs, parsers, metrics)
+                      values["stream_options"], params.logprobs, parsers, metrics)
 
 
 def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Completion:
     """Validate a /v1/completions body and submit it."""
-    values, include_usage = _generation_values(llm, body, COMPLETION_FIELDS)
+    values = _generation_values(llm, body, COMPLETION_FIELDS)
     prompt = values["prompt"]
     prompt_ids = llm.tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt   # text stays text
     if not prompt_ids:
@@ -5613,7 +5646,7 @@ def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Complet
     params = _request_sampling_params(llm, values, len(prompt_ids), max_tokens_field)
     params.logprobs = values["logprobs"]
     return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "text", values["stream"],
-                      include_usage, params.logprobs, None, metrics)
+                      values["stream_options"], params.logprobs, None, metrics)
 
 
 def chat_completions(llm, body: dict) -> dict | Iterator[dict]:
@@ -5701,6 +5734,26 @@ class DisconnectWatch:
 
 # The endpoints. Each takes the handler, the path match and the raw body, and sends one response.
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value, param: str) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, which JSON's \\uD800 escapes can
+    spell but no text is; None if there is none."""
+    if isinstance(value, str):
+        return param if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _SURROGATE.search(key):        # named escaped: the answer must be text
+            key = key.encode("utf-8", "backslashreplace").decode()
+            return f"{param}.{key}" if param else key
+        where = f"{param}[{key}]" if isinstance(key, int) else f"{param}.{key}" if param else key
+        found = _lone_surrogate(item, where)
+        if found is not None:
+            return found
+    return None
+
+
 def _json_body(raw: bytes) -> dict:
     def refuse_constant(name):
         raise ValueError(f"{name} is not valid JSON")
@@ -5710,6 +5763,9 @@ def _json_body(raw: bytes) -> dict:
         raise RequestError(f"malformed JSON body: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {_json_type(body)}", code="invalid_json")
+    if b"\\u" in raw and (where := _lone_surrogate(body, "")) is not None:
+        raise RequestError(f"'{where}' holds a lone UTF-16 surrogate escape, which is not text", param=where,
+                           code="invalid_json")
     return body
 
 

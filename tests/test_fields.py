@@ -147,9 +147,9 @@ def _probes(row):
     return probes
 
 
-# Rows whose accepted values also depend on another field or on the template (reasoning_effort is honoured only
-# by a template that reads it: test_server_openai.py covers both answers).
-RELATED = ("max_tokens", "min_tokens", "n", "top_logprobs", "reasoning_effort")
+# Rows whose accepted values also depend on another field or on the template (reasoning_effort and verbosity are
+# honoured only by a template that reads them: test_server_openai.py covers the answers).
+RELATED = ("max_tokens", "min_tokens", "n", "top_logprobs", "reasoning_effort", "verbosity")
 
 
 def _send(server, path, body):

@@ -283,7 +283,7 @@ CHAT_REFUSALS = [
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"), ({"modalities": ["text", "audio"]}, "modalities"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call"),
-    ({"reasoning_effort": "high"}, "reasoning_effort"), ({"verbosity": "low"}, "verbosity"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"), ({"verbosity": "low"}, "verbosity"),
     ({"web_search_options": {}}, "web_search_options"),
     ({"tools": "x"}, "tools"), ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
@@ -344,8 +344,7 @@ def test_no_effect_fields_are_accepted(server):
 
 
 def test_reasoning_effort_reaches_a_template_that_reads_it(llm):
-    """Top-level reasoning_effort is refused (400, in the table above) for a template that ignores it and
-    passed to one that reads it."""
+    """Top-level reasoning_effort is passed to a template that reads it (the SDK tests below cover the others)."""
     original = pocketllm.render_chat_prompt(llm, {"messages": USER}, None) and llm.chat_template
     source = CHAT_TEMPLATE.replace("{%- for m in messages %}", "effort={{ reasoning_effort }}\n{%- for m in messages %}")
     llm.chat_template = pocketllm.ChatTemplate(source, llm.tokenizer)
@@ -356,6 +355,101 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(llm):
         assert e.value.param == "reasoning_effort"
     finally:
         llm.chat_template = original
+
+
+# Newer client fields (issue 20 item 4), sent the way the openai SDK sends them.
+
+@pytest.fixture
+def template_reading(llm):
+    """template_reading(*names): the server's chat template becomes the test template extended to print those
+    fields (or with thinking removed, for "no-thinking"); restored afterwards."""
+    original = pocketllm.render_chat_prompt(llm, {"messages": USER}, None) and llm.chat_template
+
+    def use(*names):
+        source = CHAT_TEMPLATE
+        if "no-thinking" in names:
+            source = source.replace("enable_thinking is defined and enable_thinking is false", "false")
+        shown = "".join(f"{name}={{{{ {name} }}}}\n" for name in names if name != "no-thinking")
+        source = source.replace("{%- for m in messages %}", shown + "{%- for m in messages %}", 1)
+        llm.chat_template = pocketllm.ChatTemplate(source, llm.tokenizer)
+        return source
+    yield use
+    llm.chat_template = original
+
+
+def _greedy(client, llm, **kwargs):
+    return client.chat.completions.create(model=llm.model_name, messages=USER, max_tokens=6, temperature=0,
+                                          **kwargs)
+
+
+def test_prompt_cache_options_and_moderation_change_nothing(client, llm):
+    """The SDK's own parameters: accepted, and the answer (seeded sampling, penalties) is the one without them."""
+    kwargs = dict(model=llm.model_name, messages=USER, max_tokens=8, temperature=1.0, presence_penalty=0.5,
+                  seed=11)
+    plain = client.chat.completions.create(**kwargs)
+    dressed = client.chat.completions.create(
+        **kwargs, prompt_cache_options={"mode": "explicit", "ttl": "30m"},
+        moderation={"model": "omni-moderation-latest", "policy": {"input": {"mode": "block"}}})
+    assert dressed.choices[0].message == plain.choices[0].message and dressed.usage == plain.usage
+    completion = client.completions.create(model=llm.model_name, prompt="Hi", max_tokens=3, seed=3,
+                                           extra_body={"prompt_cache_options": {"mode": "implicit"},
+                                                       "moderation": {"model": "m"}})
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kwargs, extra_body={"moderation": "on"})
+    assert e.value.body["param"] == "moderation"
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_continuous_usage_stats_puts_usage_on_every_chunk(client, llm, include_usage):
+    kwargs = dict(model=llm.model_name, messages=USER, max_tokens=6, temperature=1.0, seed=5,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={
+        "include_usage": include_usage, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == whole.usage.completion_tokens == 6
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    assert (chunks[-1].choices == []) == include_usage             # the final usage chunk: include_usage's
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (whole.choices[0].message.content or "")
+
+
+def test_reasoning_effort_without_a_template_that_reads_it_is_enable_thinking(client, llm):
+    """none/minimal render the prompt of enable_thinking=false, low/medium/high that of enable_thinking=true (over
+    chat_template_kwargs): the same prompt tokens and the same greedy answer as the independent jinja2 render."""
+    for effort, thinking in (("none", False), ("minimal", False), ("low", True), ("medium", True), ("high", True)):
+        out = _greedy(client, llm, reasoning_effort=effort,
+                      extra_body={"chat_template_kwargs": {"enable_thinking": not thinking}})
+        ids = reference_prompt_ids(llm, USER, enable_thinking=thinking)
+        assert out.usage.prompt_tokens == len(ids), effort
+        ref = llm.generate(ids, max_tokens=6, temperature=0)
+        assert out.usage.completion_tokens == ref["completion_tokens"], effort
+    assert len(reference_prompt_ids(llm, USER, enable_thinking=False)) != len(reference_prompt_ids(llm, USER))
+
+
+def test_reasoning_effort_and_verbosity_reach_a_template_that_reads_them(client, llm, template_reading):
+    source = template_reading("reasoning_effort", "verbosity")
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    for effort, verbosity in (("none", "low"), ("medium", "high")):
+        out = _greedy(client, llm, reasoning_effort=effort, verbosity=verbosity)
+        text = env.from_string(source).render(messages=USER, add_generation_prompt=True, reasoning_effort=effort,
+                                              verbosity=verbosity)
+        assert f"reasoning_effort={effort}\nverbosity={verbosity}<|im_start|>" in text
+        ids = llm.tokenizer.encode(text)
+        assert out.usage.prompt_tokens == len(ids)
+        assert out.usage.completion_tokens == llm.generate(ids, max_tokens=6, temperature=0)["completion_tokens"]
+
+
+def test_reasoning_effort_and_verbosity_refused_by_a_template_that_reads_neither(client, llm, template_reading):
+    template_reading("no-thinking")
+    for fields, param in (({"reasoning_effort": "low"}, "reasoning_effort"), ({"verbosity": "low"}, "verbosity")):
+        with pytest.raises(openai.BadRequestError) as e:
+            _greedy(client, llm, **fields)
+        assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_field"
+    assert wait_idle(llm)["kv_blocks_used"] == 0
 
 
 ODD_VALUES = [True, -1, 2.5, 1e308, "", "\u0000", [1], ["x"], {}, {"a": 1}, [{"type": "function"}], [[[]]]]
