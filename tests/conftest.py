@@ -68,3 +68,11 @@ def ckpt_factory(tmp_path_factory):
             cache[key] = checkpoints.make_checkpoint(d, model_type, fp8=fp8, **kw)
         return cache[key]
     return make
+
+
+@pytest.fixture(scope="module")
+def server(request, llm):
+    """The test module's `llm` served over HTTP on port 0, protected by the module's KEY (if it has one)."""
+    srv = llm.serve(port=0, api_key=getattr(request.module, "KEY", None), block=False, log_requests=False)
+    yield srv
+    srv.shutdown()

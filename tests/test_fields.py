@@ -54,13 +54,6 @@ def llm(ckpt_factory):
     return pocketllm.LLM(str(path), quiet=True, max_context=640, max_batch_size=4)
 
 
-@pytest.fixture(scope="module")
-def server(llm):
-    srv = llm.serve(port=0, api_key=KEY, block=False, log_requests=False)
-    yield srv
-    srv.shutdown()
-
-
 def request(server, method, path, body=None, raw=None):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request(method, path, body=raw if raw is not None else json.dumps(body) if body is not None else None,

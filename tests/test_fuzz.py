@@ -46,13 +46,6 @@ def llm(ckpt_factory):
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    srv = llm.serve(port=0, api_key=KEY, block=False, log_requests=False)
-    yield srv
-    srv.shutdown()
-
-
-@pytest.fixture(scope="module")
 def doc(server):
     status, answer = fuzzing.get(server.port, "/openapi.json", KEY)
     assert status == 200

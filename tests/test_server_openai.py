@@ -45,13 +45,6 @@ def llm(ckpt_factory):
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    srv = llm.serve(port=0, api_key=KEY, block=False, log_requests=False)
-    yield srv
-    srv.shutdown()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
 
