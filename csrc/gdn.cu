@@ -4,11 +4,13 @@
 // long prefills are slower than a chunked kernel would be.
 #include "ops_common.cuh"
 
-// ---- conv1d, in two kernels on the stream. The outputs: one thread per (channel, chunk of CONV_ROWS rows of
-// the flattened batch); it walks its rows keeping the W-1 previous inputs of the row's sequence in registers,
-// taking them from x, or from the slot's state before the sequence's first row. Then the state update: one
-// thread per (channel, sequence) gathers the last W-1 inputs (state + rows) and writes them back. Splitting the
-// two keeps every old state read ahead of its overwrite. -------------------------------------------------------
+// ---- conv1d. The outputs: one thread per (channel, chunk of CONV_ROWS rows of the flattened batch); it walks
+// its rows keeping the W-1 previous inputs of the row's sequence in registers, taking them from x, or from the
+// slot's state before the sequence's first row. Then the state update: one thread per (channel, sequence)
+// gathers the last W-1 inputs (state + rows) and writes them back, a second kernel, which keeps every old state
+// read ahead of its overwrite. When the whole batch is one chunk (T <= CONV_ROWS: decode and small mixed steps)
+// one thread walks every sequence of its channel, so it writes each sequence's state itself once it has read
+// it (STATE): one launch. ---------------------------------------------------------------------------------------
 
 static const int CONV_MAX_W = 8;
 static const int CONV_ROWS = 64;
@@ -20,9 +22,9 @@ __device__ __forceinline__ float conv_input(const TA* x, const void* conv_state,
   return rel >= 0 ? to_f(x[(row0 + rel) * C + c]) : load_any(conv_state, sdt, st + (W - 1) + rel);
 }
 
-template <typename TA>
+template <typename TA, bool STATE>
 __global__ void conv1d_kernel(const TA* __restrict__ x, const void* __restrict__ w, int wdt,
-                              const void* __restrict__ conv_state, int sdt, const int32_t* slot_ids,
+                              void* __restrict__ conv_state, int sdt, const int32_t* slot_ids,
                               const int32_t* query_start, int B, int64_t T, int C, int W, TA* __restrict__ out) {
   int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
@@ -49,6 +51,10 @@ __global__ void conv1d_kernel(const TA* __restrict__ x, const void* __restrict__
       for (int j = 0; j < CONV_MAX_W - 1; j++)
         if (j < W - 1) win[j] = j + 1 < W - 1 ? win[j + 1] : xt;
     }
+    if (STATE)                                         // win = the sequence's last W-1 inputs
+#pragma unroll
+      for (int j = 0; j < CONV_MAX_W - 1; j++)
+        if (j < W - 1) store_any(conv_state, sdt, st + j, win[j]);
   }
 }
 
@@ -75,14 +81,20 @@ extern "C" int pl_conv1d(uint64_t x, int32_t act_dtype, int64_t T, int32_t C, ui
   PL_REQUIRE(state_dtype >= PL_F32 && state_dtype <= PL_BF16, "conv state dtype must be fp32, fp16 or bf16");
   if (B == 0 || C == 0) return 0;
   unsigned cblocks = (unsigned)((C + 127) / 128);
+  if (T == 0) return 0;                               // no rows: every state stays as it is
   PL_DISPATCH_ACT(act_dtype, TA, {
-    if (T > 0)
-      PL_LAUNCH(conv1d_kernel<TA>, dim3(cblocks, (unsigned)((T + CONV_ROWS - 1) / CONV_ROWS)), dim3(128), 0, stream,
-                (const TA*)x, (const void*)w, (int)w_dtype, (const void*)conv_state, (int)state_dtype,
+    if (T <= CONV_ROWS) {
+      PL_LAUNCH((conv1d_kernel<TA, true>), dim3(cblocks, 1), dim3(128), 0, stream, (const TA*)x, (const void*)w,
+                (int)w_dtype, (void*)conv_state, (int)state_dtype, (const int32_t*)slot_ids,
+                (const int32_t*)query_start, (int)B, T, (int)C, (int)W, (TA*)out);
+    } else {
+      PL_LAUNCH((conv1d_kernel<TA, false>), dim3(cblocks, (unsigned)((T + CONV_ROWS - 1) / CONV_ROWS)), dim3(128), 0,
+                stream, (const TA*)x, (const void*)w, (int)w_dtype, (void*)conv_state, (int)state_dtype,
                 (const int32_t*)slot_ids, (const int32_t*)query_start, (int)B, T, (int)C, (int)W, (TA*)out);
-    PL_LAUNCH(conv_state_kernel<TA>, dim3(cblocks, (unsigned)B), dim3(128), 0, stream, (const TA*)x,
-              (void*)conv_state, (int)state_dtype, (const int32_t*)slot_ids, (const int32_t*)query_start, (int)C,
-              (int)W);
+      PL_LAUNCH(conv_state_kernel<TA>, dim3(cblocks, (unsigned)B), dim3(128), 0, stream, (const TA*)x,
+                (void*)conv_state, (int)state_dtype, (const int32_t*)slot_ids, (const int32_t*)query_start, (int)C,
+                (int)W);
+    }
   });
   PL_CHECK_LAUNCH();
   return 0;

@@ -17,6 +17,20 @@ static const int GEMV_WARPS = 4;      // output rows per block
 // The epilogue's value of output row t: the fp32 sum times that row's input scale, if any.
 __device__ __forceinline__ float row_scaled(float v, const float* rs, int64_t t) { return rs ? v * rs[t] : v; }
 
+// Where output (t, n) goes. A fused projection (q|gate|k|v, gate|up, ...) is one weight of N rows whose output
+// columns fall into up to four parts [0, e0), [e0, e1), [e1, e2), [e2, N); part p is stored as its own
+// contiguous (T, N_p) matrix, the parts one after another, so each consumer reads a plain tensor, whatever T.
+// e0 = e1 = e2 = N is the ordinary (T, N) layout.
+struct OutParts {
+  int64_t T;
+  int e0, e1, e2, N;
+  __device__ __forceinline__ int64_t at(int64_t t, int n) const {
+    int s = n < e0 ? 0 : n < e1 ? e0 : n < e2 ? e1 : e2;
+    int e = n < e0 ? e0 : n < e1 ? e1 : n < e2 ? e2 : N;
+    return T * s + t * (e - s) + (n - s);
+  }
+};
+
 // ---- Loads of 16 consecutive values to fp32 (16-byte vector loads; the caller guarantees alignment). ----
 
 __device__ __forceinline__ void load16(const float* p, float* v) {
@@ -47,7 +61,7 @@ __device__ __forceinline__ void dequant16(const uint8_t* p, float* v) {
 
 template <typename TA, typename TO, bool VEC>
 __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, const uint8_t* w, const float* scale,
-                                int N, TO* out) {
+                                int N, OutParts op, TO* out) {
   int lane = threadIdx.x & 31;
   int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
   if (n >= N) return;                                 // whole warps leave together; no block barrier follows
@@ -82,7 +96,7 @@ __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, cons
   for (int t = 0; t < GEMV_MAX_T; t++) {
     if (t >= T) break;
     float v = warp_sum(acc[t]);
-    if (lane == 0) out[(int64_t)t * N + n] = from_f<TO>(row_scaled(v, rs, t));
+    if (lane == 0) out[op.at(t, n)] = from_f<TO>(row_scaled(v, rs, t));
   }
 }
 
@@ -117,7 +131,8 @@ __device__ __forceinline__ void load8_x(const TA* p, float* v) {
 }
 
 template <typename TA, typename TO, int WDT, bool VEC>
-__global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, const void* w, int N, TO* out) {
+__global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, const void* w, int N, OutParts op,
+                                  TO* out) {
   int lane = threadIdx.x & 31;
   int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
   if (n >= N) return;
@@ -148,7 +163,7 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
   for (int t = 0; t < GEMV_MAX_T; t++) {
     if (t < T) {
       float v = warp_sum(acc[t]);
-      if (lane == 0) out[(int64_t)t * N + n] = from_f<TO>(row_scaled(v, rs, t));
+      if (lane == 0) out[op.at(t, n)] = from_f<TO>(row_scaled(v, rs, t));
     }
   }
 }
@@ -165,7 +180,7 @@ static const int GEMV_MMA_WARPS = 8;
 
 template <int NT, typename TO>
 __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K, const uint8_t* w,
-                                const float* scale, int N, TO* out) {
+                                const float* scale, int N, OutParts op, TO* out) {
   __shared__ float red[GEMV_MMA_WARPS][32][NT * 4];
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int g = lane >> 2, t = lane & 3;
@@ -228,7 +243,7 @@ __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K,
       float v = 0.f;
       for (int w2 = 0; w2 < GEMV_MMA_WARPS; w2++) v += red[w2][lane][j * 4 + i];
       int n = n0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (i & 1);
-      if (n < N && tok < T) out[(int64_t)tok * N + n] = from_f<TO>(row_scaled(v, rs, tok));
+      if (n < N && tok < T) out[op.at(tok, n)] = from_f<TO>(row_scaled(v, rs, tok));
     }
 }
 
@@ -239,7 +254,7 @@ static const int TM = 64, TN = 64, TK = 32;
 
 template <typename TA, typename TO>
 __global__ void gemm_tiled_kernel(const TA* x, const float* rs, int T, int K, const void* w, int wdt,
-                                  const float* scale, int N, TO* out) {
+                                  const float* scale, int N, OutParts op, TO* out) {
   __shared__ float xs[TK][TM + 1];
   __shared__ float ws[TK][TN + 1];
   int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
@@ -271,7 +286,7 @@ __global__ void gemm_tiled_kernel(const TA* x, const float* rs, int T, int K, co
   for (int i = 0; i < 4; i++)
     for (int j = 0; j < 4; j++) {
       int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
-      if (m < T && n < N) out[(int64_t)m * N + n] = from_f<TO>(row_scaled(acc[i][j], rs, m));
+      if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(row_scaled(acc[i][j], rs, m));
     }
 }
 
@@ -336,7 +351,7 @@ __device__ __forceinline__ void stage_tiles(const pl_half* x, int T, int K, cons
 
 template <bool FP8, bool VEC, typename TO>
 __global__ void gemm_mma_kernel(const pl_half* x, const float* rs, int T, int K, const void* w, const float* scale,
-                                int N, TO* out) {
+                                int N, OutParts op, TO* out) {
   __shared__ __align__(16) pl_half xs[TM][MK + MPAD];
   __shared__ __align__(16) pl_half ws[TN][MK + MPAD];
   int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
@@ -372,7 +387,7 @@ __global__ void gemm_mma_kernel(const pl_half* x, const float* rs, int T, int K,
     for (int ni = 0; ni < 4; ni++)
       for (int i = 0; i < 4; i++) {
         int m = m0 + wm + mi * 16 + g + (i >= 2 ? 8 : 0), n = n0 + wn + ni * 8 + 2 * t + (i & 1);
-        if (m < T && n < N) out[(int64_t)m * N + n] = from_f<TO>(row_scaled(acc[mi][ni][i], rs, m));
+        if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(row_scaled(acc[mi][ni][i], rs, m));
       }
 }
 
@@ -380,98 +395,117 @@ __global__ void gemm_mma_kernel(const pl_half* x, const float* rs, int T, int K,
 
 // The tensor-core path takes fp16 activations with e4m3 or fp16 weights; returns false for other cases.
 template <typename TO>
-static bool launch_mma(const float*, const float*, int64_t, int64_t, const void*, int, const float*, int64_t, TO*,
-                       dim3, uint64_t) {
+static bool launch_mma(const float*, const float*, int64_t, int64_t, const void*, int, const float*, int64_t,
+                       OutParts, TO*, dim3, uint64_t) {
   return false;
 }
 
 template <typename TO>
 static bool launch_mma(const pl_half* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
-                       const float* scale, int64_t N, TO* out, dim3 grid, uint64_t stream) {
+                       const float* scale, int64_t N, OutParts op, TO* out, dim3 grid, uint64_t stream) {
   if (wdt != PL_E4M3 && wdt != PL_F16) return false;
   bool vec = K % 16 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0;
   dim3 block(128);
   if (wdt == PL_E4M3 && vec)
-    PL_LAUNCH((gemm_mma_kernel<true, true, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, out);
+    PL_LAUNCH((gemm_mma_kernel<true, true, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, op, out);
   else if (wdt == PL_E4M3)
-    PL_LAUNCH((gemm_mma_kernel<true, false, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, out);
+    PL_LAUNCH((gemm_mma_kernel<true, false, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, op, out);
   else if (vec)
-    PL_LAUNCH((gemm_mma_kernel<false, true, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, out);
+    PL_LAUNCH((gemm_mma_kernel<false, true, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, op, out);
   else
-    PL_LAUNCH((gemm_mma_kernel<false, false, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, out);
+    PL_LAUNCH((gemm_mma_kernel<false, false, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w, scale, (int)N, op, out);
   return true;
 }
 
 // The tensor-core GEMV takes fp16 activations, e4m3 weights, K % 16 == 0, aligned; false for other cases.
 template <typename TO>
 static bool launch_gemv_mma(const float*, const float*, int64_t, int64_t, const void*, int, const float*, int64_t,
-                            TO*, uint64_t) {
+                            OutParts, TO*, uint64_t) {
   return false;
 }
 
 template <typename TO>
 static bool launch_gemv_mma(const pl_half* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
-                            const float* scale, int64_t N, TO* out, uint64_t stream) {
+                            const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
   if (wdt != PL_E4M3 || K % 16 != 0 || ((uintptr_t)x & 15) != 0 || ((uintptr_t)w & 15) != 0) return false;
   dim3 grid((unsigned)((N + 15) / 16)), block(32 * GEMV_MMA_WARPS);
   const uint8_t* w8 = (const uint8_t*)w;
   if (T <= 8)
-    PL_LAUNCH((gemv_mma_kernel<1, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, out);
+    PL_LAUNCH((gemv_mma_kernel<1, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, op, out);
   else
-    PL_LAUNCH((gemv_mma_kernel<2, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, out);
+    PL_LAUNCH((gemv_mma_kernel<2, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, op, out);
   return true;
 }
 
 template <typename TA, typename TO>
 static void launch_linear(const TA* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
-                          const float* scale, int64_t N, TO* out, uint64_t stream) {
+                          const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
   if (T <= GEMV_MAX_T) {
-    if (launch_gemv_mma(x, rs, T, K, w, wdt, scale, N, out, stream)) return;
+    if (launch_gemv_mma(x, rs, T, K, w, wdt, scale, N, op, out, stream)) return;
     dim3 grid((unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS)), block(32 * GEMV_WARPS);
     bool vec = ((uintptr_t)w & 15) == 0 && ((uintptr_t)x & 15) == 0;
     const uint8_t* w8 = (const uint8_t*)w;
     int t = (int)T, k = (int)K, n = (int)N;
     if (wdt == PL_E4M3 && vec && K % 16 == 0)
-      PL_LAUNCH((gemv_fp8_kernel<TA, TO, true>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, out);
+      PL_LAUNCH((gemv_fp8_kernel<TA, TO, true>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out);
     else if (wdt == PL_E4M3)
-      PL_LAUNCH((gemv_fp8_kernel<TA, TO, false>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, out);
+      PL_LAUNCH((gemv_fp8_kernel<TA, TO, false>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out);
     else if (vec && K % 8 == 0 && wdt == PL_BF16)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_BF16, true>), grid, block, 0, stream, x, rs, t, k, w, n, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_BF16, true>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
     else if (vec && K % 8 == 0 && wdt == PL_F16)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F16, true>), grid, block, 0, stream, x, rs, t, k, w, n, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F16, true>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
     else if (vec && K % 8 == 0)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F32, true>), grid, block, 0, stream, x, rs, t, k, w, n, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F32, true>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
     else if (wdt == PL_BF16)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_BF16, false>), grid, block, 0, stream, x, rs, t, k, w, n, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_BF16, false>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
     else if (wdt == PL_F16)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F16, false>), grid, block, 0, stream, x, rs, t, k, w, n, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F16, false>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
     else
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F32, false>), grid, block, 0, stream, x, rs, t, k, w, n, out);
+      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F32, false>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
     return;
   }
   dim3 grid((unsigned)((N + TN - 1) / TN), (unsigned)((T + TM - 1) / TM));
-  if (!launch_mma(x, rs, T, K, w, wdt, scale, N, out, grid, stream))
+  if (!launch_mma(x, rs, T, K, w, wdt, scale, N, op, out, grid, stream))
     PL_LAUNCH((gemm_tiled_kernel<TA, TO>), grid, dim3(256), 0, stream, x, rs, (int)T, (int)K, w, wdt,
-              wdt == PL_E4M3 ? scale : (const float*)0, (int)N, out);
+              wdt == PL_E4M3 ? scale : (const float*)0, (int)N, op, out);
 }
 
-extern "C" int pl_linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
-                         int32_t w_dtype, uint64_t scale, int64_t N, uint64_t out, int32_t out_dtype,
-                         uint64_t stream) {
+// pl_linear and pl_linear_parts: the same kernels; ends = (N, N, N) is the plain (T, N) output.
+static int linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
+                  int32_t w_dtype, uint64_t scale, int64_t N, const int64_t ends[3], uint64_t out, int32_t out_dtype,
+                  uint64_t stream) {
   PL_REQUIRE(w_dtype >= PL_F32 && w_dtype <= PL_E4M3, "weight dtype must be 0..3 (fp32, fp16, bf16, e4m3)");
   PL_REQUIRE(w_dtype != PL_E4M3 || scale != 0, "an e4m3 weight needs its fp32 block scales");
   PL_REQUIRE(out_dtype == act_dtype || out_dtype == PL_F32,
              "output dtype %d: must be the activation dtype (%d) or 0 (fp32)", (int)out_dtype, (int)act_dtype);
   PL_REQUIRE(K > 0 && K < (1ll << 31) && N < (1ll << 31) && T < 65535ll * TM, "linear shape out of range");
+  PL_REQUIRE(0 <= ends[0] && ends[0] <= ends[1] && ends[1] <= ends[2] && ends[2] <= N,
+             "part ends %lld %lld %lld: must rise within 0..N = %lld", (long long)ends[0], (long long)ends[1],
+             (long long)ends[2], (long long)N);
   if (T == 0 || N == 0) return 0;
   const float* rs = (const float*)x_row_scale;
+  OutParts op{T, (int)ends[0], (int)ends[1], (int)ends[2], (int)N};
   PL_DISPATCH_ACT(act_dtype, TA,
     if (out_dtype == PL_F32)
-      launch_linear<TA, float>((const TA*)x, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N,
+      launch_linear<TA, float>((const TA*)x, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
                                (float*)out, stream);
     else
-      launch_linear<TA, TA>((const TA*)x, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N,
+      launch_linear<TA, TA>((const TA*)x, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
                             (TA*)out, stream));
   PL_CHECK_LAUNCH();
   return 0;
+}
+
+extern "C" int pl_linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
+                         int32_t w_dtype, uint64_t scale, int64_t N, uint64_t out, int32_t out_dtype,
+                         uint64_t stream) {
+  const int64_t ends[3] = {N, N, N};
+  return linear(x, act_dtype, x_row_scale, T, K, w, w_dtype, scale, N, ends, out, out_dtype, stream);
+}
+
+extern "C" int pl_linear_parts(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K,
+                               uint64_t w, int32_t w_dtype, uint64_t scale, int64_t N, int64_t end0, int64_t end1,
+                               int64_t end2, uint64_t out, int32_t out_dtype, uint64_t stream) {
+  const int64_t ends[3] = {end0, end1, end2};
+  return linear(x, act_dtype, x_row_scale, T, K, w, w_dtype, scale, N, ends, out, out_dtype, stream);
 }

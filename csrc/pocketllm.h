@@ -70,6 +70,13 @@ int pl_nccl_wait(uint64_t comm, uint64_t stream, double timeout_s);
 int pl_nccl_abort(uint64_t comm);
 int pl_nccl_destroy(uint64_t comm);
 
+/* Kernel launches made by this process so far (every op counts each kernel it queues; the CPU build counts
+ * the same launches). Never fails but for a NULL count. */
+int pl_launch_count(uint64_t* count);
+/* Benchmarking switch: with skip = 1 every op checks its arguments and counts its launches but runs no kernel
+ * (outputs are left unwritten), so what remains is the host's cost of the call. 0 restores normal operation. */
+int pl_set_skip_kernels(int32_t skip);
+
 /* ---- ops (native-kernels) ---- */
 /* Conventions: int status; tensors as uint64_t pointers to contiguous memory; token and element counts as
  * int64_t, head counts and dims as int32_t; element types as int32_t pl_dtype; the stream is the last argument
@@ -96,6 +103,13 @@ int pl_add_rmsnorm(uint64_t x, int32_t x_dtype, uint64_t residual, uint64_t w, i
    pass 65504). Accumulation is fp32 always. T <= 16 takes the GEMV path. */
 int pl_linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
               int32_t w_dtype, uint64_t scale, int64_t N, uint64_t out, int32_t out_dtype, uint64_t stream);
+/* pl_linear of a fused weight (rows of several projections stacked, loaded that way once) whose output columns
+   fall into four parts [0, end0), [end0, end1), [end1, end2), [end2, N) (0 <= end0 <= end1 <= end2 <= N; a part
+   may be empty): out holds part p as its own contiguous (T, N_p) matrix, the parts one after another, so
+   q|gate|k|v or gate|up come out of one launch as plain tensors. end0 = end1 = end2 = N is pl_linear. */
+int pl_linear_parts(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
+                    int32_t w_dtype, uint64_t scale, int64_t N, int64_t end0, int64_t end1, int64_t end2,
+                    uint64_t out, int32_t out_dtype, uint64_t stream);
 /* out (T, I) of out_dtype = silu(g) * u / row_scale[t], g, u (T, I) of in_dtype, in fp32; out_dtype is in_dtype
    or fp16 from fp32 inputs. row_scale: 0 for none, or (T,) fp32 written with the power of two that brings the
    row's largest |value| to at most 2^15 (1 when it already is), so an fp16 out never overflows and keeps its

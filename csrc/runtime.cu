@@ -37,6 +37,17 @@ extern "C" const char* pl_last_error(void) { return g_last_error; }
 extern "C" int32_t pl_abi_version(void) { return PL_ABI_VERSION; }
 extern "C" int32_t pl_is_cpu_build(void) { return PL_CPU_EMU; }
 
+extern "C" int pl_launch_count(uint64_t* count) {
+    PL_REQUIRE(count, "count must not be NULL");
+    *count = pl_launch_counter.load();
+    return 0;
+}
+
+extern "C" int pl_set_skip_kernels(int32_t skip) {
+    pl_skip_kernels_flag.store(skip ? 1 : 0);
+    return 0;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Devices. The CUDA runtime is linked statically and finds the driver itself, so loading the library never
 // fails for want of a GPU; this query is where that shows. A runtime of CUDA major version M runs on any driver

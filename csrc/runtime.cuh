@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <string.h>
 #include <math.h>
+#include <atomic>
 
 // ---------------------------------------------------------------------------------------------------------
 // Errors, common to both builds: a thread-local message buffer read by pl_last_error() (runtime.cu).
@@ -57,6 +58,17 @@ void pl_set_errorf(const char* func, const char* file, int line, const char* fmt
 // Device pointers travel through the C ABI as integers.
 #define PL_PTR(T, u64) (reinterpret_cast<T*>(static_cast<uintptr_t>(u64)))
 
+// Launch accounting, the same in both builds: every PL_LAUNCH adds one to pl_launch_counter (pl_launch_count
+// reads it, so launches per decoded token are counted on the CPU too). With pl_set_skip_kernels(1) a launch
+// is counted and then not run: what is left is the host's own cost of an op (benchmarks/host_ops.py).
+inline std::atomic<uint64_t> pl_launch_counter{0};
+inline std::atomic<int> pl_skip_kernels_flag{0};
+// Count one launch; true when the kernel should run.
+inline bool pl_count_launch() {
+    pl_launch_counter.fetch_add(1, std::memory_order_relaxed);
+    return pl_skip_kernels_flag.load(std::memory_order_relaxed) == 0;
+}
+
 #ifdef __CUDACC__
 // =========================================================================================================
 // The GPU build: the real spellings.
@@ -66,8 +78,11 @@ void pl_set_errorf(const char* func, const char* file, int line, const char* fmt
 
 #define PL_CPU_EMU 0
 
-#define PL_LAUNCH(kernel, grid, block, smem, stream, ...) \
-    kernel<<<(grid), (block), (smem), (cudaStream_t)(uintptr_t)(stream)>>>(__VA_ARGS__)
+#define PL_LAUNCH(kernel, grid, block, smem, stream, ...)                                 \
+    do {                                                                                  \
+        if (pl_count_launch())                                                            \
+            kernel<<<(grid), (block), (smem), (cudaStream_t)(uintptr_t)(stream)>>>(__VA_ARGS__); \
+    } while (0)
 
 #define PL_DYN_SMEM(T, name)                                  \
     extern __shared__ __align__(16) unsigned char pl_dyn_smem_[]; \
@@ -697,7 +712,8 @@ inline unsigned char* dyn_smem() { return g_dyn_smem + kSmemRedzone; }
 #define warpSize 32
 
 #define PL_LAUNCH(kernel, grid, block, smem, stream, ...) \
-    ((void)(stream), pl_cpu::launch(kernel, dim3(grid), dim3(block), (size_t)(smem), __VA_ARGS__))
+    ((void)(stream), pl_count_launch() ? pl_cpu::launch(kernel, dim3(grid), dim3(block), (size_t)(smem), __VA_ARGS__) \
+                                       : (void)0)
 #define PL_DYN_SMEM(T, name) T* name = reinterpret_cast<T*>(pl_cpu::dyn_smem())
 
 #define __syncthreads() pl_cpu::sync_block(__FILE__, __LINE__)

@@ -342,6 +342,77 @@ def test_linear_dense(lib, act, wdt, T, N, K):
     check(out, x.double().cpu() @ w.double().cpu().T, TOL[act], "linear dense")
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("wdt", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("T,ends", [(1, (128, 384, 384)), (5, (0, 256, 300)), (12, (128, 256, 384)),
+                                    (33, (256, 256, 300))])
+def test_linear_parts(lib, act, wdt, T, ends):
+    """A fused weight's output split into four parts, each its own contiguous (T, N_p) block, one after another:
+    the same values as the plain product, moved (every path: GEMV, tensor-core GEMV, tiled/mma; an empty part)."""
+    dev, N, K = lib.device, 420, 256
+    if wdt == torch.float8_e4m3fn:
+        w, scale = fp8_weight(N, K, dev)
+        full = dequant(w.cpu().float(), scale.cpu())
+    else:
+        w, scale = rnd(N, K, dtype=wdt, device=dev, scale=0.1), None
+        full = w.double().cpu()
+    x = rnd(T, K, dtype=act, device=dev)
+    out = poisoned((T * N,), torch.float32, dev)
+    lib.call("pl_linear_parts", p(x), CODE[act], 0, T, K, p(w), CODE[wdt], 0 if scale is None else p(scale), N,
+             *ends, p(out), F32)
+    ref = x.double().cpu() @ full.T                                             # (T, N)
+    bounds = [0, *ends, N]
+    parts = [ref[:, a:b].reshape(-1) for a, b in zip(bounds, bounds[1:])]     # part p: (T, N_p) row-major
+    check(out, torch.cat(parts), TOL[act], f"linear parts T={T} ends={ends}")
+
+
+def test_linear_parts_refuses_falling_ends(lib):
+    x, w = rnd(1, 64, device=lib.device), rnd(8, 64, device=lib.device)
+    out = poisoned((8,), torch.float32, lib.device)
+    with pytest.raises(RuntimeError, match="part ends 4 2 8: must rise"):
+        lib.call("pl_linear_parts", p(x), F32, 0, 1, 64, p(w), F32, 0, 8, 4, 2, 8, p(out), F32)
+
+
+def test_launch_counter_and_skip(lib):
+    """pl_launch_count counts each kernel an op queues (conv1d: one launch when the batch is one chunk of rows,
+    two otherwise); with pl_set_skip_kernels(1) the launches are counted but nothing is written."""
+    dev = lib.device
+    count = lib.ffi.new("uint64_t*")
+
+    def launches(fn) -> int:
+        lib.lib.pl_launch_count(count)
+        before = count[0]
+        fn()
+        lib.lib.pl_launch_count(count)
+        return count[0] - before
+
+    C, W = 40, 4
+    w, state = rnd(C, W, device=dev), rnd(2, C, W - 1, device=dev)
+    slots = torch.tensor([1, 0], dtype=torch.int32, device=dev)
+
+    def conv(T):
+        qs = torch.tensor([0, T - 1, T], dtype=torch.int32, device=dev)
+        x, out = rnd(T, C, device=dev), poisoned((T, C), torch.float32, dev)
+        return lambda: lib.call("pl_conv1d", p(x), F32, T, C, p(w), F32, W, p(state), F32, p(slots), p(qs), 2,
+                                p(out)), out
+
+    run, _ = conv(2)
+    assert launches(run) == 1
+    run, _ = conv(70)
+    assert launches(run) == 2
+    x, wl = rnd(3, 64, device=dev), rnd(8, 64, device=dev)
+    out = poisoned((3, 8), torch.float32, dev)
+    assert launches(lambda: lib.call("pl_linear", p(x), F32, 0, 3, 64, p(wl), F32, 0, 8, p(out), F32)) == 1
+    assert torch.isfinite(out).all()
+    out = poisoned((3, 8), torch.float32, dev)
+    lib.lib.pl_set_skip_kernels(1)
+    try:
+        assert launches(lambda: lib.call("pl_linear", p(x), F32, 0, 3, 64, p(wl), F32, 0, 8, p(out), F32)) == 1
+    finally:
+        lib.lib.pl_set_skip_kernels(0)
+    assert torch.isnan(out).all()                                              # counted, not run
+
+
 @pytest.mark.parametrize("T", [2, 24])
 def test_mlp_large_activations_fp16(lib, T):
     """Real-scale activations on the fp16 path: partial sums far above fp16's 65504 must not overflow when the
