@@ -785,6 +785,10 @@ class TorchOps:
             out[:, r:r + step] = x @ dequantize(tile, x.dtype).t()
         return out
 
+    def linear_parts(self, x, w: Linear, sizes: list[int], dtype=None) -> tuple[torch.Tensor, ...]:
+        """linear() of stacked projections, split into their (T, N_p) outputs (views here)."""
+        return self.linear(x, w, dtype).split(sizes, -1)
+
     def silu_mul(self, g, u):
         return (F.silu(g.float()) * u.float()).to(g.dtype)
 
@@ -1041,12 +1045,23 @@ class NativeOps:
         self.device = torch.device(device or "cuda")
         self.lib = lib or load_native(cpu_build=self.device.type == "cpu")
         self._threads = threading.local()   # threads that made this device current in the library's runtime
+        self._cpu_build = self.lib.is_cpu_build
+
+    def launch_count(self) -> int:
+        """Kernel launches queued by the library in this process so far (pl_launch_count)."""
+        count = self.lib.ffi.new("uint64_t*")
+        self.lib.call("pl_launch_count", count)
+        return int(count[0])
+
+    def skip_kernels(self, skip: bool) -> None:
+        """Benchmarking only: ops check their arguments and count their launches but run nothing."""
+        self.lib.call("pl_set_skip_kernels", int(skip))
 
     # ---- Plumbing: pointers, dtype codes, the stream ----
 
     def _p(self, t: torch.Tensor) -> int:
         """The address of a tensor the library reads or writes in place."""
-        if t.is_cuda == self.lib.is_cpu_build:
+        if t.is_cuda == self._cpu_build:
             where = "CPU" if self.lib.is_cpu_build else "CUDA"
             raise PocketError(f"native backend ({self.lib.path.name}) needs {where} tensors, got one on {t.device}")
         if not t.is_contiguous():
@@ -1061,18 +1076,22 @@ class NativeOps:
         return NATIVE_DTYPES[t.dtype]
 
     def _stream(self, t: torch.Tensor) -> int:
-        """torch's current stream on t's device, that device made current for the library on this thread."""
+        """torch's current stream on t's device (read each call: a CUDA graph capture changes it), that device
+        made current for the library on this thread."""
         if not t.is_cuda:
             return 0
-        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        index = t.device.index
         if getattr(self._threads, "device", None) != index:
             self.lib.call("pl_set_device", index)
             self._threads.device = index
-        return torch.cuda.current_stream(t.device).cuda_stream
+        return torch._C._cuda_getCurrentRawStream(index)   # torch.cuda.current_stream's handle, ~10x cheaper
 
     @staticmethod
     def _as(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """An input in `dtype` (default: its own), contiguous; no copy when it already is."""
+        """An input in `dtype` (default: its own), contiguous; itself, checked in two attribute reads, when it
+        already is (the model's tensors always are: no conversion on the hot path)."""
+        if (dtype is None or t.dtype == dtype) and t.is_contiguous():
+            return t
         return t.to(dtype or t.dtype).contiguous()
 
     # ---- The ops ----
@@ -1110,19 +1129,33 @@ class NativeOps:
         """x @ w^T in `dtype`: x's own, or float32 (fp32 accumulation either way)."""
         return self._linear(x, w, dtype or x.dtype, None)
 
-    def _linear(self, x: torch.Tensor, w: Linear, dtype: torch.dtype, row_scale: torch.Tensor | None) -> torch.Tensor:
-        """pl_linear; row_scale (T,) fp32 multiplies output row t (pl_silu_mul's scales), None for none."""
+    def _linear(self, x: torch.Tensor, w: Linear, dtype: torch.dtype, row_scale: torch.Tensor | None,
+                sizes: list[int] | None = None) -> torch.Tensor:
+        """pl_linear_parts; row_scale (T,) fp32 multiplies output row t (pl_silu_mul's scales), None for none.
+        sizes: the output columns of each stacked part (at most 4), whose (T, N_p) blocks follow one another
+        in the returned flat buffer; None for the plain (T, N) output."""
         if w.scale is not None and tuple(w.block) != (128, 128):
             raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w.block)} "
                               f"(use --backend torch)")
         x, weight = self._as(x), self._as(w.weight)
         N, K = weight.shape
-        out = torch.empty(*x.shape[:-1], N, dtype=dtype, device=x.device)            # (T, N)
+        ends = [N, N, N] if sizes is None else (list(itertools.accumulate(sizes[:-1])) + [N, N, N])[:3]
+        out = torch.empty(*x.shape[:-1], N, dtype=dtype, device=x.device)            # (T, N) or the parts
         scale = self._as(w.scale, torch.float32) if w.scale is not None else None    # (ceil(N/128), ceil(K/128))
-        self.lib.call("pl_linear", self._p(x), self._dt(x), 0 if row_scale is None else self._p(row_scale),
+        self.lib.call("pl_linear_parts", self._p(x), self._dt(x), 0 if row_scale is None else self._p(row_scale),
                       x.numel() // K, K, self._p(weight), self._dt(weight), 0 if scale is None else self._p(scale),
-                      N, self._p(out), self._dt(out), self._stream(x))
+                      N, *ends, self._p(out), self._dt(out), self._stream(x))
         return out
+
+    def linear_parts(self, x: torch.Tensor, w: Linear, sizes: list[int],
+                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """linear() of stacked projections in one launch, each part's (T, N_p) output a contiguous tensor."""
+        if len(sizes) > 4:
+            raise PocketError(f"linear_parts: at most 4 parts, got {len(sizes)}")
+        out = self._linear(x, w, dtype or x.dtype, None, sizes).view(-1)
+        T = x.numel() // x.shape[-1]
+        offsets = itertools.accumulate([0] + [T * n for n in sizes])
+        return tuple(out[o:o + T * n].view(T, n) for o, n in zip(offsets, sizes))
 
     def _silu_mul(self, g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype, row_scale: torch.Tensor | None):
         g, u = self._as(g), self._as(u, g.dtype)
@@ -1465,9 +1498,18 @@ class Shard:
 
 
 # Layer weights, one dataclass per kind of block. Field names are the HF tensor names under the block's
-# module (`layers.{i}.self_attn.q_proj.weight` -> AttentionWeights.q_proj), loaded unfused: no tensor is
-# concatenated with another, so a checkpoint name always finds its field. Shapes are this rank's shard
-# (H' = H / world heads, I' = I / world rows); D = hidden_size.
+# module (`layers.{i}.self_attn.q_proj.weight` -> AttentionWeights.q_proj), loaded unfused, so a checkpoint
+# name always finds its field. Shapes are this rank's shard (H' = H / world heads, I' = I / world rows);
+# D = hidden_size. Then fuse_projections stacks the rows of the projections that read the same input into one
+# weight (a FusedLinear field: one kernel launch instead of two to four), and the HF fields become views of it.
+
+
+@dataclass
+class FusedLinear:
+    """Projections of one input run together: each group is one Linear of stacked rows whose output splits into
+    `sizes` columns (ops.linear_parts: one launch per group, each part its own tensor). Parts that cannot share a
+    weight (FP8 beside dense, or an FP8 part ending inside a scale block) fall into separate groups."""
+    groups: list[tuple[Linear, list[int]]]   # (stacked weight (sum(sizes), K), output columns of each part)
 
 @dataclass
 class AttentionWeights:
@@ -1480,6 +1522,8 @@ class AttentionWeights:
     k_norm: torch.Tensor           # (Dh,) fp32, zero-centred
     heads: int                     # H': this rank's query heads
     kv_heads: int                  # Hk': this rank's key/value heads
+    qkv: FusedLinear | None = None  # parts q (H'*Dh) | gate (H'*Dh) | k | v; q|gate still per head when
+    gate_interleaved: bool = False  # FP8 heads smaller than a scale block could not be regrouped (then 3 parts)
 
 
 @dataclass
@@ -1496,6 +1540,7 @@ class GatedDeltaNetWeights:
     norm: torch.Tensor             # (Dv,) fp32, the gated RMSNorm (plain x * w, not zero-centred)
     k_heads: int                   # Hk': this rank's key heads
     v_heads: int                   # Hv': this rank's value heads
+    in_proj: FusedLinear | None = None   # parts qkv | z | a | b (FP8 qkv|z and dense a|b: two groups)
 
 
 @dataclass
@@ -1504,6 +1549,7 @@ class MLPWeights:
     gate_proj: Linear              # (I', D) colwise
     up_proj: Linear                # (I', D) colwise
     down_proj: Linear              # (D, I') rowwise: its output is all-reduced
+    gate_up: FusedLinear | None = None   # parts gate | up
 
 
 def load_norm(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -1603,6 +1649,74 @@ def _to_device(weights, device, dtype: torch.dtype):
     return dataclasses.replace(weights, **{f.name: move(getattr(weights, f.name)) for f in dataclasses.fields(weights)})
 
 
+def linear_rows(w: Linear, r0: int, r1: int) -> Linear:
+    """Rows [r0, r1) of w as a view (FP8: r0 on a scale block boundary, so its scale rows are a view too)."""
+    if w.scale is None:
+        return Linear(w.weight[r0:r1], None, w.block)
+    bn = w.block[0]
+    return Linear(w.weight[r0:r1], w.scale[r0 // bn:-(-r1 // bn)], w.block)
+
+
+def stackable(a: Linear, b: Linear) -> bool:
+    """Whether b's rows can follow a's in one weight: same dtype, K and scale grid, and (FP8) a ends on a block."""
+    if a.weight.dtype != b.weight.dtype or a.shape[1] != b.shape[1] or (a.scale is None) != (b.scale is None):
+        return False
+    return a.scale is None or (tuple(a.block) == tuple(b.block) and a.shape[0] % a.block[0] == 0)
+
+
+def fuse_linears(parts: list[Linear]) -> tuple[FusedLinear, list[Linear]]:
+    """Stack consecutive stackable parts (at most four per group: pl_linear_parts' limit) into one weight each;
+    returns the FusedLinear and each part as a view of its group's weight (the originals can be freed)."""
+    groups, views = [], []
+    for w in parts:
+        if groups and len(groups[-1]) < 4 and stackable(groups[-1][-1], w):
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    fused = []
+    for group in groups:
+        scales = None if group[0].scale is None else torch.cat([w.scale for w in group])
+        stacked = Linear(torch.cat([w.weight for w in group]), scales, group[0].block)
+        sizes = [w.shape[0] for w in group]
+        fused.append((stacked, sizes))
+        ends = list(itertools.accumulate(sizes))
+        views += [linear_rows(stacked, e - n, e) for n, e in zip(sizes, ends)]
+    return FusedLinear(fused), views
+
+
+def split_q_gate(w: Linear, heads: int, Dh: int) -> tuple[Linear, Linear] | None:
+    """q_proj's rows [q | gate] per head regrouped into all q rows and all gate rows; None for FP8 whose heads
+    are not whole scale blocks (a block's scale would cover q and gate rows)."""
+    if w.scale is not None and Dh % w.block[0]:
+        return None
+    rows = w.weight.view(heads, 2, Dh, -1)                               # (H', [q|gate], Dh, D)
+    if w.scale is None:
+        return Linear(rows[:, 0].reshape(heads * Dh, -1)), Linear(rows[:, 1].reshape(heads * Dh, -1))
+    sc = w.scale.view(heads, 2, Dh // w.block[0], -1)                    # (H', [q|gate], Dh/128, D/128)
+    return tuple(Linear(rows[:, i].reshape(heads * Dh, -1), sc[:, i].reshape(-1, sc.shape[-1]), w.block)
+                 for i in (0, 1))
+
+
+def fuse_projections(layer: DecoderLayer, Dh: int) -> DecoderLayer:
+    """The layer with its same-input projections stacked (q|gate|k|v, qkv|z|a|b, gate|up); the HF fields become
+    views of the stacked weights (q_proj then holds [q (all heads) | gate (all heads)]), so memory stays one copy."""
+    m, mlp = layer.mixer, layer.mlp
+    gate_up, (gate, up) = fuse_linears([mlp.gate_proj, mlp.up_proj])
+    mlp = dataclasses.replace(mlp, gate_proj=gate, up_proj=up, gate_up=gate_up)
+    if isinstance(m, GatedDeltaNetWeights):
+        in_proj, (qkv, z, a, b) = fuse_linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_a, m.in_proj_b])
+        m = dataclasses.replace(m, in_proj=in_proj, in_proj_qkv=qkv, in_proj_z=z, in_proj_a=a, in_proj_b=b)
+    else:
+        gated = m.q_proj.shape[0] == 2 * m.heads * Dh
+        q_gate = split_q_gate(m.q_proj, m.heads, Dh) if gated else None
+        qkv, views = fuse_linears(([m.q_proj] if q_gate is None else list(q_gate)) + [m.k_proj, m.v_proj])
+        # q and gate always share the first group (same dtype and grid; FP8 heads are whole blocks)
+        q_proj = views[0] if q_gate is None else linear_rows(qkv.groups[0][0], 0, 2 * m.heads * Dh)
+        m = dataclasses.replace(m, qkv=qkv, gate_interleaved=gated and q_gate is None, q_proj=q_proj,
+                                k_proj=views[-2], v_proj=views[-1])
+    return dataclasses.replace(layer, mixer=m, mlp=mlp)
+
+
 class Model:
     """The decoder: embedding, layers, final norm, lm_head. forward(batch) -> logits of batch.logit_rows.
     With tensor parallelism each rank holds a shard and `all_reduce` sums the row-parallel outputs."""
@@ -1624,7 +1738,8 @@ class Model:
         self.layers = []
         t0 = time.time()
         for i in range(n):
-            self.layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype))
+            self.layers.append(fuse_projections(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype),
+                                                cfg.head_dim))
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
         self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
@@ -1676,23 +1791,23 @@ class Model:
             logits[:, v0:v1] = self.ops.linear(h, self.lm_head, torch.float32)   # (R, V') this rank's columns
         return self.all_reduce(logits)
 
+    def project(self, x, w: FusedLinear, dtype=None) -> list[torch.Tensor]:
+        """Every part of a FusedLinear, (T, N_p) each: one launch per group."""
+        return [part for lin, sizes in w.groups for part in self.ops.linear_parts(x, lin, sizes, dtype)]
+
     def mlp(self, w: MLPWeights, x):
-        ops = self.ops
-        f32 = torch.float32                                                # gate, up, output: may pass 65504
-        return ops.silu_mul_linear(ops.linear(x, w.gate_proj, f32), ops.linear(x, w.up_proj, f32), w.down_proj,
-                                   self.dtype)
+        g, u = self.project(x, w.gate_up, torch.float32)                 # gate, up, output: may pass 65504
+        return self.ops.silu_mul_linear(g, u, w.down_proj, self.dtype)
 
     def attention(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
         ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
         Dh = cfg.head_dim
-        qg = ops.linear(x, w.q_proj)
-        if cfg.gated_attention:                                            # per head: [q | gate]
-            qg = qg.view(T, w.heads, 2, Dh)
-            q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, w.heads * Dh)
-        else:
-            q, gate = qg.view(T, w.heads, Dh), None
-        k = ops.linear(x, w.k_proj).view(T, w.kv_heads, Dh)
-        v = ops.linear(x, w.v_proj).view(T, w.kv_heads, Dh)
+        parts = self.project(x, w.qkv)                                     # q | gate | k | v
+        if w.gate_interleaved:                                             # per head: [q | gate]
+            qg = parts.pop(0).view(T, w.heads, 2, Dh)
+            parts[:0] = [qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, w.heads * Dh)]
+        q, gate = parts[0].view(T, w.heads, Dh), parts[1] if cfg.gated_attention else None
+        k, v = (t.view(T, w.kv_heads, Dh) for t in parts[-2:])
         q, k = ops.qk_norm_rope(q, k, w.q_norm, w.k_norm, cfg.rms_norm_eps, batch.positions, self.inv_freq)
         ops.kv_write(k, v, cache.k[L.index], cache.v[L.index], batch.slot_mapping)
         o = ops.attention(q, cache.k[L.index], cache.v[L.index], batch.block_tables, batch.context_lens,
@@ -1704,16 +1819,15 @@ class Model:
     def gated_deltanet(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
         ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv = ops.conv1d(ops.linear(x, w.in_proj_qkv), w.conv1d, cache.conv[L.index], batch.state_slots,
-                         batch.query_start)                               # (T, C')
+        qkv, z, a, b = self.project(x, w.in_proj)                          # (T, C'), (T, Hv'*Dv), (T, Hv') x 2
+        qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], batch.state_slots, batch.query_start)   # (T, C')
         nk, nv = w.k_heads * Dk, w.v_heads * Dv
         q = qkv[:, :nk].reshape(T, w.k_heads, Dk)
         k = qkv[:, nk:2 * nk].reshape(T, w.k_heads, Dk)
         v = qkv[:, 2 * nk:].reshape(T, w.v_heads, Dv)
-        g, beta = ops.gdn_gates(ops.linear(x, w.in_proj_a), ops.linear(x, w.in_proj_b), w.A_log, w.dt_bias)
+        g, beta = ops.gdn_gates(a, b, w.A_log, w.dt_bias)
         o = ops.gated_delta(q, k, v, g, beta, cache.ssm[L.index], batch.state_slots, batch.query_start)
-        z = ops.linear(x, w.in_proj_z).view(T, w.v_heads, Dv)
-        o = ops.gated_rmsnorm(o, z, w.norm, cfg.rms_norm_eps).reshape(T, nv)
+        o = ops.gated_rmsnorm(o, z.view(T, w.v_heads, Dv), w.norm, cfg.rms_norm_eps).reshape(T, nv)
         return ops.linear(o, w.out_proj, torch.float32)                    # row-parallel: fp32
 
 
@@ -1721,6 +1835,8 @@ def named_weights(weights, prefix: str = "") -> Iterator[tuple[str, Linear | tor
     """Every Linear and tensor of a layer's weights, by dotted field path ("mlp.gate_proj")."""
     for f in dataclasses.fields(weights):
         value = getattr(weights, f.name)
+        if isinstance(value, FusedLinear):           # the HF fields are views of it: counted there
+            continue
         if isinstance(value, (Linear, torch.Tensor)):
             yield prefix + f.name, value
         elif dataclasses.is_dataclass(value):

@@ -675,6 +675,9 @@ def _nativeops_cases(pl, act):
         ("silu_mul_linear", (r(20, 256, scale=40, dtype=torch.float32), r(20, 256, scale=90, dtype=torch.float32),
                              pl.Linear(*fp8_weight(96, 256, "cpu", gen=g)), act)),
         ("linear", (r(20, 256), pl.Linear(w8, s8))),
+        ("linear_parts", (r(3, 256), pl.Linear(w8, s8), [128, 22])),                 # FP8: parts end on blocks
+        ("linear_parts", (r(20, 256, scale=300), pl.Linear(w8, s8), [128, 22], torch.float32)),
+        ("linear_parts", (r(5, 64), pl.Linear(r(48, 64, scale=0.1, dtype=torch.bfloat16), None), [20, 4, 4, 20])),
         ("linear", (r(5, 64), pl.Linear(r(48, 64, scale=0.1, dtype=torch.bfloat16), None))),
         ("silu_mul", (r(T, 130, scale=3), r(T, 130))),
         ("sigmoid_mul", (r(T, 130), r(T, 130, scale=3))),
