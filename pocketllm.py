@@ -1643,6 +1643,8 @@ def _to_device(weights, device, dtype: torch.dtype):
     def move(value):
         if isinstance(value, Linear):
             return value.to(device, dtype)
+        if isinstance(value, FusedLinear):
+            return FusedLinear([(w.to(device, dtype), sizes) for w, sizes in value.groups])
         if isinstance(value, torch.Tensor):
             return value.to(device)
         return _to_device(value, device, dtype) if dataclasses.is_dataclass(value) else value
@@ -2311,8 +2313,11 @@ _BATCH_DTYPES = (torch.long, torch.long, torch.int32, torch.int32, torch.int32, 
                  torch.long, torch.long)   # Batch's fields in order
 
 
-def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
-    """Flatten the plan into the tensors the model reads: built on the host, then one copy to the device."""
+def batch_fields(plan: list[Scheduled], block_size: int, pad_to: int = 0, width: int = 0,
+                 pad_slots: list[int] = ()) -> tuple[list[list[int]], int]:
+    """Batch's fields in order as int lists (block tables flattened to (B, width)), and the width. pad_to > len(plan)
+    adds decode rows that change nothing anyone reads (a CUDA graph's fixed batch size): token 0 at position 0,
+    no KV slot (-1: kv_write skips it), context 1 read from block 0, and a free state slot from pad_slots."""
     ids, pos, slots, starts, ctx, rows = [], [], [], [0], [], []
     for p in plan:
         n = len(p.seq.request.prompt_ids)                  # a decode reads its output, not prompt + output
@@ -2324,14 +2329,85 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
         starts.append(starts[-1] + p.count)
         ctx.append(p.start + p.count)
         rows.append(starts[-1] - 1)
-    width = max(len(p.seq.blocks) for p in plan)
+    width = max(width, max(len(p.seq.blocks) for p in plan))
     tables = [b for p in plan for b in p.seq.blocks + [0] * (width - len(p.seq.blocks))]   # (B, width) flat
+    state_slots = [p.seq.slot for p in plan] + list(pad_slots[:max(0, pad_to - len(plan))])
+    for _ in range(len(plan), pad_to):
+        ids.append(0), pos.append(0), slots.append(-1), ctx.append(1), rows.append(starts[-1])
+        starts.append(starts[-1] + 1)
+        tables += [0] * width
     fresh = [p.seq.slot for p in plan if p.start == 0]
-    fields = (ids, pos, starts, ctx, tables, slots, [p.seq.slot for p in plan], rows, fresh)   # Batch's order
-    payload = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long).to(device)   # one copy
-    parts = [part.to(dtype) for part, dtype in zip(payload.split([len(f) for f in fields]), _BATCH_DTYPES)]
-    parts[4] = parts[4].view(len(plan), width)                                  # block tables (B, width)
+    return [ids, pos, starts, ctx, tables, slots, state_slots, rows, fresh], width
+
+
+def batch_of(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> Batch:
+    """The Batch whose fields are consecutive pieces of one int64 payload (sizes: each field's length)."""
+    parts = [part.to(dtype) for part, dtype in zip(payload.split(sizes), _BATCH_DTYPES)]
+    parts[4] = parts[4].view(B, width)                                          # block tables (B, width)
     return Batch(*parts)
+
+
+def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
+    """Flatten the plan into the tensors the model reads: built on the host, then one copy to the device (from
+    pinned memory and without waiting, on a GPU)."""
+    fields, width = batch_fields(plan, block_size)
+    payload = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long)
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():   # (not on tests' fake CUDA)
+        payload = payload.pin_memory()
+    return batch_of(payload.to(device, non_blocking=True), [len(f) for f in fields], len(plan), width)
+
+
+class DecodeGraphs:
+    """The decode forward as CUDA graphs, one per batch-size bucket: a pure decode step (one new token per
+    sequence) of B sequences is padded to the next bucket, its fields copied into the graph's static input in one
+    upload, and the graph replayed: the host's cost of a step is one copy and one launch instead of a Python
+    call per op. Captured on first use of a bucket. CUDA only (native backend, one rank): elsewhere, and for
+    prefill or mixed steps, the engine runs the model eagerly. A bucket's first step runs eagerly too (it loads
+    and warms every kernel of that shape); its second is captured (capture runs nothing) and replayed. Padding
+    rows write only free state slots, whose next owner zeroes them. `enabled = False` switches graphs off (the
+    GPU check measures decode both ways)."""
+    BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+    def __init__(self, model: "Model", cache: Cache, max_batch_size: int, max_context: int, block_size: int):
+        self.model, self.cache, self.block_size = model, cache, block_size
+        self.width = -(-max_context // block_size)             # block-table width: every graph reads the same
+        self.buckets = [b for b in self.BUCKETS if b < max_batch_size] + [max_batch_size]
+        self.graphs: dict[int, tuple] = {}                      # bucket -> (graph, static payload, logits)
+        self.seen: set[int] = set()                             # buckets run eagerly once
+        self.enabled = True
+
+    @staticmethod
+    def usable(model: "Model") -> bool:
+        return model.device.type == "cuda" and model.ops.name == "native" and model.shard.world == 1
+
+    def run(self, plan: list[Scheduled], free_slots: list[int]) -> torch.Tensor | None:
+        """(B, V) logits of a decode step by graph replay, or None when this step is not one a graph runs:
+        graphs off, a prefill row, more sequences than the largest bucket, or too few free state slots to pad."""
+        B = len(plan)
+        if not self.enabled or B > self.buckets[-1] or any(p.count != 1 or p.start == 0 for p in plan):
+            return None
+        bucket = next(b for b in self.buckets if b >= B)
+        if len(free_slots) < bucket - B:
+            return None
+        if bucket not in self.seen:
+            self.seen.add(bucket)
+            return None
+        fields, _ = batch_fields(plan, self.block_size, bucket, self.width, free_slots)
+        host = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long).pin_memory()
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self.capture(host, [len(f) for f in fields], bucket)
+        graph, payload, logits = self.graphs[bucket]
+        payload.copy_(host, non_blocking=True)
+        graph.replay()
+        return logits[:B]
+
+    def capture(self, host: torch.Tensor, sizes: list[int], bucket: int) -> tuple:
+        """The forward of a `bucket`-row decode step reading the static `payload`, captured (not run)."""
+        payload = host.to(self.model.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.model.forward(batch_of(payload, sizes, bucket, self.width), self.cache)   # (bucket, V)
+        return graph, payload, logits
 
 
 # -----------------------------------------------------------------------------------------------
@@ -3052,6 +3128,8 @@ class Engine:
         self.sampler = Sampler(opts.max_batch_size, model.cfg.vocab_size, model.device)
         self.scheduler = Scheduler(opts, self.blocks, self.slots)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
+        self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs) \
+            if run_batch is None and DecodeGraphs.usable(model) else None
         self.copy_state = copy                    # with tensor parallelism: on every rank's cache
         self.requests: dict[str, Request] = {}
         self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
@@ -3075,7 +3153,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return
-        logits = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device))   # (B, V)
+        logits = self.graphs.run(plan, self.slots.free) if self.graphs else None                # (B, V)
+        if logits is None:
+            logits = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device))
         self._postprocess(plan, logits)
 
     def _drain_inbox(self):
