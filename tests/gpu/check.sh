@@ -18,6 +18,7 @@
 #   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy; init and step
 #               timeouts abort the communicator (a peer that never joins, a GPU spin ahead of the step)
 #   6 parity    tests/gpu/test_gpu_parity.py: native vs torch, identical greedy tokens for 64 steps
+#   6b graphs   decode by CUDA graph replay (DecodeGraphs) == eager, token for token, greedy and sampled
 #   7 synth     a synthetic FP8 checkpoint with the 27B's layer shapes, 4 layers (tests/gpu/serve_check.py)
 #   8 serve_tiny       `python pocketllm.py` on the GPU (--device auto, --backend native: the defaults must pick
 #   9 serve_synthetic  them), pocket-tiny, then the synthetic checkpoint with --smoke-layers 4: /health after
@@ -26,7 +27,7 @@
 #  10 verify    tests/verify_openai.py against pocket-tiny on the GPU, with the published clients
 #  11 bench     kernel bandwidth vs measured copy bandwidth on the 27B decode shapes
 #  12 decode    decode tokens/s at batch 1, 8 and 32 sampled at temperature 1, 27B shapes with 4 layers,
-#               extrapolated to 64 (stated so)
+#               extrapolated to 64 (stated so), eager and as CUDA graphs
 # Full logs: LOGDIR/<step>.log and LOGDIR/<step>.json; the short table comes last (also LOGDIR/summary.txt).
 # The device image lacks cffi, openai and langchain-openai: carry their wheels (docs/gpu.md, device README) or
 # the native steps fail at prereqs and verify runs its client checks as NOT RUN.
@@ -90,6 +91,7 @@ run ptx_sm75 90 env CUDA_FORCE_PTX_JIT=1 "$PY" -m pytest -q -x tests/test_native
     -p no:cacheprovider
 run nccl 120 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
 run parity 120 "$PY" -m pytest -q tests/gpu/test_gpu_parity.py -p no:cacheprovider
+run graphs 90 "$PY" tests/gpu/gpu_check.py graphs "$LOG"
 export POCKETLLM_SYNTH=${TMPDIR:-/tmp}/pocketllm-synth-27b-shapes
 run synth 150 "$PY" tests/gpu/serve_check.py synth "$POCKETLLM_SYNTH"
 GPU_FLAGS=(--max-context 2048)      # --device auto and --backend auto: the start-up line must say cuda:0, native
@@ -120,7 +122,7 @@ EOF
         "$PY" - "$LOG/decode.json" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
-for b in ("batch1", "batch8", "batch32"):
+for b in ("batch1_eager", "batch1_graphs", "batch8_eager", "batch8_graphs", "batch32_eager", "batch32_graphs"):
     if b in d:
         r = d[b]
         print(f"decode {b}: {r['step_ms_4_layers']:.2f} ms/step with 4 layers -> ~{r['tok_per_s_est']:.1f} tok/s "

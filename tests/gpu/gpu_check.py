@@ -5,7 +5,9 @@
     python tests/gpu/gpu_check.py kernels LOGDIR   # fp32-output linears at the real K (5120, 17408) vs torch
     python tests/gpu/gpu_check.py nccl LOGDIR      # a one-rank communicator: unique id, init, all-reduce, destroy
     python tests/gpu/gpu_check.py bench LOGDIR     # kernel bandwidth vs measured copy bandwidth, 27B decode shapes
-    python tests/gpu/gpu_check.py decode LOGDIR    # decode tokens/s at batch 1, 8 and 32, 27B shapes, 4 layers
+    python tests/gpu/gpu_check.py decode LOGDIR    # decode tokens/s at batch 1, 8 and 32, 27B shapes, 4 layers,
+                                                   # eager and as CUDA graphs
+    python tests/gpu/gpu_check.py graphs LOGDIR    # decode by CUDA graph replay == eager, token for token
 
 Timing: after warm-up, the GPU is held busy (torch.cuda._sleep) while the host queues REPS back-to-back calls, so
 the CUDA events around them measure the kernels and not Python's launch overhead; the median over many such runs,
@@ -362,7 +364,8 @@ def decode(logdir: Path) -> int:
         llm = pocketllm.LLM(path, backend="native", device="cuda", dtype="float16", quiet=True,
                             max_context=1024, max_batch_size=32)
         prompt = list(range(5, 69))
-        for B in (1, 8, 32):
+        for B, graphs in ((1, False), (1, True), (8, False), (8, True), (32, False), (32, True)):
+            llm.engine.graphs.enabled = graphs
             def run(n):
                 streams = [llm.submit(prompt, pocketllm.SamplingParams(max_tokens=n, temperature=1.0, top_p=0.95,
                                                                        seed=i, ignore_eos=True)) for i in range(B)]
@@ -373,28 +376,62 @@ def decode(logdir: Path) -> int:
                         pass
                 torch.cuda.synchronize()
                 return time.perf_counter() - t
-            run(4)                                     # warm-up
-            short, long = run(8), run(40)
-            step_ms = (long - short) / 32 * 1e3        # per decode step, prefill cancelled out
+            run(4)                                     # warm-up (and, with graphs, each bucket's eager first step)
+            short, long = run(8), run(32)
+            step_ms = (long - short) / 24 * 1e3        # per decode step, prefill cancelled out
             # 4 of 64 layers: the per-layer part scales by 16 (the 3:1 GDN:attention pattern is the model's);
             # embedding, sampling and engine overhead are counted 16 times too, so this is a lower bound.
-            result[f"batch{B}"] = {"step_ms_4_layers": step_ms, "step_ms_64_layers_est": step_ms * 16,
-                                   "tok_per_s_est": B * 1e3 / (step_ms * 16)}
-            print(f"batch {B}: {step_ms:.2f} ms per step with 4 layers -> ~{step_ms * 16:.1f} ms with 64 "
+            how = "graphs" if graphs else "eager"
+            result[f"batch{B}_{how}"] = {"step_ms_4_layers": step_ms, "step_ms_64_layers_est": step_ms * 16,
+                                         "tok_per_s_est": B * 1e3 / (step_ms * 16)}
+            print(f"batch {B} {how}: {step_ms:.2f} ms per step with 4 layers -> ~{step_ms * 16:.1f} ms with 64 "
                   f"-> ~{B * 1e3 / (step_ms * 16):.1f} tok/s (lm_head of the real vocab not included)", flush=True)
+        result["graphs_captured"] = sorted(llm.engine.graphs.graphs)
     save(logdir, "decode", result)
     return 0
+
+
+# ---- CUDA graphs: the decode step replayed from a graph gives the eager step's tokens, greedy and sampled ----
+
+def graphs(logdir: Path) -> int:
+    import pocketllm
+    prompts = [[5, 6, 7, 8], list(range(20, 45)), [100, 3, 9]]          # 3 sequences: padded to the 4-bucket
+    kinds = {"greedy": dict(temperature=0), "sampled": dict(temperature=1.0, top_p=0.95, presence_penalty=0.5,
+                                                            frequency_penalty=0.3)}
+    out, ok = {}, True
+    llm = pocketllm.LLM(None, backend="native", device="cuda", dtype="float16", quiet=True, max_context=512,
+                        max_batch_size=8)
+    assert llm.engine.graphs is not None, "no DecodeGraphs on the native CUDA engine"
+    for kind, params in kinds.items():
+        tokens = {}
+        for on in (False, True):
+            llm.engine.graphs.enabled = on
+            streams = [llm.submit(p, pocketllm.SamplingParams(max_tokens=48, seed=i, ignore_eos=True, **params))
+                       for i, p in enumerate(prompts)]
+            tokens[on] = [[t for ev in s for t in ev.token_ids] for s in streams]
+        same = tokens[False] == tokens[True]
+        first = next((i for i, (a, b) in enumerate(zip(tokens[False][0], tokens[True][0])) if a != b), None)
+        out[kind] = {"identical": same, "first_difference_seq0": first}
+        ok &= same
+        print(f"{kind}: graph replay {'==' if same else '!='} eager over 3 x 48 tokens", flush=True)
+    out["buckets_captured"] = sorted(llm.engine.graphs.graphs)
+    ok &= bool(out["buckets_captured"])
+    print(f"buckets captured: {out['buckets_captured']}")
+    llm.close()
+    save(logdir, "graphs", out)
+    return 0 if ok else 1
 
 
 def main() -> int:
     step, logdir = sys.argv[1], Path(sys.argv[2])
     logdir.mkdir(parents=True, exist_ok=True)
-    if step in ("kernels", "nccl", "bench", "decode"):
+    if step in ("kernels", "nccl", "bench", "decode", "graphs"):
         import torch
         if not torch.cuda.is_available():
             print(f"{step}: skipped, torch sees no CUDA GPU")
             return 1
-    steps = {"prereqs": prereqs, "load": load, "kernels": kernels, "nccl": nccl, "bench": bench, "decode": decode}
+    steps = {"prereqs": prereqs, "load": load, "kernels": kernels, "nccl": nccl, "bench": bench, "decode": decode,
+             "graphs": graphs}
     return steps[step](logdir)
 
 
