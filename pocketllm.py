@@ -801,6 +801,11 @@ class TorchOps:
         s = safe_row_scale(h)                                            # (T, 1)
         return self.linear((h / s).to(dtype), w, torch.float32) * s
 
+    def mlp(self, x, gate_up: Linear, down: Linear, dtype):
+        """down(silu(x gate^T) * (x up^T)) -> (T, N) fp32, gate_up the rows [gate | up] stacked."""
+        g, u = self.linear(x, gate_up, torch.float32).chunk(2, -1)       # (T, I) each
+        return self.silu_mul_linear(g, u, down, dtype)
+
     def sigmoid_mul(self, x, gate):
         return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
@@ -1175,6 +1180,24 @@ class NativeOps:
         if dtype != torch.float32:
             row_scale = torch.empty(g.numel() // g.shape[-1], dtype=torch.float32, device=g.device)   # (T,)
         return self._linear(self._silu_mul(g, u, dtype, row_scale), w, torch.float32, row_scale)
+
+    def mlp(self, x: torch.Tensor, gate_up: Linear, down: Linear, dtype: torch.dtype) -> torch.Tensor:
+        """down(silu(x gate^T) * (x up^T)) -> (T, N) fp32. Decode (T <= 16): pl_linear_glu writes the fp32 product
+        in one launch (no fp16 intermediate, so no row scale), then down_proj; larger T: gate|up in one launch,
+        pl_silu_mul, down_proj (silu_mul_linear)."""
+        T = x.numel() // x.shape[-1]
+        if T > 16:
+            g, u = self.linear_parts(x, gate_up, [gate_up.shape[0] // 2] * 2, torch.float32)
+            return self.silu_mul_linear(g, u, down, dtype)
+        if gate_up.scale is not None and tuple(gate_up.block) != (128, 128):
+            raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(gate_up.block)} "
+                              f"(use --backend torch)")
+        x, weight = self._as(x), self._as(gate_up.weight)
+        (N, K), scale = weight.shape, gate_up.scale
+        h = torch.empty(T, N // 2, dtype=torch.float32, device=x.device)                   # (T, I)
+        self.lib.call("pl_linear_glu", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight),
+                      0 if scale is None else self._p(self._as(scale, torch.float32)), N, self._p(h), self._stream(x))
+        return self._linear(h, down, torch.float32, None)
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x, gate = self._as(x), self._as(gate, x.dtype)
@@ -1798,6 +1821,8 @@ class Model:
         return [part for lin, sizes in w.groups for part in self.ops.linear_parts(x, lin, sizes, dtype)]
 
     def mlp(self, w: MLPWeights, x):
+        if len(w.gate_up.groups) == 1:                                     # [gate | up] stacked: ops.mlp
+            return self.ops.mlp(x, w.gate_up.groups[0][0], w.down_proj, self.dtype)
         g, u = self.project(x, w.gate_up, torch.float32)                 # gate, up, output: may pass 65504
         return self.ops.silu_mul_linear(g, u, w.down_proj, self.dtype)
 

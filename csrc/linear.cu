@@ -59,43 +59,61 @@ __device__ __forceinline__ void dequant16(const uint8_t* p, float* v) {
 // VEC: K % 16 == 0 and 16-byte aligned rows, so every lane loads 16 weights (one 16-byte word) per step and
 // the 16 lie inside one 128-wide scale block. Otherwise one value per lane per step.
 
-template <typename TA, typename TO, bool VEC>
+// GLU (pl_linear_glu): the weight is [gate (N/2 rows) | up (N/2 rows)] and warp n computes rows n and n + N/2
+// from the same x loads, writing silu(gate) * up as output column n of N/2.
+
+template <typename TA, typename TO, bool VEC, bool GLU = false>
 __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, const uint8_t* w, const float* scale,
                                 int N, OutParts op, TO* out) {
+  const int NR = GLU ? 2 : 1;                         // weight rows per warp
+  int rows = GLU ? N / 2 : N;
   int lane = threadIdx.x & 31;
   int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-  if (n >= N) return;                                 // whole warps leave together; no block barrier follows
-  const uint8_t* wrow = w + (int64_t)n * K;
-  const float* srow = scale + (int64_t)(n >> 7) * ((K + 127) >> 7);
-  float acc[GEMV_MAX_T];
-  for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.f;
+  if (n >= rows) return;                              // whole warps leave together; no block barrier follows
+  const uint8_t* wrow[NR];
+  const float* srow[NR];
+  for (int r = 0; r < NR; r++) {
+    int64_t nr = n + (int64_t)r * rows;
+    wrow[r] = w + nr * K;
+    srow[r] = scale + (nr >> 7) * ((K + 127) >> 7);
+  }
+  float acc[NR][GEMV_MAX_T];
+  for (int r = 0; r < NR; r++)
+    for (int t = 0; t < GEMV_MAX_T; t++) acc[r][t] = 0.f;
   if (VEC) {
     for (int k0 = lane * 16; k0 < K; k0 += 32 * 16) {
-      float wv[16], xv[16];
-      dequant16(wrow + k0, wv);
-      float s = srow[k0 >> 7];
+      float wv[NR][16], xv[16], s[NR];
+      for (int r = 0; r < NR; r++) {
+        dequant16(wrow[r] + k0, wv[r]);
+        s[r] = srow[r][k0 >> 7];
+      }
 #pragma unroll
       for (int t = 0; t < GEMV_MAX_T; t++) {
         if (t < T) {
           load16(x + (int64_t)t * K + k0, xv);
-          float dot = 0.f;
+          for (int r = 0; r < NR; r++) {
+            float dot = 0.f;
 #pragma unroll
-          for (int i = 0; i < 16; i++) dot += wv[i] * xv[i];
-          acc[t] += s * dot;
+            for (int i = 0; i < 16; i++) dot += wv[r][i] * xv[i];
+            acc[r][t] += s[r] * dot;
+          }
         }
       }
     }
   } else {
     for (int k = lane; k < K; k += 32) {
-      float wk = e4m3_to_f(wrow[k]) * srow[k >> 7];
+      for (int r = 0; r < NR; r++) {
+        float wk = e4m3_to_f(wrow[r][k]) * srow[r][k >> 7];
 #pragma unroll
-      for (int t = 0; t < GEMV_MAX_T; t++)
-        if (t < T) acc[t] += wk * to_f(x[(int64_t)t * K + k]);
+        for (int t = 0; t < GEMV_MAX_T; t++)
+          if (t < T) acc[r][t] += wk * to_f(x[(int64_t)t * K + k]);
+      }
     }
   }
   for (int t = 0; t < GEMV_MAX_T; t++) {
     if (t >= T) break;
-    float v = warp_sum(acc[t]);
+    float v = warp_sum(acc[0][t]);
+    if (GLU) v = silu_f(v) * warp_sum(acc[NR - 1][t]);
     if (lane == 0) out[op.at(t, n)] = from_f<TO>(row_scaled(v, rs, t));
   }
 }
@@ -130,40 +148,69 @@ __device__ __forceinline__ void load8_x(const TA* p, float* v) {
   for (int j = 0; j < 8; j++) v[j] = to_f(p[j]);
 }
 
-template <typename TA, typename TO, int WDT, bool VEC>
+// WPR warps per row (a few output rows, e.g. GDN's in_proj_a|b: 96 rows at TP1, 24 at TP4): a row's K is dealt
+// out to WPR warps in 256-wide chunks, so more loads are in flight instead of one warp's chain of DRAM round
+// trips; the warps' sums meet in shared memory, in warp order. GLU as in gemv_fp8_kernel.
+template <typename TA, typename TO, int WDT, bool VEC, bool GLU = false, int WPR = 1>
 __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, const void* w, int N, OutParts op,
                                   TO* out) {
-  int lane = threadIdx.x & 31;
-  int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-  if (n >= N) return;
-  float acc[GEMV_MAX_T];
-  for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.f;
-  if (VEC) {
-    for (int k0 = lane * 8; k0 < K; k0 += 32 * 8) {
-      float wv[8], xv[8];
-      load8_w<WDT>(w, (int64_t)n * K + k0, wv);
+  const int NR = GLU ? 2 : 1;
+  int rows = GLU ? N / 2 : N;
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int n = blockIdx.x * (GEMV_WARPS / WPR) + warp / WPR, part = warp % WPR;
+  if (WPR == 1 && n >= rows) return;                  // whole warps leave together; no block barrier follows
+  bool live = n < rows;
+  float acc[NR][GEMV_MAX_T];
+  for (int r = 0; r < NR; r++)
+    for (int t = 0; t < GEMV_MAX_T; t++) acc[r][t] = 0.f;
+  if (live && VEC) {
+    for (int k0 = (part * 32 + lane) * 8; k0 < K; k0 += WPR * 32 * 8) {
+      float wv[NR][8], xv[8];
+      for (int r = 0; r < NR; r++) load8_w<WDT>(w, (n + (int64_t)r * rows) * K + k0, wv[r]);
 #pragma unroll
       for (int t = 0; t < GEMV_MAX_T; t++) {
         if (t < T) {
           load8_x(x + (int64_t)t * K + k0, xv);
+          for (int r = 0; r < NR; r++)
 #pragma unroll
-          for (int i = 0; i < 8; i++) acc[t] += wv[i] * xv[i];
+            for (int i = 0; i < 8; i++) acc[r][t] += wv[r][i] * xv[i];
         }
       }
     }
-  } else {
-    for (int k = lane; k < K; k += 32) {
-      float wk = load_any(w, WDT, (int64_t)n * K + k);
+  } else if (live) {
+    for (int k = part * 32 + lane; k < K; k += WPR * 32) {
+      for (int r = 0; r < NR; r++) {
+        float wk = load_any(w, WDT, (n + (int64_t)r * rows) * K + k);
 #pragma unroll
-      for (int t = 0; t < GEMV_MAX_T; t++)
-        if (t < T) acc[t] += wk * to_f(x[(int64_t)t * K + k]);
+        for (int t = 0; t < GEMV_MAX_T; t++)
+          if (t < T) acc[r][t] += wk * to_f(x[(int64_t)t * K + k]);
+      }
     }
+  }
+  __shared__ float red[WPR > 1 ? GEMV_WARPS : 1][NR][GEMV_MAX_T];
+  if (WPR > 1) {
+    for (int t = 0; t < T; t++)
+      for (int r = 0; r < NR; r++) {
+        float v = warp_sum(acc[r][t]);
+        if (lane == 0) red[warp][r][t] = v;
+      }
+    __syncthreads();
+    if (!live || part != 0) return;
   }
 #pragma unroll
   for (int t = 0; t < GEMV_MAX_T; t++) {
     if (t < T) {
-      float v = warp_sum(acc[t]);
-      if (lane == 0) out[op.at(t, n)] = from_f<TO>(row_scaled(v, rs, t));
+      float v[NR];
+      for (int r = 0; r < NR; r++) {
+        if (WPR == 1) {
+          v[r] = warp_sum(acc[r][t]);
+        } else {
+          v[r] = 0.f;
+          for (int p = 0; p < WPR; p++) v[r] += red[warp + p][r][t];
+        }
+      }
+      float y = GLU ? silu_f(v[0]) * v[NR - 1] : v[0];
+      if (lane == 0) out[op.at(t, n)] = from_f<TO>(row_scaled(y, rs, t));
     }
   }
 }
@@ -178,15 +225,20 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
 
 static const int GEMV_MMA_WARPS = 8;
 
-template <int NT, typename TO>
+// GLU (N/2 % 8 == 0): a block takes 8 output columns c0..c0+7, gate rows c0 + g as the A operand's rows g and up
+// rows N/2 + c0 + g as its rows g + 8, so each lane ends up holding gate and up of the same (column, token)s.
+template <int NT, typename TO, bool GLU = false>
 __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K, const uint8_t* w,
                                 const float* scale, int N, OutParts op, TO* out) {
   __shared__ float red[GEMV_MMA_WARPS][32][NT * 4];
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int g = lane >> 2, t = lane & 3;
-  int n0 = blockIdx.x * 16;
+  int rows = GLU ? N / 2 : N;
+  int n0 = GLU ? blockIdx.x * 8 : blockIdx.x * 16;            // the block's first output column
+  int base_b = GLU ? rows + n0 : n0 + 8;                       // the first weight row of A rows 8..15
   int KB = (K + 127) >> 7;
   const float* srow = scale + (int64_t)(n0 >> 7) * KB;
+  const float* srow_b = scale + (int64_t)(base_b >> 7) * KB;
   // Registers of one chunk: rows g and g+8 of the weight, and the x slices of token g (+8 for the 2nd tile).
   struct Chunk { uint4 wa, wb, xa[NT], xb[NT]; };
   auto load = [&](int c0, Chunk& c) {
@@ -194,8 +246,8 @@ __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K,
     uint4 z = make_uint4(0, 0, 0, 0);
     c.wa = c.wb = z;
     if (k < K) {
-      if (n0 + g < N) c.wa = *(const uint4*)(w + (int64_t)(n0 + g) * K + k);
-      if (n0 + g + 8 < N) c.wb = *(const uint4*)(w + (int64_t)(n0 + g + 8) * K + k);
+      if (n0 + g < rows) c.wa = *(const uint4*)(w + (int64_t)(n0 + g) * K + k);
+      if ((GLU ? n0 + g < rows : base_b + g < N)) c.wb = *(const uint4*)(w + (int64_t)(base_b + g) * K + k);
     }
 #pragma unroll
     for (int j = 0; j < NT; j++) {
@@ -227,10 +279,10 @@ __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K,
         pl_mma_m16n8k8(part[j], a, xw[s], part[j]);
       }
     }
-    float sc = srow[c0 >> 7] * 256.f;    // the 2^8 of pl_e4m3x2_to_half2
+    float sc = srow[c0 >> 7] * 256.f, sc_b = srow_b[c0 >> 7] * 256.f;   // the 2^8 of pl_e4m3x2_to_half2
 #pragma unroll
     for (int j = 0; j < NT; j++)
-      for (int i = 0; i < 4; i++) acc[j][i] += sc * part[j][i];
+      for (int i = 0; i < 4; i++) acc[j][i] += (i < 2 ? sc : sc_b) * part[j][i];
     cur = nxt;
   }
   for (int j = 0; j < NT; j++)
@@ -238,13 +290,18 @@ __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K,
   __syncthreads();
   if (warp != 0) return;
   // d[0..1] = D[g][2t..2t+1], d[2..3] = D[g+8][2t..2t+1]: rows n0+g(+8), tokens 8j+2t(+1).
-  for (int j = 0; j < NT; j++)
+  for (int j = 0; j < NT; j++) {
+    float v[4];
     for (int i = 0; i < 4; i++) {
-      float v = 0.f;
-      for (int w2 = 0; w2 < GEMV_MMA_WARPS; w2++) v += red[w2][lane][j * 4 + i];
-      int n = n0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (i & 1);
-      if (n < N && tok < T) out[op.at(tok, n)] = from_f<TO>(row_scaled(v, rs, tok));
+      v[i] = 0.f;
+      for (int w2 = 0; w2 < GEMV_MMA_WARPS; w2++) v[i] += red[w2][lane][j * 4 + i];
     }
+    for (int i = 0; i < (GLU ? 2 : 4); i++) {
+      int n = n0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (i & 1);
+      float y = GLU ? silu_f(v[i]) * v[i + 2] : v[i];
+      if (n < rows && tok < T) out[op.at(tok, n)] = from_f<TO>(row_scaled(y, rs, tok));
+    }
+  }
 }
 
 // ---- The fp32 tiled path: 64x64 output tile per block, K in steps of 32, 256 threads of 4x4 outputs. ----
@@ -417,51 +474,76 @@ static bool launch_mma(const pl_half* x, const float* rs, int64_t T, int64_t K, 
   return true;
 }
 
-// The tensor-core GEMV takes fp16 activations, e4m3 weights, K % 16 == 0, aligned; false for other cases.
-template <typename TO>
+// The tensor-core GEMV takes fp16 activations, e4m3 weights, K % 16 == 0, aligned (GLU: N/2 % 8 == 0); false
+// for other cases.
+template <bool GLU, typename TO>
 static bool launch_gemv_mma(const float*, const float*, int64_t, int64_t, const void*, int, const float*, int64_t,
                             OutParts, TO*, uint64_t) {
   return false;
 }
 
-template <typename TO>
+template <bool GLU, typename TO>
 static bool launch_gemv_mma(const pl_half* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
                             const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
   if (wdt != PL_E4M3 || K % 16 != 0 || ((uintptr_t)x & 15) != 0 || ((uintptr_t)w & 15) != 0) return false;
-  dim3 grid((unsigned)((N + 15) / 16)), block(32 * GEMV_MMA_WARPS);
+  if (GLU && (N / 2) % 8 != 0) return false;
+  dim3 grid((unsigned)(GLU ? N / 2 / 8 : (N + 15) / 16)), block(32 * GEMV_MMA_WARPS);
   const uint8_t* w8 = (const uint8_t*)w;
   if (T <= 8)
-    PL_LAUNCH((gemv_mma_kernel<1, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, op, out);
+    PL_LAUNCH((gemv_mma_kernel<1, TO, GLU>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, op, out);
   else
-    PL_LAUNCH((gemv_mma_kernel<2, TO>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, op, out);
+    PL_LAUNCH((gemv_mma_kernel<2, TO, GLU>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, op, out);
   return true;
+}
+
+// Up to this many output rows a dense GEMV gives each row a whole block (GEMV_WARPS warps splitting K).
+static const int64_t GEMV_SPLIT_ROWS = 1024;
+
+template <typename TA, typename TO, int WDT, bool VEC, bool GLU>
+static void launch_dense(bool split, dim3 grid, uint64_t stream, const TA* x, const float* rs, int t, int k,
+                         const void* w, int n, OutParts op, TO* out) {
+  dim3 block(32 * GEMV_WARPS);
+  if (split)
+    PL_LAUNCH((gemv_dense_kernel<TA, TO, WDT, VEC, false, GEMV_WARPS>), grid, block, 0, stream, x, rs, t, k, w, n,
+              op, out);
+  else
+    PL_LAUNCH((gemv_dense_kernel<TA, TO, WDT, VEC, GLU, 1>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
+}
+
+// T <= GEMV_MAX_T: the tensor-core GEMV where it applies, else a warp (or, for a few dense rows, a block) per row.
+template <bool GLU, typename TA, typename TO>
+static void launch_gemv(const TA* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
+                        const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
+  if (launch_gemv_mma<GLU>(x, rs, T, K, w, wdt, scale, N, op, out, stream)) return;
+  int64_t rows = GLU ? N / 2 : N;
+  bool split = !GLU && wdt != PL_E4M3 && rows <= GEMV_SPLIT_ROWS;
+  dim3 grid((unsigned)(split ? rows : (rows + GEMV_WARPS - 1) / GEMV_WARPS)), block(32 * GEMV_WARPS);
+  bool vec = ((uintptr_t)w & 15) == 0 && ((uintptr_t)x & 15) == 0;
+  const uint8_t* w8 = (const uint8_t*)w;
+  int t = (int)T, k = (int)K, n = (int)N;
+  if (wdt == PL_E4M3 && vec && K % 16 == 0)
+    PL_LAUNCH((gemv_fp8_kernel<TA, TO, true, GLU>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out);
+  else if (wdt == PL_E4M3)
+    PL_LAUNCH((gemv_fp8_kernel<TA, TO, false, GLU>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out);
+  else if (vec && K % 8 == 0 && wdt == PL_BF16)
+    launch_dense<TA, TO, PL_BF16, true, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+  else if (vec && K % 8 == 0 && wdt == PL_F16)
+    launch_dense<TA, TO, PL_F16, true, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+  else if (vec && K % 8 == 0)
+    launch_dense<TA, TO, PL_F32, true, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+  else if (wdt == PL_BF16)
+    launch_dense<TA, TO, PL_BF16, false, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+  else if (wdt == PL_F16)
+    launch_dense<TA, TO, PL_F16, false, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+  else
+    launch_dense<TA, TO, PL_F32, false, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
 }
 
 template <typename TA, typename TO>
 static void launch_linear(const TA* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
                           const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
   if (T <= GEMV_MAX_T) {
-    if (launch_gemv_mma(x, rs, T, K, w, wdt, scale, N, op, out, stream)) return;
-    dim3 grid((unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS)), block(32 * GEMV_WARPS);
-    bool vec = ((uintptr_t)w & 15) == 0 && ((uintptr_t)x & 15) == 0;
-    const uint8_t* w8 = (const uint8_t*)w;
-    int t = (int)T, k = (int)K, n = (int)N;
-    if (wdt == PL_E4M3 && vec && K % 16 == 0)
-      PL_LAUNCH((gemv_fp8_kernel<TA, TO, true>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out);
-    else if (wdt == PL_E4M3)
-      PL_LAUNCH((gemv_fp8_kernel<TA, TO, false>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out);
-    else if (vec && K % 8 == 0 && wdt == PL_BF16)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_BF16, true>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
-    else if (vec && K % 8 == 0 && wdt == PL_F16)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F16, true>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
-    else if (vec && K % 8 == 0)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F32, true>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
-    else if (wdt == PL_BF16)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_BF16, false>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
-    else if (wdt == PL_F16)
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F16, false>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
-    else
-      PL_LAUNCH((gemv_dense_kernel<TA, TO, PL_F32, false>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
+    launch_gemv<false>(x, rs, T, K, w, wdt, scale, N, op, out, stream);
     return;
   }
   dim3 grid((unsigned)((N + TN - 1) / TN), (unsigned)((T + TM - 1) / TM));
@@ -508,4 +590,23 @@ extern "C" int pl_linear_parts(uint64_t x, int32_t act_dtype, uint64_t x_row_sca
                                int64_t end2, uint64_t out, int32_t out_dtype, uint64_t stream) {
   const int64_t ends[3] = {end0, end1, end2};
   return linear(x, act_dtype, x_row_scale, T, K, w, w_dtype, scale, N, ends, out, out_dtype, stream);
+}
+
+extern "C" int pl_linear_glu(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
+                             uint64_t scale, int64_t N, uint64_t out, uint64_t stream) {
+  PL_REQUIRE(w_dtype >= PL_F32 && w_dtype <= PL_E4M3, "weight dtype must be 0..3 (fp32, fp16, bf16, e4m3)");
+  PL_REQUIRE(w_dtype != PL_E4M3 || scale != 0, "an e4m3 weight needs its fp32 block scales");
+  PL_REQUIRE(K > 0 && K < (1ll << 31) && N > 0 && N < (1ll << 31) && N % 2 == 0,
+             "GLU weight of %lld rows: must be [gate | up], an even number", (long long)N);
+  PL_REQUIRE(w_dtype != PL_E4M3 || (N / 2) % 128 == 0,
+             "GLU FP8 weight: gate's %lld rows must be whole 128-row scale blocks", (long long)(N / 2));
+  PL_REQUIRE(T >= 0 && T <= GEMV_MAX_T, "pl_linear_glu takes at most %d tokens (got %lld): use pl_linear_parts "
+             "and pl_silu_mul", GEMV_MAX_T, (long long)T);
+  if (T == 0) return 0;
+  OutParts op{T, (int)(N / 2), (int)(N / 2), (int)(N / 2), (int)(N / 2)};
+  PL_DISPATCH_ACT(act_dtype, TA,
+    launch_gemv<true, TA, float>((const TA*)x, 0, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
+                                 (float*)out, stream));
+  PL_CHECK_LAUNCH();
+  return 0;
 }

@@ -110,6 +110,11 @@ int pl_linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, in
 int pl_linear_parts(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
                     int32_t w_dtype, uint64_t scale, int64_t N, int64_t end0, int64_t end1, int64_t end2,
                     uint64_t out, int32_t out_dtype, uint64_t stream);
+/* The MLP's first half in one launch: out (T, I) fp32 = silu(x @ gate^T) * (x @ up^T), w (N = 2I, K) the rows
+   [gate | up] stacked (FP8: I a multiple of 128, scale as in pl_linear). Decode sizes only: T <= 16 (the GEMV
+   paths; larger T fails, use pl_linear_parts and pl_silu_mul). fp32 out, so no row scale is needed. */
+int pl_linear_glu(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype, uint64_t scale,
+                  int64_t N, uint64_t out, uint64_t stream);
 /* out (T, I) of out_dtype = silu(g) * u / row_scale[t], g, u (T, I) of in_dtype, in fp32; out_dtype is in_dtype
    or fp16 from fp32 inputs. row_scale: 0 for none, or (T,) fp32 written with the power of two that brings the
    row's largest |value| to at most 2^15 (1 when it already is), so an fp16 out never overflows and keeps its

@@ -366,6 +366,33 @@ def test_linear_parts(lib, act, wdt, T, ends):
     check(out, torch.cat(parts), TOL[act], f"linear parts T={T} ends={ends}")
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("wdt", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("T,I,K", [(1, 128, 256), (5, 256, 320), (12, 128, 136), (16, 384, 256)])
+def test_linear_glu(lib, act, wdt, T, I, K):
+    """silu(x gate^T) * (x up^T) from the stacked [gate | up] weight in one launch, fp32 out (every GEMV path:
+    tensor-core for fp16 and K % 16 == 0, warp per row otherwise)."""
+    dev = lib.device
+    if wdt == torch.float8_e4m3fn:
+        w, scale = fp8_weight(2 * I, K, dev)
+        full = dequant(w.cpu().float(), scale.cpu())
+    else:
+        w, scale = rnd(2 * I, K, dtype=wdt, device=dev, scale=0.1), None
+        full = w.double().cpu()
+    x = rnd(T, K, dtype=act, device=dev)
+    out = poisoned((T, I), torch.float32, dev)
+    lib.call("pl_linear_glu", p(x), CODE[act], T, K, p(w), CODE[wdt], 0 if scale is None else p(scale), 2 * I, p(out))
+    h = x.double().cpu() @ full.T                                               # (T, 2I)
+    check(out, F.silu(h[:, :I]) * h[:, I:], TOL[act], f"linear glu T={T} I={I} K={K}")
+
+
+def test_linear_glu_refuses_prefill_sizes(lib):
+    x, w = rnd(17, 64, device=lib.device), rnd(16, 64, device=lib.device)
+    out = poisoned((17, 8), torch.float32, lib.device)
+    with pytest.raises(RuntimeError, match="at most 16 tokens .got 17.: use pl_linear_parts"):
+        lib.call("pl_linear_glu", p(x), F32, 17, 64, p(w), F32, 0, 16, p(out))
+
+
 def test_linear_parts_refuses_falling_ends(lib):
     x, w = rnd(1, 64, device=lib.device), rnd(8, 64, device=lib.device)
     out = poisoned((8,), torch.float32, lib.device)
@@ -675,6 +702,10 @@ def _nativeops_cases(pl, act):
         ("silu_mul_linear", (r(20, 256, scale=40, dtype=torch.float32), r(20, 256, scale=90, dtype=torch.float32),
                              pl.Linear(*fp8_weight(96, 256, "cpu", gen=g)), act)),
         ("linear", (r(20, 256), pl.Linear(w8, s8))),
+        ("mlp", (r(3, 256, scale=40), pl.Linear(*fp8_weight(256, 256, "cpu", gen=g)),
+                 pl.Linear(r(48, 128, scale=0.1, dtype=torch.bfloat16), None), act)),       # decode: pl_linear_glu
+        ("mlp", (r(20, 256, scale=40), pl.Linear(*fp8_weight(256, 256, "cpu", gen=g)),
+                 pl.Linear(*fp8_weight(96, 128, "cpu", gen=g)), act)),                      # prefill: 3 launches
         ("linear_parts", (r(3, 256), pl.Linear(w8, s8), [128, 22])),                 # FP8: parts end on blocks
         ("linear_parts", (r(20, 256, scale=300), pl.Linear(w8, s8), [128, 22], torch.float32)),
         ("linear_parts", (r(5, 64), pl.Linear(r(48, 64, scale=0.1, dtype=torch.bfloat16), None), [20, 4, 4, 20])),
