@@ -815,12 +815,22 @@ class TorchOps:
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
         return _rope(q, cos, sin), _rope(k, cos, sin)
 
+    def qk_norm_rope_kv(self, q, k, v, q_w, k_w, eps, positions, inv_freq, k_cache, v_cache, slot_mapping):
+        """qk_norm_rope, then kv_write of the rotated k and v: returns q."""
+        q, k = self.qk_norm_rope(q, k, q_w, k_w, eps, positions, inv_freq)
+        self.kv_write(k, v, k_cache, v_cache, slot_mapping)
+        return q
+
     def kv_write(self, k, v, k_cache, v_cache, slot_mapping):
         nb, bs = k_cache.shape[:2]
         k_cache.view(nb * bs, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
         v_cache.view(nb * bs, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
-    def attention(self, q, k_cache, v_cache, block_tables, context_lens, query_start, scale):
+    def attention(self, q, k_cache, v_cache, block_tables, context_lens, query_start, scale, gate=None):
+        """Paged causal attention (T, Hq, Dh); with gate (T, Hq * Dh), times sigmoid(gate) (gated attention)."""
+        if gate is not None:
+            o = self.attention(q, k_cache, v_cache, block_tables, context_lens, query_start, scale)
+            return self.sigmoid_mul(o.reshape(gate.shape), gate).view_as(o)
         out = torch.empty_like(q)                                        # (T, Hq, Dh)
         bs, hk = k_cache.shape[1], k_cache.shape[2]
         for b in range(len(context_lens)):
@@ -1218,6 +1228,21 @@ class NativeOps:
                       inv_freq.numel(), self._stream(q))
         return q_out, k_out
 
+    def qk_norm_rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor,
+                        k_w: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """qk_norm_rope and kv_write in one launch (pl_qk_norm_rope_kv): returns q; k and v go to the cache."""
+        q, k, v, q_w = self._as(q), self._as(k, q.dtype), self._as(v, q.dtype), self._as(q_w)
+        k_w, positions = self._as(k_w, q_w.dtype), self._as(positions, torch.int64)
+        inv_freq, slot_mapping = self._as(inv_freq, torch.float32), self._as(slot_mapping, torch.int64)
+        (T, Hq, Dh), Hk = q.shape, k.shape[1]
+        q_out = torch.empty_like(q)                                                  # (T, Hq, Dh)
+        self.lib.call("pl_qk_norm_rope_kv", self._p(q), self._p(k), self._p(v), self._p(q_out), self._dt(q), T, Hq,
+                      Hk, Dh, self._p(q_w), self._p(k_w), self._dt(q_w), eps, self._p(positions), self._p(inv_freq),
+                      inv_freq.numel(), self._p(k_cache), self._p(v_cache), self._dt(k_cache), self._p(slot_mapping),
+                      self._stream(q))
+        return q_out
+
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         k, v, slot_mapping = self._as(k), self._as(v, k.dtype), self._as(slot_mapping, torch.int64)
@@ -1226,7 +1251,9 @@ class NativeOps:
                       self._p(v_cache), self._dt(k_cache), self._p(slot_mapping), self._stream(k))
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, query_start: torch.Tensor, scale: float) -> torch.Tensor:
+                  context_lens: torch.Tensor, query_start: torch.Tensor, scale: float,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Paged attention; with gate, times sigmoid(gate) in the same launch (pl_attention_gated)."""
         if k_cache.dtype != q.dtype:      # the kernel reads the cache in the activation dtype
             raise PocketError(f"the native attention needs the KV cache in the activation dtype ({q.dtype}), "
                               f"not {k_cache.dtype}: leave --kv-dtype at auto")
@@ -1237,9 +1264,13 @@ class NativeOps:
         ws_bytes = self.lib.lib.pl_attention_workspace_bytes(T, Hq, Dh, max_blocks, block_size)
         workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=q.device)   # split-K partials
         out = torch.empty_like(q)                                                    # (T, Hq, Dh)
-        self.lib.call("pl_attention", self._p(q), self._dt(q), T, Hq, Hk, Dh, self._p(k_cache), self._p(v_cache),
-                      block_size, self._p(block_tables), max_blocks, self._p(context_lens), self._p(query_start), B,
-                      scale, self._p(out), self._p(workspace), ws_bytes, self._stream(q))
+        args = (self._p(q), self._dt(q), T, Hq, Hk, Dh, self._p(k_cache), self._p(v_cache), block_size,
+                self._p(block_tables), max_blocks, self._p(context_lens), self._p(query_start), B, scale, self._p(out))
+        if gate is None:
+            self.lib.call("pl_attention", *args, self._p(workspace), ws_bytes, self._stream(q))
+        else:
+            self.lib.call("pl_attention_gated", *args, self._p(self._as(gate, q.dtype)), self._p(workspace), ws_bytes,
+                          self._stream(q))
         return out
 
     def conv1d(self, x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, slot_ids: torch.Tensor,
@@ -1835,12 +1866,10 @@ class Model:
             parts[:0] = [qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, w.heads * Dh)]
         q, gate = parts[0].view(T, w.heads, Dh), parts[1] if cfg.gated_attention else None
         k, v = (t.view(T, w.kv_heads, Dh) for t in parts[-2:])
-        q, k = ops.qk_norm_rope(q, k, w.q_norm, w.k_norm, cfg.rms_norm_eps, batch.positions, self.inv_freq)
-        ops.kv_write(k, v, cache.k[L.index], cache.v[L.index], batch.slot_mapping)
+        q = ops.qk_norm_rope_kv(q, k, v, w.q_norm, w.k_norm, cfg.rms_norm_eps, batch.positions, self.inv_freq,
+                                cache.k[L.index], cache.v[L.index], batch.slot_mapping)   # k, v into the cache
         o = ops.attention(q, cache.k[L.index], cache.v[L.index], batch.block_tables, batch.context_lens,
-                          batch.query_start, Dh ** -0.5).reshape(T, w.heads * Dh)
-        if gate is not None:
-            o = ops.sigmoid_mul(o, gate)
+                          batch.query_start, Dh ** -0.5, gate).reshape(T, w.heads * Dh)   # * sigmoid(gate)
         return ops.linear(o, w.o_proj, torch.float32)                      # row-parallel: fp32
 
     def gated_deltanet(self, L: DecoderLayer, x, batch: Batch, cache: Cache):

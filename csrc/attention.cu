@@ -66,6 +66,13 @@ __device__ __forceinline__ void load_dpl(const float* p, int d0, int Dh, float* 
   }
 }
 
+// pl_attention_gated's epilogue: the output times sigmoid(gate), gate (T, Hq * Dh) laid out as out, rounded
+// to the activation type first (as the separate pl_sigmoid_mul read it). No gate: the output as it is.
+template <typename TA>
+__device__ __forceinline__ float gated(float o, const TA* gate, int64_t i) {
+  return gate ? to_f(from_f<TA>(o)) * sigmoid_f(to_f(gate[i])) : o;
+}
+
 // One block = one query row, up to GM q heads of one kv group (GQA: each K/V row is loaded once for all of
 // them), one split. DPL = head dims per lane (Dh <= 32 * DPL); lane l owns dims l*DPL .. l*DPL + DPL - 1.
 // blockIdx.y = kv head * head_chunks + chunk; the chunk holds q heads kvh*G + chunk*GM .. (+GM, < G).
@@ -73,7 +80,7 @@ template <typename TA, int DPL, int GM, bool FULL>
 __global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cache, const int32_t* block_tables,
                                  int max_blocks, const int32_t* context_lens, const int32_t* query_start, int B,
                                  int Hq, int Hk, int Dh, int block_size, float scale,
-                                 TA* out, float* ws) {
+                                 TA* out, float* ws, const TA* gate) {
   __shared__ float m_x[ATT_WARPS / 2][GM], l_x[ATT_WARPS / 2][GM];
   __shared__ float acc_x[ATT_WARPS / 2][GM][32 * DPL];
   int64_t r = blockIdx.x;
@@ -177,7 +184,7 @@ __global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cac
     for (int j = 0; j < DPL; j++) {
       int d = d0 + j;
       if (d >= Dh) continue;
-      if (splits == 1) out[row * Dh + d] = from_f<TA>(acc[i][j] / l[i]);
+      if (splits == 1) out[row * Dh + d] = from_f<TA>(gated(acc[i][j] / l[i], gate, row * Dh + d));
       else part[d] = acc[i][j] / l[i];
     }
     if (splits > 1 && lane == 0) { part[Dh] = m[i]; part[Dh + 1] = l[i]; }
@@ -186,7 +193,7 @@ __global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cac
 
 // Merge of the splits: weights l_s * exp(m_s - max m); empty splits (l = 0) are skipped, their o unwritten.
 template <typename TA>
-__global__ void attention_merge_kernel(const float* ws, int Hq, int Dh, int splits, TA* out) {
+__global__ void attention_merge_kernel(const float* ws, int Hq, int Dh, int splits, TA* out, const TA* gate) {
   int64_t r = blockIdx.x;
   int h = blockIdx.y;
   const float* parts = ws + (r * Hq + h) * splits * (int64_t)(Dh + 2);
@@ -202,49 +209,52 @@ __global__ void attention_merge_kernel(const float* ws, int Hq, int Dh, int spli
         L += wgt;
       }
     }
-    out[(r * Hq + h) * Dh + d] = from_f<TA>(L > 0.f ? o / L : 0.f);   // no visible position: 0
+    int64_t i = (r * Hq + h) * Dh + d;
+    out[i] = from_f<TA>(gated(L > 0.f ? o / L : 0.f, gate, i));   // no visible position: 0
   }
 }
 
 template <typename TA, int DPL, int GM>
 static void launch_attention(const TA* q, const TA* kc, const TA* vc, const int32_t* bt, int max_blocks,
                              const int32_t* cl, const int32_t* qs, int B, int64_t T, int Hq, int Hk, int Dh,
-                             int block_size, float scale, int splits, TA* out, float* ws, uint64_t stream) {
+                             int block_size, float scale, int splits, TA* out, float* ws, const TA* gate,
+                             uint64_t stream) {
   int chunks = (Hq / Hk + GM - 1) / GM;
   bool full = Dh == 32 * DPL && ((uintptr_t)q & 15) == 0 && ((uintptr_t)kc & 15) == 0 && ((uintptr_t)vc & 15) == 0;
   dim3 grid((unsigned)T, (unsigned)(Hk * chunks), (unsigned)splits), block(32 * ATT_WARPS);
   if (full)
     PL_LAUNCH((attention_kernel<TA, DPL, GM, true>), grid, block, 0, stream, q, kc, vc, bt, max_blocks, cl, qs, B,
-              Hq, Hk, Dh, block_size, scale, out, ws);
+              Hq, Hk, Dh, block_size, scale, out, ws, gate);
   else
     PL_LAUNCH((attention_kernel<TA, DPL, GM, false>), grid, block, 0, stream, q, kc, vc, bt, max_blocks, cl, qs, B,
-              Hq, Hk, Dh, block_size, scale, out, ws);
+              Hq, Hk, Dh, block_size, scale, out, ws, gate);
   if (splits > 1)
     PL_LAUNCH(attention_merge_kernel<TA>, dim3((unsigned)T, (unsigned)Hq), dim3(128), 0, stream,
-              (const float*)ws, Hq, Dh, splits, out);
+              (const float*)ws, Hq, Dh, splits, out, gate);
 }
 
 // Head-group size GM by the GQA ratio: 1, 2, 4 or 8 heads per block (larger groups run in chunks of 8).
 template <typename TA, int DPL>
 static void launch_attention_g(const TA* q, const TA* kc, const TA* vc, const int32_t* bt, int max_blocks,
                                const int32_t* cl, const int32_t* qs, int B, int64_t T, int Hq, int Hk, int Dh,
-                               int block_size, float scale, int splits, TA* out, float* ws, uint64_t stream) {
+                               int block_size, float scale, int splits, TA* out, float* ws, const TA* gate,
+                             uint64_t stream) {
   int G = Hq / Hk;
   if (G == 1)
-    launch_attention<TA, DPL, 1>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, stream);
+    launch_attention<TA, DPL, 1>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, stream);
   else if (G == 2)
-    launch_attention<TA, DPL, 2>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, stream);
+    launch_attention<TA, DPL, 2>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, stream);
   else if (G <= 4)
-    launch_attention<TA, DPL, 4>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, stream);
+    launch_attention<TA, DPL, 4>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, stream);
   else
-    launch_attention<TA, DPL, 8>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, stream);
+    launch_attention<TA, DPL, 8>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, stream);
 }
 
-extern "C" int pl_attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
-                            uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
-                            int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B,
-                            float scale, uint64_t out, uint64_t workspace, int64_t workspace_bytes,
-                            uint64_t stream) {
+static int attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
+                     uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
+                     int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B,
+                     float scale, uint64_t out, uint64_t gate, uint64_t workspace, int64_t workspace_bytes,
+                     uint64_t stream) {
   PL_REQUIRE(Dh > 0 && Dh <= ATT_MAX_DH, "head_dim must be in 1..256");
   PL_REQUIRE(Hk > 0 && Hq % Hk == 0, "q heads must be a multiple of kv heads");
   PL_REQUIRE(block_size > 0 && max_blocks > 0 && B > 0, "block_size, max_blocks and B must be positive");
@@ -257,12 +267,32 @@ extern "C" int pl_attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq
     const int32_t *bt = (const int32_t*)block_tables, *cl = (const int32_t*)context_lens,
                   *qs = (const int32_t*)query_start;
     TA* op = (TA*)out;
+    const TA* gp = (const TA*)gate;
     float* ws = (float*)workspace;
-    if (Dh <= 32) launch_attention_g<TA, 1>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
-    else if (Dh <= 64) launch_attention_g<TA, 2>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
-    else if (Dh <= 128) launch_attention_g<TA, 4>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
-    else launch_attention_g<TA, 8>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, stream);
+    if (Dh <= 32) launch_attention_g<TA, 1>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, stream);
+    else if (Dh <= 64) launch_attention_g<TA, 2>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, stream);
+    else if (Dh <= 128) launch_attention_g<TA, 4>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, stream);
+    else launch_attention_g<TA, 8>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, stream);
   });
   PL_CHECK_LAUNCH();
   return 0;
+}
+
+extern "C" int pl_attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
+                            uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
+                            int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B,
+                            float scale, uint64_t out, uint64_t workspace, int64_t workspace_bytes,
+                            uint64_t stream) {
+  return attention(q, act_dtype, T, Hq, Hk, Dh, k_cache, v_cache, block_size, block_tables, max_blocks, context_lens,
+                   query_start, B, scale, out, 0, workspace, workspace_bytes, stream);
+}
+
+extern "C" int pl_attention_gated(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
+                                  uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
+                                  int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B,
+                                  float scale, uint64_t out, uint64_t gate, uint64_t workspace,
+                                  int64_t workspace_bytes, uint64_t stream) {
+  PL_REQUIRE(gate != 0, "pl_attention_gated needs the gate");
+  return attention(q, act_dtype, T, Hq, Hk, Dh, k_cache, v_cache, block_size, block_tables, max_blocks, context_lens,
+                   query_start, B, scale, out, gate, workspace, workspace_bytes, stream);
 }

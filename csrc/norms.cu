@@ -145,21 +145,32 @@ extern "C" int pl_sigmoid_mul(uint64_t x, uint64_t gate, uint64_t out, int32_t a
 }
 
 // ---- Per-head q/k norm + partial rotate-half RoPE. One block per (token, head); heads 0..Hq-1 are q, the
-// rest k. The head is staged in shared memory, so the outputs may alias the inputs. ---------------------------
+// rest k. The head is staged in shared memory, so the outputs may alias the inputs. With a slot mapping
+// (pl_qk_norm_rope_kv) the k heads go straight into the KV cache at the token's slot and Hk more blocks per
+// token copy v there: the KV-cache write needs no launch of its own. ---------------------------------------
 
 static const int MAX_HEAD_DIM = 512;
 
 template <typename TA>
 __global__ void qk_norm_rope_kernel(const TA* q, const TA* k, TA* q_out, TA* k_out, const void* q_w,
                                     const void* k_w, int wdt, float eps, const int64_t* positions,
-                                    const float* inv_freq, int half_rot, int Hq, int Hk, int Dh) {
+                                    const float* inv_freq, int half_rot, int Hq, int Hk, int Dh, const TA* v,
+                                    void* k_cache, void* v_cache, int cdt, const int64_t* slot_mapping) {
   __shared__ float xs[MAX_HEAD_DIM];
   __shared__ float red[32];
   int64_t t = blockIdx.x;
   int h = blockIdx.y;
   bool is_q = h < Hq;
+  int64_t slot = slot_mapping ? slot_mapping[t] : -1;
+  if (h >= Hq + Hk) {                                   // a v head (uniform per block): copied to the cache
+    int64_t i0 = (t * Hk + (h - Hq - Hk)) * Dh, c0 = (slot * Hk + (h - Hq - Hk)) * Dh;
+    if (slot >= 0)
+      for (int i = threadIdx.x; i < Dh; i += blockDim.x) store_any(v_cache, cdt, c0 + i, to_f(v[i0 + i]));
+    return;
+  }
   const TA* src = is_q ? q + (t * Hq + h) * Dh : k + (t * Hk + (h - Hq)) * Dh;
-  TA* dst = is_q ? q_out + (t * Hq + h) * Dh : k_out + (t * Hk + (h - Hq)) * Dh;
+  TA* dst = is_q ? q_out + (t * Hq + h) * Dh : slot_mapping ? 0 : k_out + (t * Hk + (h - Hq)) * Dh;
+  int64_t c0 = (slot * Hk + (h - Hq)) * Dh;             // a k head's place in the cache
   const void* w = is_q ? q_w : k_w;
   float ss = 0.f;
   for (int i = threadIdx.x; i < Dh; i += blockDim.x) {
@@ -179,7 +190,8 @@ __global__ void qk_norm_rope_kernel(const TA* q, const TA* k, TA* q_out, TA* k_o
       sincosf(pos * inv_freq[j], &s, &c);
       v = i < half_rot ? xs[i] * c - xs[i + half_rot] * s : xs[i] * c + xs[j] * s;
     }
-    dst[i] = from_f<TA>(v);
+    if (dst) dst[i] = from_f<TA>(v);
+    else if (slot >= 0) store_any(k_cache, cdt, c0 + i, to_f(from_f<TA>(v)));   // as k in act, then kv_write
   }
 }
 
@@ -194,7 +206,27 @@ extern "C" int pl_qk_norm_rope(uint64_t q, uint64_t k, uint64_t q_out, uint64_t 
     PL_LAUNCH(qk_norm_rope_kernel<TA>, dim3((unsigned)T, (unsigned)(Hq + Hk)), dim3(128), 0, stream,
               (const TA*)q, (const TA*)k, (TA*)q_out, (TA*)k_out, (const void*)q_w, (const void*)k_w,
               (int)w_dtype, eps, (const int64_t*)positions, (const float*)inv_freq, (int)rot_half,
-              (int)Hq, (int)Hk, (int)Dh));
+              (int)Hq, (int)Hk, (int)Dh, (const TA*)0, (void*)0, (void*)0, 0, (const int64_t*)0));
+  PL_CHECK_LAUNCH();
+  return 0;
+}
+
+extern "C" int pl_qk_norm_rope_kv(uint64_t q, uint64_t k, uint64_t v, uint64_t q_out, int32_t act_dtype, int64_t T,
+                                  int32_t Hq, int32_t Hk, int32_t Dh, uint64_t q_w, uint64_t k_w, int32_t w_dtype,
+                                  float eps, uint64_t positions, uint64_t inv_freq, int32_t rot_half,
+                                  uint64_t k_cache, uint64_t v_cache, int32_t cache_dtype, uint64_t slot_mapping,
+                                  uint64_t stream) {
+  PL_REQUIRE(Dh > 0 && Dh <= MAX_HEAD_DIM, "head_dim must be in 1..512");
+  PL_REQUIRE(rot_half >= 0 && 2 * rot_half <= Dh, "2 * len(inv_freq) must not exceed head_dim");
+  PL_REQUIRE(cache_dtype >= PL_F32 && cache_dtype <= PL_BF16, "cache dtype must be fp32, fp16 or bf16");
+  PL_REQUIRE(slot_mapping != 0, "pl_qk_norm_rope_kv needs the slot mapping");
+  if (T == 0) return 0;
+  PL_DISPATCH_ACT(act_dtype, TA,
+    PL_LAUNCH(qk_norm_rope_kernel<TA>, dim3((unsigned)T, (unsigned)(Hq + 2 * Hk)), dim3(128), 0, stream,
+              (const TA*)q, (const TA*)k, (TA*)q_out, (TA*)0, (const void*)q_w, (const void*)k_w,
+              (int)w_dtype, eps, (const int64_t*)positions, (const float*)inv_freq, (int)rot_half,
+              (int)Hq, (int)Hk, (int)Dh, (const TA*)v, (void*)k_cache, (void*)v_cache, (int)cache_dtype,
+              (const int64_t*)slot_mapping));
   PL_CHECK_LAUNCH();
   return 0;
 }

@@ -129,6 +129,13 @@ int pl_sigmoid_mul(uint64_t x, uint64_t gate, uint64_t out, int32_t act_dtype, i
 int pl_qk_norm_rope(uint64_t q, uint64_t k, uint64_t q_out, uint64_t k_out, int32_t act_dtype, int64_t T,
                     int32_t Hq, int32_t Hk, int32_t Dh, uint64_t q_w, uint64_t k_w, int32_t w_dtype,
                     float eps, uint64_t positions, uint64_t inv_freq, int32_t rot_half, uint64_t stream);
+/* pl_qk_norm_rope then pl_kv_write in one launch: q_out (T, Hq, Dh) as pl_qk_norm_rope's; the normed and rotated
+   k and v (T, Hk, Dh) go into k_cache, v_cache (as pl_kv_write: slot_mapping (T,) int64, negative = skip, which
+   is required); k itself is not written back. q_out may alias q. */
+int pl_qk_norm_rope_kv(uint64_t q, uint64_t k, uint64_t v, uint64_t q_out, int32_t act_dtype, int64_t T, int32_t Hq,
+                       int32_t Hk, int32_t Dh, uint64_t q_w, uint64_t k_w, int32_t w_dtype, float eps,
+                       uint64_t positions, uint64_t inv_freq, int32_t rot_half, uint64_t k_cache, uint64_t v_cache,
+                       int32_t cache_dtype, uint64_t slot_mapping, uint64_t stream);
 /* k, v (T, Hk, Dh) act -> k_cache, v_cache (num_blocks, block_size, Hk, Dh) of cache_dtype (0/1/2) at
    slot_mapping[t] (int64; slot = block * block_size + offset; a negative slot is skipped). */
 int pl_kv_write(uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk, int32_t Dh,
@@ -147,6 +154,12 @@ int pl_attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t H
                  uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
                  int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B, float scale,
                  uint64_t out, uint64_t workspace, int64_t workspace_bytes, uint64_t stream);
+/* pl_attention times sigmoid(gate) in its epilogue (Qwen3.5's gated attention; pl_sigmoid_mul no longer runs):
+   out = attention(...) * sigmoid(gate), gate (T, Hq * Dh) act, the output rounded to act before the product. */
+int pl_attention_gated(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
+                       uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
+                       int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B, float scale,
+                       uint64_t out, uint64_t gate, uint64_t workspace, int64_t workspace_bytes, uint64_t stream);
 /* Depthwise causal conv1d + SiLU. x (T, C) act; w (C, W) of w_dtype, 2 <= W <= 8; conv_state (S, C, W-1) of
    state_dtype (0/1/2), read and updated at slot slot_ids[b] (int32); query_start (B+1,) int32. out (T, C). */
 int pl_conv1d(uint64_t x, int32_t act_dtype, int64_t T, int32_t C, uint64_t w, int32_t w_dtype, int32_t W,

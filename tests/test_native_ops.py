@@ -609,6 +609,48 @@ def test_attention(lib, act, Hq, Hk, Dh, ctx, ql, mb, split):
     check(out, ref, TOL[act] * 2, "attention")
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("case", [0, 3, 5])                    # decode split-K, prefill one split, prefill split-K
+def test_attention_gated(lib, act, case):
+    """pl_attention_gated = pl_attention's output (rounded to act) * sigmoid(gate), in the kernel's epilogue and in
+    the split merge."""
+    Hq, Hk, Dh, ctx, ql, mb, split = ATTN_CASES[case]
+    (q, k_cache, v_cache, bt, cl, qs), ref = attention_case(lib.device, act, Hq, Hk, Dh, ctx, ql, mb)
+    T, B = q.shape[0], len(cl)
+    gate = rnd(T, Hq * Dh, dtype=act, device=lib.device, scale=3, gen=torch.Generator().manual_seed(7))
+    nbytes = lib.lib.pl_attention_workspace_bytes(T, Hq, Dh, mb, 16)
+    assert (nbytes > 0) == split
+    ws = poisoned((max(nbytes // 4, 1),), torch.float32, lib.device)
+    out = poisoned((T, Hq, Dh), act, lib.device)
+    lib.call("pl_attention_gated", p(q), CODE[act], T, Hq, Hk, Dh, p(k_cache), p(v_cache), 16, p(bt), mb, p(cl),
+             p(qs), B, Dh ** -0.5, p(out), p(gate), p(ws), nbytes)
+    want = ref.to(act).double() * torch.sigmoid(gate.double().cpu()).view(T, Hq, Dh)
+    check(out, want, TOL[act] * 2, "gated attention")
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_qk_norm_rope_kv(lib, act):
+    """pl_qk_norm_rope_kv = pl_qk_norm_rope then pl_kv_write of its k (and v), in one launch; a negative slot is
+    skipped; q_out as pl_qk_norm_rope's."""
+    dev, T, Hq, Hk, Dh, R = lib.device, 5, 6, 2, 64, 8
+    q, k, v = rnd(T, Hq, Dh, dtype=act, device=dev), rnd(T, Hk, Dh, dtype=act, device=dev), \
+        rnd(T, Hk, Dh, dtype=act, device=dev)
+    q_w, k_w = rnd(Dh, device=dev, scale=0.2), rnd(Dh, device=dev, scale=0.2)
+    positions = torch.tensor([0, 7, 300, 5, 41], device=dev)
+    inv_freq = (1e4 ** (-torch.arange(0, 2 * R, 2, dtype=torch.float32) / (2 * R))).to(dev)
+    slots = torch.tensor([3, -1, 17, 0, 30], device=dev)
+    kc, vc = rnd(4, 8, Hk, Dh, dtype=act, device=dev), rnd(4, 8, Hk, Dh, dtype=act, device=dev)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref, k_ref = poisoned((T, Hq, Dh), act, dev), poisoned((T, Hk, Dh), act, dev)
+    lib.call("pl_qk_norm_rope", p(q), p(k), p(q_ref), p(k_ref), CODE[act], T, Hq, Hk, Dh, p(q_w), p(k_w), F32, 1e-6,
+             p(positions), p(inv_freq), R)
+    lib.call("pl_kv_write", p(k_ref), p(v), CODE[act], T, Hk, Dh, p(kc_ref), p(vc_ref), CODE[act], p(slots))
+    q_out = poisoned((T, Hq, Dh), act, dev)
+    lib.call("pl_qk_norm_rope_kv", p(q), p(k), p(v), p(q_out), CODE[act], T, Hq, Hk, Dh, p(q_w), p(k_w), F32, 1e-6,
+             p(positions), p(inv_freq), R, p(kc), p(vc), CODE[act], p(slots))
+    assert torch.equal(q_out, q_ref) and torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)   # (kc_ref: written)
+
+
 def test_attention_rejects_small_workspace(lib):
     tensors, _ = attention_case(lib.device, torch.float32, 6, 1, 64, [300], [1], 40)
     q, k_cache, v_cache, bt, cl, qs = tensors
@@ -719,6 +761,15 @@ def _nativeops_cases(pl, act):
                       torch.tensor([48, 49, 50, 80, 81, 16, 17]))),
         ("attention", (r(T, Hq, Dh), r(nb, bs, Hk, Dh), r(nb, bs, Hk, Dh), block_tables,
                        torch.tensor([40, 2], dtype=torch.int32), qs, Dh ** -0.5)),
+        ("attention", (r(T, Hq, Dh), r(nb, bs, Hk, Dh), r(nb, bs, Hk, Dh), block_tables,      # gated, split
+                       torch.tensor([40, 2], dtype=torch.int32), qs, Dh ** -0.5, r(T, Hq * Dh, scale=3))),
+        ("attention", (r(2, Hq, Dh), r(nb, bs, Hk, Dh), r(nb, bs, Hk, Dh), block_tables,      # gated, decode
+                       torch.tensor([40, 20], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+                       Dh ** -0.5, r(2, Hq * Dh, scale=3))),
+        ("qk_norm_rope_kv", (r(T, Hq, Dh), r(T, Hk, Dh), r(T, Hk, Dh), r(Dh, scale=0.2, dtype=torch.float32),
+                             r(Dh, scale=0.2, dtype=torch.float32), 1e-6, torch.arange(T) * 37,
+                             1e7 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16), r(nb, bs, Hk, Dh),
+                             r(nb, bs, Hk, Dh), torch.tensor([48, 49, 50, 80, 81, 16, 17]))),
         ("conv1d", (r(T, C), r(C, W, scale=0.5, dtype=torch.float32), r(4, C, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs)),
         ("gdn_gates", (r(T, Hv, scale=3), r(T, Hv, scale=3), r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
         ("gated_delta", (r(T, Hkg, Dk), r(T, Hkg, Dk), r(T, Hv, Dv), -torch.rand(T, Hv, generator=g),
