@@ -868,6 +868,11 @@ class TorchOps:
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # (T, Hv) fp32
         return g, torch.sigmoid(b.float())
 
+    def gdn_gates_linear(self, x, w_ab: Linear, A_log, dt_bias):
+        """gdn_gates of the projections a|b (rows stacked in w_ab), computed from x; a, b kept in fp32."""
+        a, b = self.linear(x, w_ab, torch.float32).chunk(2, -1)          # (T, Hv) each
+        return self.gdn_gates(a, b, A_log, dt_bias)
+
     def gated_delta(self, q, k, v, g, beta, state, slot_ids, query_start):
         rep = v.shape[1] // k.shape[1]                                   # value head h reads key head h // rep
         q = _l2norm(q.float()).repeat_interleave(rep, 1) * q.shape[-1] ** -0.5   # (T, Hv, Dk)
@@ -1294,6 +1299,21 @@ class NativeOps:
         self.lib.call("pl_gdn_gates", self._p(a), self._p(b), self._dt(a), T, Hv, self._p(A_log), self._p(dt_bias),
                       self._dt(A_log), self._p(g), self._p(beta), self._stream(a))
         return g, beta
+
+    def gdn_gates_linear(self, x: torch.Tensor, w_ab: Linear, A_log: torch.Tensor,
+                         dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj_a|b and gdn_gates in one launch (pl_linear_gdn_gates): (g, beta), (T, Hv) fp32 each."""
+        if w_ab.scale is not None and tuple(w_ab.block) != (128, 128):
+            raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w_ab.block)} "
+                              f"(use --backend torch)")
+        x, weight = self._as(x), self._as(w_ab.weight)
+        (N, K), T = weight.shape, x.numel() // x.shape[-1]
+        A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)
+        out = torch.empty(2, T, N // 2, dtype=torch.float32, device=x.device)                 # [g | beta]
+        scale = 0 if w_ab.scale is None else self._p(self._as(w_ab.scale, torch.float32))
+        self.lib.call("pl_linear_gdn_gates", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight), scale,
+                      N // 2, self._p(A_log), self._p(dt_bias), self._p(out), self._stream(x))
+        return out[0], out[1]
 
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, slot_ids: torch.Tensor, query_start: torch.Tensor) -> torch.Tensor:
@@ -1875,13 +1895,18 @@ class Model:
     def gated_deltanet(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
         ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv, z, a, b = self.project(x, w.in_proj)                          # (T, C'), (T, Hv'*Dv), (T, Hv') x 2
+        groups = w.in_proj.groups
+        if len(groups) == 2 and len(groups[1][1]) == 2:                    # FP8 qkv|z, then a|b: gates in its
+            qkv, z = ops.linear_parts(x, *groups[0])                       # epilogue (T, C'), (T, Hv'*Dv)
+            g, beta = ops.gdn_gates_linear(x, groups[1][0], w.A_log, w.dt_bias)   # (T, Hv') fp32 each
+        else:
+            qkv, z, a, b = self.project(x, w.in_proj)
+            g, beta = ops.gdn_gates(a, b, w.A_log, w.dt_bias)
         qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], batch.state_slots, batch.query_start)   # (T, C')
         nk, nv = w.k_heads * Dk, w.v_heads * Dv
         q = qkv[:, :nk].reshape(T, w.k_heads, Dk)
         k = qkv[:, nk:2 * nk].reshape(T, w.k_heads, Dk)
         v = qkv[:, 2 * nk:].reshape(T, w.v_heads, Dv)
-        g, beta = ops.gdn_gates(a, b, w.A_log, w.dt_bias)
         o = ops.gated_delta(q, k, v, g, beta, cache.ssm[L.index], batch.state_slots, batch.query_start)
         o = ops.gated_rmsnorm(o, z.view(T, w.v_heads, Dv), w.norm, cfg.rms_norm_eps).reshape(T, nv)
         return ops.linear(o, w.out_proj, torch.float32)                    # row-parallel: fp32

@@ -21,9 +21,19 @@ __device__ __forceinline__ float row_scaled(float v, const float* rs, int64_t t)
 // columns fall into up to four parts [0, e0), [e0, e1), [e1, e2), [e2, N); part p is stored as its own
 // contiguous (T, N_p) matrix, the parts one after another, so each consumer reads a plain tensor, whatever T.
 // e0 = e1 = e2 = N is the ordinary (T, N) layout.
+// With A_log (pl_linear_gdn_gates) the epilogue turns GDN's [a | b] (e0 = Hv) into its gates in fp32:
+// g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) (pl_gdn_gates' formulas).
 struct OutParts {
   int64_t T;
   int e0, e1, e2, N;
+  const float* A_log = 0;
+  const float* dt_bias = 0;
+  __device__ __forceinline__ float epi(int n, float v) const {
+    if (!A_log) return v;
+    if (n >= e0) return sigmoid_f(v);
+    float x = v + dt_bias[n];
+    return -expf(A_log[n]) * (x > 20.f ? x : log1pf(expf(x)));   // torch's softplus threshold
+  }
   __device__ __forceinline__ int64_t at(int64_t t, int n) const {
     int s = n < e0 ? 0 : n < e1 ? e0 : n < e2 ? e1 : e2;
     int e = n < e0 ? e0 : n < e1 ? e1 : n < e2 ? e2 : N;
@@ -114,7 +124,7 @@ __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, cons
     if (t >= T) break;
     float v = warp_sum(acc[0][t]);
     if (GLU) v = silu_f(v) * warp_sum(acc[NR - 1][t]);
-    if (lane == 0) out[op.at(t, n)] = from_f<TO>(row_scaled(v, rs, t));
+    if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi(n, row_scaled(v, rs, t)));
   }
 }
 
@@ -210,7 +220,7 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
         }
       }
       float y = GLU ? silu_f(v[0]) * v[NR - 1] : v[0];
-      if (lane == 0) out[op.at(t, n)] = from_f<TO>(row_scaled(y, rs, t));
+      if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi(n, row_scaled(y, rs, t)));
     }
   }
 }
@@ -299,7 +309,7 @@ __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K,
     for (int i = 0; i < (GLU ? 2 : 4); i++) {
       int n = n0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (i & 1);
       float y = GLU ? silu_f(v[i]) * v[i + 2] : v[i];
-      if (n < rows && tok < T) out[op.at(tok, n)] = from_f<TO>(row_scaled(y, rs, tok));
+      if (n < rows && tok < T) out[op.at(tok, n)] = from_f<TO>(op.epi(n, row_scaled(y, rs, tok)));
     }
   }
 }
@@ -343,7 +353,7 @@ __global__ void gemm_tiled_kernel(const TA* x, const float* rs, int T, int K, co
   for (int i = 0; i < 4; i++)
     for (int j = 0; j < 4; j++) {
       int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
-      if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(row_scaled(acc[i][j], rs, m));
+      if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi(n, row_scaled(acc[i][j], rs, m)));
     }
 }
 
@@ -444,7 +454,7 @@ __global__ void gemm_mma_kernel(const pl_half* x, const float* rs, int T, int K,
     for (int ni = 0; ni < 4; ni++)
       for (int i = 0; i < 4; i++) {
         int m = m0 + wm + mi * 16 + g + (i >= 2 ? 8 : 0), n = n0 + wn + ni * 8 + 2 * t + (i & 1);
-        if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(row_scaled(acc[mi][ni][i], rs, m));
+        if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi(n, row_scaled(acc[mi][ni][i], rs, m)));
       }
 }
 
@@ -555,7 +565,7 @@ static void launch_linear(const TA* x, const float* rs, int64_t T, int64_t K, co
 // pl_linear and pl_linear_parts: the same kernels; ends = (N, N, N) is the plain (T, N) output.
 static int linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
                   int32_t w_dtype, uint64_t scale, int64_t N, const int64_t ends[3], uint64_t out, int32_t out_dtype,
-                  uint64_t stream) {
+                  uint64_t stream, const float* A_log = 0, const float* dt_bias = 0) {
   PL_REQUIRE(w_dtype >= PL_F32 && w_dtype <= PL_E4M3, "weight dtype must be 0..3 (fp32, fp16, bf16, e4m3)");
   PL_REQUIRE(w_dtype != PL_E4M3 || scale != 0, "an e4m3 weight needs its fp32 block scales");
   PL_REQUIRE(out_dtype == act_dtype || out_dtype == PL_F32,
@@ -566,7 +576,7 @@ static int linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T
              (long long)ends[2], (long long)N);
   if (T == 0 || N == 0) return 0;
   const float* rs = (const float*)x_row_scale;
-  OutParts op{T, (int)ends[0], (int)ends[1], (int)ends[2], (int)N};
+  OutParts op{T, (int)ends[0], (int)ends[1], (int)ends[2], (int)N, A_log, dt_bias};
   PL_DISPATCH_ACT(act_dtype, TA,
     if (out_dtype == PL_F32)
       launch_linear<TA, float>((const TA*)x, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
@@ -609,4 +619,13 @@ extern "C" int pl_linear_glu(uint64_t x, int32_t act_dtype, int64_t T, int64_t K
                                  (float*)out, stream));
   PL_CHECK_LAUNCH();
   return 0;
+}
+
+extern "C" int pl_linear_gdn_gates(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
+                                   uint64_t scale, int32_t Hv, uint64_t A_log, uint64_t dt_bias, uint64_t out,
+                                   uint64_t stream) {
+  PL_REQUIRE(Hv > 0 && A_log != 0 && dt_bias != 0, "GDN gates need Hv > 0, A_log and dt_bias");
+  const int64_t ends[3] = {Hv, 2 * (int64_t)Hv, 2 * (int64_t)Hv};
+  return linear(x, act_dtype, 0, T, K, w, w_dtype, scale, 2 * (int64_t)Hv, ends, out, PL_F32, stream,
+                (const float*)A_log, (const float*)dt_bias);
 }

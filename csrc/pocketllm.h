@@ -115,6 +115,11 @@ int pl_linear_parts(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t
    paths; larger T fails, use pl_linear_parts and pl_silu_mul). fp32 out, so no row scale is needed. */
 int pl_linear_glu(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype, uint64_t scale,
                   int64_t N, uint64_t out, uint64_t stream);
+/* GDN's in_proj_a|b and pl_gdn_gates in one launch: w (2 Hv, K) the rows [a | b] stacked (any weight dtype,
+   scale as in pl_linear); A_log, dt_bias (Hv,) fp32; out (2, T, Hv) fp32 = [g | beta] with
+   g = -exp(A_log) * softplus(x a^T + dt_bias), beta = sigmoid(x b^T) (a and b are not rounded to act first). */
+int pl_linear_gdn_gates(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
+                        uint64_t scale, int32_t Hv, uint64_t A_log, uint64_t dt_bias, uint64_t out, uint64_t stream);
 /* out (T, I) of out_dtype = silu(g) * u / row_scale[t], g, u (T, I) of in_dtype, in fp32; out_dtype is in_dtype
    or fp16 from fp32 inputs. row_scale: 0 for none, or (T,) fp32 written with the power of two that brings the
    row's largest |value| to at most 2^15 (1 when it already is), so an fp16 out never overflows and keeps its

@@ -386,6 +386,30 @@ def test_linear_glu(lib, act, wdt, T, I, K):
     check(out, F.silu(h[:, :I]) * h[:, I:], TOL[act], f"linear glu T={T} I={I} K={K}")
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("T", [1, 7, 20])
+def test_linear_gdn_gates(lib, act, wdt, T):
+    """GDN's a|b projection with the gates in the epilogue: [g | beta] (2, T, Hv) fp32 as pl_gdn_gates' formulas
+    of the fp32 products (GEMV with a block per row for these few rows; T = 20: the tiled path)."""
+    dev, Hv, K = lib.device, 64 if wdt == torch.float8_e4m3fn else 12, 256
+    if wdt == torch.float8_e4m3fn:
+        w, scale = fp8_weight(2 * Hv, K, dev)
+        full = dequant(w.cpu().float(), scale.cpu())
+    else:
+        w, scale = rnd(2 * Hv, K, dtype=wdt, device=dev, scale=0.1), None
+        full = w.double().cpu()
+    x = rnd(T, K, dtype=act, device=dev)
+    A_log, dt_bias = rnd(Hv, device=dev, scale=0.5), rnd(Hv, device=dev)
+    out = poisoned((2, T, Hv), torch.float32, dev)
+    lib.call("pl_linear_gdn_gates", p(x), CODE[act], T, K, p(w), CODE[wdt], 0 if scale is None else p(scale), Hv,
+             p(A_log), p(dt_bias), p(out))
+    ab = x.double().cpu() @ full.T                                                # (T, 2 Hv)
+    g = -A_log.double().cpu().exp() * F.softplus(ab[:, :Hv] + dt_bias.double().cpu())
+    check(out[0], g, TOL[act] * 2, "gdn gates g")
+    check(out[1], torch.sigmoid(ab[:, Hv:]), TOL[act] * 2, "gdn gates beta")
+
+
 def test_linear_glu_refuses_prefill_sizes(lib):
     x, w = rnd(17, 64, device=lib.device), rnd(16, 64, device=lib.device)
     out = poisoned((17, 8), torch.float32, lib.device)
@@ -772,6 +796,8 @@ def _nativeops_cases(pl, act):
                              r(nb, bs, Hk, Dh), torch.tensor([48, 49, 50, 80, 81, 16, 17]))),
         ("conv1d", (r(T, C), r(C, W, scale=0.5, dtype=torch.float32), r(4, C, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs)),
         ("gdn_gates", (r(T, Hv, scale=3), r(T, Hv, scale=3), r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
+        ("gdn_gates_linear", (r(T, 64), pl.Linear(r(2 * Hv, 64, scale=0.3, dtype=torch.bfloat16), None),
+                              r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
         ("gated_delta", (r(T, Hkg, Dk), r(T, Hkg, Dk), r(T, Hv, Dv), -torch.rand(T, Hv, generator=g),
                          torch.rand(T, Hv, generator=g), r(3, Hv, Dk, Dv, dtype=torch.float32, scale=0.1),
                          torch.tensor([2, 0], dtype=torch.int32), qs)),
