@@ -19,10 +19,8 @@ Counted per forward of n = 1..4 layers, then scaled to the 27B's 64 layers (48 G
 """
 
 import argparse
-import importlib.util
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,9 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import pocketllm  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from host_step import load_revision  # noqa: E402
 
 DIMS = dict(vocab_size=1024, hidden_size=5120, intermediate_size=17408, num_hidden_layers=4,
             num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
@@ -85,18 +86,6 @@ def write_checkpoint(path: Path) -> Path:
                   quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
     (path / "config.json").write_text(json.dumps(config))
     return path
-
-
-def load_revision(rev: str):
-    """pocketllm.py as it was at git revision `rev`, imported as its own module."""
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pocketllm.py"], check=True, capture_output=True,
-                          text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "pocketllm_baseline.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("pocketllm_baseline", path)
-    module = sys.modules["pocketllm_baseline"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class TorchLaunches(TorchDispatchMode):

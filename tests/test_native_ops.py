@@ -312,6 +312,15 @@ def fp8_weight(N, K, device, gen=None):
     return w.to(device), scale.to(device)
 
 
+def weight_of(wdt, N, K, device):
+    """A random (N, K) weight of dtype wdt: (weight, FP8 block scales or None, its float64 values on the CPU)."""
+    if wdt == torch.float8_e4m3fn:
+        w, scale = fp8_weight(N, K, device)
+        return w, scale, dequant(w.cpu().float(), scale.cpu())
+    w = rnd(N, K, dtype=wdt, device=device, scale=0.1)
+    return w, None, w.double().cpu()
+
+
 LINEAR_SHAPES = [  # (T, N, K): ragged N and K (K % 16 != 0 takes the element-wise paths), odd T, every path:
     (1, 130, 256), (3, 257, 384), (12, 150, 320), (9, 40, 144),        # GEMV (fp16: tensor-core GEMV, 1-2 tiles)
     (16, 64, 200), (5, 200, 136), (1, 96, 90),                         # GEMV, K % 16 != 0
@@ -350,12 +359,7 @@ def test_linear_parts(lib, act, wdt, T, ends):
     """A fused weight's output split into four parts, each its own contiguous (T, N_p) block, one after another:
     the same values as the plain product, moved (every path: GEMV, tensor-core GEMV, tiled/mma; an empty part)."""
     dev, N, K = lib.device, 420, 256
-    if wdt == torch.float8_e4m3fn:
-        w, scale = fp8_weight(N, K, dev)
-        full = dequant(w.cpu().float(), scale.cpu())
-    else:
-        w, scale = rnd(N, K, dtype=wdt, device=dev, scale=0.1), None
-        full = w.double().cpu()
+    w, scale, full = weight_of(wdt, N, K, dev)
     x = rnd(T, K, dtype=act, device=dev)
     out = poisoned((T * N,), torch.float32, dev)
     lib.call("pl_linear_parts", p(x), CODE[act], 0, T, K, p(w), CODE[wdt], 0 if scale is None else p(scale), N,
@@ -373,12 +377,7 @@ def test_linear_glu(lib, act, wdt, T, I, K):
     """silu(x gate^T) * (x up^T) from the stacked [gate | up] weight in one launch, fp32 out (every GEMV path:
     tensor-core for fp16 and K % 16 == 0, warp per row otherwise)."""
     dev = lib.device
-    if wdt == torch.float8_e4m3fn:
-        w, scale = fp8_weight(2 * I, K, dev)
-        full = dequant(w.cpu().float(), scale.cpu())
-    else:
-        w, scale = rnd(2 * I, K, dtype=wdt, device=dev, scale=0.1), None
-        full = w.double().cpu()
+    w, scale, full = weight_of(wdt, 2 * I, K, dev)
     x = rnd(T, K, dtype=act, device=dev)
     out = poisoned((T, I), torch.float32, dev)
     lib.call("pl_linear_glu", p(x), CODE[act], T, K, p(w), CODE[wdt], 0 if scale is None else p(scale), 2 * I, p(out))
@@ -393,12 +392,7 @@ def test_linear_gdn_gates(lib, act, wdt, T):
     """GDN's a|b projection with the gates in the epilogue: [g | beta] (2, T, Hv) fp32 as pl_gdn_gates' formulas
     of the fp32 products (GEMV with a block per row for these few rows; T = 20: the tiled path)."""
     dev, Hv, K = lib.device, 64 if wdt == torch.float8_e4m3fn else 12, 256
-    if wdt == torch.float8_e4m3fn:
-        w, scale = fp8_weight(2 * Hv, K, dev)
-        full = dequant(w.cpu().float(), scale.cpu())
-    else:
-        w, scale = rnd(2 * Hv, K, dtype=wdt, device=dev, scale=0.1), None
-        full = w.double().cpu()
+    w, scale, full = weight_of(wdt, 2 * Hv, K, dev)
     x = rnd(T, K, dtype=act, device=dev)
     A_log, dt_bias = rnd(Hv, device=dev, scale=0.5), rnd(Hv, device=dev)
     out = poisoned((2, T, Hv), torch.float32, dev)
