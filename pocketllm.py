@@ -1588,7 +1588,8 @@ class FusedLinear:
 @dataclass
 class AttentionWeights:
     """Gated attention (qwen3_5: o = o_proj(attn(q, k, v) * sigmoid(gate))), or plain attention (qwen3)."""
-    q_proj: Linear                 # (H'*Dh*2, D) rows [q | gate] per head; (H'*Dh, D) when not gated
+    q_proj: Linear                 # (H'*Dh*2, D) rows [q | gate] per head; (H'*Dh, D) when not gated. After
+                                   # fuse_projections: [q (all heads) | gate (all heads)], a view into qkv
     k_proj: Linear                 # (Hk'*Dh, D)
     v_proj: Linear                 # (Hk'*Dh, D)
     o_proj: Linear                 # (D, H'*Dh) rowwise: its output is all-reduced
@@ -2484,7 +2485,7 @@ class DecodeGraphs:
         """The forward of a `bucket`-row decode step reading the static `payload`, captured (not run)."""
         payload = host.to(self.model.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):   # other threads may use CUDA
             logits = self.model.forward(batch_of(payload, sizes, bucket, self.width), self.cache)   # (bucket, V)
         return graph, payload, logits
 
