@@ -4750,8 +4750,10 @@ class _Str(_Node):
     far while it may still become a declared key (`exclude`). nonblank (a tool argument the schema leaves
     open): at least one character that is not whitespace, counted as count 1."""
 
-    def __init__(self, lo=0, hi=None, regex=None, raw=False, exclude=(), nonblank=False):
+    def __init__(self, lo=0, hi=None, regex=None, raw=False, exclude=(), nonblank=False, no_lt=False):
         self.lo, self.hi, self.regex, self.raw = lo, hi, regex, raw
+        self.no_lt = no_lt or raw                             # inside a call no markup can start in a string
+        self.dirty = _RAW_DIRTY if raw else _JSON_DIRTY | {_LT} if no_lt else _JSON_DIRTY   # not held as is
         self.exclude = frozenset(exclude)
         self.exclude_prefixes = {e[:k] for e in self.exclude for k in range(len(e) + 1)}
         self.counted = bool(lo) or hi is not None
@@ -4796,7 +4798,7 @@ class _Str(_Node):
                 return [((7, count, sub), None)] if self._may_end(count, sub) else []
             if b == _BACKSLASH:                     # no escapes under a pattern or in a key that may be declared
                 return [((2, count, sub), None)] if self.regex is None and not self.exclude else []
-            return [(d, None) for d in self._content(count, sub, b)] if b >= 0x20 else []
+            return [(d, None) for d in self._content(count, sub, b)] if b >= 0x20 and b not in self.dirty else []
         if phase == 2:
             if b == ord("u"):
                 return [((3, count, sub), None)]
@@ -4948,8 +4950,8 @@ class _Obj(_Node):
 
     nests = True
 
-    def __init__(self, members, extra):
-        self.members, self.extra = members, extra
+    def __init__(self, members, extra, no_lt=False):
+        self.members, self.extra, self.no_lt = members, extra, no_lt
         self._keys: dict[int, _Node] = {}
         self._choices: dict[int, tuple] = {}
 
@@ -4964,7 +4966,7 @@ class _Obj(_Node):
             self._choices[id(choice)] = texts
             options = [choice] if texts else []
             if self.extra is not None:
-                options.append(_Str(exclude=[m[0].encode() for m in self.members]))
+                options.append(_Str(exclude=[m[0].encode() for m in self.members], no_lt=self.no_lt))
             node = self._keys[i] = _Union(options)
         return node
 
@@ -5435,21 +5437,18 @@ class _TokenFacts:
                 singles.append((lo + k, after))
 
     def _walk_string(self, grammar, state, node, data, depth, lo, hi, chunks, singles):
-        if node.raw:
-            spare = None if node.hi is None else node.hi - data[1]
-            return self._walk_free(grammar, state, self.last(_RAW_DIRTY), depth, lo, hi, chunks, singles, spare)
         if not node.plain:
-            return self._walk_free(grammar, state, self.last(_JSON_DIRTY), depth, lo, hi, chunks, singles, node.hi - data[1]
-                                   if node.hi is not None else None)
+            spare = None if node.hi is None else node.hi - data[1]
+            return self._walk_free(grammar, state, self.last(node.dirty), depth, lo, hi, chunks, singles, spare)
         # unbounded JSON string content: clean bytes loop on this state, so a token's fate is its suffix from
         # its first byte that is not clean
-        last = self.last(_JSON_DIRTY)[lo:hi]
+        last = self.last(node.dirty)[lo:hi]
         chunks.append((lo, last < depth))
         results: dict[bytes, frozenset | None] = {}
         for k in (last >= depth).nonzero().flatten().tolist():
             blob = self.sorted[lo + k]
-            at = next(p for p in range(depth, len(blob)) if blob[p] < 0x20 or blob[p] in (_QUOTE, _BACKSLASH))
-            if blob[at] < 0x20:
+            at = next(p for p in range(depth, len(blob)) if blob[p] in node.dirty)
+            if blob[at] < 0x20 or blob[at] == _LT:
                 continue
             suffix = blob[at:]
             if suffix not in results:
@@ -5479,8 +5478,14 @@ def _token_facts(tokenizer, eos_ids) -> _TokenFacts:
 
 # JSON Schema -> grammar nodes.
 
-_ANY = _Union([])                                    # any JSON value (json_object's members, `{}`, `true`)
-_ANY.options += [_Obj([], _ANY), _Arr([], _ANY), _Str(), _Num(), _Choice([b"true", b"false", b"null"])]
+def _any_json(no_lt: bool) -> _Union:
+    """Any JSON value (json_object's members, `{}`, `true`); no_lt: no '<' in its strings (inside calls)."""
+    node = _Union([])
+    node.options += [_Obj([], node, no_lt), _Arr([], node), _Str(no_lt=no_lt), _Num(), _Choice([b"true", b"false", b"null"])]
+    return node
+
+
+_ANY, _ANY_IN_CALL = _any_json(False), _any_json(True)
 _SCHEMA_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 SCHEMA_ANNOTATIONS = ("description", "title", "default", "examples", "format", "$schema", "$id", "$comment",
                       "deprecated", "readOnly", "writeOnly", "discriminator", "$defs", "definitions")
@@ -5495,8 +5500,9 @@ class _SchemaCompiler:
     JSON path (`response_format.json_schema.schema.properties.x.type`); a keyword outside SCHEMA_KEYWORDS is
     a 400 under `strict`, otherwise it is not enforced (docs/api.md lists them). Annotations are accepted."""
 
-    def __init__(self, root, where: str, strict: bool):
-        self.root, self.where, self.strict = root, where, strict
+    def __init__(self, root, where: str, strict: bool, in_call: bool = False):
+        self.root, self.where, self.strict, self.in_call = root, where, strict, in_call
+        self.any = _ANY_IN_CALL if in_call else _ANY
         self.refs: dict[str, _Ref] = {}
         self.count = 0
 
@@ -5514,7 +5520,7 @@ class _SchemaCompiler:
         if self.count > _MAX_NODES:
             self.fail(self.where, f"is too large for structured output (over {_MAX_NODES} schemas)")
         if schema is True:
-            return _ANY
+            return self.any
         if schema is False:
             self.fail(path, "is false: no value is valid")
         if not isinstance(schema, dict):
@@ -5540,7 +5546,7 @@ class _SchemaCompiler:
         if "enum" in schema or "const" in schema:
             return self._choice(schema, types, path)
         if types is None:
-            return _ANY
+            return self.any
         options = [getattr(self, "_" + kind)(schema, path) for kind in types]
         return options[0] if len(options) == 1 else _Union(options)
 
@@ -5600,10 +5606,10 @@ class _SchemaCompiler:
                 self.fail(f"{path}.required", f"requires {missing[0]!r}, which additionalProperties: false forbids")
             extra = None
         else:
-            extra = _ANY if extra is True else self.compile(extra, f"{path}.additionalProperties")
+            extra = self.any if extra is True else self.compile(extra, f"{path}.additionalProperties")
         members = [(k, self.compile(v, f"{path}.properties.{k}"), k in required) for k, v in properties.items()]
-        members += [(k, _ANY, True) for k in dict.fromkeys(required) if k not in properties]
-        return _Obj(members, extra)
+        members += [(k, self.any, True) for k in dict.fromkeys(required) if k not in properties]
+        return _Obj(members, extra, self.in_call)
 
     def _array(self, schema, path) -> _Node:
         prefix = schema.get("prefixItems") or []
@@ -5613,7 +5619,7 @@ class _SchemaCompiler:
         items = schema.get("items", False if prefix else True)
         if isinstance(items, list):
             self.fail(f"{path}.items", "must be a schema (write a tuple's schemas as prefixItems)")
-        items = None if items is False else _ANY if items is True else self.compile(items, f"{path}.items")
+        items = None if items is False else self.any if items is True else self.compile(items, f"{path}.items")
         lo, hi = self._count(schema, "minItems", path) or 0, self._count(schema, "maxItems", path)
         if hi is not None and lo > hi or items is None and lo > len(prefix):
             self.fail(f"{path}.minItems", "admits no array: minItems is above the items there may be")
@@ -5639,7 +5645,7 @@ class _SchemaCompiler:
             if regex is not None and (lo or hi is not None):
                 self.unsupported(f"{path}.minLength", "with a pattern is not enforced")
                 lo, hi = 0, None
-        return _Str(lo, hi, regex, raw=raw)
+        return _Str(lo, hi, regex, raw=raw, no_lt=self.in_call)
 
     def _integer(self, schema, path) -> _Node:
         for key in _BOUNDS:
@@ -5755,7 +5761,7 @@ def _call_members(fmt: ToolCallFormat, parameters, where: str, strict: bool) -> 
     """A function's arguments [(key, value node, required)] in schema order, values as the format writes
     them (raw strings in Qwen XML, JSON otherwise)."""
     parameters = {} if parameters is None else parameters
-    compiler = _SchemaCompiler(parameters, where, strict)
+    compiler = _SchemaCompiler(parameters, where, strict, in_call=True)
     function = _tool_function("", parameters, where)
     members = []
     for key, schema in function.properties.items():
@@ -5763,11 +5769,11 @@ def _call_members(fmt: ToolCallFormat, parameters, where: str, strict: bool) -> 
         raw = not fmt.json_values and isinstance(schema, dict) and _schema_types(schema)[:1] == ["string"]
         node = _raw_string(compiler, schema, path) if raw else compiler.compile(schema, path)
         if isinstance(node, _Str) and not (node.lo or node.regex):             # never an empty argument
-            node = _Str(node.lo, node.hi, raw=node.raw, nonblank=True)
+            node = _Str(node.lo, node.hi, raw=node.raw, nonblank=True, no_lt=True)
         if node.shortest() is None:
             raise RequestError(f"'{path}' admits no finite value", param=path)
         members.append((key, node, key in function.required))
-    return members + [(key, _ANY, True) for key in function.required if key not in function.properties]
+    return members + [(key, _ANY_IN_CALL, True) for key in function.required if key not in function.properties]
 
 
 def _call_node(fmt: ToolCallFormat, functions: dict, names, lead: str, opener: str = "") -> _Node:

@@ -254,12 +254,13 @@ def scripted(tokenizer, processor, script, limit=400):
 
 
 def test_parallel_false_stops_after_first_call(tokenizer):
-    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>")        # both required parameters: auto mode enforces the schema
     script = "Let me look.\n\n" + call + "\n" + call.replace("Paris", "Rome")
     processor = P.tool_choice_processor(tokenizer, TOOLS, "auto", "qwen_xml", False, False, 400)
     ids = scripted(tokenizer, processor, script)
     message, text = parse(tokenizer, ids, False)
-    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris"}]
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris", "days": 3}]
     assert message["content"] == "Let me look." and "Rome" not in text
     unconstrained = scripted(tokenizer, lambda ids, logits: logits, script)
     assert len(parse(tokenizer, unconstrained, False)[0]["tool_calls"]) == 2      # the script really has two
