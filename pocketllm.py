@@ -1996,6 +1996,13 @@ def draw_tokens(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.where(rows[:, _TEMPERATURE] == 0, x.argmax(-1), drawn.clamp(max=x.shape[-1] - 1))
 
 
+def apply_token_masks(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """x (B, V) with the tokens not `allowed` (B, V) at -inf. A row whose other constraints (logit_bias,
+    min_tokens) banned every allowed token is left unmasked rather than sampled from nothing."""
+    masked = x.masked_fill(~allowed, float("-inf"))                             # (B, V)
+    return torch.where(torch.isfinite(masked).any(-1, keepdim=True), masked, x)
+
+
 @dataclass
 class RowParams:
     """One request's sampling options as the sampler reads them, prepared once when the engine admits it."""
@@ -2062,6 +2069,7 @@ class Sampler:
         """logits (R, V) fp32 -> (packed (N,) int32 on their device: the B sampled ids, then the requested
         logprobs as float32 bits and their top-k ids; the rows whose processors raised). Everything before the
         host transfer, so that tests can run it under FakeTensorMode."""
+        masks = self.token_masks(rows, logits.shape[-1])          # host work first: on a GPU the forward still runs
         picks = [r.logit_row for r in rows]
         raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
         table = torch.tensor([r.params.floats + (self._uniform(r),) for r in rows], dtype=torch.float64)
@@ -2069,7 +2077,7 @@ class Sampler:
         slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long).to(self.device)   # (B,)
         for r in rows:
             self._own(r.seq.slot, r)
-        x, failed = self.process(raw.clone(), rows, params, slots)
+        x, failed = self.process(raw.clone(), rows, params, slots, masks)
         x = scale_by_temperature(x, params)
         sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p for r in rows)
         if sort or min_p:
@@ -2093,12 +2101,37 @@ class Sampler:
         return SampleResult(tokens, logprobs, failed)
 
     def process(self, x: torch.Tensor, rows: list[SampleRow], params: torch.Tensor,
-                slots: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Penalties, logit_bias, min_tokens bans and logits processors on x (B, V), in that order."""
+                slots: torch.Tensor, masks=None) -> tuple[torch.Tensor, dict]:
+        """Penalties, logit_bias, min_tokens bans and logits processors on x (B, V), in that order; the
+        processors' token masks (token_masks) last, as one (B, V) op."""
         if any(r.params.penalties for r in rows):
             x = apply_penalties(x, self.counts[slots], self.prompt_seen[slots], params)
         x = self._bias_and_bans(x, rows)
-        return x, self._run_processors(x, rows)
+        allowed, failed = masks if masks is not None else self.token_masks(rows, x.shape[-1])
+        failed.update(self._run_processors(x, rows))
+        return (x if allowed is None else apply_token_masks(x, allowed)), failed
+
+    def token_masks(self, rows: list[SampleRow], size: int) -> tuple[torch.Tensor | None, dict]:
+        """The rows' allowed tokens, from their logits processors that are token masks (structured output:
+        a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None when no row has
+        one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
+        found, failed = {}, {}
+        for i, r in enumerate(rows):
+            for proc in r.seq.params.logits_processors:
+                token_mask = getattr(proc, "token_mask", None)
+                if token_mask is None:
+                    continue
+                try:
+                    mask = token_mask(r.seq.output_ids, size, self.device)
+                except Exception as e:
+                    failed[i] = e
+                    break
+                if mask is not None:
+                    found[i] = mask if i not in found else found[i] & mask
+        if not found:
+            return None, failed
+        everything = torch.ones(size, dtype=torch.bool, device=self.device)
+        return torch.stack([found.get(i, everything) for i in range(len(rows))]), failed
 
     @staticmethod
     def _uniform(r: SampleRow) -> float:
@@ -2141,6 +2174,8 @@ class Sampler:
         failed = {}
         for i, r in enumerate(rows):
             for proc in r.seq.params.logits_processors:
+                if hasattr(proc, "token_mask"):            # applied with the others' in process()
+                    continue
                 try:
                     x[i] = proc(list(r.seq.output_ids), x[i])
                 except Exception as e:
@@ -5306,10 +5341,11 @@ class _Grammar:
         found = self.mask(state)
         if found.most <= left - 1:
             return found.mask
-        fits = found.single_ids[found.single_needs <= left - 1]
-        mask = found.mask.clone() if found.need <= left - 1 else self.facts.ids_mask(self.facts.eos_ids if found.ends else [])
-        if found.need <= left - 1:
-            mask[found.single_ids] = False
+        fits = [t for t, need in zip(found.single_ids, found.single_needs) if need <= left - 1]
+        if found.need > left - 1:            # no room for another string character either: only what fits
+            return self.facts.ids_mask(fits + (self.facts.eos_ids if found.ends else []))
+        mask = found.mask.clone()
+        mask[found.single_ids] = False
         mask[fits] = True
         return mask
 
@@ -5320,8 +5356,8 @@ class _StateMask:
     tokens their state after needs to end; every other allowed token (a run of string characters, prose)
     needs no more than the state itself."""
     mask: torch.Tensor            # (V,) bool: allowed, the ends included when the state is complete
-    single_ids: torch.Tensor      # (S,) int64
-    single_needs: torch.Tensor    # (S,) int64: tokens the completion after each takes, its end included
+    single_ids: list[int]         # (S,)
+    single_needs: list[int]       # (S,) tokens the completion after each takes, its end included
     need: int                     # the same for the state
     most: int                     # the largest need after any allowed token
     ends: bool                    # the state is complete: the ends are allowed
@@ -5359,14 +5395,23 @@ class _TokenFacts:
             found = self._costs[text] = len(self.tokenizer.encode(text.decode("utf-8", "replace"))) if text else 0
         return found
 
-    def last(self, dirty: frozenset) -> torch.Tensor:
-        """(N,) int32: per sorted token, the index of its last byte in `dirty` (-1: none)."""
+    def last(self, dirty: frozenset) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Per sorted token, the index of its last byte in `dirty` (-1: none): as an (N,) int32 tensor, and as
+        the sorted positions of the tokens that have one with that index (host lists: no data-dependent
+        tensor ops, so the masks are plain host work wherever the logits live)."""
         found = self._lasts.get(dirty)
         if found is None:
             table = bytes(0 if b in dirty else 1 for b in range(256))
-            found = self._lasts[dirty] = torch.tensor([t.translate(table).rfind(0) for t in self.sorted],
-                                                      dtype=torch.int32)
+            lasts = [t.translate(table).rfind(0) for t in self.sorted]
+            where = [k for k, at in enumerate(lasts) if at >= 0]
+            found = self._lasts[dirty] = (torch.tensor(lasts, dtype=torch.int32), where, [lasts[k] for k in where])
         return found
+
+    def dirty_in(self, dirty: frozenset, depth: int, lo: int, hi: int) -> list[int]:
+        """The sorted positions in [lo, hi) of the tokens with a byte in `dirty` at index `depth` or later."""
+        _, where, lasts = self.last(dirty)
+        a, b = bisect.bisect_left(where, lo), bisect.bisect_left(where, hi)
+        return [where[k] for k in range(a, b) if lasts[k] >= depth]
 
     def ids_of(self, text: str) -> list[int]:
         """The tokens that are exactly `text` (a marker such as <tool_call>)."""
@@ -5390,14 +5435,14 @@ class _TokenFacts:
             allowed[lo:lo + len(chunk)] |= chunk
         positions = torch.tensor([at for at, _ in singles], dtype=torch.long)              # (S,)
         allowed[positions] = True
-        mask = torch.zeros(self.vocab, dtype=torch.bool)                                   # (V,)
-        mask[self.sorted_ids[allowed]] = True
+        mask = torch.zeros(self.vocab, dtype=torch.bool).index_put_((self.sorted_ids,), allowed)   # (V,)
         ends = grammar.accepts(state)
         if ends:
             mask[self.eos_ids] = True
-        needs = torch.tensor([grammar.completion(after)[1] for _, after in singles], dtype=torch.long)
+        ids = self.sorted_ids[positions].tolist() if singles else []
+        needs = [grammar.completion(after)[1] for _, after in singles]
         need = grammar.completion(state)[1]
-        return _StateMask(mask, self.sorted_ids[positions], needs, need, max([need, *needs.tolist()]), ends)
+        return _StateMask(mask, ids, needs, need, max([need, *needs]), ends)
 
     def _walk(self, grammar, state, depth, lo, hi, chunks, singles):
         """Mark the tokens sorted[lo:hi], which share the `depth` bytes that led to `state`, that keep it alive."""
@@ -5414,7 +5459,7 @@ class _TokenFacts:
                 return self._walk_string(grammar, state, node, data, depth, lo, hi, chunks, singles)
             if isinstance(node, _Prose) and data[2] == -1 and not data[0] and len(stack) == 2 and \
                     (node.calls is None or data[1] < node.calls):
-                return self._walk_free(grammar, state, self.last(node.firsts), depth, lo, hi, chunks, singles)
+                return self._walk_free(grammar, state, node.firsts, depth, lo, hi, chunks, singles)
         i = lo
         while i < hi:
             b = blobs[i][depth]
@@ -5424,29 +5469,28 @@ class _TokenFacts:
                 self._walk(grammar, nxt, depth + 1, i, j, chunks, singles)
             i = j
 
-    def _walk_free(self, grammar, state, last, depth, lo, hi, chunks, singles, spare=None):
-        """Tokens whose bytes from `depth` on hold nothing in `last` keep the state alive (spare: also if they
+    def _walk_free(self, grammar, state, dirty, depth, lo, hi, chunks, singles, spare=None):
+        """Tokens whose bytes from `depth` on hold nothing in `dirty` keep the state alive (spare: also if they
         fit); the others are run through the grammar one by one."""
-        tail = last[lo:hi] < depth                                                           # (n,)
+        tail = self.last(dirty)[0][lo:hi] < depth                                           # (n,)
         if spare is not None:
             tail &= self.chars[lo:hi] - sum(not _is_continuation(b) for b in self.sorted[lo][:depth]) <= spare
         chunks.append((lo, tail))
-        for k in (last[lo:hi] >= depth).nonzero().flatten().tolist():
-            after = grammar.advance(state, self.sorted[lo + k][depth:])
+        for at in self.dirty_in(dirty, depth, lo, hi):
+            after = grammar.advance(state, self.sorted[at][depth:])
             if after is not None:
-                singles.append((lo + k, after))
+                singles.append((at, after))
 
     def _walk_string(self, grammar, state, node, data, depth, lo, hi, chunks, singles):
         if not node.plain:
             spare = None if node.hi is None else node.hi - data[1]
-            return self._walk_free(grammar, state, self.last(node.dirty), depth, lo, hi, chunks, singles, spare)
+            return self._walk_free(grammar, state, node.dirty, depth, lo, hi, chunks, singles, spare)
         # unbounded JSON string content: clean bytes loop on this state, so a token's fate is its suffix from
         # its first byte that is not clean
-        last = self.last(node.dirty)[lo:hi]
-        chunks.append((lo, last < depth))
+        chunks.append((lo, self.last(node.dirty)[0][lo:hi] < depth))
         results: dict[bytes, frozenset | None] = {}
-        for k in (last >= depth).nonzero().flatten().tolist():
-            blob = self.sorted[lo + k]
+        for at_token in self.dirty_in(node.dirty, depth, lo, hi):
+            blob = self.sorted[at_token]
             at = next(p for p in range(depth, len(blob)) if blob[p] in node.dirty)
             if blob[at] < 0x20 or blob[at] == _LT:
                 continue
@@ -5454,7 +5498,7 @@ class _TokenFacts:
             if suffix not in results:
                 results[suffix] = grammar.advance(state, suffix)
             if results[suffix] is not None:
-                singles.append((lo + k, results[suffix]))
+                singles.append((at_token, results[suffix]))
 
     def grammar(self, key, build) -> _Grammar:
         """The compiled grammar for `key` (built by build() on first use); the last 64 are kept."""
