@@ -4415,12 +4415,6 @@ class _Node:
     def _shortest_text(self):
         return self.rest(self.starts()[0])
 
-    def as_lit(self) -> "_Lit":
-        """The node reduced to its shortest text (past the depth bound)."""
-        if getattr(self, "_lit", None) is None:
-            self._lit = _Lit(self.shortest())
-        return self._lit
-
 
 class _Lit(_Node):
     def __init__(self, text: bytes):
@@ -4437,6 +4431,13 @@ class _Lit(_Node):
 
     def rest(self, i):
         return self.text[i:]
+
+
+def _as_lit(node: _Node) -> _Lit:
+    """The node reduced to its shortest text (past the depth bound), one per node."""
+    if getattr(node, "_lit", None) is None:
+        node._lit = _Lit(node.shortest())
+    return node._lit
 
 
 class _Choice(_Node):
@@ -5231,30 +5232,26 @@ class _Prose(_Node):
         return self.openers[data[2]][1].shortest() if data[2] >= 0 else b""
 
 
-def _enter(stack: tuple, node: _Node, b: int, out: list) -> None:
-    """Push `node` above `stack` and hand it byte b."""
-    if isinstance(node, _Union):
-        for option in node.options:
-            _enter(stack, option, b, out)
+def _feed(stack: tuple, b: int, out: list, enter: _Node | None = None) -> None:
+    """The stacks that `stack` becomes on byte b (appended to out); with `enter`, that node is first pushed
+    above the stack (a union: each option) and handed b."""
+    if enter is not None:
+        if isinstance(enter, (_Union, _Ref)):
+            for option in enter.options if isinstance(enter, _Union) else [enter.target]:
+                _feed(stack, b, out, option)
+            return
+        if enter.nests and len(stack) >= _MAX_STACK:
+            enter = _as_lit(enter)
+        for data in enter.starts():
+            _feed(stack + ((enter, data),), b, out)
         return
-    if isinstance(node, _Ref):
-        _enter(stack, node.target, b, out)
-        return
-    if node.nests and len(stack) >= _MAX_STACK:
-        node = node.as_lit()
-    for data in node.starts():
-        _feed(stack + ((node, data),), b, out)
-
-
-def _feed(stack: tuple, b: int, out: list) -> None:
-    """The stacks that `stack` becomes on byte b (appended to out)."""
     node, data = stack[-1]
     for new, child in node.step(data, b):
         base = stack[:-1] + ((node, new),)
         if child is None:
             out.append(base)
         else:
-            _enter(base, child, b, out)
+            _feed(base, b, out, child)
     if node.can_end(data) and len(stack) > 1:
         parent, parent_data = stack[-2]
         _feed(stack[:-2] + ((parent, parent.child_done(parent_data, stack[-1])),), b, out)
@@ -6035,7 +6032,7 @@ def _resolve_tool_choice(tool_choice, names: list[str]):
 
 def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: str = "qwen_xml",
                        parallel_tool_calls: bool = True, response_format=None, in_reasoning: bool = False,
-                       max_tokens: int, eos_token_ids=None) -> StructuredDecoder | None:
+                       max_tokens: int, eos_token_ids=None, ban_calls: bool = True) -> StructuredDecoder | None:
     """The constraint of a chat request, a SamplingParams.logits_processors entry (None: nothing to enforce).
 
     - response_format json_object / json_schema: the content is one JSON value of the schema (after the
@@ -6045,7 +6042,7 @@ def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: 
     - "auto": free text, but once the model opens a call its name is an offered function and its arguments
       follow that function's schema; parallel_tool_calls=false ends the answer after the first call. With a
       response_format: a call or the JSON value.
-    - "none", or no tools: the call token is banned.
+    - "none", or no tools: the call token is banned (unless ban_calls is false: /v1/completions).
     The call is written in the format named `tool_parser` (a TOOL_FORMATS key). RequestError naming the schema
     path for a schema it cannot take, and (param max_tokens) when the shortest complete answer cannot fit.
     The processor receives each choice's generated ids (not the prompt), as the engine passes."""
@@ -6061,7 +6058,7 @@ def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: 
     root, think, must_finish = _output_grammar(tools, choice, fmt, parallel_tool_calls is not False, response,
                                                in_reasoning)
     grammar = facts.grammar(key, lambda: root) if root is not None else None
-    ban = facts.ids_of(fmt.call_open) if fmt.call_open else []
+    ban = facts.ids_of(fmt.call_open) if fmt.call_open and ban_calls else []
     if grammar is None and not ban:
         return None
     decoder = StructuredDecoder(facts, grammar, ban, think, max_tokens)
@@ -6172,9 +6169,11 @@ def _read_stream_options(options: dict, param: str, vocab_size: int | None) -> d
 
 
 def _read_response_format(fmt: dict, param: str, vocab_size: int | None) -> dict:
-    if fmt.get("type") != "text":
-        raise RequestError(f"'{param}' type {fmt.get('type')!r} is not supported yet; only \"text\"", param=param,
-                           code="unsupported_field")
+    """Checked whole here, its schema compiled (a 400 naming the schema's path), so that only valid formats
+    reach structured_decoder."""
+    response = response_schema(fmt, param)
+    if response is not None:
+        compile_schema(*response)
     return fmt
 
 
@@ -6281,6 +6280,20 @@ PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, TOKEN_IDS_SCHEMA,
                            {"type": "array", "minItems": 1, "maxItems": 1,
                             "items": {"anyOf": [{"type": "string"}, TOKEN_IDS_SCHEMA]}}]}
 
+RESPONSE_FORMAT_SCHEMA = {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
+    "type": {"enum": list(RESPONSE_FORMAT_TYPES)}, "json_schema": {
+        "type": "object", "additionalProperties": False, "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"}, "strict": {"type": "boolean"},
+            "schema": {"type": ["object", "boolean"]}}}}}
+RESPONSE_FORMAT_FIELD = Field(
+    kind="object", layer="parser", read=_read_response_format, schema=RESPONSE_FORMAT_SCHEMA, name="response_format",
+    shape='`{"type": "text"}`, `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"name"?, '
+          '"description"?, "schema"?, "strict"?}}`', default_text="text",
+    why="enforced by constrained decoding (see Structured output): the content is one JSON object / one value "
+        "of the schema, closed within `max_tokens` (a smaller budget than the shortest valid value is 400 "
+        "`param: max_tokens`); a schema error is 400 naming its path, e.g. "
+        "`response_format.json_schema.schema.properties.x.type`")
+
 # Fields of both generating endpoints.
 GENERATION_FIELDS = {
     **_table(model=Field(kind="string", layer="server", default_text="the served model",
@@ -6341,10 +6354,7 @@ CHAT_FIELDS = {
                               "not in `tools`, is 400"),
         parallel_tool_calls=Field(kind="boolean", default=True, layer="parser",
                                   why="false: at most one call per answer"),
-        response_format=Field(kind="object", layer="parser", read=_read_response_format,
-                              schema={"type": "object", "properties": {"type": {"const": "text"}}},
-                              shape='`{"type": "text"}`', default_text="text",
-                              why="`json_object` and `json_schema` are 400 (`code: unsupported_field`; not yet)"),
+        response_format=RESPONSE_FORMAT_FIELD,
         chat_template_kwargs=Field(kind="object", default={}, layer="template", read=_read_template_kwargs,
                                    why="passed to the template (`enable_thinking`, ...); the keys `messages`, "
                                        "`tools`, `add_generation_prompt`, `continue_final_message` are 400"),
@@ -6384,6 +6394,7 @@ COMPLETION_FIELDS = {
     **_table(best_of=Field(kind="integer", lo=1, policy=DEFAULT_ONLY, relate=_best_of_is_n, layer="engine",
                            why="accepted only when null, 1 or equal to `n`"),
              echo=Field(kind="boolean", policy=DEFAULT_ONLY, allowed=(None, False), layer="server", why=UNIMPLEMENTED),
+             response_format=RESPONSE_FORMAT_FIELD,
              suffix=Field(kind="string", policy=DEFAULT_ONLY, allowed=(None, ""), layer="template",
                           why=UNIMPLEMENTED)),
 }
@@ -6852,15 +6863,15 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     params.logprobs = (values["top_logprobs"] or 0) if values["logprobs"] else None
     template = _chat_template(llm)
     in_reasoning = prompt_ends_in_reasoning(prompt_text)
-    if tools:                             # enforces required / named / parallel_tool_calls=false, bans calls for none
-        try:
-            processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
-                                              values["parallel_tool_calls"], in_reasoning, params.max_tokens,
-                                              eos_token_ids=llm.eos_token_ids)
-        except RequestError as e:
-            raise _as_sent(e, values, max_tokens_field) from None
-        if processor is not None:
-            params.logits_processors = [*params.logits_processors, processor]
+    try:                                  # response_format, tool_choice, valid calls in auto mode, no calls without tools
+        processor = structured_decoder(llm.tokenizer, tools=tools, tool_choice=tool_choice,
+                                       tool_parser=template.tool_parser, parallel_tool_calls=values["parallel_tool_calls"],
+                                       response_format=values["response_format"], in_reasoning=in_reasoning,
+                                       max_tokens=params.max_tokens, eos_token_ids=llm.eos_token_ids)
+    except RequestError as e:
+        raise _as_sent(e, values, max_tokens_field) from None
+    if processor is not None:
+        params.logits_processors = [*params.logits_processors, processor]
     parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
                for _ in range(params.n)]
     return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "chat", values["stream"],
@@ -6877,6 +6888,13 @@ def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Complet
     max_tokens_field = _max_tokens_field(values, ("max_tokens",))
     params = _request_sampling_params(llm, values, len(prompt_ids), max_tokens_field)
     params.logprobs = values["logprobs"]
+    if response_schema(values["response_format"]) is not None:    # the completion is the JSON value
+        try:
+            params.logits_processors = [*params.logits_processors, structured_decoder(
+                llm.tokenizer, response_format=values["response_format"], max_tokens=params.max_tokens,
+                eos_token_ids=llm.eos_token_ids, ban_calls=False)]
+        except RequestError as e:
+            raise _as_sent(e, values, max_tokens_field) from None
     return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "text", values["stream"],
                       values["stream_options"], params.logprobs, None, metrics)
 
