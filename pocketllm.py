@@ -6154,8 +6154,12 @@ def _check_messages(messages, param: str = "messages", vocab_size: int | None = 
 
 
 def _read_tools(tools: list, param: str, vocab_size: int | None) -> list[dict] | None:
-    """The tools as sent (the template renders them), once tool_functions() has checked them; [] is no tools."""
+    """The tools as sent (the template renders them), once tool_functions() has checked them and their
+    parameter schemas compile (whatever tool_choice); [] is no tools."""
     tool_functions(tools)
+    for i, tool in enumerate(tools or []):
+        function, where = tool["function"], f"{param}[{i}].function.parameters"
+        compile_schema(function.get("parameters", True), where, function.get("strict") is True)
     return tools or None
 
 
