@@ -4777,6 +4777,7 @@ _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a J
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
 _CONTINUATIONS = [bytes((b,)) for b in range(0x80, 0xC0)]
+_NON_ASCII = frozenset(range(0x80, 0x100))
 
 
 class _Str(_Node):
@@ -4793,6 +4794,7 @@ class _Str(_Node):
         self.exclude = frozenset(exclude)
         self.exclude_prefixes = {e[:k] for e in self.exclude for k in range(len(e) + 1)}
         self.counted = bool(lo) or hi is not None
+        self.ascii = self.counted or regex is not None   # counted characters are whole: no split UTF-8 to count
         self.nonblank = nonblank and not self.counted and regex is None
         self.plain = regex is None and not self.exclude and not self.counted and not self.nonblank   # content loops
 
@@ -4801,6 +4803,8 @@ class _Str(_Node):
         return [(1 if self.raw else 0, 0, sub)]
 
     def _content(self, count, sub, b):
+        if b >= 0x80 and self.ascii:
+            return []
         if _is_continuation(b):
             return [(1, count, sub)]
         if self.nonblank and b not in b" \n\t\r":
@@ -4833,7 +4837,8 @@ class _Str(_Node):
             if b == _QUOTE:
                 return [((7, count, sub), None)] if self._may_end(count, sub) else []
             if b == _BACKSLASH:                     # no escapes under a pattern or in a key that may be declared
-                return [((2, count, sub), None)] if self.regex is None and not self.exclude else []
+                room = self.hi is None or count < self.hi
+                return [((2, count, sub), None)] if self.regex is None and not self.exclude and room else []
             return [(d, None) for d in self._content(count, sub, b)] if b >= 0x20 and b not in self.dirty else []
         if phase == 2:
             if b == ord("u"):
@@ -4953,7 +4958,7 @@ class _Num(_Node):
         c = chr(b)
         kind = "0" if c == "0" else "9" if c in "123456789" else "e" if c in "eE" else c
         nxt = self._MOVES[state].get(kind)
-        if nxt is None or n >= _MAX_NUMBER:
+        if nxt is None or n + 1 + len(self._REST.get(nxt, b"")) > _MAX_NUMBER:   # never a dead end at the cap
             return []
         return [((nxt, n + 1), None)]
 
@@ -5470,8 +5475,8 @@ class _TokenFacts:
         """Tokens whose bytes from `depth` on hold nothing in `dirty` keep the state alive (spare: also if they
         fit); the others are run through the grammar one by one."""
         tail = self.last(dirty)[0][lo:hi] < depth                                           # (n,)
-        if spare is not None:
-            tail &= self.chars[lo:hi] - sum(not _is_continuation(b) for b in self.sorted[lo][:depth]) <= spare
+        if spare is not None:                  # a counted string: ASCII only, so bytes are characters
+            tail &= (self.chars[lo:hi] - depth <= spare) & (self.last(_NON_ASCII)[0][lo:hi] < depth)
         chunks.append((lo, tail))
         for at in self.dirty_in(dirty, depth, lo, hi):
             after = grammar.advance(state, self.sorted[at][depth:])
@@ -5480,7 +5485,7 @@ class _TokenFacts:
 
     def _walk_string(self, grammar, state, node, data, depth, lo, hi, chunks, singles):
         if not node.plain:
-            spare = None if node.hi is None else node.hi - data[1]
+            spare = node.hi - data[1] if node.hi is not None else 1 << 30 if node.ascii else None
             return self._walk_free(grammar, state, node.dirty, depth, lo, hi, chunks, singles, spare)
         # unbounded JSON string content: clean bytes loop on this state, so a token's fate is its suffix from
         # its first byte that is not clean
