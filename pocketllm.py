@@ -5646,10 +5646,10 @@ class _SchemaCompiler:
         if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
             self.fail(f"{path}.required", "must be an array of property names")
         extra = schema.get("additionalProperties", True if "properties" not in schema else False)
+        missing = [k for k in required if k not in properties]     # written with any value (unless forbidden)
+        if missing and schema.get("additionalProperties") is False:
+            self.fail(f"{path}.required", f"requires {missing[0]!r}, which additionalProperties: false forbids")
         if extra is False:
-            missing = [k for k in required if k not in properties]
-            if missing:
-                self.fail(f"{path}.required", f"requires {missing[0]!r}, which additionalProperties: false forbids")
             extra = None
         else:
             extra = self.any if extra is True else self.compile(extra, f"{path}.additionalProperties")
