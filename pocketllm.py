@@ -4370,6 +4370,7 @@ _MAX_WS = 16             # whitespace bytes in a row between JSON tokens (a mode
 _MAX_STACK = 32          # frames; deeper (recursive schemas) only the shortest value is written
 _MAX_NUMBER = 24         # bytes in a JSON number; exponents have at most 2 digits (1e999 is infinity)
 _MAX_NODES = 20000       # compiled nodes per request: a bigger schema is a 400
+_NON_ASCII = frozenset(range(0x80, 0x100))
 _QUOTE, _BACKSLASH, _LT = 0x22, 0x5C, 0x3C
 
 
@@ -4777,7 +4778,6 @@ _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a J
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
 _CONTINUATIONS = [bytes((b,)) for b in range(0x80, 0xC0)]
-_NON_ASCII = frozenset(range(0x80, 0x100))
 
 
 class _Str(_Node):
