@@ -29,8 +29,8 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
     10. Text: tokenizer (control tokens only from templates), UTF-8-safe detokenizer, stop strings;
         10b tool calls in text: the tools a request offers, one class per call format (TOOL_FORMATS);
         10c sandboxed chat templates.
-    11. Output parsing: reasoning and tool calls, streaming by partial re-parse and diff; tool_choice by
-        constrained decoding.
+    11. Output parsing: reasoning and tool calls, streaming by partial re-parse and diff; 11b structured
+        output: one JSON-Schema constrained decoder (response_format, tool_choice, strict and auto-mode calls).
     12. OpenAI protocol: the field tables (validation, docs/api.md, /openapi.json), request reading into
         SamplingParams and prompt ids, response and chunk builders. No sockets.
     13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
