@@ -29,8 +29,8 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
     10. Text: tokenizer (control tokens only from templates), UTF-8-safe detokenizer, stop strings;
         10b tool calls in text: the tools a request offers, one class per call format (TOOL_FORMATS);
         10c sandboxed chat templates.
-    11. Output parsing: reasoning and tool calls, streaming by partial re-parse and diff; tool_choice by
-        constrained decoding.
+    11. Output parsing: reasoning and tool calls, streaming by partial re-parse and diff; 11b structured
+        output: one JSON-Schema constrained decoder (response_format, tool_choice, strict and auto-mode calls).
     12. OpenAI protocol: the field tables (validation, docs/api.md, /openapi.json), request reading into
         SamplingParams and prompt ids, response and chunk builders. No sockets.
     13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
@@ -46,6 +46,7 @@ __license__ = "Apache-2.0"
 import argparse
 import ast
 import atexit
+import bisect
 import copy
 import ctypes
 import dataclasses
@@ -2193,6 +2194,13 @@ def draw_tokens(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.where(rows[:, _TEMPERATURE] == 0, x.argmax(-1), drawn.clamp(max=x.shape[-1] - 1))
 
 
+def apply_token_masks(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """x (B, V) with the tokens not `allowed` (B, V) at -inf. A row whose other constraints (logit_bias,
+    min_tokens) banned every allowed token is left unmasked rather than sampled from nothing."""
+    masked = x.masked_fill(~allowed, float("-inf"))                             # (B, V)
+    return torch.where(torch.isfinite(masked).any(-1, keepdim=True), masked, x)
+
+
 @dataclass
 class RowParams:
     """One request's sampling options as the sampler reads them, prepared once when the engine admits it."""
@@ -2259,6 +2267,7 @@ class Sampler:
         """logits (R, V) fp32 -> (packed (N,) int32 on their device: the B sampled ids, then the requested
         logprobs as float32 bits and their top-k ids; the rows whose processors raised). Everything before the
         host transfer, so that tests can run it under FakeTensorMode."""
+        masks = self.token_masks(rows, logits.shape[-1])          # host work first: on a GPU the forward still runs
         picks = [r.logit_row for r in rows]
         raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
         table = torch.tensor([r.params.floats + (self._uniform(r),) for r in rows], dtype=torch.float64)
@@ -2266,7 +2275,7 @@ class Sampler:
         slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long).to(self.device)   # (B,)
         for r in rows:
             self._own(r.seq.slot, r)
-        x, failed = self.process(raw.clone(), rows, params, slots)
+        x, failed = self.process(raw.clone(), rows, params, slots, masks)
         x = scale_by_temperature(x, params)
         sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p for r in rows)
         if sort or min_p:
@@ -2290,12 +2299,37 @@ class Sampler:
         return SampleResult(tokens, logprobs, failed)
 
     def process(self, x: torch.Tensor, rows: list[SampleRow], params: torch.Tensor,
-                slots: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Penalties, logit_bias, min_tokens bans and logits processors on x (B, V), in that order."""
+                slots: torch.Tensor, masks=None) -> tuple[torch.Tensor, dict]:
+        """Penalties, logit_bias, min_tokens bans and logits processors on x (B, V), in that order; the
+        processors' token masks (token_masks) last, as one (B, V) op."""
         if any(r.params.penalties for r in rows):
             x = apply_penalties(x, self.counts[slots], self.prompt_seen[slots], params)
         x = self._bias_and_bans(x, rows)
-        return x, self._run_processors(x, rows)
+        allowed, failed = masks if masks is not None else self.token_masks(rows, x.shape[-1])
+        failed.update(self._run_processors(x, rows))
+        return (x if allowed is None else apply_token_masks(x, allowed)), failed
+
+    def token_masks(self, rows: list[SampleRow], size: int) -> tuple[torch.Tensor | None, dict]:
+        """The rows' allowed tokens, from their logits processors that are token masks (structured output:
+        a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None when no row has
+        one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
+        found, failed = {}, {}
+        for i, r in enumerate(rows):
+            for proc in r.seq.params.logits_processors:
+                token_mask = getattr(proc, "token_mask", None)
+                if token_mask is None:
+                    continue
+                try:
+                    mask = token_mask(r.seq.output_ids, size, self.device)
+                except Exception as e:
+                    failed[i] = e
+                    break
+                if mask is not None:
+                    found[i] = mask if i not in found else found[i] & mask
+        if not found:
+            return None, failed
+        everything = torch.ones(size, dtype=torch.bool, device=self.device)
+        return torch.stack([found.get(i, everything) for i in range(len(rows))]), failed
 
     @staticmethod
     def _uniform(r: SampleRow) -> float:
@@ -2338,6 +2372,8 @@ class Sampler:
         failed = {}
         for i, r in enumerate(rows):
             for proc in r.seq.params.logits_processors:
+                if hasattr(proc, "token_mask"):            # applied with the others' in process()
+                    continue
                 try:
                     x[i] = proc(list(r.seq.output_ids), x[i])
                 except Exception as e:
@@ -3857,7 +3893,7 @@ def _json_string_prefix(text: str, start: int) -> str:
 
 
 # Tool-call formats: one class per way a model writes a call, holding everything about it. The scanner below
-# and the tool_choice machinery only call these classes; TOOL_FORMATS names them (the tool_parser values).
+# and the structured-output grammar only call these classes; TOOL_FORMATS names them (the tool_parser values).
 
 class ToolCallFormat:
     """A tool-call format, and the parts shared by formats wrapped in <tool_call> ... </tool_call>.
@@ -3866,18 +3902,19 @@ class ToolCallFormat:
     asks `header()` whether a call starts there. The call's body is then read by `scan()`, which calls the
     method `_<mode>(scan, text, final)` for the scanner's mode: each commits what it has fully understood
     (advancing scan.pos, adding to scan.calls[-1]) and returns True, or returns False to wait for more text.
-    Writing (tool_choice): a forced call is `call_head(lead, name)`, then per argument `param_open(key, first)`
-    and `forced_value(...)` (which ends with `value_close`), then `call_tail`.
+    Writing (structured output, section 11b): a call is `call_head(lead, name)`, then per argument
+    `param_open(key, first)`, the value (raw text for a string parameter unless `json_values`, else JSON) and
+    `value_close`, then `call_tail`. The grammar of calls is built from these pieces alone, so a new format
+    needs nothing more; in auto mode a call opens at `call_open` or a bare opener found in `call_head`.
     Detection: `renders_call` / `in_template` recognise the format in a chat template's output / source.
     """
 
     name = ""                          # the tool_parser value (ChatOutputParser, --tool-parser)
     call_open, call_close = _CALL_OPEN, _CALL_CLOSE   # the wrapper around a call ("": none)
     bare_opens: tuple[str, ...] = ()   # prose markers that open a call with no call_open (header gets bare=True)
-    json_values = False                # forced values are JSON texts, else raw text (a string as it is)
-    value_close = ""                   # ends each forced value ("": the next separator ends it)
-    call_tail = ""                     # ends a forced call, after its last argument
-    optional_spare = 0                 # tokens left spare when offering an optional parameter of a forced call
+    json_values = False                # values are JSON texts, else raw text for string parameters
+    value_close = ""                   # ends each value ("": the next separator ends it)
+    call_tail = ""                     # ends a call, after its last argument
 
     # Reading
 
@@ -3917,16 +3954,6 @@ class ToolCallFormat:
 
     def param_open(self, key: str, first: bool) -> str:
         """The text before an argument's value (`first`: the call's first argument)."""
-        raise NotImplementedError
-
-    def smallest_value_cost(self, cost: Callable[[str], int]) -> int:
-        """Tokens the smallest free (not enumerated) value takes, value_close included; cost(text) -> tokens."""
-        raise NotImplementedError
-
-    def forced_value(self, run: "_CallProgram", kind: str, choices: list[str] | None, reserve: int):
-        """A sub-generator writing one value of `kind` (one of `choices` when given) and value_close, keeping
-        `reserve` tokens for what follows. Returns `kind` when the value is a number left open (no value_close:
-        the caller ends it with what follows), else None."""
         raise NotImplementedError
 
     # Detection
@@ -4030,12 +4057,6 @@ class QwenXmlFormat(ToolCallFormat):
     def param_open(self, key, first):
         return f"{self.parameter_tag}{key}>\n"
 
-    def smallest_value_cost(self, cost):
-        return 2 + cost(self.value_close)
-
-    def forced_value(self, run, kind, choices, reserve):
-        yield from run.raw_value(kind, choices, self.value_close, reserve)
-
     def renders_call(self, text, name):
         return f"{self.function_tag}{name}>" in text
 
@@ -4050,7 +4071,6 @@ class HermesFormat(ToolCallFormat):
     name = "hermes"
     json_values = True
     call_tail = "}}\n" + _CALL_CLOSE
-    optional_spare = 2
     _head = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"')
     _head_prefix = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"(?:[^"\\\n]|\\.)*\\?)?)?)?)?)?)?)?)?\Z')
 
@@ -4149,20 +4169,6 @@ class HermesFormat(ToolCallFormat):
 
     def param_open(self, key, first):
         return ("" if first else ", ") + json.dumps(key, ensure_ascii=False) + ": "
-
-    def smallest_value_cost(self, cost):
-        return 3 + cost("{}")                    # '"x"' or an empty container
-
-    def forced_value(self, run, kind, choices, reserve):
-        if choices:
-            yield from run.choose(choices)
-        elif kind == "string":
-            yield from run.json_string(reserve)
-        elif kind in ("integer", "number"):
-            return kind                          # written with the next separator
-        else:
-            yield from run.force("{}" if kind == "object" else "[]")
-        return None
 
     def renders_call(self, text, name):
         head = re.escape(self.call_open) + r'\s*\{\s*"name"\s*:\s*' + re.escape(json.dumps(name, ensure_ascii=False))
@@ -4626,433 +4632,1658 @@ class ChatOutputParser:
 
 
 # -----------------------------------------------------------------------------------------------
-# tool_choice by constrained decoding. A logits processor runs a small program per choice: it forces the
-# call's markup token by token and lets the model choose only where the schema leaves a choice (which
-# tool, which optional parameter, the values under masks shaped by their types), and it keeps enough of
-# max_tokens in reserve to close the call (closing reasoning early if it must).
+# 11b. Structured output: one JSON-Schema constrained decoder for response_format, strict tools, tool_choice
+#      and the calls of auto mode. A schema compiles to a byte-level grammar (nodes below); a state of the
+#      grammar is a set of stacks of (node, data) frames, and the mask of a state is found by walking the
+#      vocabulary sorted by bytes (its implicit trie), once per state and cached. The mask is a pure
+#      function of the generated ids, computed on the host before the sampler's first transfer, so on a GPU
+#      it overlaps the forward pass still in flight; the sampler applies all rows' masks as one (B, V) op.
 # -----------------------------------------------------------------------------------------------
 
 _THINK_FORCED_CLOSE = "\n</think>"
-_VALUE_TOKEN_CAP = {"integer": 12, "number": 16, "string": 256, "object": 256, "array": 256}
-_NUMBER_CHARS = frozenset("0123456789.-+eE")
-_BIG_EXPONENT = re.compile(r"[eE][+-]?\d{3}")
-_EOS = -1   # an alternative of _choose that stands for "any end-of-sequence token"
+_WS = frozenset(b" \n\t")
+_MAX_WS = 16             # whitespace bytes in a row between JSON tokens (a model that only spaces ends)
+_MAX_STACK = 32          # frames; deeper (recursive schemas) only the shortest value is written
+_MAX_NUMBER = 24         # bytes in a JSON number; exponents have at most 2 digits (1e999 is infinity)
+_MAX_NODES = 20000       # compiled nodes per request: a bigger schema is a 400
+_NON_ASCII = frozenset(range(0x80, 0x100))
+_QUOTE, _BACKSLASH, _LT = 0x22, 0x5C, 0x3C
 
 
-def _number_state(text: str, integer: bool):
-    """The state of a JSON-number automaton after `text` (None: not a number prefix). Complete states:
-    'zero', 'int', 'frac', 'exp_digits'."""
-    state = "start"
-    for c in text:
-        if c == "-" and state == "start":
-            state = "sign"
-        elif c.isdigit() and c.isascii():
-            if state in ("start", "sign"):
-                state = "zero" if c == "0" else "int"
-            elif state == "zero":
-                return None
-            elif state in ("int", "frac", "exp_digits"):
-                pass
-            elif state == "dot":
-                state = "frac"
-            elif state in ("exp", "exp_sign"):
-                state = "exp_digits"
-        elif c == "." and state in ("zero", "int") and not integer:
-            state = "dot"
-        elif c in "eE" and state in ("zero", "int", "frac") and not integer:
-            state = "exp"
-        elif c in "+-" and state == "exp":
-            state = "exp_sign"
-        else:
-            return None
-    return state
+def _is_continuation(b: int) -> bool:
+    return 0x80 <= b < 0xC0    # the 2nd..4th byte of a UTF-8 character: not a character of its own
 
 
-class _TokenFacts:
-    """What the masks need to know about every token of a vocabulary, computed once per tokenizer."""
+class _Node:
+    """A grammar node. A frame (node, data) is one node in progress: step(data, b) -> [(data', child)] (child:
+    a node that the byte b is handed to, pushed above the frame), can_end(data) (the frame may end here,
+    before b), child_done(data, child_frame) -> data when the child above ends, rest(data) -> the shortest
+    bytes that end it, finish(data) -> its data after rest. shortest() is the shortest text of the node."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.texts = tokenizer.token_texts()
-        self.free = {   # tokens that may appear inside a string value: raw text, or in a JSON string
-            "raw": torch.tensor([bool(t) and "<" not in t for t in self.texts]),
-            "json": torch.tensor([bool(t) and "<" not in t and '"' not in t and "\\" not in t and
-                                  all(c >= " " for c in t) for t in self.texts])}
-        self.quote = [i for i, t in enumerate(self.texts) if t == '"']
-        self.numeric = [i for i, t in enumerate(self.texts) if t and set(t) <= _NUMBER_CHARS]
-        self.openers = {c: [i for i, t in enumerate(self.texts) if t.lstrip().startswith(c) and "<" not in t]
-                        for c in "{["}
-        self._encoded: dict[str, list[int]] = {}
-        self._masks: dict[tuple, torch.Tensor] = {}
-        self._closers: dict[str, tuple[dict[int, str], dict[int, str]]] = {}
-        self._ids: dict[str, list[int]] = {}
+    nests = False                    # a container: past _MAX_STACK only its shortest text is written
+    nullable = False                 # its text may be empty (so a sequence may end before entering it)
 
-    def text(self, token_id: int) -> str:
-        return self.texts[token_id] if 0 <= token_id < len(self.texts) else ""
+    def starts(self):
+        return [None]
 
-    def ids_of(self, text: str) -> list[int]:
-        """The tokens that are exactly `text` (a marker such as <tool_call>)."""
-        ids = self._ids.get(text)
-        if ids is None:
-            ids = self._ids[text] = [i for i, t in enumerate(self.texts) if t == text]
-        return ids
+    def step(self, data, b):
+        return []
 
-    def closers(self, close: str) -> tuple[dict[int, str], dict[int, str]]:
-        """The tokens that may begin a raw value's closing text `close` (with or without its leading newline):
-        token id -> the rest of `close` after it; all of them, and those holding '<' (a string value's free
-        tokens have none, so only these can end it)."""
-        found = self._closers.get(close)
-        if found is None:
-            close_any, close_lt = {}, {}
-            for i, t in enumerate(self.texts):
-                for skip in (0, 1):
-                    if t and close.startswith(t, skip):
-                        close_any.setdefault(i, close[skip + len(t):])
-                        if "<" in t:
-                            close_lt.setdefault(i, close[skip + len(t):])
-            found = self._closers[close] = (close_any, close_lt)
+    def can_end(self, data) -> bool:
+        return False
+
+    def child_done(self, data, child):
+        return data
+
+    def rest(self, data) -> bytes:
+        return b""
+
+    def finish(self, data):
+        return data
+
+    def shortest(self) -> bytes | None:
+        """The shortest text (None: no finite one, e.g. a required self-reference)."""
+        found = getattr(self, "_shortest", ...)
+        if found is ...:
+            self._shortest = None            # in progress: a cycle through this node has no finite text
+            self._shortest = found = self._shortest_text()
         return found
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._encoded.get(text)
-        if ids is None:
-            ids = self._encoded[text] = self.tokenizer.encode(text)
-        return ids
+    def _shortest_text(self):
+        return self.rest(self.starts()[0])
 
-    def free_mask(self, kind: str, size: int, device) -> torch.Tensor:
-        """free[kind] padded (or cut) to the logits' length, on their device."""
-        mask = self._masks.get((kind, size, str(device)))
-        if mask is None:
-            mask = torch.zeros(size, dtype=torch.bool)
-            n = min(size, len(self.texts))
-            mask[:n] = self.free[kind][:n]
-            mask = self._masks[(kind, size, str(device))] = mask.to(device)
+
+class _Lit(_Node):
+    def __init__(self, text: bytes):
+        self.text = text
+
+    def starts(self):
+        return [0]
+
+    def step(self, i, b):
+        return [(i + 1, None)] if i < len(self.text) and self.text[i] == b else []
+
+    def can_end(self, i):
+        return i == len(self.text)
+
+    def rest(self, i):
+        return self.text[i:]
+
+
+def _as_lit(node: _Node) -> _Lit:
+    """The node reduced to its shortest text (past the depth bound), one per node."""
+    if getattr(node, "_lit", None) is None:
+        node._lit = _Lit(node.shortest())
+    return node._lit
+
+
+class _Choice(_Node):
+    """One of fixed texts (enum, const, true/false/null, keys, markup); data is the text so far."""
+
+    def __init__(self, texts):
+        self.texts = list(dict.fromkeys(texts))
+        self.prefixes = {t[:k] for t in self.texts for k in range(len(t) + 1)}
+        self.complete = set(self.texts)
+
+    def starts(self):
+        return [b""]
+
+    def step(self, p, b):
+        q = p + bytes((b,))
+        return [(q, None)] if q in self.prefixes else []
+
+    def can_end(self, p):
+        return p in self.complete
+
+    def rest(self, p):
+        return min((t[len(p):] for t in self.texts if t.startswith(p)), key=lambda t: (len(t), t))
+
+    def finish(self, p):
+        return p + self.rest(p)
+
+
+class _Union(_Node):
+    """Alternatives; never a frame: entering it enters every option (the state is a set of stacks)."""
+
+    def __init__(self, options):
+        self.options = options
+
+    def _shortest_text(self):
+        found = [t for t in (o.shortest() for o in self.options) if t is not None]
+        return min(found, key=lambda t: (len(t), t)) if found else None
+
+
+class _Ref(_Node):
+    """A $ref: a placeholder while its target compiles, so recursive schemas compile."""
+
+    def __init__(self):
+        self.target: _Node | None = None
+
+    def _shortest_text(self):
+        return self.target.shortest()
+
+
+class _Seq(_Node):
+    def __init__(self, parts):
+        self.parts = [p for p in parts if not (isinstance(p, _Lit) and not p.text)]
+
+    def starts(self):
+        return [0]
+
+    def step(self, i, b):
+        return [(i, self.parts[i])] if i < len(self.parts) else []
+
+    def can_end(self, i):
+        return all(part.nullable for part in self.parts[i:])
+
+    def child_done(self, i, child):
+        return i + 1
+
+    def rest(self, i):
+        texts = [p.shortest() for p in self.parts[i:]]
+        return None if None in texts else b"".join(texts)
+
+    def _shortest_text(self):
+        return self.rest(0)
+
+
+class _Repeat(_Node):
+    """`first`, then up to hi - 1 of `more` (hi None: any number); data (count, in progress)."""
+
+    def __init__(self, first, more, hi):
+        self.first, self.more, self.hi = first, more, hi
+
+    def starts(self):
+        return [(0, False)]
+
+    def step(self, data, b):
+        n = data[0]
+        if n == 0:
+            return [((0, True), self.first)]
+        return [((n, True), self.more)] if self.hi is None or n < self.hi else []
+
+    def can_end(self, data):
+        return data[0] >= 1 and not data[1]
+
+    def child_done(self, data, child):
+        return (min(data[0] + 1, self.hi or 1), False)
+
+    def rest(self, data):
+        return self.first.shortest() if data[0] == 0 else b""
+
+
+class _Regex:
+    """A regular expression (JSON Schema `pattern`: unanchored unless ^...$) as a Thompson NFA over bytes.
+    Supported: literals and escapes, ., [classes] and \\d \\w \\s (negated too), groups, |, * + ? {m,n}, ^ and $
+    at the ends. A character past ASCII is one step (its continuation bytes do not move the NFA)."""
+
+    _CLASSES = {"d": set(b"0123456789"), "w": set(b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+                "s": set(b" \t\n\r\f\v")}
+    _NON_ASCII = set(range(0xC0, 0x100))                       # the lead byte of a non-ASCII character
+
+    def __init__(self, pattern: str):
+        self.pattern, self.i = pattern, 0
+        self.edges: list[list] = []                            # state -> [(byte set or None (epsilon), next)]
+        anchored_start = pattern.startswith("^")
+        self.i = 1 if anchored_start else 0
+        start, end = self._alternation()
+        if self.i < len(pattern):
+            raise ValueError(f"unexpected {pattern[self.i]!r} at {self.i}")
+        if not anchored_start:
+            start = self._wrap_any(start, before=True)
+        if not self.anchored_end:
+            end = self._wrap_any(end, before=False)
+        self.start, self.accept = self._closure({start}), end
+        self._steps: dict = {}
+
+    # Parsing, each part -> (start state, end state)
+
+    def _state(self) -> int:
+        self.edges.append([])
+        return len(self.edges) - 1
+
+    def _wrap_any(self, at: int, before: bool) -> int:
+        loop = self._state()
+        anything = set(range(0x20, 0x100)) - set(range(0x80, 0xC0))
+        self.edges[loop].append((anything, loop))
+        if before:
+            self.edges[loop].append((None, at))
+            return loop
+        self.edges[at].append((None, loop))
+        return loop
+
+    def _alternation(self):
+        self.anchored_end = False
+        branches = [self._concat()]
+        while self.i < len(self.pattern) and self.pattern[self.i] == "|":
+            self.i += 1
+            branches.append(self._concat())
+        if len(branches) == 1:
+            return branches[0]
+        start, end = self._state(), self._state()
+        for s, e in branches:
+            self.edges[start].append((None, s))
+            self.edges[e].append((None, end))
+        return start, end
+
+    def _concat(self):
+        start = end = self._state()
+        while self.i < len(self.pattern) and self.pattern[self.i] not in "|)":
+            if self.pattern[self.i] == "$" and self.i == len(self.pattern) - 1:
+                self.i += 1
+                self.anchored_end = True
+                break
+            s, e = self._quantified()
+            self.edges[end].append((None, s))
+            end = e
+        return start, end
+
+    def _quantified(self):
+        at = self.i
+        atom = self._atom()
+        p = self.pattern
+        if self.i >= len(p) or p[self.i] not in "*+?{":
+            return atom
+        if p[self.i] == "{":
+            m = re.match(r"\{(\d+)(,(\d*))?\}", p[self.i:])
+            if not m:
+                raise ValueError(f"bad repetition at {self.i}")
+            lo = int(m.group(1))
+            hi = lo if m.group(2) is None else int(m.group(3)) if m.group(3) else None
+            if lo > 64 or (hi or 0) > 64 or (hi is not None and hi < lo):
+                raise ValueError("repetition counts must be ordered and at most 64")
+            self.i += m.end()
+        else:
+            lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[p[self.i]]
+            self.i += 1
+        if self.i < len(p) and p[self.i] == "?":               # lazy: the same language
+            self.i += 1
+        copies = [atom]
+
+        def copy():
+            return copies.pop() if copies else self._reparse(at)
+        start = end = self._state()
+        for _ in range(lo):                                    # the required copies
+            s, e = copy()
+            self.edges[end].append((None, s))
+            end = e
+        if hi is None:                                         # then a loop
+            s, e = copy()
+            loop = self._state()
+            self.edges[end].append((None, loop))
+            self.edges[loop].append((None, s))
+            self.edges[e].append((None, loop))
+            return start, loop
+        final = self._state()
+        for _ in range(hi - lo):                               # then optional ones
+            s, e = copy()
+            self.edges[end].append((None, s))
+            self.edges[end].append((None, final))
+            end = e
+        self.edges[end].append((None, final))
+        return start, final
+
+    def _reparse(self, at):
+        """A fresh copy of the atom at `at` (a repetition needs its own states per copy)."""
+        saved = self.i
+        self.i = at
+        part = self._atom()
+        self.i = saved
+        return part
+
+    def _atom(self):
+        p, c = self.pattern, self.pattern[self.i]
+        if c == "(":
+            self.i += 1
+            if p.startswith("?:", self.i):
+                self.i += 2
+            elif p.startswith("?", self.i):
+                raise ValueError("lookarounds and named groups are not supported")
+            saved = self.anchored_end
+            part = self._alternation()
+            self.anchored_end = saved
+            if self.i >= len(p) or p[self.i] != ")":
+                raise ValueError("unbalanced parenthesis")
+            self.i += 1
+            return part
+        if c == "[":
+            return self._edge(self._class())
+        if c == ".":
+            self.i += 1
+            return self._edge(set(range(0x20, 0x100)) - {0x0A})
+        if c == "\\":
+            return self._edge(self._escape())
+        if c in "*+?{)|^$":
+            raise ValueError(f"unexpected {c!r} at {self.i}")
+        self.i += 1
+        data = c.encode()
+        if len(data) > 1:
+            raise ValueError("non-ASCII characters are not supported")
+        return self._edge({data[0]})
+
+    def _edge(self, byteset):
+        s, e = self._state(), self._state()
+        self.edges[s].append((frozenset(byteset), e))
+        return s, e
+
+    def _escape(self) -> set:
+        self.i += 1
+        if self.i >= len(self.pattern):
+            raise ValueError("a trailing backslash")
+        c = self.pattern[self.i]
+        self.i += 1
+        if c.lower() in self._CLASSES:
+            found = self._CLASSES[c.lower()]
+            return set(found) if c.islower() else set(range(0x20, 0x100)) - found
+        if c in "nrtfv":
+            return {ord({"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v"}[c])}
+        if c.isalnum():
+            raise ValueError(f"the escape \\{c} is not supported")
+        return {ord(c)}
+
+    def _class(self) -> set:
+        p = self.pattern
+        self.i += 1
+        negate = p.startswith("^", self.i)
+        self.i += negate
+        found, first = set(), True
+        while self.i < len(p) and (p[self.i] != "]" or first):
+            first = False
+            if p[self.i] == "\\":
+                found |= self._escape()
+                continue
+            lo = p[self.i]
+            self.i += 1
+            if p.startswith("-", self.i) and self.i + 1 < len(p) and p[self.i + 1] != "]":
+                hi = p[self.i + 1]
+                self.i += 2
+                if ord(lo) > 127 or ord(hi) > 127 or hi < lo:
+                    raise ValueError("ranges must be ASCII and ordered")
+                found |= set(range(ord(lo), ord(hi) + 1))
+            else:
+                if ord(lo) > 127:
+                    raise ValueError("non-ASCII characters are not supported")
+                found.add(ord(lo))
+        if self.i >= len(p):
+            raise ValueError("unterminated character class")
+        self.i += 1
+        return set(range(0x20, 0x100)) - found if negate else found
+
+    # Running
+
+    def _closure(self, states) -> frozenset:
+        todo, seen = list(states), set(states)
+        while todo:
+            for byteset, nxt in self.edges[todo.pop()]:
+                if byteset is None and nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return frozenset(seen)
+
+    def step(self, states: frozenset, b: int) -> frozenset | None:
+        key = (states, b)
+        found = self._steps.get(key, ...)
+        if found is ...:
+            b = 0xC0 if b >= 0xC0 else b
+            moved = {nxt for s in states for byteset, nxt in self.edges[s] if byteset is not None and b in byteset}
+            found = self._steps[key] = self._closure(moved) if moved else None
+        return found
+
+    def accepts(self, states: frozenset) -> bool:
+        return self.accept in states
+
+    def shortest(self, states: frozenset, allowed) -> bytes | None:
+        """The shortest bytes from `states` to acceptance, using bytes in `allowed` (preferring letters)."""
+        seen, frontier = {states}, [(states, b"")]
+        order = sorted(allowed, key=lambda b: (not chr(b).isalnum(), b))
+        while frontier:
+            nxt = []
+            for s, text in frontier:
+                if self.accepts(s):
+                    return text
+                for b in order:
+                    t = self.step(s, b) if b < 0x80 else None
+                    if t is not None and t not in seen:
+                        seen.add(t)
+                        nxt.append((t, text + bytes((b,))))
+            frontier = nxt
+        return None
+
+
+_JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
+_JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
+_RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
+_CONTINUATIONS = [bytes((b,)) for b in range(0x80, 0xC0)]
+
+
+class _Str(_Node):
+    """A string: JSON (quoted, escapes) or raw (a Qwen XML value: no quotes, no '<', ended by what follows).
+    data (phase, count, sub): phase 0 before the quote, 1 content, 2 after a backslash, 3..6 in \\uXXXX, 7 closed;
+    count: characters so far (only with bounds); sub: the pattern's NFA states, or for a free key the text so
+    far while it may still become a declared key (`exclude`). nonblank (a tool argument the schema leaves
+    open): at least one character that is not whitespace, counted as count 1."""
+
+    def __init__(self, lo=0, hi=None, regex=None, raw=False, exclude=(), nonblank=False, no_lt=False):
+        self.lo, self.hi, self.regex, self.raw = lo, hi, regex, raw
+        self.no_lt = no_lt or raw                             # inside a call no markup can start in a string
+        self.dirty = _RAW_DIRTY if raw else _JSON_DIRTY | {_LT} if no_lt else _JSON_DIRTY   # not held as is
+        self.exclude = frozenset(exclude)
+        self.exclude_prefixes = {e[:k] for e in self.exclude for k in range(len(e) + 1)}
+        self.counted = bool(lo) or hi is not None
+        self.ascii = self.counted or regex is not None   # counted characters are whole: no split UTF-8 to count
+        self.nonblank = nonblank and not self.counted and regex is None
+        self.plain = regex is None and not self.exclude and not self.counted and not self.nonblank   # content loops
+
+    def starts(self):
+        sub = self.regex.start if self.regex else b"" if self.exclude else None
+        return [(1 if self.raw else 0, 0, sub)]
+
+    def _content(self, count, sub, b):
+        if b >= 0x80 and self.ascii:
+            return []
+        if _is_continuation(b):
+            return [(1, count, sub)]
+        if self.nonblank and b not in b" \n\t\r":
+            count = 1
+        if self.counted:
+            count += 1
+            if self.hi is not None and count > self.hi:
+                return []
+            count = min(count, max(self.lo, self.hi or 0))
+        if self.regex is not None:
+            sub = self.regex.step(sub, b)
+            if sub is None:
+                return []
+        elif self.exclude:
+            sub = sub + bytes((b,)) if sub is not None and sub + bytes((b,)) in self.exclude_prefixes else None
+        return [(1, count, sub)]
+
+    def _may_end(self, count, sub) -> bool:
+        return count >= self.lo and (count or not self.nonblank) and (self.regex is None or self.regex.accepts(sub)) and \
+            not (self.exclude and sub in self.exclude)
+
+    def step(self, data, b):
+        phase, count, sub = data
+        if self.raw:
+            ok = b != _LT and (b >= 0x20 or b in b"\n\t\r")
+            return [(d, None) for d in self._content(count, sub, b)] if ok else []
+        if phase == 0:
+            return [((1, count, sub), None)] if b == _QUOTE else []
+        if phase == 1:
+            if b == _QUOTE:
+                return [((7, count, sub), None)] if self._may_end(count, sub) else []
+            if b == _BACKSLASH:                     # no escapes under a pattern or in a key that may be declared
+                room = self.hi is None or count < self.hi
+                return [((2, count, sub), None)] if self.regex is None and not self.exclude and room else []
+            return [(d, None) for d in self._content(count, sub, b)] if b >= 0x20 and b not in self.dirty else []
+        if phase == 2:
+            if b == ord("u"):
+                return [((3, count, sub), None)]
+            return [(d, None) for d in self._content(count, sub, ord("a"))] if b in b'"\\/bfnrt' else []
+        if 3 <= phase <= 6 and b in b"0123456789abcdefABCDEF":
+            return [((phase + 1, count, sub), None)] if phase < 6 else \
+                [(d, None) for d in self._content(count, sub, ord("a"))]
+        return []
+
+    def can_end(self, data):
+        phase, count, sub = data
+        return self._may_end(count, sub) if self.raw else phase == 7
+
+    def _fill(self, count, sub) -> bytes:
+        if self.regex is not None:
+            allowed = _JSON_CLEAN if not self.raw else frozenset(range(0x20, 0x80)) - {_LT}
+            return self.regex.shortest(sub, [b for b in allowed if b < 0x80]) or b""
+        text = b"a" * max(0, self.lo - count, int(self.nonblank) - count)
+        return text + b"_" if self.exclude and sub is not None and sub + text in self.exclude else text
+
+    def rest(self, data):
+        phase, count, sub = data
+        close = b"" if self.raw else b'"'
+        if phase == 7:
+            return b""
+        if phase == 0:
+            return b'"' + self._fill(count, sub) + close
+        if phase == 2:
+            return b"n" + self._fill(count + 1, sub) + close
+        if 3 <= phase <= 6:
+            return b"0" * (7 - phase) + self._fill(count + 1, sub) + close
+        return self._fill(count, sub) + close
+
+
+class _Int(_Node):
+    """A JSON integer in [lo, hi] (None: unbounded), at most 19 digits. data (text, length): bounded, the text
+    so far; unbounded, its kind ("", "-", "0", "1" digits, "-1" negative digits) so that states repeat."""
+
+    def __init__(self, lo=None, hi=None):
+        self.lo, self.hi = lo, hi
+        self.bounded = lo is not None or hi is not None
+
+    def starts(self):
+        return [(b"", 0)]
+
+    def _span(self, text: bytes, extra: int):
+        """The integers written text + `extra` more digits, as (low, high); None if text is no number's start."""
+        digits, neg = text.lstrip(b"-"), text.startswith(b"-")
+        if not digits:
+            return None
+        d = int(digits)
+        if digits == b"0":
+            if extra:
+                return None
+        low, high = d * 10 ** extra, (d + 1) * 10 ** extra - 1 if extra else d
+        return (-high, -low) if neg else (low, high)
+
+    def _pick(self, text: bytes) -> bytes | None:
+        """The in-range integer closest to zero that starts with text (None if none does)."""
+        lo = self.lo if self.lo is not None else -10 ** 19
+        hi = self.hi if self.hi is not None else 10 ** 19
+        if text in (b"", b"-"):
+            top = hi if text == b"" else min(hi, -1)
+            best = min(max(0, lo), top) if text == b"" else top
+            return str(best).encode() if lo <= best <= top else None
+        for extra in range(0, 20 - len(text)):
+            span = self._span(text, extra)
+            if span is None:
+                return None
+            low, high = max(span[0], lo), min(span[1], hi)
+            if low <= high:
+                return str(low if low >= 0 else high).encode()
+        return None
+
+    def step(self, data, b):
+        text, n = data
+        if n >= 19 or not (0x30 <= b <= 0x39 or (b == 0x2D and not n)):
+            return []
+        if text in (b"0", b"-0") or (text == b"-" and b == 0x30):
+            return []
+        new = text + bytes((b,))
+        if not self.bounded:
+            kind = new if new in (b"-", b"0") else b"-1" if new.startswith(b"-") else b"1"
+            return [((kind, n + 1), None)]
+        return [((new, n + 1), None)] if self._pick(new) is not None else []
+
+    def can_end(self, data):
+        text = data[0]
+        if text in (b"", b"-"):
+            return False
+        return not self.bounded or self._pick(text) == text
+
+    def rest(self, data):
+        text = data[0]
+        if not self.bounded:
+            return {b"": b"0", b"-": b"1"}.get(text, b"")
+        return self._pick(text)[len(text):]
+
+
+class _Num(_Node):
+    """A JSON number; data (state, length). States: s start, - sign, 0 zero, i int digits, . dot, f fraction,
+    e exponent mark, E exponent sign, x exponent digits (x2 the second, the last allowed)."""
+
+    _MOVES = {"s": {"-": "-", "0": "0", "9": "i"}, "-": {"0": "0", "9": "i"}, "0": {".": ".", "e": "e"},
+              "i": {"0": "i", "9": "i", ".": ".", "e": "e"}, ".": {"0": "f", "9": "f"},
+              "f": {"0": "f", "9": "f", "e": "e"}, "e": {"-": "E", "+": "E", "0": "x", "9": "x"},
+              "E": {"0": "x", "9": "x"}, "x": {"0": "x2", "9": "x2"}, "x2": {}}   # "9": a digit 1-9
+    _ENDS = {"0", "i", "f", "x", "x2"}
+    _REST = {"s": b"0", "-": b"0", ".": b"0", "e": b"0", "E": b"0"}
+
+    def starts(self):
+        return [("s", 0)]
+
+    def step(self, data, b):
+        state, n = data
+        c = chr(b)
+        kind = "0" if c == "0" else "9" if c in "123456789" else "e" if c in "eE" else c
+        nxt = self._MOVES[state].get(kind)
+        if nxt is None or n + 1 + len(self._REST.get(nxt, b"")) > _MAX_NUMBER:   # never a dead end at the cap
+            return []
+        return [((nxt, n + 1), None)]
+
+    def can_end(self, data):
+        return data[0] in self._ENDS
+
+    def rest(self, data):
+        return self._REST.get(data[0], b"")
+
+
+def _next_members(members, i):
+    """Indexes of the members that may come next from position i: in order, no required one skipped."""
+    found = []
+    for j in range(i, len(members)):
+        found.append(j)
+        if members[j][2]:
+            break
+    return found
+
+
+def _required_from(members, i):
+    return [j for j in range(i, len(members)) if members[j][2]]
+
+
+class _Obj(_Node):
+    """A JSON object: declared members [(key, value node, required)] in schema order (optional ones may be
+    skipped), then other keys if `extra` (a value node) allows them. Whitespace between tokens.
+    data (phase, i, ws, j): i the next declared member, j the member whose value is being written (-1: extra).
+    Phases: 0 '{', 1 after '{', 2 key, 3 ':', 4 before value, 5 value, 6 after value, 7 after ',', 8 closed."""
+
+    nests = True
+
+    def __init__(self, members, extra, no_lt=False):
+        self.members, self.extra, self.no_lt = members, extra, no_lt
+        self._keys: dict[int, _Node] = {}
+        self._choices: dict[int, tuple] = {}
+
+    def starts(self):
+        return [(0, 0, 0, -1)]
+
+    def keys_at(self, i) -> _Node:
+        node = self._keys.get(i)
+        if node is None:
+            texts = {json.dumps(self.members[j][0], ensure_ascii=False).encode(): j for j in _next_members(self.members, i)}
+            choice = _Choice(texts)
+            self._choices[id(choice)] = texts
+            options = [choice] if texts else []
+            if self.extra is not None:
+                options.append(_Str(exclude=[m[0].encode() for m in self.members], no_lt=self.no_lt))
+            node = self._keys[i] = _Union(options)
+        return node
+
+    def step(self, data, b):
+        phase, i, ws, j = data
+        if b in _WS and phase in (1, 3, 4, 6, 7):
+            return [((phase, i, ws + 1, j), None)] if ws < _MAX_WS else []
+        if phase == 0:
+            return [((1, i, 0, j), None)] if b == 0x7B else []
+        if phase in (1, 7):
+            if b == _QUOTE and self.keys_at(i).options:
+                return [((2, i, 0, j), self.keys_at(i))]
+            return [((8, i, 0, j), None)] if b == 0x7D and phase == 1 and not _required_from(self.members, i) else []
+        if phase == 3:
+            return [((4, i, 0, j), None)] if b == 0x3A else []
+        if phase == 4:
+            return [((5, i, 0, j), self.members[j][1] if j >= 0 else self.extra)]
+        if phase == 6:
+            if b == 0x2C and (i < len(self.members) or self.extra is not None):
+                return [((7, i, 0, j), None)]
+            return [((8, i, 0, j), None)] if b == 0x7D and not _required_from(self.members, i) else []
+        return []
+
+    def can_end(self, data):
+        return data[0] == 8
+
+    def child_done(self, data, child):
+        phase, i, ws, j = data
+        if phase == 2:
+            texts = self._choices.get(id(child[0]))
+            j = texts[child[1]] if texts is not None else -1
+            return (3, j + 1 if j >= 0 else i, 0, j)
+        return (6, i, 0, j)
+
+    def _member_text(self, j) -> bytes | None:
+        key, value, _ = self.members[j] if j >= 0 else ("", self.extra, False)
+        v = value.shortest()
+        return None if v is None else json.dumps(key, ensure_ascii=False).encode() + b":" + v
+
+    def _tail(self, i, need_member) -> bytes | None:
+        """The shortest members from i (joined by ','), at least one if need_member, without the '}'."""
+        todo = _required_from(self.members, i)
+        if not todo and need_member:
+            options = [self._member_text(j) for j in _next_members(self.members, i)]
+            options += [b'"":' + self.extra.shortest()] if self.extra is not None and self.extra.shortest() is not None else []
+            options = [t for t in options if t is not None]
+            return min(options, key=len) if options else None
+        texts = [self._member_text(j) for j in todo]
+        return None if None in texts else b",".join(texts)
+
+    def rest(self, data):
+        phase, i, ws, j = data
+        if phase == 8:
+            return b""
+        if phase in (0, 1, 7):
+            tail = self._tail(i, phase == 7)
+            return None if tail is None else (b"{" if phase == 0 else b"") + tail + b"}"
+        if phase in (3, 4):
+            value = (self.members[j][1] if j >= 0 else self.extra).shortest()
+            after = self.rest((6, i, 0, j))
+            return None if value is None or after is None else (b":" if phase == 3 else b"") + value + after
+        tail = self._tail(i, False)
+        return None if tail is None else (b"," + tail if tail else b"") + b"}"
+
+
+class _Arr(_Node):
+    """A JSON array: prefixItems, then `items` (None: none past the prefix), between lo and hi items.
+    data (phase, n, ws): phases 0 '[', 1 after '[', 2 item, 3 after item, 4 after ',', 5 closed."""
+
+    nests = True
+
+    def __init__(self, prefix, items, lo=0, hi=None):
+        self.prefix, self.items, self.lo = prefix, items, lo
+        self.hi = len(prefix) if items is None and (hi is None or hi > len(prefix)) else hi
+        self.cap = max(lo, len(prefix))       # counts above this are all alike when there is no maximum
+
+    def starts(self):
+        return [(0, 0, 0)]
+
+    def item(self, n) -> _Node:
+        return self.prefix[n] if n < len(self.prefix) else self.items
+
+    def step(self, data, b):
+        phase, n, ws = data
+        if b in _WS and phase in (1, 3, 4):
+            return [((phase, n, ws + 1), None)] if ws < _MAX_WS else []
+        if phase == 0:
+            return [((1, n, 0), None)] if b == 0x5B else []
+        if b == 0x5D and (phase == 1 or phase == 3) and n >= self.lo:
+            return [((5, n, 0), None)]
+        if phase in (1, 4) and (self.hi is None or n < self.hi):
+            return [((2, n, 0), self.item(n))]
+        if phase == 3 and b == 0x2C and (self.hi is None or n < self.hi):
+            return [((4, n, 0), None)]
+        return []
+
+    def can_end(self, data):
+        return data[0] == 5
+
+    def child_done(self, data, child):
+        n = data[1] + 1
+        return (3, n if self.hi is not None else min(n, self.cap), 0)
+
+    def _items(self, n, count) -> bytes | None:
+        texts = [self.item(k).shortest() for k in range(n, n + count)]
+        return None if None in texts else b",".join(texts)
+
+    def rest(self, data):
+        phase, n, ws = data
+        if phase == 5:
+            return b""
+        if phase in (0, 1):
+            items = self._items(n, max(0, self.lo - n))
+            return None if items is None else (b"[" if phase == 0 else b"") + items + b"]"
+        if phase == 3:
+            items = self._items(n, max(0, self.lo - n))
+            return None if items is None else (b"," + items if items else b"") + b"]"
+        items = self._items(n, max(1, self.lo - n))
+        return None if items is None else items + b"]"
+
+
+class _Members(_Node):
+    """A tool call's arguments in its format's markup: per argument param_open(key, first) + value +
+    value_close, then call_tail (which ends the call). members [(key, value node, required)] in schema order.
+    data (phase, i, first, j): 0 a key or the tail, 1 in it, 2 before value j, 3 in it, 4 before value_close,
+    5 in it, 6 done."""
+
+    def __init__(self, fmt: ToolCallFormat, members):
+        self.fmt, self.members = fmt, members
+        self._choices: dict[tuple, tuple] = {}
+        self.close = _Lit(fmt.value_close.encode())
+
+    def starts(self):
+        return [(0, 0, True, -1)]
+
+    def choice_at(self, i, first) -> tuple[_Choice, dict]:
+        found = self._choices.get((i, first))
+        if found is None:
+            texts = {self.fmt.param_open(self.members[j][0], first).encode(): j for j in _next_members(self.members, i)}
+            if not _required_from(self.members, i):
+                texts[self.fmt.call_tail.encode()] = -1
+            found = self._choices[(i, first)] = (_Choice(texts), texts)
+        return found
+
+    def step(self, data, b):
+        phase, i, first, j = data
+        if phase == 0:
+            return [((1, i, first, j), self.choice_at(i, first)[0])]
+        if phase == 2:
+            return [((3, i, first, j), self.members[j][1])]
+        if phase == 4:
+            return [((5, i, first, j), self.close)]
+        return []
+
+    def can_end(self, data):
+        return data[0] == 6
+
+    def child_done(self, data, child):
+        phase, i, first, j = data
+        if phase == 1:
+            j = self.choice_at(i, first)[1][child[1]]
+            return (6, i, first, -1) if j < 0 else (2, j + 1, False, j)
+        if phase == 3 and self.fmt.value_close:
+            return (4, i, first, j)
+        return (0, i, first, j)
+
+    def _tail(self, i, first) -> bytes | None:
+        texts = []
+        for j in _required_from(self.members, i):
+            value = self.members[j][1].shortest()
+            if value is None:
+                return None
+            texts.append(self.fmt.param_open(self.members[j][0], first).encode() + value + self.fmt.value_close.encode())
+            first = False
+        return b"".join(texts) + self.fmt.call_tail.encode()
+
+    def rest(self, data):
+        phase, i, first, j = data
+        if phase == 6:
+            return b""
+        if phase == 0:
+            return self._tail(i, first)
+        close = self.fmt.value_close.encode()
+        value = self.members[j][1].shortest() if phase == 2 else b""
+        tail = self._tail(i, False)
+        return None if value is None or tail is None else value + (close if phase in (2, 4) else b"") + tail
+
+
+class _Prose(_Node):
+    """Free text (auto mode) in which each opener (<tool_call>, a bare <function=) starts a call: the node
+    openers[k] is the rest of the call. After max_calls calls only the end may follow.
+    data (partial, calls, opened): the text's tail that may be an opener's start, calls made, and -1 in
+    prose, k after opener k, -2 inside its call."""
+
+    nullable = True
+
+    def __init__(self, openers: dict[bytes, _Node], max_calls):
+        self.openers, self.calls = list(openers.items()), max_calls
+        self.prefixes = {o[:k] for o, _ in self.openers for k in range(1, len(o))}
+        self.firsts = frozenset(o[0] for o, _ in self.openers)
+
+    def starts(self):
+        return [(b"", 0, -1)]
+
+    def step(self, data, b):
+        partial, calls, opened = data
+        if opened >= 0:
+            return [((b"", calls, -2), self.openers[opened][1])]
+        if opened == -2 or (self.calls is not None and calls >= self.calls):
+            return []
+        text = partial + bytes((b,))
+        for k, (opener, _) in enumerate(self.openers):
+            if text.endswith(opener):
+                return [((b"", calls, k), None)]
+        for cut in range(max(0, len(text) - 32), len(text) + 1):
+            if text[cut:] in self.prefixes or cut == len(text):
+                return [((text[cut:], calls, -1), None)]
+        return []
+
+    def can_end(self, data):
+        return data[2] == -1
+
+    def child_done(self, data, child):
+        return (b"", data[1] + 1 if self.calls else 0, -1)
+
+    def rest(self, data):
+        return self.openers[data[2]][1].shortest() if data[2] >= 0 else b""
+
+
+def _feed(stack: tuple, b: int, out: list, enter: _Node | None = None) -> None:
+    """The stacks that `stack` becomes on byte b (appended to out); with `enter`, that node is first pushed
+    above the stack (a union: each option) and handed b."""
+    if enter is not None:
+        if isinstance(enter, (_Union, _Ref)):
+            for option in enter.options if isinstance(enter, _Union) else [enter.target]:
+                _feed(stack, b, out, option)
+            return
+        if enter.nests and len(stack) >= _MAX_STACK:
+            enter = _as_lit(enter)
+        for data in enter.starts():
+            _feed(stack + ((enter, data),), b, out)
+        return
+    node, data = stack[-1]
+    for new, child in node.step(data, b):
+        base = stack[:-1] + ((node, new),)
+        if child is None:
+            out.append(base)
+        else:
+            _feed(base, b, out, child)
+    if node.can_end(data) and len(stack) > 1:
+        parent, parent_data = stack[-2]
+        _feed(stack[:-2] + ((parent, parent.child_done(parent_data, stack[-1])),), b, out)
+
+
+def _stack_accepts(stack: tuple) -> bool:
+    for k in range(len(stack) - 1, -1, -1):
+        node, data = stack[k]
+        if k < len(stack) - 1:
+            data = node.child_done(data, stack[k + 1])
+        if not node.can_end(data):
+            return False
+    return True
+
+
+def _stack_completion(stack: tuple) -> bytes | None:
+    """The shortest bytes that end every frame of the stack, top first."""
+    out, child = b"", None
+    for node, data in reversed(stack):
+        if child is not None:
+            data = node.child_done(data, child)
+        rest = node.rest(data)
+        if rest is None:
+            return None
+        out += rest
+        child = (node, node.finish(data))
+    return out
+
+
+class _Grammar:
+    """A compiled output grammar with its per-state caches (transitions, masks, completions), shared by every
+    request that sends the same schema with the same tokenizer."""
+
+    def __init__(self, root: _Node, facts: "_TokenFacts"):
+        self.root, self.facts = root, facts
+        self.start = self.start_after("")
+        self._next: dict = {}
+        self._masks: dict = {}
+        self._completions: dict = {}
+
+    def start_after(self, text: str) -> frozenset:
+        """The state before `text` and then the grammar (the forced close of reasoning)."""
+        return frozenset({((_Seq([_Lit(text.encode()), self.root]), 0),)})
+
+    def step(self, state: frozenset, b: int) -> frozenset | None:
+        key = (state, b)
+        found = self._next.get(key, ...)
+        if found is ...:
+            out = []
+            for stack in state:
+                _feed(stack, b, out)
+            found = self._next[key] = frozenset(out) if out else None
+        return found
+
+    def advance(self, state, blob: bytes):
+        for b in blob:
+            state = self.step(state, b)
+            if state is None:
+                return None
+        return state
+
+    def accepts(self, state) -> bool:
+        return any(_stack_accepts(stack) for stack in state)
+
+    def completion(self, state) -> tuple[bytes, int]:
+        """(the shortest text that completes the state, the tokens it takes + 1 for the end of sequence)."""
+        found = self._completions.get(state)
+        if found is None:
+            texts = [t for t in (_stack_completion(stack) for stack in state) if t is not None]
+            text = min(texts, key=lambda t: (len(t), t)) if texts else b""
+            found = self._completions[state] = (text, self.facts.cost(text) + 1)
+        return found
+
+    def mask(self, state) -> "_StateMask":
+        found = self._masks.get(state)
+        if found is None:
+            found = self._masks[state] = self.facts.walk(self, state)
+        return found
+
+    def budget_mask(self, state, left: int) -> torch.Tensor:
+        """(V,) bool on the host: the tokens that keep the output in the grammar and its shortest completion
+        within the `left` tokens left (this one included). While every allowed token fits, the state's
+        cached mask; near the end, the tokens whose state after still fits."""
+        found = self.mask(state)
+        if found.most <= left - 1:
+            return found.mask
+        fits = [t for t, need in zip(found.single_ids, found.single_needs) if need <= left - 1]
+        if found.need > left - 1:            # no room for another string character either: only what fits
+            return self.facts.ids_mask(fits + (self.facts.eos_ids if found.ends else []))
+        mask = found.mask.clone()
+        mask[found.single_ids] = False
+        mask[fits] = True
         return mask
 
 
-_TOKEN_FACTS: dict[int, _TokenFacts] = {}
+@dataclass
+class _StateMask:
+    """The mask of a grammar state and what the budget check needs: the tokens found one by one with the
+    tokens their state after needs to end; every other allowed token (a run of string characters, prose)
+    needs no more than the state itself."""
+    mask: torch.Tensor            # (V,) bool: allowed, the ends included when the state is complete
+    single_ids: list[int]         # (S,)
+    single_needs: list[int]       # (S,) tokens the completion after each takes, its end included
+    need: int                     # the same for the state
+    most: int                     # the largest need after any allowed token
+    ends: bool                    # the state is complete: the ends are allowed
 
 
-def _token_facts(tokenizer) -> _TokenFacts:
-    facts = _TOKEN_FACTS.get(id(tokenizer))
+class _TokenFacts:
+    """What the masks need to know about a vocabulary, computed once per tokenizer: every token's bytes in
+    sorted order (so the tokens sharing a prefix are a range: an implicit trie), and per token where its last
+    byte that a string cannot hold as it is sits (JSON: '"', '\\\\', control bytes; raw: '<')."""
+
+    def __init__(self, tokenizer, eos_ids):
+        self.tokenizer, self.eos_ids = tokenizer, sorted(set(eos_ids))
+        V = self.vocab = tokenizer.vocab_size
+        blobs = [tokenizer.token_bytes(i) for i in range(V)]
+        control = {i for i in getattr(tokenizer, "special_ids", ()) if blobs[i].startswith(b"<|")}
+        self.blobs = [b"" if i in control or i in self.eos_ids else blob for i, blob in enumerate(blobs)]
+        self.by_bytes = {}
+        for i, blob in enumerate(self.blobs):
+            if blob:
+                self.by_bytes.setdefault(blob, i)
+        order = sorted((i for i in range(V) if self.blobs[i]), key=self.blobs.__getitem__)
+        self.sorted = [self.blobs[i] for i in order]                                        # (N,) bytes
+        self.sorted_ids = torch.tensor(order, dtype=torch.long)                            # (N,)
+        self.chars = torch.tensor([len(t) - sum(map(t.count, _CONTINUATIONS)) for t in self.sorted],
+                                  dtype=torch.int32)                                        # (N,)
+        self._lasts: dict[frozenset, torch.Tensor] = {}
+        self._costs: dict[bytes, int] = {}
+        self._ids: dict[str, list[int]] = {}
+        self._grammars: dict = {}
+
+    def cost(self, text: bytes) -> int:
+        """Tokens `text` takes in the tokenizer's own (canonical) tokenization."""
+        found = self._costs.get(text)
+        if found is None:
+            found = self._costs[text] = len(self.tokenizer.encode(text.decode("utf-8", "replace"))) if text else 0
+        return found
+
+    def last(self, dirty: frozenset) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Per sorted token, the index of its last byte in `dirty` (-1: none): as an (N,) int32 tensor, and as
+        the sorted positions of the tokens that have one with that index (host lists: no data-dependent
+        tensor ops, so the masks are plain host work wherever the logits live)."""
+        found = self._lasts.get(dirty)
+        if found is None:
+            table = bytes(0 if b in dirty else 1 for b in range(256))
+            lasts = [t.translate(table).rfind(0) for t in self.sorted]
+            where = [k for k, at in enumerate(lasts) if at >= 0]
+            found = self._lasts[dirty] = (torch.tensor(lasts, dtype=torch.int32), where, [lasts[k] for k in where])
+        return found
+
+    def dirty_in(self, dirty: frozenset, depth: int, lo: int, hi: int) -> list[int]:
+        """The sorted positions in [lo, hi) of the tokens with a byte in `dirty` at index `depth` or later."""
+        _, where, lasts = self.last(dirty)
+        a, b = bisect.bisect_left(where, lo), bisect.bisect_left(where, hi)
+        return [where[k] for k in range(a, b) if lasts[k] >= depth]
+
+    def ids_of(self, text: str) -> list[int]:
+        """The tokens that are exactly `text` (a marker such as <tool_call>)."""
+        found = self._ids.get(text)
+        if found is None:
+            blob = text.encode()
+            found = self._ids[text] = [i for i in range(self.vocab) if self.tokenizer.token_bytes(i) == blob]
+        return found
+
+    def ids_mask(self, ids) -> torch.Tensor:
+        mask = torch.zeros(self.vocab, dtype=torch.bool)
+        mask[list(ids)] = True
+        return mask
+
+    def walk(self, grammar: _Grammar, state) -> _StateMask:
+        """The state's mask, by walking the sorted vocabulary (see _walk)."""
+        chunks, singles = [], []
+        self._walk(grammar, state, 0, 0, len(self.sorted), chunks, singles)
+        allowed = torch.zeros(len(self.sorted), dtype=torch.bool)                          # (N,)
+        for lo, chunk in chunks:
+            allowed[lo:lo + len(chunk)] |= chunk
+        positions = torch.tensor([at for at, _ in singles], dtype=torch.long)              # (S,)
+        allowed[positions] = True
+        mask = torch.zeros(self.vocab, dtype=torch.bool).index_put_((self.sorted_ids,), allowed)   # (V,)
+        ends = grammar.accepts(state)
+        if ends:
+            mask[self.eos_ids] = True
+        ids = self.sorted_ids[positions].tolist() if singles else []
+        needs = [grammar.completion(after)[1] for _, after in singles]
+        need = grammar.completion(state)[1]
+        return _StateMask(mask, ids, needs, need, max([need, *needs]), ends)
+
+    def _walk(self, grammar, state, depth, lo, hi, chunks, singles):
+        """Mark the tokens sorted[lo:hi], which share the `depth` bytes that led to `state`, that keep it alive."""
+        blobs = self.sorted
+        while depth and lo < hi and len(blobs[lo]) == depth:
+            singles.append((lo, state))
+            lo += 1
+        if lo >= hi:
+            return
+        if len(state) == 1:
+            stack = next(iter(state))
+            node, data = stack[-1]
+            if isinstance(node, _Str) and node.regex is None and not node.exclude and data[0] == 1:
+                return self._walk_string(grammar, state, node, data, depth, lo, hi, chunks, singles)
+            if isinstance(node, _Prose) and data[2] == -1 and not data[0] and len(stack) == 2 and \
+                    (node.calls is None or data[1] < node.calls):
+                return self._walk_free(grammar, state, node.firsts, depth, lo, hi, chunks, singles)
+        i = lo
+        while i < hi:
+            b = blobs[i][depth]
+            j = hi if b == 255 else bisect.bisect_left(blobs, blobs[i][:depth] + bytes((b + 1,)), i, hi)
+            nxt = grammar.step(state, b)
+            if nxt is not None:
+                self._walk(grammar, nxt, depth + 1, i, j, chunks, singles)
+            i = j
+
+    def _walk_free(self, grammar, state, dirty, depth, lo, hi, chunks, singles, spare=None):
+        """Tokens whose bytes from `depth` on hold nothing in `dirty` keep the state alive (spare: also if they
+        fit); the others are run through the grammar one by one."""
+        tail = self.last(dirty)[0][lo:hi] < depth                                           # (n,)
+        if spare is not None:                  # a counted string: ASCII only, so bytes are characters
+            tail &= (self.chars[lo:hi] - depth <= spare) & (self.last(_NON_ASCII)[0][lo:hi] < depth)
+        chunks.append((lo, tail))
+        for at in self.dirty_in(dirty, depth, lo, hi):
+            after = grammar.advance(state, self.sorted[at][depth:])
+            if after is not None:
+                singles.append((at, after))
+
+    def _walk_string(self, grammar, state, node, data, depth, lo, hi, chunks, singles):
+        if not node.plain:
+            spare = node.hi - data[1] if node.hi is not None else 1 << 30 if node.ascii else None
+            return self._walk_free(grammar, state, node.dirty, depth, lo, hi, chunks, singles, spare)
+        # unbounded JSON string content: clean bytes loop on this state, so a token's fate is its suffix from
+        # its first byte that is not clean
+        chunks.append((lo, self.last(node.dirty)[0][lo:hi] < depth))
+        results: dict[bytes, frozenset | None] = {}
+        for at_token in self.dirty_in(node.dirty, depth, lo, hi):
+            blob = self.sorted[at_token]
+            at = next(p for p in range(depth, len(blob)) if blob[p] in node.dirty)
+            if blob[at] < 0x20 or blob[at] == _LT:
+                continue
+            suffix = blob[at:]
+            if suffix not in results:
+                results[suffix] = grammar.advance(state, suffix)
+            if results[suffix] is not None:
+                singles.append((at_token, results[suffix]))
+
+    def grammar(self, key, build) -> _Grammar:
+        """The compiled grammar for `key` (built by build() on first use); the last 64 are kept."""
+        found = self._grammars.pop(key, None) or _Grammar(build(), self)
+        self._grammars[key] = found
+        while len(self._grammars) > 64:
+            self._grammars.pop(next(iter(self._grammars)))
+        return found
+
+
+_TOKEN_FACTS: dict[tuple, _TokenFacts] = {}
+
+
+def _token_facts(tokenizer, eos_ids) -> _TokenFacts:
+    key = (id(tokenizer), tuple(sorted(set(eos_ids))))
+    facts = _TOKEN_FACTS.get(key)
     if facts is None or facts.tokenizer is not tokenizer:
-        facts = _TOKEN_FACTS[id(tokenizer)] = _TokenFacts(tokenizer)
+        facts = _TOKEN_FACTS[key] = _TokenFacts(tokenizer, eos_ids)
     return facts
 
 
-@dataclass
-class _Allowed:
-    """A constraint on the next token: the string-value tokens of `free` ("raw" | "json") and/or the ids in
-    `allow`; neither = all tokens but those in `ban`."""
-    allow: list[int] | None = None
-    free: str | None = None
-    ban: list[int] = field(default_factory=list)
+# JSON Schema -> grammar nodes.
 
-    def apply(self, logits: torch.Tensor, facts: _TokenFacts) -> torch.Tensor:
-        if self.allow is None and not self.free:
-            out = logits.clone()
+def _any_json(no_lt: bool) -> _Union:
+    """Any JSON value (json_object's members, `{}`, `true`); no_lt: no '<' in its strings (inside calls)."""
+    node = _Union([])
+    node.options += [_Obj([], node, no_lt), _Arr([], node), _Str(no_lt=no_lt), _Num(), _Choice([b"true", b"false", b"null"])]
+    return node
+
+
+_ANY, _ANY_IN_CALL = _any_json(False), _any_json(True)
+_SCHEMA_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+SCHEMA_ANNOTATIONS = ("description", "title", "default", "examples", "format", "$schema", "$id", "$comment",
+                      "deprecated", "readOnly", "writeOnly", "discriminator", "$defs", "definitions")
+SCHEMA_KEYWORDS = ("type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+                   "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "nullable", "minLength",
+                   "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+class _SchemaCompiler:
+    """One schema (`root`, named `where` in errors) -> grammar nodes. A mistake is a RequestError naming its
+    JSON path (`response_format.json_schema.schema.properties.x.type`); a keyword outside SCHEMA_KEYWORDS is
+    a 400 under `strict`, otherwise it is not enforced (docs/api.md lists them). Annotations are accepted."""
+
+    def __init__(self, root, where: str, strict: bool, in_call: bool = False):
+        self.root, self.where, self.strict, self.in_call = root, where, strict, in_call
+        self.any = _ANY_IN_CALL if in_call else _ANY
+        self.refs: dict[str, _Ref] = {}
+        self.count = 0
+
+    def fail(self, path: str, message: str):
+        raise RequestError(f"'{path}' {message}", param=path)
+
+    def unsupported(self, path: str, why: str) -> None:
+        """Under strict a 400; otherwise the keyword is decoded without."""
+        if self.strict:
+            raise RequestError(f"'{path}' {why} (not supported with strict: true)", param=path,
+                               code="unsupported_field")
+
+    def compile(self, schema, path: str) -> _Node:
+        self.count += 1
+        if self.count > _MAX_NODES:
+            self.fail(self.where, f"is too large for structured output (over {_MAX_NODES} schemas)")
+        if schema is True:
+            return self.any
+        if schema is False:
+            self.fail(path, "is false: no value is valid")
+        if not isinstance(schema, dict):
+            self.fail(path, f"must be a JSON schema (an object or a boolean), got {_json_type(schema)}")
+        for key in schema:
+            if key not in SCHEMA_KEYWORDS and key not in SCHEMA_ANNOTATIONS:
+                self.unsupported(f"{path}.{key}", "is not a keyword structured output enforces")
+        if "$ref" in schema:
+            return self.ref(schema["$ref"], f"{path}.$ref")
+        if "allOf" in schema:
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            for k, part in enumerate(self._schemas(schema["allOf"], f"{path}.allOf")):
+                merged = self._merge(merged, self._deref(part, f"{path}.allOf[{k}]"))
+            return self.compile(merged, path)
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                shared = {k: v for k, v in schema.items() if k not in (key, "nullable") and k not in SCHEMA_ANNOTATIONS}
+                options = [self.compile(self._merge(shared, self._deref(part, f"{path}.{key}[{k}]")) if shared else part,
+                                        f"{path}.{key}[{k}]")
+                           for k, part in enumerate(self._schemas(schema[key], f"{path}.{key}"))]
+                return _Union(options + ([_Choice([b"null"])] if schema.get("nullable") is True else []))
+        types = self._types(schema, path)
+        if "enum" in schema or "const" in schema:
+            return self._choice(schema, types, path)
+        if types is None:
+            return self.any
+        options = [getattr(self, "_" + kind)(schema, path) for kind in types]
+        return options[0] if len(options) == 1 else _Union(options)
+
+    def _schemas(self, value, path) -> list:
+        if not isinstance(value, list) or not value:
+            self.fail(path, "must be a non-empty array of schemas")
+        return value
+
+    def _types(self, schema, path) -> list[str] | None:
+        kind = schema.get("type")
+        if kind is None:
+            kinds = ["object"] if {"properties", "additionalProperties", "required"} & set(schema) else \
+                ["array"] if {"items", "prefixItems", "minItems", "maxItems"} & set(schema) else \
+                ["string"] if {"minLength", "maxLength", "pattern"} & set(schema) else \
+                ["number"] if set(_BOUNDS) & set(schema) else None
         else:
-            out = logits.masked_fill(~facts.free_mask(self.free, logits.numel(), logits.device), float("-inf")) \
-                if self.free else torch.full_like(logits, float("-inf"))
-            ids = [i for i in self.allow or () if i < logits.numel()]
-            index = torch.tensor(ids, dtype=torch.long, device=logits.device)
-            if not self.free and not bool(torch.isfinite(logits[index]).any()):
-                return logits          # everything we allow is banned by another constraint: do not block sampling
-            out[index] = logits[index]
-        ban = [i for i in self.ban if i < logits.numel()]
-        if ban:
-            out[torch.tensor(ban, device=logits.device)] = float("-inf")
-        out[len(facts.texts):] = float("-inf")                     # padding rows of the embedding are no tokens
+            kinds = [kind] if isinstance(kind, str) else kind
+            if not isinstance(kinds, list) or not kinds or any(k not in _SCHEMA_TYPES for k in kinds):
+                self.fail(f"{path}.type", f"must be one of {', '.join(_SCHEMA_TYPES)} or a non-empty array of them")
+        if kinds is not None and schema.get("nullable") is True and "null" not in kinds:
+            kinds = [*kinds, "null"]
+        return None if kinds is None else list(dict.fromkeys(kinds))
+
+    def _choice(self, schema, types, path) -> _Node:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list) or not values:
+            self.fail(f"{path}.enum", "must be a non-empty array")
+        if types is not None:
+            values = [v for v in values if _json_type_name(v) in types or
+                      (_json_type_name(v) == "integer" and "number" in types)]
+            if schema.get("nullable") is True:
+                values.append(None)
+        if not values:
+            self.fail(path, "admits no value: none of its enum values has its type")
+        try:
+            return _Choice([json.dumps(v, ensure_ascii=False, allow_nan=False).encode() for v in values])
+        except ValueError:
+            self.fail(f"{path}.enum", "must hold finite numbers")
+
+    def _count(self, schema, key, path) -> int | None:
+        value = schema.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            self.fail(f"{path}.{key}", f"must be a non-negative integer, got {json.dumps(value)}")
+        return value
+
+    def _object(self, schema, path) -> _Node:
+        properties = schema.get("properties") or {}
+        if not isinstance(properties, dict):
+            self.fail(f"{path}.properties", f"must be an object of schemas, got {_json_type(properties)}")
+        required = schema.get("required") or []
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            self.fail(f"{path}.required", "must be an array of property names")
+        extra = schema.get("additionalProperties", True if "properties" not in schema else False)
+        missing = [k for k in required if k not in properties]     # written with any value (unless forbidden)
+        if missing and schema.get("additionalProperties") is False:
+            self.fail(f"{path}.required", f"requires {missing[0]!r}, which additionalProperties: false forbids")
+        if extra is False:
+            extra = None
+        else:
+            extra = self.any if extra is True else self.compile(extra, f"{path}.additionalProperties")
+        members = [(k, self.compile(v, f"{path}.properties.{k}"), k in required) for k, v in properties.items()]
+        members += [(k, self.any, True) for k in dict.fromkeys(required) if k not in properties]
+        return _Obj(members, extra, self.in_call)
+
+    def _array(self, schema, path) -> _Node:
+        prefix = schema.get("prefixItems") or []
+        if not isinstance(prefix, list):
+            self.fail(f"{path}.prefixItems", "must be an array of schemas")
+        prefix = [self.compile(s, f"{path}.prefixItems[{k}]") for k, s in enumerate(prefix)]
+        items = schema.get("items", False if prefix else True)
+        if isinstance(items, list):
+            self.fail(f"{path}.items", "must be a schema (write a tuple's schemas as prefixItems)")
+        items = None if items is False else self.any if items is True else self.compile(items, f"{path}.items")
+        lo, hi = self._count(schema, "minItems", path) or 0, self._count(schema, "maxItems", path)
+        if hi is not None and lo > hi or items is None and lo > len(prefix):
+            self.fail(f"{path}.minItems", "admits no array: minItems is above the items there may be")
+        return _Arr(prefix, items, lo, hi)
+
+    def _string(self, schema, path, raw=False) -> _Node:
+        lo, hi = self._count(schema, "minLength", path) or 0, self._count(schema, "maxLength", path)
+        if hi is not None and lo > hi:
+            self.fail(f"{path}.minLength", "is above maxLength")
+        regex = None
+        pattern = schema.get("pattern")
+        if pattern is not None:
+            if not isinstance(pattern, str):
+                self.fail(f"{path}.pattern", "must be a string")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                self.fail(f"{path}.pattern", f"is not a regular expression ({e})")
+            try:
+                regex = _Regex(pattern)
+            except ValueError as e:
+                self.unsupported(f"{path}.pattern", f"is a pattern the decoder cannot follow ({e})")
+            if regex is not None and (lo or hi is not None):
+                self.unsupported(f"{path}.minLength", "with a pattern is not enforced")
+                lo, hi = 0, None
+        return _Str(lo, hi, regex, raw=raw, no_lt=self.in_call)
+
+    def _integer(self, schema, path) -> _Node:
+        for key in _BOUNDS:
+            value = schema.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                self.fail(f"{path}.{key}", "must be a number")
+        lows = ([math.ceil(schema["minimum"])] if "minimum" in schema else []) + \
+            ([math.floor(schema["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in schema else [])
+        highs = ([math.floor(schema["maximum"])] if "maximum" in schema else []) + \
+            ([math.ceil(schema["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in schema else [])
+        lo, hi = max(lows, default=None), min(highs, default=None)
+        if lo is not None and hi is not None and lo > hi:
+            self.fail(f"{path}.minimum", "is above maximum: no integer is valid")
+        return _Int(lo, hi)
+
+    def _number(self, schema, path) -> _Node:
+        for key in _BOUNDS:
+            if key in schema:
+                self.unsupported(f"{path}.{key}", "is enforced for integers only")
+        return _Num()
+
+    def _boolean(self, schema, path) -> _Node:
+        return _Choice([b"true", b"false"])
+
+    def _null(self, schema, path) -> _Node:
+        return _Choice([b"null"])
+
+    def _pointer(self, ref, path):
+        """(target schema, its path) for a local $ref such as #/$defs/Name."""
+        if not isinstance(ref, str):
+            self.fail(path, "must be a string")
+        if ref != "#" and not ref.startswith("#/"):
+            self.fail(path, f"points to {ref!r}: only references inside the schema (#/$defs/...) are supported")
+        target, where = self.root, self.where
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target, where = target[int(part)], f"{where}[{part}]"
+            elif isinstance(target, dict) and part in target:
+                target, where = target[part], f"{where}.{part}"
+            else:
+                self.fail(path, f"points to {ref!r}, which is not in the schema")
+        return target, where
+
+    def ref(self, ref, path) -> _Node:
+        found = self.refs.get(ref)
+        if found is None:
+            target, where = self._pointer(ref, path)
+            found = self.refs[ref] = _Ref()
+            found.target = self.compile(target, where)
+        return found
+
+    def _deref(self, schema, path, depth=0):
+        """A schema with a $ref at its top replaced by what it points to (for merging allOf parts)."""
+        if isinstance(schema, dict) and "$ref" in schema and depth < 16:
+            target, _ = self._pointer(schema["$ref"], f"{path}.$ref")
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            return self._merge(self._deref(target, path, depth + 1), rest) if rest else self._deref(target, path, depth + 1)
+        return schema
+
+    def _merge(self, a, b) -> dict:
+        """allOf of two schemas as one: properties and required joined, types intersected, bounds tightened."""
+        if b is True:
+            return a
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            self.fail(self.where, "has an allOf part that is not an object schema")
+        out = dict(a)
+        for key, value in b.items():
+            if key not in out:
+                out[key] = value
+            elif key == "properties" and isinstance(value, dict) and isinstance(out[key], dict):
+                out[key] = {**out[key], **{k: {"allOf": [out[key][k], v]} if k in out[key] else v for k, v in value.items()}}
+            elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
+                out[key] = list(dict.fromkeys(out[key] + value))
+            elif key == "type":
+                mine = {out[key]} if isinstance(out[key], str) else set(out[key])
+                theirs = {value} if isinstance(value, str) else set(value)
+                both = [t for t in _SCHEMA_TYPES if t in mine & theirs] or \
+                    (["integer"] if "integer" in mine | theirs and "number" in mine | theirs else [])
+                if not both:
+                    self.fail(self.where, f"has allOf parts whose types {sorted(mine)} and {sorted(theirs)} exclude each other")
+                out[key] = both
+            elif key in ("minimum", "minLength", "minItems", "exclusiveMinimum"):
+                out[key] = max(out[key], value)
+            elif key in ("maximum", "maxLength", "maxItems", "exclusiveMaximum"):
+                out[key] = min(out[key], value)
         return out
 
 
-class _Deviation(Exception):
-    """The sampled token is not one the program allowed (another constraint won): stop constraining."""
+def compile_schema(schema, where: str, strict: bool) -> _Node:
+    """A JSON schema -> its grammar node; RequestError naming the JSON path of what is wrong (or, under
+    strict, not enforced), and for a schema that no finite value satisfies (a required self-reference)."""
+    node = _SchemaCompiler(schema, where, strict).compile(schema, where)
+    if node.shortest() is None:
+        raise RequestError(f"'{where}' admits no finite value (a required property refers back to itself)",
+                           param=where)
+    return node
 
 
-def _value_done(kind: str, text: str) -> bool:
-    """Whether the value so far may be closed."""
-    if kind in ("integer", "number"):
-        return _number_state(text, kind == "integer") in ("zero", "int", "frac", "exp_digits")
-    if kind in ("object", "array"):
-        return _as_type(text, kind)[0]
-    return bool(text.strip())
+def _raw_string(compiler: _SchemaCompiler, schema, path) -> _Node:
+    """A Qwen XML string parameter, written raw: enum values as they are, else a raw string with the
+    schema's (first string alternative's) length and pattern."""
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            schema = next(s for s in schema[key] if _schema_types(s)[:1] == ["string"])
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list) and any(isinstance(v, str) for v in values):
+        return _Choice([v.encode() for v in values if isinstance(v, str)])
+    return compiler._string(schema, path, raw=True)
 
 
-class _CallProgram:
-    """The constraint program of one choice: a generator that yields _Allowed and receives the sampled ids.
-    `used` counts the tokens generated so far."""
-
-    def __init__(self, plan: "_ToolChoicePlan"):
-        self.plan, self.facts, self.used = plan, plan.facts, 0
-        self._gen = plan.program(self)
-        self.constraint = next(self._gen)
-
-    def advance(self, token_id: int) -> None:
-        self.used += 1
-        if self._gen is None:
-            return
-        try:
-            self.constraint = self._gen.send(token_id)
-        except (StopIteration, _Deviation):
-            self._gen, self.constraint = None, None
-
-    def left(self) -> int:
-        return self.plan.max_tokens - self.used
-
-    # Building blocks, each a sub-generator.
-
-    def choose(self, alternatives: list, taken: tuple = ()):
-        """Let the model pick one alternative (texts, or _EOS), forced token by token in canonical
-        tokenization; returns its index. `taken`: its first tokens, already sampled."""
-        seqs = [[_EOS] if a is _EOS else self.facts.encode(a) for a in alternatives]
-        alive = [i for i, s in enumerate(seqs) if len(s) >= len(taken) and tuple(s[:len(taken)]) == tuple(taken)]
-        depth = len(taken)
-        while True:
-            done = [i for i in alive if len(seqs[i]) == depth]
-            if done:
-                return done[0]
-            nexts = {seqs[i][depth] for i in alive}
-            allow = sorted((nexts - {_EOS}) | (set(self.plan.eos_ids) if _EOS in nexts else set()))
-            token = yield _Allowed(allow=allow)
-            if token in self.plan.eos_ids:
-                token = _EOS
-            alive = [i for i in alive if seqs[i][depth] == token]
-            if not alive:
-                raise _Deviation
-            depth += 1
-
-    def force(self, text: str):
-        if text:
-            yield from self.choose([text])
-
-    def think(self, reserve: int):
-        """Free reasoning (no end-of-sequence, no <tool_call>) until </think>, or until only `reserve`
-        tokens are left: then close it ourselves."""
-        tail, ban = "", self.plan.eos_ids + self.plan.call_open_ids
-        while self.left() - 1 >= reserve + self.plan.cost(_THINK_FORCED_CLOSE):
-            token = yield _Allowed(ban=ban)
-            tail = (tail + self.facts.text(token))[-2 * len(_THINK_CLOSE):]
-            if _THINK_CLOSE in tail:
-                return
-        yield from self.force(_THINK_FORCED_CLOSE)
-
-    def raw_value(self, kind: str, choices: list[str] | None, close: str, reserve: int):
-        """One value written as raw text (of `kind`, or one of `choices`), then its closing text `close`;
-        `reserve` = tokens needed after it."""
-        if choices is not None:
-            yield from self.choose([c + close for c in choices])
-            return
-        text, count, close_cost = "", 0, self.plan.cost(close) + 1
-        close_any, close_lt = self.facts.closers(close)
-        closers = close_lt if kind == "string" else close_any
-        while True:
-            done = _value_done(kind, text)
-            if count >= _VALUE_TOKEN_CAP[kind] or self.left() - 1 < reserve + close_cost:
-                fix = "0" if kind in ("integer", "number") and not text[-1:].isdigit() else ""
-                yield from self.force(fix + close)
-                return
-            token = yield self._value_allowed(kind, text, done, closers)
-            count += 1
-            if done and token in closers:
-                yield from self.force(closers[token])
-                return
-            text += self.facts.text(token)
-
-    def _value_allowed(self, kind, text, done, closers) -> _Allowed:
-        ban = self.plan.eos_ids
-        if kind in ("integer", "number"):
-            return _Allowed(allow=self._number_tokens(kind, text) + (list(closers) if done else []), ban=ban)
-        if kind in ("object", "array"):
-            if done:
-                return _Allowed(allow=list(closers), ban=ban)
-            if not text.strip():
-                return _Allowed(allow=self.facts.openers["{" if kind == "object" else "["], ban=ban)
-        return _Allowed(free="raw", allow=list(closers) if done else [], ban=ban)
-
-    def _number_tokens(self, kind: str, text: str) -> list[int]:
-        """The tokens that keep `text` a prefix of a JSON number (of an integer), exponents under 3 digits
-        (1e999 would parse as infinity)."""
-        return [i for i in self.facts.numeric if _number_state(text + self.facts.texts[i], kind == "integer")
-                and not _BIG_EXPONENT.search(text + self.facts.texts[i])]
-
-    def json_string(self, reserve: int):
-        """A JSON string value: "text" without quotes, backslashes, control characters or '<'."""
-        yield from self.force('"')
-        text, count = "", 0
-        while count < _VALUE_TOKEN_CAP["string"] and self.left() - 1 >= reserve + 1:
-            token = yield _Allowed(free="json", allow=self.facts.quote if text.strip() else [], ban=self.plan.eos_ids)
-            if token in self.facts.quote:
-                return
-            text, count = text + self.facts.text(token), count + 1
-        yield from self.force('"')
-
-    def json_number_then(self, kind: str, alternatives: list, reserve: int):
-        """A JSON number value, which ends where the model starts one of `alternatives` (what may follow
-        it: a separator or the closing); returns the index of that alternative."""
-        text, count = "", 0
-        firsts = {self.facts.encode(a)[0] for a in alternatives}
-        while True:
-            done = _value_done(kind, text)
-            if count >= _VALUE_TOKEN_CAP[kind] or self.left() - 1 < reserve + 1:
-                yield from self.force("0" if not text[-1:].isdigit() else "")
-                return (yield from self.choose(alternatives))
-            allow = self._number_tokens(kind, text) + (sorted(firsts) if done else [])
-            token = yield _Allowed(allow=allow, ban=self.plan.eos_ids)
-            if done and token in firsts:
-                return (yield from self.choose(alternatives, taken=(token,)))
-            text, count = text + self.facts.text(token), count + 1
+def _call_members(fmt: ToolCallFormat, parameters, where: str, strict: bool) -> list:
+    """A function's arguments [(key, value node, required)] in schema order, values as the format writes
+    them (raw strings in Qwen XML, JSON otherwise)."""
+    parameters = {} if parameters is None else parameters
+    compiler = _SchemaCompiler(parameters, where, strict, in_call=True)
+    function = _tool_function("", parameters, where)
+    members = []
+    for key, schema in function.properties.items():
+        path = f"{where}.properties.{key}"
+        raw = not fmt.json_values and isinstance(schema, dict) and _schema_types(schema)[:1] == ["string"]
+        node = _raw_string(compiler, schema, path) if raw else compiler.compile(schema, path)
+        if isinstance(node, _Str) and not (node.lo or node.regex):             # never an empty argument
+            node = _Str(node.lo, node.hi, raw=node.raw, nonblank=True, no_lt=True)
+        if node.shortest() is None:
+            raise RequestError(f"'{path}' admits no finite value", param=path)
+        members.append((key, node, key in function.required))
+    return members + [(key, _ANY_IN_CALL, True) for key in function.required if key not in function.properties]
 
 
-def _forced_value_shape(schema, json_form: bool = False) -> tuple[str, list[str] | None]:
-    """(kind, choices): the value kind a forced call writes for this schema, or the fixed texts to pick from
-    (as raw text, or as JSON texts with json_form)."""
-    schema = schema if isinstance(schema, dict) else {}
-    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
-    if values:
-        return "string", [v if isinstance(v, str) and not json_form else json.dumps(v, ensure_ascii=False)
-                          for v in values]
-    types = [t for t in _schema_types(schema) if t in ("string", "integer", "number", "boolean", "object", "array", "null")]
-    kind = next((t for t in types if t != "null"), "null" if types else "string")
-    if kind == "boolean":
-        return kind, ["true", "false"]
-    if kind == "null":
-        return kind, ["null"]
-    return kind, None
+def _call_node(fmt: ToolCallFormat, functions: dict, names, lead: str, opener: str = "") -> _Node:
+    """One call to one of `names`: the format's head (after `opener`, when the model already wrote it),
+    the arguments, the tail."""
+    options = []
+    for name in names:
+        head = fmt.call_head(lead, name)
+        at = head.find(opener) if opener else 0
+        if at >= 0:
+            options.append(_Seq([_Lit(head[at + len(opener):].encode()), _Members(fmt, functions[name])]))
+    return _Union(options)
 
 
-class _ToolChoicePlan:
-    """Everything a program needs that is shared by the choices of one request; the call's markup comes from
-    `fmt` (a ToolCallFormat)."""
-
-    def __init__(self, facts, functions, mode, fmt, names=(), parallel=False, in_reasoning=False,
-                 max_tokens=0, eos_ids=()):
-        self.facts, self.functions, self.mode, self.names, self.parallel = facts, functions, mode, list(names), parallel
-        self.in_reasoning, self.max_tokens, self.eos_ids = in_reasoning, max_tokens, list(eos_ids)
-        self.format = fmt
-        self.call_open_ids = facts.ids_of(fmt.call_open) if fmt.call_open else []
-
-    def program(self, run: _CallProgram):
-        return {"force": self._forced_calls, "one_call": self._one_call, "no_call": self._no_call}[self.mode](run)
-
-    def cost(self, text: str) -> int:
-        """Tokens `text` takes in canonical tokenization (what the programs force)."""
-        return len(self.facts.encode(text))
-
-    def call_cost(self, lead: str, name: str) -> int:
-        """Tokens the smallest call to `name` takes, the end-of-sequence token included."""
-        return self.cost(self.format.call_head(lead, name)) + self.min_arguments_cost(name) + 1
-
-    def min_arguments_cost(self, name, params=None) -> int:
-        """Tokens the smallest valid arguments of `name` take (its required parameters), closers included."""
-        properties, required = self.functions[name]
-        fmt = self.format
-        total = self.cost(fmt.call_tail)
-        for p in required if params is None else params:
-            _, choices = _forced_value_shape(properties.get(p), json_form=fmt.json_values)
-            value = max(self.cost(c + fmt.value_close) for c in choices) if choices else fmt.smallest_value_cost(self.cost)
-            total += self.cost(fmt.param_open(p, first=False)) + value
-        return total
-
-    def _forced_calls(self, run: _CallProgram):
-        """tool_choice required / named: [reasoning] a call (its head, arguments, tail), then (required with
-        parallel calls) another call or the end."""
-        lead = ""
-        if self.in_reasoning:
-            yield from run.think(max(self.call_cost("\n\n", n) for n in self.names))
-            lead = "\n\n"
-        names = [n for n in self.names if self.call_cost(lead, n) <= run.left()] or self.names
-        name = names[(yield from run.choose([self.format.call_head(lead, n) for n in names]))]
-        while True:
-            yield from self._arguments(run, name)
-            names = [n for n in self.names if self.call_cost("\n", n) <= run.left() - 1] if self.parallel else []
-            if not names:
-                break
-            choice = yield from run.choose([_EOS] + [self.format.call_head("\n", n) for n in names])
-            if choice == 0:
-                break
-            name = names[choice - 1]
-        while True:
-            yield _Allowed(allow=self.eos_ids)
-
-    def _arguments(self, run, name):
-        """The arguments after the call's head: required parameters first, then optional ones while they fit
-        and the model wants them, then the call's tail. A value the format leaves open (a JSON number has no
-        closing mark) ends where the model starts what follows it."""
-        fmt = self.format
-        properties, required = self.functions[name]
-        todo, optional = list(required), [p for p in properties if p not in required]
-        first, number = True, None
-        while True:
-            closing = self.cost(fmt.call_tail) + 1
-            if todo:
-                candidates = todo[:1]
-                alternatives = [fmt.param_open(todo[0], first)]
-                reserve = self.min_arguments_cost(name, todo) + 1
-            else:
-                candidates = [p for p in optional
-                              if self.min_arguments_cost(name, [p]) + closing + fmt.optional_spare <= run.left()]
-                alternatives = [fmt.call_tail] + [fmt.param_open(p, first) for p in candidates]
-                reserve = closing
-            choice = yield from (run.json_number_then(number, alternatives, reserve) if number
-                                 else run.choose(alternatives))
-            if not todo and choice == 0:
-                return
-            p = candidates[choice - (0 if todo else 1)]
-            (todo if todo else optional).remove(p)
-            kind, choices = _forced_value_shape(properties.get(p), json_form=fmt.json_values)
-            number = yield from fmt.forced_value(run, kind, choices, self.min_arguments_cost(name, todo) + 1)
-            first = False
-
-    def _one_call(self, run: _CallProgram):
-        """parallel_tool_calls=false under auto: free text until the first call closes, then the end."""
-        tools = [{"type": "function", "function": {"name": name}} for name in self.functions]
-        parser = ChatOutputParser(tools, self.format.name, self.in_reasoning)   # reads the text as the server will
-        while True:
-            scan = parser._scan
-            if scan.calls and scan.calls[-1].closed:
-                if not scan.in_call:
-                    break
-                token = yield _Allowed(ban=self.call_open_ids)   # let the call close, but no second call
-            else:
-                token = yield _Allowed()
-            parser.feed(self.facts.text(token))
-        while True:
-            yield _Allowed(allow=self.eos_ids)
-
-    def _no_call(self, run: _CallProgram):
-        """tool_choice none: the model may not open a call."""
-        while True:
-            yield _Allowed(ban=self.call_open_ids)
+def _tool_members(tools, fmt) -> dict:
+    """name -> argument members, for every function a request offers (schemas checked here)."""
+    functions = {}
+    for i, tool in enumerate(tools or []):
+        function = tool["function"]
+        functions[function["name"]] = _call_members(fmt, function.get("parameters"),
+                                                    f"tools[{i}].function.parameters", function.get("strict") is True)
+    return functions
 
 
-class _ToolChoiceProcessor:
-    """The SamplingParams.logits_processors entry. It is called with each choice's generated ids; programs
-    are kept per choice, keyed by (length, last 16 ids), and rebuilt by replay when a key is unknown."""
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 
-    def __init__(self, plan: _ToolChoicePlan):
-        self.plan = plan
-        self._programs: dict[tuple, _CallProgram] = {}
 
-    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        program = self._program(token_ids)
-        if program.constraint is None:
-            return logits
-        return program.constraint.apply(logits, self.plan.facts)
+def response_schema(response_format, param: str = "response_format") -> tuple[object, str, bool] | None:
+    """(schema, its path, strict) of a response_format, None for text; RequestError naming the path."""
+    if response_format is None:
+        return None
+    fmt = _check_type(response_format, dict, param)
+    kind = fmt.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise RequestError(f"'{param}.type' must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {kind!r}",
+                           param=f"{param}.type")
+    _only_keys(fmt, ("type", "json_schema") if kind == "json_schema" else ("type",), param)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}, f"{param}", False
+    spec = _check_type(fmt.get("json_schema"), dict, f"{param}.json_schema")
+    _only_keys(spec, JSON_SCHEMA_KEYS, f"{param}.json_schema")
+    for key, kind in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None:
+            _check_type(spec[key], kind, f"{param}.json_schema.{key}")
+    schema = spec.get("schema", True)
+    return schema, f"{param}.json_schema.schema", spec.get("strict") is True
 
-    def _program(self, ids: list[int]) -> _CallProgram:
+
+def _output_grammar(tools, choice, fmt, parallel, response, in_reasoning):
+    """(root node, whether reasoning comes first, whether the answer must be complete) for a request, or
+    (None, ...) when only the call token is to be banned."""
+    lead = "\n\n" if in_reasoning else ""
+    json_root = compile_schema(*response) if response is not None else None
+    if choice == "none" or not tools:
+        return (None if json_root is None else _Seq([_Lit(lead.encode()), json_root])), in_reasoning, True
+    functions = _tool_members(tools, fmt)
+    names = list(functions) if choice in ("auto", "required") else [choice]
+    calls = _Repeat(_call_node(fmt, functions, names, lead), _call_node(fmt, functions, names, "\n"),
+                    None if parallel and choice in ("auto", "required") else 1)
+    if choice != "auto":
+        return calls, in_reasoning, True
+    if json_root is not None:
+        return _Union([calls, _Seq([_Lit(lead.encode()), json_root])]), in_reasoning, False
+    openers = {o.encode(): _call_node(fmt, functions, names, "", o) for o in (fmt.call_open, *fmt.bare_opens) if o}
+    return _Prose(openers, None if parallel else 1), False, False
+
+
+class StructuredDecoder:
+    """The SamplingParams.logits_processors entry of structured output. token_mask(ids, size, device) is the
+    (size,) bool mask of the tokens that may follow a choice's generated `ids` (None: no constraint); it is a
+    pure function of ids (a speculative draft may ask for ids + draft[:k]), computed on the host and cached
+    per grammar state. Called as proc(ids, logits) it returns the masked logits (one row).
+
+    Per choice a cursor (phase, state, tail) follows the ids: "think" (free, no end and no call token,
+    until </think>, or until only the forced close and the shortest answer fit: then the close is forced),
+    "grammar" (the grammar's state), "free" (only banned tokens), "off" (a token the mask did not allow was
+    sampled, as when another constraint emptied it: no constraint from then on), "end". In the grammar a
+    token is allowed when the shortest completion after it still fits in max_tokens, so the answer always
+    closes within max_tokens."""
+
+    def __init__(self, facts: _TokenFacts, grammar: _Grammar | None, ban: list[int], think: bool, max_tokens: int):
+        self.facts, self.grammar, self.ban, self.max_tokens = facts, grammar, ban, max_tokens
+        self.think = think and grammar is not None
+        self.forced = grammar.start_after(_THINK_FORCED_CLOSE) if self.think else None
+        self._cursors: dict = {}
+        self._host: dict[str, torch.Tensor] = {}
+        self._device: dict = {}
+
+    def smallest(self) -> int:
+        """Tokens the shortest complete answer takes (its end included)."""
+        return self.grammar.completion(self.forced if self.think else self.grammar.start)[1]
+
+    def _start(self):
+        return ("think", None, b"") if self.think else ("grammar", self.grammar.start, b"") if self.grammar \
+            else ("free", None, b"")
+
+    def _settle(self, cursor, used: int):
+        if cursor[0] == "think" and self.max_tokens - used - 1 < self.smallest():
+            return ("grammar", self.forced, b"")
+        return cursor
+
+    def _advance(self, cursor, used: int, token: int):
+        phase, state, tail = self._settle(cursor, used)
+        if phase == "think":
+            tail = (tail + self.facts.tokenizer.token_bytes(token))[-2 * len(_THINK_CLOSE):]
+            return ("grammar", self.grammar.start, b"") if _THINK_CLOSE.encode() in tail else ("think", None, tail)
+        if phase == "grammar":
+            if token in self.facts.eos_ids:
+                return ("end", None, b"")
+            blob = self.facts.blobs[token] if 0 <= token < self.facts.vocab else b""
+            state = self.grammar.advance(state, blob) if blob else None
+            return ("off", None, b"") if state is None else ("grammar", state, b"")
+        return (phase, state, tail)
+
+    def cursor(self, ids):
         key = (len(ids), tuple(ids[-16:]))
-        program = self._programs.get(key)
-        if program is None:
-            program = self._programs.pop((len(ids) - 1, tuple(ids[-17:-1])), None) if ids else None
-            if program is not None:
-                program.advance(ids[-1])
-            else:                          # first call for this choice, or choices that shared a prefix split
-                program = _CallProgram(self.plan)
-                for token in ids:
-                    program.advance(token)
-            self._programs[key] = program
-        return program
+        found = self._cursors.get(key)
+        if found is None:
+            before = self._cursors.get((len(ids) - 1, tuple(ids[-17:-1]))) if ids else None
+            if before is not None:
+                found = self._advance(before, len(ids) - 1, ids[-1])
+            else:                          # the first call for this choice, or choices that shared a prefix split
+                found = self._start()
+                for used, token in enumerate(ids):
+                    found = self._advance(found, used, token)
+            if len(self._cursors) > 4096:
+                self._cursors.clear()
+            self._cursors[key] = found
+        return self._settle(found, len(ids))
+
+    def allowed(self, ids):
+        """The host-side answer: a cache key and the (V,) bool mask for it, or None."""
+        phase, state, _ = self.cursor(ids)
+        if phase in ("off", "end"):
+            return None
+        if phase in ("think", "free"):
+            found = self._host.get(phase)
+            if found is None:
+                found = self._host[phase] = torch.ones(self.facts.vocab, dtype=torch.bool)
+                found[self.ban + (self.facts.eos_ids if phase == "think" else [])] = False
+            return phase, found
+        left = self.max_tokens - len(ids)
+        found = self.grammar.mask(state)
+        if found.most <= left - 1:
+            return state, found.mask
+        mask = self.grammar.budget_mask(state, left)
+        return None, mask if bool(mask.any()) else self.facts.ids_mask(self._closing(state, left))
+
+    def _closing(self, state, left: int) -> list[int]:
+        """Near the end of the budget: the tokens that start the shortest completion and keep it in budget."""
+        grammar = self.grammar
+        text, _ = grammar.completion(state)
+        if not text:
+            return self.facts.eos_ids
+        found = []
+        for k in range(1, min(len(text), 64) + 1):
+            token = self.facts.by_bytes.get(text[:k])
+            after = grammar.advance(state, text[:k]) if token is not None else None
+            if after is not None and grammar.completion(after)[1] <= left - 1:
+                found.append(token)
+        return found or self.facts.tokenizer.encode(text.decode("utf-8", "replace"))[:1]
+
+    def token_mask(self, ids, size: int, device) -> torch.Tensor | None:
+        found = self.allowed(ids)
+        if found is None:
+            return None
+        key, mask = found
+        cached = self._device.get((key, size, str(device))) if key is not None else None
+        if cached is None:
+            cached = torch.zeros(size, dtype=torch.bool)
+            n = min(size, mask.numel())
+            cached[:n] = mask[:n]
+            cached = cached.to(device)
+            if key is not None:
+                if len(self._device) > 256:
+                    self._device.clear()
+                self._device[(key, size, str(device))] = cached
+        return cached
+
+    def __call__(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        mask = self.token_mask(ids, logits.numel(), logits.device)
+        if mask is None:
+            return logits
+        out = logits.masked_fill(~mask, float("-inf"))
+        return out if bool(torch.isfinite(out).any()) else logits   # another constraint banned all we allow
 
 
 def _resolve_tool_choice(tool_choice, names: list[str]):
@@ -5080,48 +6311,51 @@ def _resolve_tool_choice(tool_choice, names: list[str]):
     return tool_choice if name is None else name
 
 
-def _forced_functions(tools) -> dict[str, tuple[dict, list[str]]]:
-    """name -> (properties, required parameters in schema order, then any required ones not described)."""
-    return {name: (function.properties, function.required) for name, function in tool_functions(tools).items()}
+def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: str = "qwen_xml",
+                       parallel_tool_calls: bool = True, response_format=None, in_reasoning: bool = False,
+                       max_tokens: int, eos_token_ids=None, ban_calls: bool = True) -> StructuredDecoder | None:
+    """The constraint of a chat request, a SamplingParams.logits_processors entry (None: nothing to enforce).
+
+    - response_format json_object / json_schema: the content is one JSON value of the schema (after the
+      reasoning, closed early when the budget runs low), then the end.
+    - tool_choice "required" / {"type": "function", "function": {"name": X}}: the answer is a complete call
+      (to X), closed before max_tokens; "required" with parallel_tool_calls may add calls.
+    - "auto": free text, but once the model opens a call its name is an offered function and its arguments
+      follow that function's schema; parallel_tool_calls=false ends the answer after the first call. With a
+      response_format: a call or the JSON value.
+    - "none", or no tools: the call token is banned (unless ban_calls is false: /v1/completions).
+    The call is written in the format named `tool_parser` (a TOOL_FORMATS key). RequestError naming the schema
+    path for a schema it cannot take, and (param max_tokens) when the shortest complete answer cannot fit.
+    The processor receives each choice's generated ids (not the prompt), as the engine passes."""
+    fmt = tool_format(tool_parser)
+    names = list(tool_functions(tools))
+    choice = _resolve_tool_choice(tool_choice, names)
+    response = response_schema(response_format)
+    eos_ids = list(eos_token_ids or [i for i in (tokenizer.token_to_id(t) for t in (tokenizer.eos_token, "<|im_end|>"))
+                                     if i is not None])
+    facts = _token_facts(tokenizer, eos_ids)
+    key = json.dumps([tools, choice, fmt.name, type(fmt).__qualname__, bool(parallel_tool_calls), response,
+                      in_reasoning], sort_keys=True, default=repr)
+    root, think, must_finish = _output_grammar(tools, choice, fmt, parallel_tool_calls is not False, response,
+                                               in_reasoning)
+    grammar = facts.grammar(key, lambda: root) if root is not None else None
+    ban = facts.ids_of(fmt.call_open) if fmt.call_open and ban_calls else []
+    if grammar is None and not ban:
+        return None
+    decoder = StructuredDecoder(facts, grammar, ban, think, max_tokens)
+    if grammar is not None and must_finish and max_tokens < decoder.smallest():
+        what = "the call tool_choice requires" if choice not in ("none", "auto") else "the JSON response_format requires"
+        raise RequestError(f"max_tokens {max_tokens} is too small for {what} (at least {decoder.smallest()} tokens)",
+                           param="max_tokens")
+    return decoder
 
 
 def tool_choice_processor(tokenizer, tools, tool_choice, tool_parser: str, parallel_tool_calls: bool,
-                          in_reasoning: bool, max_tokens: int, *, eos_token_ids=None) -> Callable | None:
-    """A SamplingParams.logits_processors entry enforcing tool_choice and parallel_tool_calls, or None.
-
-    - "required" / {"type": "function", "function": {"name": X}}: the answer is a complete call (to X),
-      closed before max_tokens; with reasoning on, the model reasons first and </think> is forced when the
-      budget left is what the call needs. Required parameters come first in schema order, then the model may
-      add optional ones or close. RequestError(param="max_tokens") when even the smallest call cannot fit.
-    - parallel_tool_calls=false: "required" forces one call; "auto" ends the answer once a call has closed.
-    - "none": the <tool_call> token is banned.
-    The call is written in the format named `tool_parser` (a TOOL_FORMATS key). eos_token_ids: the ids that end
-    the answer (default: the tokenizer's eos and <|im_end|>). The processor receives each choice's generated ids
-    (not the prompt), as the engine passes.
-    """
-    fmt = tool_format(tool_parser)
-    functions = _forced_functions(tools)
-    choice = _resolve_tool_choice(tool_choice, list(functions))
-    if choice == "auto" and parallel_tool_calls is not False:
-        return None
-    eos_ids = list(eos_token_ids or [i for i in (tokenizer.token_to_id(t) for t in (tokenizer.eos_token, "<|im_end|>"))
-                                     if i is not None])
-    facts = _token_facts(tokenizer)
-    if choice == "none":
-        plan = _ToolChoicePlan(facts, functions, "no_call", fmt)
-        return _ToolChoiceProcessor(plan) if plan.call_open_ids else None
-    if choice == "auto":
-        return _ToolChoiceProcessor(_ToolChoicePlan(facts, functions, "one_call", fmt, in_reasoning=in_reasoning,
-                                                    max_tokens=max_tokens, eos_ids=eos_ids))
-    names = list(functions) if choice == "required" else [choice]
-    plan = _ToolChoicePlan(facts, functions, "force", fmt, names, in_reasoning=in_reasoning, max_tokens=max_tokens,
-                           parallel=bool(parallel_tool_calls) and choice == "required", eos_ids=eos_ids)
-    smallest = min(plan.call_cost("\n\n" if in_reasoning else "", n) for n in names)
-    smallest += plan.cost(_THINK_FORCED_CLOSE) if in_reasoning else 0
-    if max_tokens < smallest:
-        raise RequestError(f"max_tokens {max_tokens} is too small for the call tool_choice requires "
-                           f"(at least {smallest} tokens)", param="max_tokens")
-    return _ToolChoiceProcessor(plan)
+                          in_reasoning: bool, max_tokens: int, *, eos_token_ids=None) -> StructuredDecoder | None:
+    """structured_decoder for tools alone (no response_format)."""
+    return structured_decoder(tokenizer, tools=tools, tool_choice=tool_choice, tool_parser=tool_parser,
+                              parallel_tool_calls=parallel_tool_calls, in_reasoning=in_reasoning,
+                              max_tokens=max_tokens, eos_token_ids=eos_token_ids)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -5201,8 +6435,12 @@ def _check_messages(messages, param: str = "messages", vocab_size: int | None = 
 
 
 def _read_tools(tools: list, param: str, vocab_size: int | None) -> list[dict] | None:
-    """The tools as sent (the template renders them), once tool_functions() has checked them; [] is no tools."""
+    """The tools as sent (the template renders them), once tool_functions() has checked them and their
+    parameter schemas compile (whatever tool_choice); [] is no tools."""
     tool_functions(tools)
+    for i, tool in enumerate(tools or []):
+        function, where = tool["function"], f"{param}[{i}].function.parameters"
+        compile_schema(function.get("parameters", True), where, function.get("strict") is True)
     return tools or None
 
 
@@ -5216,9 +6454,11 @@ def _read_stream_options(options: dict, param: str, vocab_size: int | None) -> d
 
 
 def _read_response_format(fmt: dict, param: str, vocab_size: int | None) -> dict:
-    if fmt.get("type") != "text":
-        raise RequestError(f"'{param}' type {fmt.get('type')!r} is not supported yet; only \"text\"", param=param,
-                           code="unsupported_field")
+    """Checked whole here, its schema compiled (a 400 naming the schema's path), so that only valid formats
+    reach structured_decoder."""
+    response = response_schema(fmt, param)
+    if response is not None:
+        compile_schema(*response)
     return fmt
 
 
@@ -5325,6 +6565,20 @@ PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, TOKEN_IDS_SCHEMA,
                            {"type": "array", "minItems": 1, "maxItems": 1,
                             "items": {"anyOf": [{"type": "string"}, TOKEN_IDS_SCHEMA]}}]}
 
+RESPONSE_FORMAT_SCHEMA = {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
+    "type": {"enum": list(RESPONSE_FORMAT_TYPES)}, "json_schema": {
+        "type": "object", "additionalProperties": False, "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"}, "strict": {"type": "boolean"},
+            "schema": {"type": ["object", "boolean"]}}}}}
+RESPONSE_FORMAT_FIELD = Field(
+    kind="object", layer="parser", read=_read_response_format, schema=RESPONSE_FORMAT_SCHEMA, name="response_format",
+    shape='`{"type": "text"}`, `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"name"?, '
+          '"description"?, "schema"?, "strict"?}}`', default_text="text",
+    why="enforced by constrained decoding (see Structured output): the content is one JSON object / one value "
+        "of the schema, closed within `max_tokens` (a smaller budget than the shortest valid value is 400 "
+        "`param: max_tokens`); a schema error is 400 naming its path, e.g. "
+        "`response_format.json_schema.schema.properties.x.type`")
+
 # Fields of both generating endpoints.
 GENERATION_FIELDS = {
     **_table(model=Field(kind="string", layer="server", default_text="the served model",
@@ -5385,10 +6639,7 @@ CHAT_FIELDS = {
                               "not in `tools`, is 400"),
         parallel_tool_calls=Field(kind="boolean", default=True, layer="parser",
                                   why="false: at most one call per answer"),
-        response_format=Field(kind="object", layer="parser", read=_read_response_format,
-                              schema={"type": "object", "properties": {"type": {"const": "text"}}},
-                              shape='`{"type": "text"}`', default_text="text",
-                              why="`json_object` and `json_schema` are 400 (`code: unsupported_field`; not yet)"),
+        response_format=RESPONSE_FORMAT_FIELD,
         chat_template_kwargs=Field(kind="object", default={}, layer="template", read=_read_template_kwargs,
                                    why="passed to the template (`enable_thinking`, ...); the keys `messages`, "
                                        "`tools`, `add_generation_prompt`, `continue_final_message` are 400"),
@@ -5428,6 +6679,7 @@ COMPLETION_FIELDS = {
     **_table(best_of=Field(kind="integer", lo=1, policy=DEFAULT_ONLY, relate=_best_of_is_n, layer="engine",
                            why="accepted only when null, 1 or equal to `n`"),
              echo=Field(kind="boolean", policy=DEFAULT_ONLY, allowed=(None, False), layer="server", why=UNIMPLEMENTED),
+             response_format=RESPONSE_FORMAT_FIELD,
              suffix=Field(kind="string", policy=DEFAULT_ONLY, allowed=(None, ""), layer="template",
                           why=UNIMPLEMENTED)),
 }
@@ -5896,15 +7148,15 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
     params.logprobs = (values["top_logprobs"] or 0) if values["logprobs"] else None
     template = _chat_template(llm)
     in_reasoning = prompt_ends_in_reasoning(prompt_text)
-    if tools:                             # enforces required / named / parallel_tool_calls=false, bans calls for none
-        try:
-            processor = tool_choice_processor(llm.tokenizer, tools, tool_choice, template.tool_parser,
-                                              values["parallel_tool_calls"], in_reasoning, params.max_tokens,
-                                              eos_token_ids=llm.eos_token_ids)
-        except RequestError as e:
-            raise _as_sent(e, values, max_tokens_field) from None
-        if processor is not None:
-            params.logits_processors = [*params.logits_processors, processor]
+    try:                                  # response_format, tool_choice, valid calls in auto mode, no calls without tools
+        processor = structured_decoder(llm.tokenizer, tools=tools, tool_choice=tool_choice,
+                                       tool_parser=template.tool_parser, parallel_tool_calls=values["parallel_tool_calls"],
+                                       response_format=values["response_format"], in_reasoning=in_reasoning,
+                                       max_tokens=params.max_tokens, eos_token_ids=llm.eos_token_ids)
+    except RequestError as e:
+        raise _as_sent(e, values, max_tokens_field) from None
+    if processor is not None:
+        params.logits_processors = [*params.logits_processors, processor]
     parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
                for _ in range(params.n)]
     return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "chat", values["stream"],
@@ -5921,6 +7173,13 @@ def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Complet
     max_tokens_field = _max_tokens_field(values, ("max_tokens",))
     params = _request_sampling_params(llm, values, len(prompt_ids), max_tokens_field)
     params.logprobs = values["logprobs"]
+    if response_schema(values["response_format"]) is not None:    # the completion is the JSON value
+        try:
+            params.logits_processors = [*params.logits_processors, structured_decoder(
+                llm.tokenizer, response_format=values["response_format"], max_tokens=params.max_tokens,
+                eos_token_ids=llm.eos_token_ids, ban_calls=False)]
+        except RequestError as e:
+            raise _as_sent(e, values, max_tokens_field) from None
     return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "text", values["stream"],
                       values["stream_options"], params.logprobs, None, metrics)
 

@@ -8,6 +8,7 @@ import json
 import re
 import time
 
+import jsonschema
 import pytest
 import tokenizers
 import torch
@@ -71,21 +72,26 @@ def parse(tokenizer, ids, in_reasoning, fmt="qwen_xml"):
 
 
 def check_value(schema, value):
+    """The value validates against its parameter's schema (the jsonschema package is the reference), typed as
+    JSON, never a raw string standing in for another type; a string argument is never blank."""
+    jsonschema.validate(value, schema)
     kinds = P._schema_types(schema)
     if "enum" in schema:
         assert value in schema["enum"]
-    elif kinds[:1] == ["integer"]:
+    elif kinds == ["integer"]:
         assert type(value) is int
-    elif kinds[:1] == ["number"]:
+    elif kinds == ["number"]:
         assert type(value) in (int, float)
-    elif kinds[:1] == ["boolean"]:
+    elif kinds == ["boolean"]:
         assert type(value) is bool
     elif kinds == ["null"]:
         assert value is None
-    elif kinds[:1] == ["array"]:
-        assert isinstance(value, (list, str))    # free-form JSON: a random model rarely closes it validly
-    else:
+    elif kinds == ["array"]:
+        assert isinstance(value, list)           # every array is closed validly now, even from random logits
+    elif kinds == ["string"]:
         assert isinstance(value, str) and value.strip()
+    else:
+        assert value is None or isinstance(value, str) and value.strip()   # ["null", "string"]
 
 
 def check_call(tokenizer, ids, max_tokens, in_reasoning, names, fmt="qwen_xml"):
@@ -198,9 +204,27 @@ def test_budget_too_small_is_400(tokenizer):
     assert err.value.param == "max_tokens"
 
 
-def test_auto_needs_no_processor(tokenizer):
-    assert P.tool_choice_processor(tokenizer, TOOLS, "auto", "qwen_xml", True, False, 100) is None
-    assert P.tool_choice_processor(tokenizer, TOOLS, None, "qwen_xml", True, False, 100) is None
+@pytest.mark.parametrize("choice", ["auto", None])
+def test_auto_leaves_prose_free(tokenizer, choice):
+    """Auto mode (issue 21 item 3: it used to need no processor): until the model opens a call every token is
+    allowed but those that would open one with markup the call grammar cannot continue, and the end."""
+    processor = P.tool_choice_processor(tokenizer, TOOLS, choice, "qwen_xml", True, False, 100)
+    mask = processor.token_mask([], tokenizer.vocab_size, "cpu")
+    texts = tokenizer.token_texts()
+    free = [i for i, t in enumerate(texts) if t and "<" not in t]
+    assert bool(mask[free].all()) and bool(mask[tokenizer.token_to_id("<|im_end|>")])
+    assert bool(mask[tokenizer.token_to_id("<tool_call>")])       # the model may call
+
+
+def test_auto_calls_only_offered_functions(tokenizer):
+    """A model that calls a function the request did not offer writes a call to an offered one instead."""
+    script = "Sure.\n\n<tool_call>\n<function=delete_all>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    unconstrained, _ = parse(tokenizer, scripted(tokenizer, lambda ids, logits: logits, script), False)
+    assert [c["function"]["name"] for c in unconstrained["tool_calls"]] == ["delete_all"]     # the control
+    processor = P.tool_choice_processor(tokenizer, TOOLS, "auto", "qwen_xml", True, False, 300)
+    message, text = check_call(tokenizer, scripted(tokenizer, processor, script), 300, False,
+                               ["get_weather", "set_rate", "ping"])
+    assert message["content"] == "Sure." and "delete_all" not in text
 
 
 def test_none_bans_tool_call_token(tokenizer):
@@ -230,12 +254,13 @@ def scripted(tokenizer, processor, script, limit=400):
 
 
 def test_parallel_false_stops_after_first_call(tokenizer):
-    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>")        # both required parameters: auto mode enforces the schema
     script = "Let me look.\n\n" + call + "\n" + call.replace("Paris", "Rome")
     processor = P.tool_choice_processor(tokenizer, TOOLS, "auto", "qwen_xml", False, False, 400)
     ids = scripted(tokenizer, processor, script)
     message, text = parse(tokenizer, ids, False)
-    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris"}]
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris", "days": 3}]
     assert message["content"] == "Let me look." and "Rome" not in text
     unconstrained = scripted(tokenizer, lambda ids, logits: logits, script)
     assert len(parse(tokenizer, unconstrained, False)[0]["tool_calls"]) == 2      # the script really has two
