@@ -3313,7 +3313,9 @@ class Engine:
             if not p.sample or seq.finished:
                 continue
             if not seq.output_ids and seq.request.params.n > 1 and len(seq.request.seqs) == 1:
-                rows += [SampleRow(child, r, child.request.sampling) for child in self._fork(seq)]
+                children = self._fork(seq)
+                rows += [SampleRow(child, r, child.request.sampling) for child in children]
+                self.counters["target_forwards"] += len(children)
             probs = seq.draft_probs
             rows += [SampleRow(seq, r + i, seq.request.sampling, p.drafts[:i], d, None if probs is None else probs[i])
                      for i, d in enumerate(p.drafts)]
