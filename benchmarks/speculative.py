@@ -2,7 +2,7 @@
 target forward for K = 0..4 at batch 1 and 8, on pocket-tiny (its trained MTP layer) and on a model-shaped
 checkpoint (~100M parameters, Qwen3.5 shape, random weights and a random MTP layer), in one run:
 
-    OMP_NUM_THREADS=2 python benchmarks/speculative.py [--synthetic /tmp/bench-100m-mtp] [--decode 48]
+    OMP_NUM_THREADS=1 python benchmarks/speculative.py [--synthetic /tmp/bench-100m-mtp] [--decode 48]
 
 A random MTP layer almost never guesses the target's token, so on the model-shaped checkpoint its rows show the
 cost of drafting and verifying with nothing accepted; the "oracle" rows replace its drafts (after the real MTP
@@ -98,7 +98,7 @@ def main():
     ap.add_argument("--synthetic", default="/tmp/bench-100m-mtp", help="the model-shaped checkpoint (written once)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--decode", type=int, default=48, help="tokens per sequence")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on shared machines)")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
