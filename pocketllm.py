@@ -280,7 +280,7 @@ class EngineOptions:
     prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
     seed: int = 0                      # default seed for unseeded requests' generators
-    speculative_tokens: int = 3        # MTP drafts verified per step and sequence; 0: off (no mtp.* tensors: off)
+    speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
     quiet: bool = False                # no startup log lines
     collective_timeout: float = 30.0   # tensor parallelism: seconds an all-reduce may wait for its peers
     collective_warmup_timeout: float = 300.0   # the same bound for the group's start and first steps (kernel JIT)
@@ -6188,8 +6188,9 @@ def metrics_text(llm, metrics: ServerMetrics) -> str:
            [f" {stats['accepted_tokens_total']}"])
     family("spec_acceptance_ratio", "gauge", "Accepted / drafted tokens since start (0 without drafts).",
            [f" {stats['accepted_tokens_total'] / max(1, stats['draft_tokens_total'])}"])
+    per_forward = stats["generation_tokens_total"] / max(1, stats["target_forwards_total"])
     family("tokens_per_target_forward", "gauge", "Tokens emitted per sequence per target-model step since start "
-           "(1 without speculation).", [f" {stats['generation_tokens_total'] / max(1, stats['target_forwards_total'])}"])
+           "(1 without speculation).", [f" {per_forward}"])
     for name, histogram, help in (
             ("time_to_first_token_seconds", metrics.time_to_first_token, "Time from submission to the first token."),
             ("inter_token_latency_seconds", metrics.inter_token_latency, "Time between tokens of one choice.")):
