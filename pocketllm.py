@@ -260,6 +260,9 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
         weight_prefix=arch.weight_prefix, quant=quant)
 
 
+MAX_SPECULATIVE_TOKENS = 8     # --speculative-tokens at most: drafts past a few are rarely all accepted
+
+
 @dataclass
 class EngineOptions:
     """How the engine runs. Every field is also a CLI flag (--max-batch-size, ...) and an LLM(...) keyword."""
@@ -278,6 +281,7 @@ class EngineOptions:
     prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
     seed: int = 0                      # default seed for unseeded requests' generators
+    speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
     quiet: bool = False                # no startup log lines
     collective_timeout: float = 30.0   # tensor parallelism: seconds an all-reduce may wait for its peers
     collective_warmup_timeout: float = 300.0   # the same bound for the group's start and first steps (kernel JIT)
@@ -1540,12 +1544,27 @@ class Batch:
 
 
 @dataclass
+class VerifyWindow:
+    """The S sequences that verify drafts this step. A window of n tokens advances a sequence's GDN states by
+    n, but only the first `kept` of them stay: Model.rollback restores the states saved here before the step
+    and replays the kept tokens' recorded conv and delta-rule inputs (no projection runs twice)."""
+    slots: torch.Tensor            # (S,) int64 state slots
+    rows: torch.Tensor             # (W,) int64 batch rows of the windows, sequence by sequence
+    lens: list[int]                # (S,) tokens in each window
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)    # layer -> (S, C', W-1) before the step
+    ssm: dict[int, torch.Tensor] = field(default_factory=dict)     # layer -> (S, Hv', Dk, Dv) before the step
+    inputs: dict[int, tuple] = field(default_factory=dict)         # layer -> qkv (W, C'), a, b (W, Hv')
+
+
+@dataclass
 class Cache:
-    """Per-layer KV cache (full attention) and recurrent state (linear attention), indexed by layer."""
+    """Per-layer KV cache (full attention) and recurrent state (linear attention), indexed by layer. The MTP
+    layer (speculative decoding) has its KV under index num_hidden_layers, paged by the same block tables."""
     k: dict[int, torch.Tensor]     # layer -> (num_blocks, block_size, Hk, Dh)
     v: dict[int, torch.Tensor]
     conv: dict[int, torch.Tensor]  # layer -> (slots, conv_dim, W-1)
     ssm: dict[int, torch.Tensor]   # layer -> (slots, Hv, Dk, Dv) fp32
+    window: VerifyWindow | None = None   # this step's verify windows (speculative decoding), else None
 
 
 @dataclass
@@ -1704,14 +1723,45 @@ class DecoderLayer:
     mlp: MLPWeights
 
 
-def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, shard: Shard) -> DecoderLayer:
-    """Read layer i's tensors (this rank's shard of them). Colwise = split output rows; rowwise = split inputs."""
-    p, D, kind = f"{cfg.weight_prefix}layers.{i}.", cfg.hidden_size, cfg.layer_types[i]
+def load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int, shard: Shard, p: str | None = None,
+               kind: str | None = None) -> DecoderLayer:
+    """Read layer i's tensors (this rank's shard of them). Colwise = split output rows; rowwise = split inputs.
+    p and kind name another layer (the MTP layer: "mtp.layers.0.", full attention)."""
+    p, D, kind = p or f"{cfg.weight_prefix}layers.{i}.", cfg.hidden_size, kind or cfg.layer_types[i]
     norm = lambda name: load_norm(ckpt, cfg, p + name, (D,))  # noqa: E731
     input_norm, post_norm = norm("input_layernorm.weight"), norm("post_attention_layernorm.weight")
     mlp = load_mlp(ckpt, cfg, p + "mlp.", shard)        # before the mixer: a refused shard names the MLP first
     return DecoderLayer(index=i, kind=kind, input_layernorm=input_norm, post_attention_layernorm=post_norm,
                         mixer=MIXERS[kind].load(ckpt, cfg, f"{p}{MIXERS[kind].module}.", shard), mlp=mlp)
+
+
+@dataclass
+class MTPWeights:
+    """Qwen3.5's multi-token prediction layer (`mtp.*`), the draft model of speculative decoding. At position i
+    it reads the target's final hidden state h_i and the next token t_{i+1}: x = fc([norm_e(embed(t_{i+1})) |
+    norm_h(h_i)]), one full-attention decoder layer, then norm; the target's lm_head gives the logits of
+    t_{i+2}. Its output feeds its next position the same way, so it drafts K tokens in K passes."""
+    fc: Linear                     # (D, 2D) replicated on every rank (its input is replicated)
+    pre_fc_norm_embedding: torch.Tensor   # (D,) fp32, zero-centred
+    pre_fc_norm_hidden: torch.Tensor      # (D,) fp32, zero-centred
+    norm: torch.Tensor             # (D,) fp32, zero-centred
+    layer: DecoderLayer            # mtp.layers.0, sharded like the target's layers; index num_hidden_layers
+
+
+MTP_PREFIX = "mtp."
+
+
+def has_mtp(ckpt: Checkpoint) -> bool:
+    return ckpt.config.model_type != "qwen3" and ckpt.has(MTP_PREFIX + "fc.weight")
+
+
+def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, shard: Shard) -> MTPWeights:
+    D, p = cfg.hidden_size, MTP_PREFIX
+    return MTPWeights(fc=load_linear(ckpt, p + "fc", (D, 2 * D), whole_blocks=shard.whole_blocks),
+                      pre_fc_norm_embedding=load_norm(ckpt, cfg, p + "pre_fc_norm_embedding.weight", (D,)),
+                      pre_fc_norm_hidden=load_norm(ckpt, cfg, p + "pre_fc_norm_hidden.weight", (D,)),
+                      norm=load_norm(ckpt, cfg, p + "norm.weight", (D,)),
+                      layer=load_layer(ckpt, cfg, cfg.num_hidden_layers, shard, p + "layers.0.", "full_attention"))
 
 
 def _to_device(weights, device, dtype: torch.dtype):
@@ -1800,7 +1850,8 @@ class Model:
     With tensor parallelism each rank holds a shard and `all_reduce` sums the row-parallel outputs."""
 
     def __init__(self, ckpt: Checkpoint, ops, dtype: torch.dtype, device: torch.device, shard: Shard = Shard(),
-                 num_layers: int | None = None, all_reduce: Callable | None = None, progress: bool = True):
+                 num_layers: int | None = None, all_reduce: Callable | None = None, progress: bool = True,
+                 mtp: bool = False):
         cfg = self.cfg = ckpt.config
         self.ops, self.dtype, self.device, self.shard = ops, dtype, device, shard
         self.all_reduce = all_reduce or (lambda x: x)
@@ -1821,25 +1872,77 @@ class Model:
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
         self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
+        # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer).
+        self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype) \
+            if mtp and n == cfg.num_hidden_layers and has_mtp(ckpt) else None
+        self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
         self.inv_freq = inv.float().to(device)                             # (R/2,)
 
     # The forward pass, one named path per mixer; prefill and decode differ only inside the ops.
 
     def forward(self, batch: Batch, cache: Cache) -> torch.Tensor:
-        ops, eps = self.ops, self.cfg.rms_norm_eps
+        return self.head(self.hidden(batch, cache)[batch.logit_rows])      # (R, V) fp32
+
+    def hidden(self, batch: Batch, cache: Cache) -> torch.Tensor:
+        """The final-normed hidden state of every token (T, D): the lm_head's input, and the MTP layer's."""
         if batch.fresh_slots.numel():                                      # a slot's previous owner's state
             for t in itertools.chain(cache.conv.values(), cache.ssm.values()):
                 t[batch.fresh_slots] = 0
         x = self.embed(batch.token_ids)                                    # (T, D)
         residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for L, mixer in zip(self.layers, self.mixers):
-            h, residual = ops.add_rmsnorm(x, residual, L.input_layernorm, eps, self.dtype)
-            x = self.all_reduce(mixer(L, h, batch, cache))
-            h, residual = ops.add_rmsnorm(x, residual, L.post_attention_layernorm, eps, self.dtype)
-            x = self.all_reduce(self.mlp(L.mlp, h))
-        h, _ = ops.add_rmsnorm(x, residual, self.norm, eps, self.dtype)
-        return self.head(h[batch.logit_rows])                              # (R, V) fp32
+            x, residual = self.layer(L, mixer, x, residual, batch, cache)
+        return self.ops.add_rmsnorm(x, residual, self.norm, self.cfg.rms_norm_eps, self.dtype)[0]   # (T, D)
+
+    def layer(self, L: DecoderLayer, mixer: Callable, x, residual, batch: Batch, cache: Cache):
+        """One decoder layer on the fp32 residual stream: returns the MLP's output and the stream before it."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        h, residual = ops.add_rmsnorm(x, residual, L.input_layernorm, eps, self.dtype)
+        x = self.all_reduce(mixer(L, h, batch, cache))
+        h, residual = ops.add_rmsnorm(x, residual, L.post_attention_layernorm, eps, self.dtype)
+        return self.all_reduce(self.mlp(L.mlp, h)), residual
+
+    # Speculative decoding: the MTP layer drafts, the target verifies a window of K+1 tokens per sequence.
+
+    def draft(self, batch: Batch, cache: Cache, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over a batch whose token at position i is t_{i+1}, with hidden (T, D) the state that
+        predicted it (the target's, or the MTP's own for a chained draft). Returns the MTP's normed output
+        at batch.logit_rows (R, D), which chains the next draft, and its logits (R, V) fp32."""
+        m, ops, eps = self.mtp, self.ops, self.cfg.rms_norm_eps
+        e = ops.rmsnorm(self.embed(batch.token_ids), m.pre_fc_norm_embedding, eps)            # (T, D)
+        h = ops.rmsnorm(hidden.to(self.dtype), m.pre_fc_norm_hidden, eps)                    # (T, D)
+        x = ops.linear(torch.cat([e, h], -1), m.fc)                                          # (T, D)
+        residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        x, residual = self.layer(m.layer, self.attention, x, residual, batch, cache)
+        out = ops.add_rmsnorm(x, residual, m.norm, eps, self.dtype)[0][batch.logit_rows]      # (R, D)
+        return out, self.head(out)
+
+    def open_window(self, cache: Cache, window: VerifyWindow) -> None:
+        """Save the window sequences' GDN states before the step; gated_deltanet records their inputs."""
+        for i in cache.conv:
+            window.conv[i], window.ssm[i] = cache.conv[i][window.slots], cache.ssm[i][window.slots]
+        cache.window = window
+
+    def rollback(self, cache: Cache, kept: list[int]) -> None:
+        """Leave each window sequence's GDN states after its first kept[s] tokens (1 <= kept[s] <= lens[s]):
+        restore the states from before the step and replay the kept tokens' conv and delta rule."""
+        w, cache.window = cache.window, None
+        redo = [s for s, n in enumerate(kept) if n < w.lens[s]] if w is not None else []
+        if not redo:
+            return
+        starts = [0, *itertools.accumulate(w.lens)]
+        rows = torch.tensor([starts[s] + i for s in redo for i in range(kept[s])], dtype=torch.long)
+        pick = torch.tensor(redo, dtype=torch.long)
+        lens = torch.tensor([0] + [kept[s] for s in redo])
+        dev = w.slots.device
+        rows, pick, query_start = rows.to(dev), pick.to(dev), lens.cumsum(0).to(dev, torch.int32)
+        slots = w.slots[pick]                                              # (S',)
+        for L in self.layers:
+            if L.index in w.inputs:
+                cache.conv[L.index][slots], cache.ssm[L.index][slots] = w.conv[L.index][pick], w.ssm[L.index][pick]
+                qkv, g, beta = w.inputs[L.index]
+                self.delta_rule(L, qkv[rows], g[rows], beta[rows], cache, slots.int(), query_start)
 
     # Vocab-parallel embedding and lm_head: each rank holds rows [v0, v1) of both. Lookup: a rank fills the
     # rows of the ids it owns, zeros elsewhere, and an all-reduce sums them (exact: one rank is non-zero per
@@ -1896,7 +1999,7 @@ class Model:
 
     def gated_deltanet(self, L: DecoderLayer, x, batch: Batch, cache: Cache):
         ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
-        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        Dv = cfg.linear_value_head_dim
         groups = w.in_proj.groups
         if len(groups) == 2 and len(groups[1][1]) == 2:                    # FP8 qkv|z, then a|b: gates in its
             qkv, z = ops.linear_parts(x, *groups[0])                       # epilogue (T, C'), (T, Hv'*Dv)
@@ -1904,14 +2007,24 @@ class Model:
         else:
             qkv, z, a, b = self.project(x, w.in_proj)
             g, beta = ops.gdn_gates(a, b, w.A_log, w.dt_bias)
-        qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], batch.state_slots, batch.query_start)   # (T, C')
-        nk, nv = w.k_heads * Dk, w.v_heads * Dv
+        if cache.window is not None:                                       # speculative verify: keep for rollback
+            rows = cache.window.rows
+            cache.window.inputs[L.index] = (qkv[rows], g[rows], beta[rows])
+        o = self.delta_rule(L, qkv, g, beta, cache, batch.state_slots, batch.query_start)   # (T, Hv', Dv)
+        o = ops.gated_rmsnorm(o, z.view(T, w.v_heads, Dv), w.norm, cfg.rms_norm_eps).reshape(T, w.v_heads * Dv)
+        return ops.linear(o, w.out_proj, torch.float32)                    # row-parallel: fp32
+
+    def delta_rule(self, L: DecoderLayer, qkv, g, beta, cache: Cache, slots, query_start):
+        """The GDN's recurrent part: causal conv over the projected qkv (T, C'), then the gated delta rule with
+        gates g, beta (T, Hv'); advances the sequences' conv and SSM states. Returns o (T, Hv', Dv)."""
+        ops, cfg, w, T = self.ops, self.cfg, L.mixer, qkv.shape[0]
+        Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], slots, query_start)   # (T, C')
+        nk = w.k_heads * Dk
         q = qkv[:, :nk].reshape(T, w.k_heads, Dk)
         k = qkv[:, nk:2 * nk].reshape(T, w.k_heads, Dk)
         v = qkv[:, 2 * nk:].reshape(T, w.v_heads, Dv)
-        o = ops.gated_delta(q, k, v, g, beta, cache.ssm[L.index], batch.state_slots, batch.query_start)
-        o = ops.gated_rmsnorm(o, z.view(T, w.v_heads, Dv), w.norm, cfg.rms_norm_eps).reshape(T, nv)
-        return ops.linear(o, w.out_proj, torch.float32)                    # row-parallel: fp32
+        return ops.gated_delta(q, k, v, g, beta, cache.ssm[L.index], slots, query_start)
 
 
 def named_weights(weights, prefix: str = "") -> Iterator[tuple[str, Linear | torch.Tensor]]:
@@ -2027,6 +2140,8 @@ class Sequence:
         self.order = next(Sequence._ids)   # admission order: the newest is preempted first
         self.finished = False
         self.seed = self.params.seed if self.params.seed is not None else request.default_seed   # section 7
+        self.drafts: list[int] = []        # speculative decoding: the MTP layer's guesses after tokens[-1]
+        self.draft_probs: torch.Tensor | None = None   # (len(drafts), V) what they were drawn from (sampling)
 
     @property
     def tokens(self) -> list[int]:
@@ -2036,18 +2151,25 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
 
+    @property
+    def max_tokens(self) -> int:
+        """Positions this sequence can ever hold: its prompt and every completion token it may emit."""
+        return len(self.request.prompt_ids) + self.params.max_tokens
+
 
 @dataclass
 class Scheduled:
     seq: Sequence
     start: int          # first token position computed this step
-    count: int          # tokens computed this step
+    count: int          # tokens computed this step (a verify window: its last token and its drafts)
     sample: bool        # the chunk reaches the end of the sequence's tokens: sample the next one
+    drafts: list[int] = field(default_factory=list)   # drafts verified after the last token (count - 1 of them)
 
 
 class Scheduler:
-    def __init__(self, opts: EngineOptions, blocks: BlockPool, slots: SlotPool):
+    def __init__(self, opts: EngineOptions, blocks: BlockPool, slots: SlotPool, draft_tokens: int = 0):
         self.opts, self.blocks, self.slots = opts, blocks, slots
+        self.draft_tokens = draft_tokens    # K of speculative decoding (0: off)
         self.waiting: list[Sequence] = []   # FIFO; preempted sequences go back to the front
         self.running: list[Sequence] = []
 
@@ -2060,22 +2182,31 @@ class Scheduler:
             if seq not in self.running:      # preempted below by an older sequence's need
                 continue
             count = min(seq.num_tokens - seq.num_computed, max(budget, 1))
-            if not self._reserve(seq, count, plan):
+            drafts = seq.drafts[:max(budget - 1, 0)] if seq.num_computed + 1 == seq.num_tokens else []
+            if not self._reserve(seq, self._span(seq, count + len(drafts)), plan):
                 continue
-            plan.append(Scheduled(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens))
-            budget -= count
+            plan.append(Scheduled(seq, seq.num_computed, count + len(drafts),
+                                  seq.num_computed + count == seq.num_tokens, drafts))
+            budget -= count + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.opts.max_batch_size:
             seq = self.waiting[0]
             count = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._blocks_fit(seq, count) or not self.slots.free:
+            if not self._blocks_fit(seq, self._span(seq, count)) or not self.slots.free:
                 break
             self.waiting.pop(0)
             seq.slot = self.slots.alloc()
             self.running.append(seq)
-            self._grow(seq, count)
+            self._grow(seq, self._span(seq, count))
             plan.append(Scheduled(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens))
             budget -= count
         return plan
+
+    def _span(self, seq: Sequence, count: int) -> int:
+        """Positions from num_computed that this step may write: its `count` tokens, and when it reaches the end
+        of the sequence, the K - 1 positions the MTP layer writes while drafting for the next step."""
+        if not self.draft_tokens or seq.num_computed + count < seq.num_tokens:
+            return count
+        return max(count, min(count + self.draft_tokens - 1, seq.max_tokens - seq.num_computed))
 
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
         return max(0, -(-(seq.num_computed + count) // self.opts.kv_block_size) - len(seq.blocks))
@@ -2103,6 +2234,7 @@ class Scheduler:
         """Free everything seq holds; it will be recomputed from its tokens when it is admitted again."""
         self.release(seq)
         seq.num_computed = 0
+        seq.drafts, seq.draft_probs = [], None
         self.waiting.insert(0, seq)
 
     def release(self, seq: Sequence):
@@ -2233,10 +2365,15 @@ def prepare_row_params(params: SamplingParams, eos_ids: list[int], vocab_size: i
 @dataclass
 class SampleRow:
     """One token to draw this step: its sequence, the row of the step's logits it reads (forked choices
-    share their parent's), and its prepared parameters."""
+    share their parent's), and its prepared parameters. With speculative decoding a row may sit inside a verify
+    window: `ahead` are the drafts before it (the hypothetical continuation its penalties, bans, processors and
+    seeding see), and `draft` the drafted token it judges, drawn from `draft_probs`."""
     seq: Sequence
     logit_row: int
     params: RowParams
+    ahead: list[int] = field(default_factory=list)
+    draft: int | None = None
+    draft_probs: torch.Tensor | None = None             # (V,) on the logits' device; None for greedy rows
 
 
 @dataclass
@@ -2244,6 +2381,30 @@ class SampleResult:
     tokens: list[int]                                   # one per row
     logprobs: list                                      # per row: None, or (logprob, [(token id, logprob)] top k)
     failed: dict[int, Exception]                        # row -> what its logits processor raised
+    accepted: list[bool] | None = None                  # per row: its draft was accepted (rows with drafts only)
+
+
+# Counter-based uniforms of one (seed, choice, step) for the other draws of speculative decoding.
+DRAFT_SALT, ACCEPT_SALT = 0x5BD1E995, 0x27D4EB2F
+
+
+def judge_drafts(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor,
+                 draft_probs: torch.Tensor, accept_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative rejection rule on B rows that each judge one draft. x (B, V) scaled, filtered target
+    logits; rows (B, 8); tokens (B,) the rows' ordinary draws; drafts (B,); draft_probs q (B, V); accept_u (B,).
+    Greedy rows accept a draft equal to the argmax. Sampled rows accept with probability min(1, p/q) at the
+    draft, else draw from norm(max(0, p - q)) at the row's uniform, so that the emitted token is distributed as
+    p (Leviathan et al. 2023). Returns (accepted (B,) bool, the row's token (B,): the draft when accepted)."""
+    p = x.softmax(-1)                                                          # (B, V)
+    pd, qd = p.gather(1, drafts[:, None])[:, 0], draft_probs.gather(1, drafts[:, None])[:, 0]   # (B,)
+    greedy = rows[:, _TEMPERATURE] == 0
+    accepted = torch.where(greedy, tokens == drafts, accept_u * qd < pd)
+    residual = (p - draft_probs).clamp(min=0)                                  # (B, V)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)    # p == q: never rejected anyway
+    cdf = residual.double().cumsum(-1)
+    redrawn = torch.searchsorted(cdf, (rows[:, _UNIFORM] * cdf[:, -1])[:, None], right=True)[:, 0]
+    redrawn = torch.where(greedy, tokens, redrawn.clamp(max=x.shape[-1] - 1))
+    return accepted, torch.where(accepted, drafts, redrawn)
 
 
 class Sampler:
@@ -2264,13 +2425,25 @@ class Sampler:
         return self.unpack(rows, packed.cpu(), failed)
 
     def sample_on_device(self, rows: list[SampleRow], logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """logits (R, V) fp32 -> (packed (N,) int32 on their device: the B sampled ids, then the requested
-        logprobs as float32 bits and their top-k ids; the rows whose processors raised). Everything before the
-        host transfer, so that tests can run it under FakeTensorMode."""
+        """logits (R, V) fp32 -> (packed (N,) int32 on their device: the B sampled ids, [with drafts: B accepted
+        flags,] then the requested logprobs as float32 bits and their top-k ids; the rows whose processors
+        raised). Everything before the host transfer, so that tests can run it under FakeTensorMode."""
+        raw, x, params, slots, failed = self.scores(rows, logits)
+        tokens = draw_tokens(x, params)                                            # (B,) int64
+        counted, flags = torch.ones_like(tokens, dtype=torch.int32), []
+        if any(r.draft is not None for r in rows):
+            accepted, tokens, counted = self._judge(rows, x, params, tokens)
+            flags = [accepted.int()]
+        self.counts.index_put_((slots, tokens), counted, accumulate=True)
+        return torch.cat([tokens.int(), *flags, *self._logprobs(raw, tokens, rows)]), failed
+
+    def scores(self, rows: list[SampleRow], logits: torch.Tensor, salt: int = 0):
+        """The rows' logits through every stage before the draw: (raw (B, V) the model's own, x (B, V) scaled and
+        filtered, params (B, 8) with uniforms salted by `salt`, slots (B,), failed rows)."""
         masks = self.token_masks(rows, logits.shape[-1])          # host work first: on a GPU the forward still runs
         picks = [r.logit_row for r in rows]
         raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
-        table = torch.tensor([r.params.floats + (self._uniform(r),) for r in rows], dtype=torch.float64)
+        table = torch.tensor([r.params.floats + (self._uniform(r, salt),) for r in rows], dtype=torch.float64)
         params = table.to(self.device)                                             # (B, 8)
         slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long).to(self.device)   # (B,)
         for r in rows:
@@ -2280,14 +2453,37 @@ class Sampler:
         sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p for r in rows)
         if sort or min_p:
             x = filter_logits(x, params, sort, min_p)
-        tokens = draw_tokens(x, params)                                            # (B,) int64
-        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
-        return torch.cat([tokens.int(), *self._logprobs(raw, tokens, rows)]), failed
+        return raw, x, params, slots, failed
+
+    def draw_drafts(self, rows: list[SampleRow], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Drafts from the MTP layer's logits, through the same stages as the target's tokens (so masks and
+        penalties shape them too), at uniforms of their own: (B tokens, q (B, V) they were drawn from)."""
+        _, x, params, _, _ = self.scores(rows, logits, DRAFT_SALT)
+        return draw_tokens(x, params).tolist(), x.softmax(-1)
+
+    def _judge(self, rows: list[SampleRow], x, params, tokens):
+        """judge_drafts on the rows that have a draft. Returns (accepted (B,), tokens (B,), counted (B,) int32:
+        1 for the rows whose token is emitted, i.e. every earlier row of its window accepted its draft)."""
+        have = [i for i, r in enumerate(rows) if r.draft is not None]
+        at = torch.tensor(have, dtype=torch.long).to(self.device)
+        V = x.shape[-1]
+        q = torch.stack([r.draft_probs if r.draft_probs is not None else x.new_zeros(V) for r in rows])[at]
+        drafts = torch.tensor([rows[i].draft for i in have], dtype=torch.long).to(self.device)
+        accept_u = torch.tensor([self._uniform(rows[i], ACCEPT_SALT) for i in have], dtype=torch.float32)
+        ok, judged = judge_drafts(x[at], params[at], tokens[at], drafts, q, accept_u.to(self.device))
+        accepted = torch.zeros_like(tokens, dtype=torch.bool).index_put((at,), ok)
+        tokens = tokens.index_put((at,), judged)
+        rejected = (~accepted).int().cumsum(0) - (~accepted).int()                 # (B,) rejections before a row
+        first = torch.tensor([i - len(r.ahead) for i, r in enumerate(rows)], dtype=torch.long).to(self.device)
+        return accepted, tokens, (rejected == rejected[first]).int()
 
     def unpack(self, rows: list[SampleRow], packed: torch.Tensor, failed: dict) -> SampleResult:
         """packed (N,) int32 on the host -> each row's token and logprobs."""
         B, want = len(rows), [r.seq.params.logprobs for r in rows]
         tokens, logprobs = packed[:B].tolist(), [None] * B
+        accepted = None
+        if any(r.draft is not None for r in rows):
+            accepted, packed = [bool(a) for a in packed[B:2 * B].tolist()], torch.cat([packed[:B], packed[2 * B:]])
         asked = [i for i, k in enumerate(want) if k is not None]
         if asked:
             L, K = len(asked), max(want[i] for i in asked)
@@ -2296,14 +2492,20 @@ class Sampler:
             for j, i in enumerate(asked):
                 v, ids = values[j * (K + 1):(j + 1) * (K + 1)], top_ids[j * K:j * K + want[i]]
                 logprobs[i] = (v[0], list(zip(ids, v[1:1 + want[i]])))
-        return SampleResult(tokens, logprobs, failed)
+        return SampleResult(tokens, logprobs, failed, accepted)
 
     def process(self, x: torch.Tensor, rows: list[SampleRow], params: torch.Tensor,
                 slots: torch.Tensor, masks=None) -> tuple[torch.Tensor, dict]:
         """Penalties, logit_bias, min_tokens bans and logits processors on x (B, V), in that order; the
         processors' token masks (token_masks) last, as one (B, V) op."""
         if any(r.params.penalties for r in rows):
-            x = apply_penalties(x, self.counts[slots], self.prompt_seen[slots], params)
+            counts = self.counts[slots]                                            # (B, V)
+            ahead = [(i, t) for i, r in enumerate(rows) for t in r.ahead]         # drafts count as generated
+            if ahead:
+                at = torch.tensor(ahead, dtype=torch.long).to(x.device)
+                counts = counts.index_put((at[:, 0], at[:, 1]), torch.ones_like(at[:, 0], dtype=torch.int32),
+                                          accumulate=True)
+            x = apply_penalties(x, counts, self.prompt_seen[slots], params)
         x = self._bias_and_bans(x, rows)
         allowed, failed = masks if masks is not None else self.token_masks(rows, x.shape[-1])
         failed.update(self._run_processors(x, rows))
@@ -2320,7 +2522,7 @@ class Sampler:
                 if token_mask is None:
                     continue
                 try:
-                    mask = token_mask(r.seq.output_ids, size, self.device)
+                    mask = token_mask(list(r.seq.output_ids) + r.ahead, size, self.device)
                 except Exception as e:
                     failed[i] = e
                     break
@@ -2332,9 +2534,9 @@ class Sampler:
         return torch.stack([found.get(i, everything) for i in range(len(rows))]), failed
 
     @staticmethod
-    def _uniform(r: SampleRow) -> float:
-        return 0.0 if r.params.floats[_TEMPERATURE] == 0 else draw_uniform(r.seq.seed, r.seq.index,
-                                                                           len(r.seq.output_ids))
+    def _uniform(r: SampleRow, salt: int = 0) -> float:
+        return 0.0 if r.params.floats[_TEMPERATURE] == 0 else draw_uniform(r.seq.seed ^ salt, r.seq.index,
+                                                                           len(r.seq.output_ids) + len(r.ahead))
 
     def _own(self, slot: int, r: SampleRow):
         """Make the slot's penalty state r.seq's, rebuilt from its tokens if another sequence used it since."""
@@ -2356,7 +2558,7 @@ class Sampler:
         """logit_bias and the min_tokens bans (as -inf) of every row: one sparse scatter-add."""
         at_row, at_id, values = [], [], []
         for i, r in enumerate(rows):
-            banned = r.params.banned if len(r.seq.output_ids) < r.seq.params.min_tokens else []
+            banned = r.params.banned if len(r.seq.output_ids) + len(r.ahead) < r.seq.params.min_tokens else []
             for ids, vals in ((r.params.bias_ids, r.params.bias_values), (banned, [float("-inf")] * len(banned))):
                 at_row += [i] * len(ids)
                 at_id += ids
@@ -2375,7 +2577,7 @@ class Sampler:
                 if hasattr(proc, "token_mask"):            # applied with the others' in process()
                     continue
                 try:
-                    x[i] = proc(list(r.seq.output_ids), x[i])
+                    x[i] = proc(list(r.seq.output_ids) + r.ahead, x[i])
                 except Exception as e:
                     failed[i] = e
                     break
@@ -2439,12 +2641,13 @@ def batch_fields(plan: list[Scheduled], block_size: int, pad_to: int = 0, width:
         n = len(p.seq.request.prompt_ids)                  # a decode reads its output, not prompt + output
         ids += p.seq.output_ids[p.start - n:p.start - n + p.count] if p.start >= n else \
             p.seq.tokens[p.start:p.start + p.count]
+        ids += p.drafts                                     # a verify window: the last token, then its drafts
         positions = range(p.start, p.start + p.count)
         pos += positions
         slots += [p.seq.blocks[i // block_size] * block_size + i % block_size for i in positions]
         starts.append(starts[-1] + p.count)
         ctx.append(p.start + p.count)
-        rows.append(starts[-1] - 1)
+        rows += range(starts[-1] - 1 - len(p.drafts), starts[-1])   # a window's logits at every position
     width = max(width, max(len(p.seq.blocks) for p in plan))
     tables = [b for p in plan for b in p.seq.blocks + [0] * (width - len(p.seq.blocks))]   # (B, width) flat
     state_slots = [p.seq.slot for p in plan] + list(pad_slots[:max(0, pad_to - len(plan))])
@@ -2526,6 +2729,25 @@ class DecodeGraphs:
         return graph, payload, logits
 
 
+def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size: int, device) -> Batch:
+    """An MTP pass: per entry (seq, start, ids), ids[i] is the token *after* position start + i (the MTP layer
+    reads t_{i+1} at position i). Logits are taken at each entry's last position."""
+    ids, pos, slots, starts, ctx = [], [], [], [0], []
+    for seq, start, tokens in entries:
+        positions = range(start, start + len(tokens))
+        ids += tokens
+        pos += positions
+        slots += [seq.blocks[i // block_size] * block_size + i % block_size for i in positions]
+        starts.append(starts[-1] + len(tokens))
+        ctx.append(start + len(tokens))
+    width = max(len(seq.blocks) for seq, _, _ in entries)
+    tables = [[*seq.blocks, *[0] * (width - len(seq.blocks))] for seq, _, _ in entries]
+    t = lambda v, dtype: torch.tensor(v, dtype=dtype).to(device)   # noqa: E731
+    return Batch(t(ids, torch.long), t(pos, torch.long), t(starts, torch.int32), t(ctx, torch.int32),
+                 t(tables, torch.int32), t(slots, torch.long), t([seq.slot for seq, _, _ in entries], torch.int32),
+                 t([s - 1 for s in starts[1:]], torch.long), t([], torch.long))
+
+
 # -----------------------------------------------------------------------------------------------
 # 8b. Tensor parallelism, Megatron style: one rank per device, each holding a Shard of every layer (section
 #     4 loads only its slices). Rank 0 is this process: it schedules, samples and serves. Ranks 1..N-1 are
@@ -2557,6 +2779,7 @@ def _cache_blocks(opts: EngineOptions) -> int:
 
 ENGINE_CACHE, SCRATCH_CACHE = 0, 1    # which cache a step runs on: the engine's, or logits()'s temporary one
 STOP = "stop"                         # the call that ends a worker's loop (not a RankRunner method)
+STEP_CALLS = ("run", "draft")         # the calls whose all-reduces a step waits for (Comm.finish_step)
 
 
 class RankRunner:
@@ -2566,14 +2789,34 @@ class RankRunner:
                  engine_cache: Cache | None = None):
         self.model, self.opts, self.kv_dtype, self.device = model, opts, kv_dtype, device
         self.caches: dict[int, Cache | None] = {ENGINE_CACHE: engine_cache, SCRATCH_CACHE: None}
+        self.hidden: torch.Tensor | None = None    # (T, D) the last engine step's hidden states (speculation)
+        self.drafted: torch.Tensor | None = None   # (R, D) the last MTP pass's outputs at its logit rows
 
     @staticmethod
     def is_call(method: str) -> bool:
         return not method.startswith("_") and method != "is_call" and callable(vars(RankRunner).get(method))
 
-    def run(self, batch: Batch, which: int) -> torch.Tensor:
-        """One forward step on cache `which`: (R, V) logits, kept on rank 0 and dropped on the workers."""
-        return self.model.forward(batch, self.caches[which])
+    def run(self, batch: Batch, which: int, window: VerifyWindow | None = None) -> torch.Tensor:
+        """One forward step on cache `which`: (R, V) logits, kept on rank 0 and dropped on the workers. With
+        speculative decoding the hidden states stay here for draft(), and `window` names the sequences that
+        verify drafts (their GDN states are kept for rollback())."""
+        if self.model.mtp is None or which != ENGINE_CACHE:
+            return self.model.forward(batch, self.caches[which])
+        if window is not None:
+            self.model.open_window(self.caches[which], window)
+        self.hidden = self.model.hidden(batch, self.caches[which])          # (T, D)
+        return self.model.head(self.hidden[batch.logit_rows])
+
+    def rollback(self, kept: list[int]) -> None:
+        """After the verify: each window sequence's GDN states after its kept tokens (Model.rollback)."""
+        self.model.rollback(self.caches[ENGINE_CACHE], kept)
+
+    def draft(self, batch: Batch, rows: torch.Tensor, chained: bool) -> torch.Tensor:
+        """One MTP pass on the engine cache, reading rows (T,) of the target's last hidden states, or of the
+        last draft pass's outputs when chained. Returns its (R, V) logits."""
+        hidden = (self.drafted if chained else self.hidden)[rows]
+        self.drafted, logits = self.model.draft(batch, self.caches[ENGINE_CACHE], hidden)
+        return logits
 
     def set_scratch(self, nblocks: int) -> None:
         """LLM.logits()'s temporary cache: nblocks KV blocks and one state slot; 0 frees it."""
@@ -2805,7 +3048,7 @@ def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: in
     try:
         shard = Shard(rank, world, whole_blocks=ops.name == "native")
         return Model(ckpt, ops, dtype, device, shard=shard, num_layers=opts.smoke_layers or None,
-                     all_reduce=all_reduce, progress=not quiet)
+                     all_reduce=all_reduce, progress=not quiet, mtp=opts.speculative_tokens > 0)
     except CheckpointError as e:
         if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. native: an FP8 slice off its blocks
             raise CheckpointError(f"{e} at tensor-parallel degree {world}") from None
@@ -3043,7 +3286,7 @@ class RankGroup:
                 for channel in self.channels.values():
                     channel.send_bytes(message)
                 result = getattr(self.runner, method)(*args)
-                if method == "run":
+                if method in STEP_CALLS:
                     self.comm.finish_step()
                 return result
             except Exception as e:
@@ -3053,6 +3296,11 @@ class RankGroup:
         """One engine step on every rank; `cache` is the engine's, rank 0's engine cache."""
         self.runner.caches[ENGINE_CACHE] = cache
         return self.call("run", batch, ENGINE_CACHE)                        # (R, V): full logits, rank 0 only
+
+    def call_engine(self, cache: Cache, method: str, *args):
+        """A RankRunner call on every rank's engine cache (speculative decoding: run, rollback, draft)."""
+        self.runner.caches[ENGINE_CACHE] = cache
+        return self.call(method, *args)
 
     def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
         """copy_state (section 5) on every rank's engine cache. The engine calls this in place of copy_state
@@ -3161,7 +3409,7 @@ def run_rank_worker(spec_json: str) -> int:
         model = _load_rank_model(spec["ckpt"], opts, ops, dtype, device, rank, world,
                                  lambda x: comm[0].all_reduce(x), quiet=True)
         runner = RankRunner(model, opts, kv_dtype, device,
-                            allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
+                            allocate_cache(model.cfg, model.cache_layers, _cache_blocks(opts), opts.kv_block_size,
                                            opts.max_batch_size, kv_dtype, device))
         channel.send(("ready",))
         comm.append(Comm(dist.FileStore(spec["store"], -1), rank, world, device, ops, opts))
@@ -3172,7 +3420,7 @@ def run_rank_worker(spec_json: str) -> int:
             if not RankRunner.is_call(method):
                 raise PocketError(f"rank 0 called {method!r}, which RankRunner does not have")
             getattr(runner, method)(*_move(args, device))
-            if method == "run":
+            if method in STEP_CALLS:
                 comm[0].finish_step()
     except Exception as e:
         time.sleep(0.5)             # rank 0 gone too (its sockets close before we are re-parented)? then quietly
@@ -3231,7 +3479,7 @@ class Engine:
     """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
 
     def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
-                 run_batch: Callable | None = None, copy: Callable = copy_state):
+                 run_batch: Callable | None = None, copy: Callable = copy_state, call: Callable | None = None):
         self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
         bs = opts.kv_block_size
         num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
@@ -3239,17 +3487,23 @@ class Engine:
             raise PocketError(f"--num-kv-blocks {num_blocks} x --kv-block-size {bs} cannot hold one sequence of "
                               f"--max-context {opts.max_context} tokens")
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
-        self.cache = allocate_cache(model.cfg, model.layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
+        self.cache = allocate_cache(model.cfg, model.cache_layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
                                     model.device)
         self.sampler = Sampler(opts.max_batch_size, model.cfg.vocab_size, model.device)
-        self.scheduler = Scheduler(opts, self.blocks, self.slots)
+        self.draft_tokens = opts.speculative_tokens if model.mtp is not None else 0   # K (0: no speculation)
+        self.scheduler = Scheduler(opts, self.blocks, self.slots, self.draft_tokens)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
         self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs) \
             if run_batch is None and DecodeGraphs.usable(model) else None
         self.copy_state = copy                    # with tensor parallelism: on every rank's cache
+        if call is None:                          # RankRunner calls (speculative decoding), here on this cache
+            runner = RankRunner(model, opts, kv_dtype, model.device, self.cache)
+            call = lambda method, *args: getattr(runner, method)(*args)   # noqa: E731
+        self.call = call
         self.requests: dict[str, Request] = {}
         self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                         "target_forwards": 0}   # target_forwards: steps in which a sequence emitted tokens
 
     # Thread-safe entry points: they only post to the inbox, which step() drains.
 
@@ -3269,10 +3523,71 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return
-        logits = self.graphs.run(plan, self.slots.free) if self.graphs else None                # (B, V)
-        if logits is None:
-            logits = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device))
-        self._postprocess(plan, logits)
+        if not self.draft_tokens:                   # graphs replay plain decode steps (not verify windows)
+            logits = self.graphs.run(plan, self.slots.free) if self.graphs else None                # (B, V)
+            if logits is None:
+                logits = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device))
+            self._postprocess(plan, logits)
+            return
+        batch = make_batch(plan, self.opts.kv_block_size, self.model.device)
+        window = self._window(plan)
+        kept = self._postprocess(plan, self.call("run", batch, ENGINE_CACHE, window))   # (R, V) logits
+        if window is not None:
+            self.call("rollback", [k for p, k in zip(plan, kept) if p.drafts])
+        self._draft(plan, kept)
+
+    # Speculative decoding (--speculative-tokens K): a decoding sequence's step verifies its last token and K
+    # drafts in one window; _postprocess keeps the accepted drafts and one token from the target; rollback
+    # drops the rejected positions from the GDN states (their KV is overwritten later); then the MTP layer
+    # catches up on the step's kept positions and drafts K tokens for the next step.
+
+    def _window(self, plan: list[Scheduled]) -> VerifyWindow | None:
+        rows, start = [], 0
+        for p in plan:
+            if p.drafts:
+                rows += range(start, start + p.count)
+            start += p.count
+        if not rows or not self.model.cfg.num_linear_layers:
+            return None
+        t = lambda v: torch.tensor(v, dtype=torch.long).to(self.model.device)   # noqa: E731
+        return VerifyWindow(t([p.seq.slot for p in plan if p.drafts]), t(rows), [p.count for p in plan if p.drafts])
+
+    def _draft(self, plan: list[Scheduled], kept: list[int]) -> None:
+        """The MTP layer over every kept position of the step (its KV, and the first draft), then K - 1 chained
+        passes of one token per drafting sequence."""
+        entries, rows, drafting, start = [], [], [], 0
+        for p, n in zip(plan, kept):
+            seq = p.seq
+            if not seq.finished and seq.slot is not None:
+                entries.append((seq, p.start, seq.tokens[p.start + 1:p.start + n + 1]))
+                rows += range(start, start + n)
+                k = min(self.draft_tokens, seq.params.max_tokens - len(seq.output_ids) - 1)
+                if p.sample and k > 0:
+                    drafting.append((len(entries) - 1, seq, k))
+            start += p.count
+        if not entries:
+            return
+        bs, device = self.opts.kv_block_size, self.model.device
+        t = lambda v: torch.tensor(v, dtype=torch.long).to(device)   # noqa: E731
+        logits = self.call("draft", make_draft_batch(entries, bs, device), t(rows), False)   # (len(entries), V)
+        row_of = {seq: e for e, seq, _ in drafting}                        # seq -> its row of the last pass
+        probs: dict[Sequence, list] = {}
+        for i in range(self.draft_tokens):
+            drafting = [d for d in drafting if d[2] > i]
+            if not drafting:
+                break
+            if i:                                                          # draft i + 1 from draft i
+                batch = make_draft_batch([(seq, seq.num_computed + i - 1, seq.drafts[-1:]) for _, seq, _ in drafting],
+                                         bs, device)
+                logits = self.call("draft", batch, t([row_of[seq] for _, seq, _ in drafting]), True)
+                row_of = {seq: j for j, (_, seq, _) in enumerate(drafting)}
+            rows = [SampleRow(seq, row_of[seq], seq.request.sampling, list(seq.drafts)) for _, seq, _ in drafting]
+            tokens, q = self.sampler.draw_drafts(rows, logits)
+            for j, ((_, seq, _), tok) in enumerate(zip(drafting, tokens)):
+                seq.drafts.append(tok)
+                probs.setdefault(seq, []).append(q[j])
+        for seq, q in probs.items():
+            seq.draft_probs = torch.stack(q) if seq.request.sampling.floats[_TEMPERATURE] > 0 else None
 
     def _drain_inbox(self):
         while True:
@@ -3298,25 +3613,49 @@ class Engine:
             return
         self.scheduler.add(req.seqs[0])
 
-    def _postprocess(self, plan: list[Scheduled], logits: torch.Tensor):
-        """Sample every sequence whose chunk reached its end (and the first token of forked choices) at once."""
-        rows = []
-        for r, p in enumerate(plan):
-            seq = p.seq
+    def _postprocess(self, plan: list[Scheduled], logits: torch.Tensor) -> list[int]:
+        """Sample every sequence whose chunk reached its end (and the first token of forked choices) at once. A
+        verify window's rows judge its drafts in order: the accepted ones are emitted, then the target's token
+        at the first rejection (or after the last draft). Returns, per plan entry, its tokens that stay
+        computed: the chunk, or the window's last token and accepted drafts."""
+        rows, first = [], 0
+        for p in plan:
+            seq, r = p.seq, first
+            first += 1 + len(p.drafts)
             seq.num_computed += p.count
             if not p.sample or seq.finished:
                 continue
             if not seq.output_ids and seq.request.params.n > 1 and len(seq.request.seqs) == 1:
-                rows += [SampleRow(child, r, child.request.sampling) for child in self._fork(seq)]
-            rows.append(SampleRow(seq, r, seq.request.sampling))
+                children = self._fork(seq)
+                rows += [SampleRow(child, r, child.request.sampling) for child in children]
+                self.counters["target_forwards"] += len(children)
+            probs = seq.draft_probs
+            rows += [SampleRow(seq, r + i, seq.request.sampling, p.drafts[:i], d, None if probs is None else probs[i])
+                     for i, d in enumerate(p.drafts)]
+            rows.append(SampleRow(seq, r + len(p.drafts), seq.request.sampling, list(p.drafts)))
+            seq.drafts, seq.draft_probs = [], None
+            self.counters["target_forwards"] += 1
+            self.counters["draft_tokens"] += len(p.drafts)
+        kept = [p.count for p in plan]
         if not rows:
-            return
+            return kept
         out = self.sampler.sample(rows, logits)
         for i, error in out.failed.items():
             self.fail_request(rows[i].seq.request, "its logits processor", error)
-        for row, token, logprobs in zip(rows, out.tokens, out.logprobs):
-            if not row.seq.finished:
-                self._append(row.seq, token, logprobs)
+        rejected = set()                                   # sequences whose window met a rejection
+        for i, (row, token, logprobs) in enumerate(zip(rows, out.tokens, out.logprobs)):
+            if row.seq.finished or row.seq in rejected:
+                continue
+            self._append(row.seq, token, logprobs)
+            if row.draft is not None:
+                self.counters["accepted_tokens"] += out.accepted[i]
+                if not out.accepted[i]:
+                    rejected.add(row.seq)
+        for j, p in enumerate(plan):
+            if p.drafts:                                   # its drafts that were not emitted are not computed
+                kept[j] = len(p.seq.output_ids) - (p.start - len(p.seq.request.prompt_ids)) - 1
+                p.seq.num_computed = p.start + kept[j]
+        return kept
 
     def _append(self, seq: Sequence, tok: int, logprobs: tuple | None):
         params = seq.params
@@ -3395,7 +3734,10 @@ class Engine:
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": self.blocks.used,
                 "kv_blocks_total": self.blocks.total, "slots_used": self.slots.used, "slots_total": self.slots.total,
                 "prompt_tokens_total": self.counters["prompt_tokens"],
-                "generation_tokens_total": self.counters["generation_tokens"]}
+                "generation_tokens_total": self.counters["generation_tokens"],
+                "speculative_tokens": self.draft_tokens, "draft_tokens_total": self.counters["draft_tokens"],
+                "accepted_tokens_total": self.counters["accepted_tokens"],
+                "target_forwards_total": self.counters["target_forwards"]}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -7376,6 +7718,15 @@ def metrics_text(llm, metrics: ServerMetrics) -> str:
            [f" {stats['kv_blocks_used'] / max(1, stats['kv_blocks_total'])}"])
     family("slots_used", "gauge", "Recurrent-state slots in use.", [f" {stats['slots_used']}"])
     family("slots_total", "gauge", "Recurrent-state slots in all.", [f" {stats['slots_total']}"])
+    family("spec_draft_tokens_total", "counter", "Tokens drafted by the MTP layer and verified (speculative "
+           "decoding).", [f" {stats['draft_tokens_total']}"])
+    family("spec_accepted_tokens_total", "counter", "Drafted tokens accepted by the target model.",
+           [f" {stats['accepted_tokens_total']}"])
+    family("spec_acceptance_ratio", "gauge", "Accepted / drafted tokens since start (0 without drafts).",
+           [f" {stats['accepted_tokens_total'] / max(1, stats['draft_tokens_total'])}"])
+    per_forward = stats["generation_tokens_total"] / max(1, stats["target_forwards_total"])
+    family("tokens_per_target_forward", "gauge", "Tokens emitted per sequence per target-model step since start "
+           "(1 without speculation).", [f" {per_forward}"])
     for name, histogram, help in (
             ("time_to_first_token_seconds", metrics.time_to_first_token, "Time from submission to the first token."),
             ("inter_token_latency_seconds", metrics.inter_token_latency, "Time between tokens of one choice.")):
@@ -8329,6 +8680,8 @@ def _check_options(opts: EngineOptions, cfg: ModelConfig):
     for name in ("max_batch_size", "num_kv_blocks"):
         if getattr(opts, name) < 0:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 0 (0: sized for you)")
+    if not 0 <= opts.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise PocketError(f"--speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0: off)")
     for name in ("collective_timeout", "collective_warmup_timeout"):
         if not getattr(opts, name) > 0:
             raise PocketError(f"--{name.replace('_', '-')} must be > 0 seconds (got {getattr(opts, name):g})")
@@ -8431,13 +8784,20 @@ class LLM:
             _log(opts, placement.describe())
             ops = NativeOps(device) if placement.backend == "native" else TorchOps()
             self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None,
-                               progress=not opts.quiet)
+                               progress=not opts.quiet, mtp=opts.speculative_tokens > 0)
             run_batch = None
+        if opts.speculative_tokens and self.model.mtp is not None:
+            _log(opts, f"speculative decoding: the MTP layer drafts {opts.speculative_tokens} tokens per step")
+        elif opts.speculative_tokens:
+            _log(opts, "speculative decoding off: " + ("--smoke-layers runs part of the model" if has_mtp(ckpt)
+                                                       else "the checkpoint has no MTP layer (mtp.* tensors)"))
         ckpt.close()
         if sized:
             self._size_cache()
         self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch,
-                             self.group.copy_state if self.group else copy_state)
+                             self.group.copy_state if self.group else copy_state,
+                             (lambda method, *args: self.group.call_engine(self.engine.cache, method, *args))
+                             if self.group else None)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
@@ -8461,7 +8821,7 @@ class LLM:
 
     def _size_cache(self):
         """--num-kv-blocks 0 / --max-batch-size 0 on a GPU: size both from the memory left after the weights."""
-        opts, cfg, layers = self.options, self.config, self.model.layers
+        opts, cfg, layers = self.options, self.config, self.model.cache_layers
         free, total = device_memory(self.device)
         per_block = cache_bytes(cfg, layers, 2, opts.kv_block_size, 1, self.kv_dtype) - \
             cache_bytes(cfg, layers, 1, opts.kv_block_size, 1, self.kv_dtype)
@@ -8643,6 +9003,8 @@ ENGINE_FLAG_HELP = {
     "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
                     "(default: %(default)s)",
     "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
+    "speculative_tokens": "tokens the checkpoint's MTP layer drafts per sequence and step, verified in the next "
+                          "forward (exact: the output is the target model's); 0: off (default: %(default)s)",
     "quiet": "no start-up log lines (default: off)",
     "collective_timeout": "tensor parallelism: seconds an all-reduce may wait for the other ranks before the group "
                           "is stopped and the engine reports it (default: %(default)s)",

@@ -143,10 +143,24 @@ def quantize_fp8(w: torch.Tensor, block: int = 128, scale_dtype=torch.float32):
     return q, scale, deq
 
 
+def mtp_tensors(ref, cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """A random MTP layer in Qwen3.5's layout (`mtp.fc`, its norms, `mtp.layers.0.*` shaped like a full-attention
+    decoder layer, `mtp.norm`), float32, named as the real checkpoints name it."""
+    g = torch.Generator().manual_seed(seed + 1)
+    full = cfg["layer_types"].index("full_attention")
+    D = cfg["hidden_size"]
+    shapes = {f"layers.0.{n}": t.shape for n, t in ref.model.layers[full].state_dict().items()}
+    shapes.update({"fc.weight": (D, 2 * D), "pre_fc_norm_embedding.weight": (D,), "pre_fc_norm_hidden.weight": (D,),
+                   "norm.weight": (D,)})
+    return {"mtp." + n: torch.randn(shape, generator=g) * (0.2 if "norm" in n else 0.08)
+            for n, shape in sorted(shapes.items())}
+
+
 def make_checkpoint(path: Path, model_type: str = "qwen3_5", fp8: bool = False, seed: int = 0,
                     scale_dtype=torch.float32, dtype=torch.bfloat16, shards: int = 1, extra_tensors: bool = True,
-                    **over):
-    """Write a random checkpoint to `path`; return (path, reference transformers model in float32)."""
+                    mtp: bool = False, **over):
+    """Write a random checkpoint to `path`; return (path, reference transformers model in float32). With `mtp`
+    (qwen3_5 kinds) the checkpoint also holds a random MTP layer (`mtp.*`, FP8 like the layers when fp8)."""
     from safetensors.torch import save_file
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -166,13 +180,16 @@ def make_checkpoint(path: Path, model_type: str = "qwen3_5", fp8: bool = False, 
         for p in ref.parameters():  # the stored precision is the reference's precision (buffers stay fp32)
             p.copy_(p.to(dtype).float())
     state = {}
-    for name, t in ref.state_dict().items():
+    tensors = list(ref.state_dict().items())
+    if mtp and model_type != "qwen3":
+        tensors += [(n, t.to(dtype).float()) for n, t in mtp_tensors(ref, cfg, seed).items()]
+    for name, t in tensors:
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         stored = name
         if model_type == "qwen3_5" and name.startswith("model."):
             stored = "model.language_model." + name[len("model."):]
-        if fp8 and name.endswith(".weight") and any(f".{p}." in name for p in FP8_PARTS):
+        if fp8 and name.endswith(".weight") and any(f".{p}." in name for p in FP8_PARTS + ("fc",)):
             q, s, deq = quantize_fp8(t, scale_dtype=scale_dtype)
             state[stored] = q
             state[stored + "_scale_inv"] = s
@@ -191,11 +208,11 @@ def make_checkpoint(path: Path, model_type: str = "qwen3_5", fp8: bool = False, 
     (path / "config.json").write_text(json.dumps(config, indent=1))
     eos = [2, 0]   # <|im_end|>, <|endoftext|> (SPECIAL order in the trained vocabulary)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    write_weights(path, state, shards, extra_tensors and model_type == "qwen3_5")
+    write_weights(path, state, shards, extra_tensors and model_type == "qwen3_5", mtp)
     return path, ref
 
 
-def write_weights(path: Path, state: dict, shards: int, extra: bool):
+def write_weights(path: Path, state: dict, shards: int, extra: bool, mtp: bool = False):
     """One file, or `shards` files plus model.safetensors.index.json. With `extra`, vision and MTP tensors go
     into a shard whose payload is deliberately cut short: loading succeeds only if they are never read."""
     from safetensors.torch import save_file
@@ -210,8 +227,9 @@ def write_weights(path: Path, state: dict, shards: int, extra: bool):
         save_file(part, str(path / fname))
         weight_map.update({n: fname for n in part})
     if extra:
-        junk = {"model.visual.patch_embed.proj.weight": torch.randn(16, 3, 2, 2),
-                "mtp.layers.0.mlp.up_proj.weight": torch.randn(8, 8)}
+        junk = {"model.visual.patch_embed.proj.weight": torch.randn(16, 3, 2, 2)}
+        if not mtp:   # a real MTP layer is read (speculative decoding); a junk one must never be
+            junk["mtp.layers.0.mlp.up_proj.weight"] = torch.randn(8, 8)
         save_file(junk, str(path / "model-extra.safetensors"))
         data = (path / "model-extra.safetensors").read_bytes()
         (path / "model-extra.safetensors").write_bytes(data[:len(data) // 2])

@@ -18,8 +18,9 @@ def test_check_sh_parses_and_its_steps_exist():
     assert r.returncode == 0, r.stderr
     text = CHECK.read_text()
     steps = re.findall(r"^run (\w+) \d+ (.*)$", text, re.M)
-    assert [name for name, _ in steps] == ["prereqs", "library", "wrappers", "ops", "kernels", "ptx_sm75", "nccl", "parity", "graphs", "synth",
-                                           "serve_tiny", "serve_synthetic", "verify", "bench", "decode"]
+    assert [name for name, _ in steps] == ["prereqs", "library", "wrappers", "ops", "kernels", "ptx_sm75", "nccl", "parity", "graphs",
+                                           "synth", "serve_tiny", "serve_synthetic", "verify", "bench", "decode",
+                                           "speculative"]
     for _, command in steps:
         for script in re.findall(r"tests/[\w/]+\.py", command):
             assert (ROOT / script).is_file(), script

@@ -28,6 +28,9 @@
 #  11 bench     kernel bandwidth vs measured copy bandwidth on the 27B decode shapes
 #  12 decode    decode tokens/s at batch 1, 8 and 32 sampled at temperature 1, 27B shapes with 4 layers,
 #               extrapolated to 64 (stated so), eager and as CUDA graphs
+#  13 speculative  tests/test_speculative.py on the GPU (LLM's defaults: cuda, native): MTP drafts verified
+#               exactly against unspeculated greedy output, oracle drafts, stop/max_tokens inside windows,
+#               preemption, pocket-tiny's acceptance; then benchmarks/speculative.py's K = 0..4 table
 # Full logs: LOGDIR/<step>.log and LOGDIR/<step>.json; the short table comes last (also LOGDIR/summary.txt).
 # The device image lacks cffi, openai and langchain-openai: carry their wheels (docs/gpu.md, device README) or
 # the native steps fail at prereqs and verify runs its client checks as NOT RUN.
@@ -103,6 +106,8 @@ grep -h "backend native on cuda:0" "$LOG"/serve_*.server.log >> "$LOG/serve_tiny
 run verify 150 "$PY" tests/verify_openai.py --client-python "$PY" --log-dir "$LOG/verify" "${GPU_FLAGS[@]}"
 run bench 90 "$PY" tests/gpu/gpu_check.py bench "$LOG"
 run decode 120 "$PY" tests/gpu/gpu_check.py decode "$LOG"
+run speculative 120 bash -c '"$PY" -m pytest -q -x tests/test_speculative.py -k "not tensor_parallel" \
+    -p no:cacheprovider && "$PY" benchmarks/speculative.py --decode 64 --threads 8'
 
 {
     echo
