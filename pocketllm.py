@@ -1875,6 +1875,8 @@ class Model:
         # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer).
         self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype) \
             if mtp and n == cfg.num_hidden_layers and has_mtp(ckpt) else None
+        if self.mtp is not None:
+            self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim))
         self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
         self.inv_freq = inv.float().to(device)                             # (R/2,)

@@ -26,7 +26,7 @@ def native_llm():
     os.environ["POCKETLLM_NATIVE_CPU"] = "1"
     try:
         llm = pocketllm.LLM(None, backend="native", quiet=True, max_context=96, max_batch_size=6,
-                            kv_block_size=BS, dtype="float16")
+                            kv_block_size=BS, dtype="float16", speculative_tokens=0)   # graphs: plain decode
     finally:
         del os.environ["POCKETLLM_NATIVE_CPU"]
     yield llm
