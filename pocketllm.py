@@ -51,6 +51,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
+import hashlib
 import hmac
 import http.server
 import io
@@ -275,6 +276,8 @@ class EngineOptions:
                                        # on the CPU, enough for max_batch_size sequences of max_context
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory pocketllm may hold (weights, cache, work)
     prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
+    prefix_cache: bool = True          # resume prompts from cached KV blocks and state snapshots (--no-prefix-cache)
+    prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: two per state slot
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
     seed: int = 0                      # default seed for unseeded requests' generators
     quiet: bool = False                # no startup log lines
@@ -870,6 +873,11 @@ class TorchOps:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (w.float() * y * F.silu(z.float())).to(x.dtype)
 
+    def copy_rows(self, t, src, dst):
+        """t[dst[i]] = t[src[i]] in place: rows of t's first dimension (state slots, KV blocks); src, dst (N,)
+        int64 with no destination also a source."""
+        t[dst] = t[src]
+
 
 # -----------------------------------------------------------------------------------------------
 # 3b. The native backend: the same ops, run by the CUDA library in csrc/ (libpocketllm.so), reached
@@ -1229,6 +1237,11 @@ class NativeOps:
         return out
 
     # ---- NCCL (native only): tensor parallelism refuses to start when nccl_available() is False ----
+
+    def copy_rows(self, t: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        src, dst = self._as(src, torch.int64), self._as(dst, torch.int64)
+        self.lib.call("pl_copy_rows", self._p(t), t[0].numel() * t.element_size(), self._p(src), self._p(dst),
+                      src.numel(), self._stream(t))
 
     def nccl_available(self) -> bool:
         return nccl_status(self.lib)[0]
@@ -1733,21 +1746,39 @@ def named_weights(weights, prefix: str = "") -> Iterator[tuple[str, Linear | tor
 # -----------------------------------------------------------------------------------------------
 
 class BlockPool:
-    """KV-cache blocks. A block returns to the free list when its last owner releases it."""
+    """KV-cache blocks, reference counted: forked choices and requests with a common prefix share blocks. A block
+    may also carry a key (PrefixCache.key: a hash of every token up to its last one) once its tokens are written.
+    Released, a keyed block is not freed but kept, least recently used first, where a later request with the
+    same prefix finds it again by its key; alloc() takes such a block (forgetting its key) only when no block is
+    free. A block held by more than one owner is always full and never written again."""
 
     def __init__(self, num_blocks: int):
         self.total = num_blocks
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.free = list(range(num_blocks - 1, -1, -1))   # holding nothing anyone may ask for
         self.refs = [0] * num_blocks
+        self.cached: dict[int, None] = {}       # released keyed blocks, least recently used first
+        self.by_key: dict[bytes, int] = {}      # key -> the block holding those tokens' KV
+        self.key_of: dict[int, bytes] = {}
+        self.on_evict: Callable[[bytes], None] = lambda key: None   # told when a keyed block is reused
+        self.evictions = 0
 
     def alloc(self) -> int | None:
-        if not self.free:
+        if self.free:
+            b = self.free.pop()
+        elif self.cached:
+            b = next(iter(self.cached))
+            del self.cached[b]
+            key = self.key_of.pop(b)
+            del self.by_key[key]
+            self.evictions += 1
+            self.on_evict(key)
+        else:
             return None
-        b = self.free.pop()
         self.refs[b] = 1
         return b
 
     def share(self, b: int) -> int:
+        self.cached.pop(b, None)               # a cached block comes back into use
         self.refs[b] += 1
         return b
 
@@ -1755,12 +1786,26 @@ class BlockPool:
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self.free.append(b)
+                if b in self.key_of:
+                    self.cached[b] = None
+                else:
+                    self.free.append(b)
         blocks.clear()
+
+    def register(self, b: int, key: bytes) -> None:
+        """Block b (held, its tokens written) holds the KV of the tokens `key` names; a key already held by
+        another block stays with that one."""
+        if key not in self.by_key and b not in self.key_of:
+            self.by_key[key], self.key_of[b] = b, key
+
+    @property
+    def available(self) -> int:
+        """Blocks alloc() can hand out: free ones and cached ones."""
+        return len(self.free) + len(self.cached)
 
     @property
     def used(self) -> int:
-        return self.total - len(self.free)
+        return self.total - self.available
 
 
 class SlotPool:
@@ -1799,13 +1844,158 @@ def allocate_cache(cfg: ModelConfig, layers: list, num_blocks: int, block_size: 
     return cache
 
 
-def copy_state(cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
-    """Fork support: copy one sequence's recurrent state and (optionally) one KV block into another's."""
-    for t in itertools.chain(cache.conv.values(), cache.ssm.values()):
-        t[dst_slot] = t[src_slot]
-    if src_block is not None:
-        for t in itertools.chain(cache.k.values(), cache.v.values()):
-            t[dst_block] = t[src_block]
+def state_slot_bytes(cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> int:
+    """Bytes of one recurrent-state slot on this rank: the conv and SSM state of every linear-attention layer."""
+    cache = allocate_cache(cfg, layers, 0, 1, 1, kv_dtype, "meta")
+    return sum(t.numel() * t.element_size() for t in itertools.chain(cache.conv.values(), cache.ssm.values()))
+
+
+def snapshot_slots(opts: EngineOptions, cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> int:
+    """How many state snapshots the prefix cache keeps: --prefix-cache-memory MiB of them on each rank (the
+    same count on every rank: each holds its 1/N of every snapshot), by default (-1) two per state slot; none
+    without the prefix cache or without linear-attention layers."""
+    per = state_slot_bytes(cfg, layers, kv_dtype)
+    if not opts.prefix_cache or not per:
+        return 0
+    if opts.prefix_cache_memory < 0:
+        return 2 * opts.max_batch_size
+    return opts.prefix_cache_memory * (1 << 20) // per
+
+
+def copy_cache(cache: Cache, ops, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
+    """Copy recurrent-state slots and KV blocks inside the cache, (source, destination) pairs, one ops.copy_rows
+    per tensor: forked choices (n > 1) start from their parent's state and last block, and the prefix cache
+    saves and restores state snapshots and copies partial blocks. No destination may also be a source."""
+    for pairs, tensors in ((slots, itertools.chain(cache.conv.values(), cache.ssm.values())),
+                           (blocks, itertools.chain(cache.k.values(), cache.v.values()))):
+        if not pairs:
+            continue
+        for t in tensors:
+            index = torch.tensor(pairs, dtype=torch.long, device=t.device).t()   # (2, N): sources, destinations
+            ops.copy_rows(t, index[0], index[1])
+
+
+# The prefix cache. A prompt that begins with tokens the engine has computed before (an agent's next turn
+# resends the whole conversation) starts where the cache can resume it and prefills only the rest. Resuming at
+# position p needs two things of tokens [0, p): their KV in the attention layers, and the recurrent state of the
+# linear-attention layers after token p - 1.
+#
+# - KV: a full block is found by its key, a hash chain over every token up to the block's end (and the model's
+#   identity), so two requests with the same first 1,000 tokens share the first 62 blocks of 16 (BlockPool).
+# - State: a Gated DeltaNet layer keeps no per-token state to rewind, only the state after the last token, so
+#   the engine copies it to a snapshot slot at chosen positions: the end of every prompt, the end of every
+#   generation, and every block boundary where a prefill chunk ends (the scheduler ends chunks on block
+#   boundaries, and a prompt's last chunk first at its last boundary, so a follow-up prompt that diverges
+#   inside the previous prompt's final tokens, as a chat template's assistant header does, still resumes
+#   within a block of it). A snapshot at a position inside a block also keeps a copy of that partial block,
+#   which a request resuming there copies (never shares) before writing after it. Snapshots live in extra
+#   rows of the state tensors (slots max_batch_size and up), as many as --prefix-cache-memory holds, reused
+#   least recently used first.
+#
+# A model without linear-attention layers needs no snapshot: any run of cached full blocks resumes, and a
+# partial block kept at the end of a prompt or generation extends it.
+
+@dataclass
+class Snapshot:
+    """A position the prefix cache can resume from: tokens [0, position) end with `tail` after the full block
+    `parent` (the root when position < block_size)."""
+    key: bytes                 # PrefixCache.key of tokens [0, position); also the partial block's key
+    parent: bytes              # key of the last full block before position (PrefixCache.root if none)
+    tail: tuple[int, ...]      # tokens after that block, fewer than block_size (empty: a block boundary)
+    position: int
+    slot: int | None           # snapshot slot of the state tensors; None: the model has no recurrent state
+
+
+class PrefixCache:
+    """Bookkeeping of the prefix cache (the copies are the engine's): block keys, snapshots, their slots, the
+    longest match of a prompt, and the counters /metrics reports."""
+
+    def __init__(self, blocks: BlockPool, block_size: int, identity: str, snapshot_slots: range, state: bool):
+        self.blocks, self.block_size, self.state = blocks, block_size, state   # state: a hit needs a snapshot
+        self.root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        self.slots_total = len(snapshot_slots)
+        self.free_slots = list(reversed(snapshot_slots))
+        self.points: dict[bytes, dict[tuple[int, ...], Snapshot]] = {}   # parent -> tail -> snapshot
+        self.by_key: dict[bytes, Snapshot] = {}     # least recently used first
+        self.counters = {"queried_tokens": 0, "hit_tokens": 0, "snapshot_evictions": 0}
+        blocks.on_evict = self.forget
+
+    def key(self, parent: bytes, tokens) -> bytes:
+        return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()
+
+    def block_keys(self, tokens: list[int], keys: list[bytes]) -> list[bytes]:
+        """keys (the keys of tokens' first full blocks, as far as known) extended to every full block of tokens."""
+        bs = self.block_size
+        for j in range(len(keys), len(tokens) // bs):
+            keys.append(self.key(keys[-1] if keys else self.root, tokens[j * bs:(j + 1) * bs]))
+        return keys
+
+    def match(self, tokens: list[int], keys: list[bytes]) -> tuple[int, int, Snapshot | None]:
+        """The longest prefix of tokens, short of the last token (its logits are wanted), that the cache can
+        resume: (position, how many full blocks it shares, the snapshot to restore or None)."""
+        bs, limit = self.block_size, len(tokens) - 1
+        m = 0
+        while m < len(keys) and (m + 1) * bs <= limit and keys[m] in self.blocks.by_key:
+            m += 1
+        for j in range(m, -1, -1):
+            best = None
+            for tail, snap in self.points.get(keys[j - 1] if j else self.root, {}).items():
+                end = j * bs + len(tail)
+                if 0 < end <= limit and (best is None or len(tail) > len(best.tail)) and \
+                        tuple(tokens[j * bs:end]) == tail and (not tail or snap.key in self.blocks.by_key):
+                    best = snap
+            if best is not None:
+                self.by_key[best.key] = self.by_key.pop(best.key)          # most recently used
+                return best.position, j, best
+            if j and not self.state:
+                return j * bs, j, None
+        return 0, 0, None
+
+    def add(self, tokens: list[int], position: int, keys: list[bytes]) -> Snapshot | None:
+        """A new snapshot at position (tokens [0, position) computed), or None: one is there already (now the
+        most recently used), none is needed (a block boundary without recurrent state), or no slot is free."""
+        j, bs = position // self.block_size, self.block_size
+        parent, tail = keys[j - 1] if j else self.root, tuple(tokens[j * bs:position])
+        if not position or (not tail and not self.state):
+            return None
+        known = self.points.get(parent, {}).get(tail)
+        if known is not None:
+            self.by_key[known.key] = self.by_key.pop(known.key)
+            return None
+        slot = self.take_slot() if self.state else None
+        if self.state and slot is None:
+            return None
+        snap = Snapshot(self.key(parent, tail) if tail else parent, parent, tail, position, slot)
+        self.points.setdefault(parent, {})[tail] = self.by_key[snap.key] = snap
+        return snap
+
+    def take_slot(self) -> int | None:
+        """A free snapshot slot, evicting the least recently used snapshot if none is; None if there is none.
+        (With recurrent state every snapshot has a slot.)"""
+        if not self.free_slots and self.state and self.by_key:
+            self.counters["snapshot_evictions"] += 1
+            self.forget(next(iter(self.by_key)))
+        return self.free_slots.pop() if self.free_slots else None
+
+    def forget(self, key: bytes) -> None:
+        """Drop the snapshot with this key (its slot is evicted, or its block is reused), if there is one."""
+        snap = self.by_key.pop(key, None)
+        if snap is None:
+            return
+        tails = self.points[snap.parent]
+        del tails[snap.tail]
+        if not tails:
+            del self.points[snap.parent]
+        if snap.slot is not None:
+            self.free_slots.append(snap.slot)
+
+    def count(self, queried: int, hit: int) -> None:
+        self.counters["queried_tokens"] += queried
+        self.counters["hit_tokens"] += hit
+
+    @property
+    def snapshots_used(self) -> int:
+        return self.slots_total - len(self.free_slots)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1825,6 +2015,7 @@ class Sequence:
         self.blocks: list[int] = []        # KV blocks holding tokens [0, num_computed)
         self.slot: int | None = None       # recurrent-state slot while running
         self.num_computed = 0              # tokens whose KV/state are in the cache
+        self.block_keys: list[bytes] = []  # prefix-cache keys of its full blocks, as far as computed (section 5)
         self.order = next(Sequence._ids)   # admission order: the newest is preempted first
         self.finished = False
         self.seed = self.params.seed if self.params.seed is not None else request.default_seed   # section 7
@@ -1846,11 +2037,21 @@ class Scheduled:
     sample: bool        # the chunk reaches the end of the sequence's tokens: sample the next one
 
 
+@dataclass
+class CacheCopies:
+    """Copies inside the cache that must run before the next forward (restored snapshots, copied partial
+    blocks); `pinned` blocks are copy sources held until the copies ran."""
+    slots: list[tuple[int, int]] = field(default_factory=list)
+    blocks: list[tuple[int, int]] = field(default_factory=list)
+    pinned: list[int] = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(self, opts: EngineOptions, blocks: BlockPool, slots: SlotPool):
-        self.opts, self.blocks, self.slots = opts, blocks, slots
+    def __init__(self, opts: EngineOptions, blocks: BlockPool, slots: SlotPool, prefix: PrefixCache | None = None):
+        self.opts, self.blocks, self.slots, self.prefix = opts, blocks, slots, prefix
         self.waiting: list[Sequence] = []   # FIFO; preempted sequences go back to the front
         self.running: list[Sequence] = []
+        self.copies = CacheCopies()         # what admissions from the prefix cache need copied (the engine runs them)
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -1860,29 +2061,79 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.order):
             if seq not in self.running:      # preempted below by an older sequence's need
                 continue
-            count = min(seq.num_tokens - seq.num_computed, max(budget, 1))
+            count = self._chunk(seq, max(budget, 1))
             if not self._reserve(seq, count, plan):
                 continue
             plan.append(Scheduled(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens))
             budget -= count
-        while self.waiting and budget > 0 and len(self.running) < self.opts.max_batch_size:
+        while self.waiting and budget > 0 and len(self.running) < self.opts.max_batch_size and self.slots.free:
             seq = self.waiting[0]
-            count = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._blocks_fit(seq, count) or not self.slots.free:
+            mark = len(self.copies.blocks), len(self.copies.pinned)
+            snap = self._resume(seq)
+            count = self._chunk(seq, budget)
+            if not self._blocks_fit(seq, count):      # undo the resume: it waits, holding nothing
+                self.blocks.release(seq.blocks + self.copies.pinned[mark[1]:])
+                del self.copies.blocks[mark[0]:], self.copies.pinned[mark[1]:]
+                seq.num_computed = 0
                 break
             self.waiting.pop(0)
             seq.slot = self.slots.alloc()
+            if snap is not None and snap.slot is not None:
+                self.copies.slots.append((snap.slot, seq.slot))
+            if seq.request.cached_tokens is None:     # its first admission: what /metrics and usage report
+                seq.request.cached_tokens = seq.num_computed
+                if self.prefix is not None:
+                    self.prefix.count(seq.num_tokens, seq.num_computed)
             self.running.append(seq)
             self._grow(seq, count)
             plan.append(Scheduled(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens))
             budget -= count
         return plan
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of seq's tokens to compute now: up to `budget`. With state snapshots, a prefill chunk ends
+        on a block boundary when it stops short of the sequence's end, and the last one first stops at the last
+        boundary (the prefix cache snapshots both, section 5)."""
+        start = seq.num_computed
+        end = min(seq.num_tokens, start + budget)
+        if self.prefix is not None and self.prefix.state and self.prefix.slots_total:
+            boundary = end // self.opts.kv_block_size * self.opts.kv_block_size
+            if boundary > start and (end < seq.num_tokens or boundary < end):
+                end = boundary
+        return end - start
+
+    def _resume(self, seq: Sequence) -> Snapshot | None:
+        """A sequence about to be admitted starts where the prefix cache can resume it: it shares the cached
+        full blocks and (through self.copies) gets a copy of a snapshot's partial block; the snapshot to
+        restore into its slot is returned."""
+        if self.prefix is None or seq.num_computed:
+            return None
+        tokens = seq.tokens
+        keys = self.prefix.block_keys(tokens, seq.block_keys)
+        position, shared, snap = self.prefix.match(tokens, keys)
+        if position and snap is not None and snap.tail:
+            source = self.blocks.by_key[snap.key]
+            self.blocks.share(source)          # pinned until the copy ran: no alloc may take it before
+            block = self.blocks.alloc()
+            if block is None:
+                self.blocks.release([source])
+                position, snap = shared * self.opts.kv_block_size, None
+                if self.prefix.state:          # the full blocks alone are no resume point with state
+                    position, shared = 0, 0
+            else:
+                self.copies.pinned.append(source)
+                self.copies.blocks.append((source, block))
+        seq.blocks = [self.blocks.share(self.blocks.by_key[k]) for k in keys[:shared]]
+        if position and snap is not None and snap.tail:
+            seq.blocks.append(self.copies.blocks[-1][1])
+        seq.num_computed = position
+        return snap if position else None
+
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
         return max(0, -(-(seq.num_computed + count) // self.opts.kv_block_size) - len(seq.blocks))
 
     def _blocks_fit(self, seq: Sequence, count: int) -> bool:
-        return self._blocks_needed(seq, count) <= len(self.blocks.free)
+        return self._blocks_needed(seq, count) <= self.blocks.available
 
     def _grow(self, seq: Sequence, count: int):
         for _ in range(self._blocks_needed(seq, count)):
@@ -2282,9 +2533,9 @@ class RankRunner:
                                            dtype=torch.float32)
         return [tuple(int(v) for v in row) for row in m.all_reduce(table).cpu().tolist()]
 
-    def copy_state(self, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None) -> None:
-        """copy_state (section 5) on the engine cache: forked choices (n > 1) start from the parent's state."""
-        copy_state(self.caches[ENGINE_CACHE], src_slot, dst_slot, src_block, dst_block)
+    def copy_cache(self, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]) -> None:
+        """copy_cache (section 5) on the engine cache: forks, prefix-cache snapshots and partial blocks."""
+        copy_cache(self.caches[ENGINE_CACHE], self.model.ops, slots, blocks)
 
 
 def _move(value, device):
@@ -2525,7 +2776,7 @@ _WORKER_BOOT = ("import importlib.util, sys\n"
 
 class RankGroup:
     """Rank 0's side of the group: its own RankRunner, the worker processes and their channels. call() runs a
-    RankRunner method on every rank; run_batch / logits / copy_state are the engine's calls. close() stops all."""
+    RankRunner method on every rank; run_batch / logits / copy_cache are the engine's calls. close() stops all."""
 
     POLL_S = 0.2
 
@@ -2746,11 +2997,11 @@ class RankGroup:
         self.runner.caches[ENGINE_CACHE] = cache
         return self.call("run", batch, ENGINE_CACHE)                        # (R, V): full logits, rank 0 only
 
-    def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
-        """copy_state (section 5) on every rank's engine cache. The engine calls this in place of copy_state
-        when a group runs the model."""
+    def copy_cache(self, cache: Cache, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
+        """copy_cache (section 5) on every rank's engine cache (each copies its own shard of the state and KV).
+        The engine calls this in place of copy_cache when a group runs the model."""
         self.runner.caches[ENGINE_CACHE] = cache
-        self.call("copy_state", src_slot, dst_slot, src_block, dst_block)
+        self.call("copy_cache", slots, blocks)
 
     def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """LLM.logits over the group: every rank runs the prefill chunks on a temporary cache of its own."""
@@ -2854,7 +3105,8 @@ def run_rank_worker(spec_json: str) -> int:
                                  lambda x: comm[0].all_reduce(x), quiet=True)
         runner = RankRunner(model, opts, kv_dtype, device,
                             allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
-                                           opts.max_batch_size, kv_dtype, device))
+                                           opts.max_batch_size + snapshot_slots(opts, model.cfg, model.layers,
+                                                                                kv_dtype), kv_dtype, device))
         channel.send(("ready",))
         comm.append(Comm(dist.FileStore(spec["store"], -1), rank, world, device, ops, opts))
         while True:
@@ -2917,13 +3169,14 @@ class Request:
         self.seqs: list[Sequence] = []
         self.finished_choices: set[int] = set()
         self.arrival = time.time()
+        self.cached_tokens: int | None = None    # prompt tokens resumed from the prefix cache, once admitted
 
 
 class Engine:
     """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
 
     def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
-                 run_batch: Callable | None = None, copy: Callable = copy_state):
+                 run_batch: Callable | None = None, copy: Callable | None = None):
         self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
         bs = opts.kv_block_size
         num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
@@ -2931,12 +3184,18 @@ class Engine:
             raise PocketError(f"--num-kv-blocks {num_blocks} x --kv-block-size {bs} cannot hold one sequence of "
                               f"--max-context {opts.max_context} tokens")
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
-        self.cache = allocate_cache(model.cfg, model.layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
-                                    model.device)
+        snapshots = snapshot_slots(opts, model.cfg, model.layers, kv_dtype)    # rows after the running slots
+        self.cache = allocate_cache(model.cfg, model.layers, num_blocks, bs, opts.max_batch_size + snapshots,
+                                    kv_dtype, model.device)
+        self.snapshot_bytes = state_slot_bytes(model.cfg, model.layers, kv_dtype)
+        self.prefix = PrefixCache(self.blocks, bs, f"{model.cfg!r} {len(model.layers)} {kv_dtype}",
+                                  range(opts.max_batch_size, opts.max_batch_size + snapshots),
+                                  bool(self.snapshot_bytes)) if opts.prefix_cache else None
         self.sampler = Sampler(opts.max_batch_size, model.cfg.vocab_size, model.device)
-        self.scheduler = Scheduler(opts, self.blocks, self.slots)
+        self.scheduler = Scheduler(opts, self.blocks, self.slots, self.prefix)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
-        self.copy_state = copy                    # with tensor parallelism: on every rank's cache
+        self.copy_cache = copy or (lambda cache, slots, blocks: copy_cache(cache, model.ops, slots, blocks))
+        # with tensor parallelism, copy runs on every rank's cache
         self.requests: dict[str, Request] = {}
         self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -2957,10 +3216,19 @@ class Engine:
     def step(self) -> None:
         self._drain_inbox()
         plan = self.scheduler.schedule()
+        self._run_copies()
         if not plan:
             return
         logits = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device))   # (B, V)
         self._postprocess(plan, logits)
+
+    def _run_copies(self):
+        """The copies the admissions asked for (snapshots restored, partial blocks copied), before the forward."""
+        copies = self.scheduler.copies
+        if copies.slots or copies.blocks:
+            self.copy_cache(self.cache, copies.slots, copies.blocks)
+        self.blocks.release(copies.pinned)
+        self.scheduler.copies = CacheCopies()
 
     def _drain_inbox(self):
         while True:
@@ -2989,9 +3257,12 @@ class Engine:
     def _postprocess(self, plan: list[Scheduled], logits: torch.Tensor):
         """Sample every sequence whose chunk reached its end (and the first token of forked choices) at once."""
         rows = []
+        for p in plan:
+            p.seq.num_computed += p.count
+            if self.prefix is not None and not p.seq.finished:
+                self._cache_prefix(p)
         for r, p in enumerate(plan):
             seq = p.seq
-            seq.num_computed += p.count
             if not p.sample or seq.finished:
                 continue
             if not seq.output_ids and seq.request.params.n > 1 and len(seq.request.seqs) == 1:
@@ -3005,6 +3276,54 @@ class Engine:
         for row, token, logprobs in zip(rows, out.tokens, out.logprobs):
             if not row.seq.finished:
                 self._append(row.seq, token, logprobs)
+
+    # The prefix cache (section 5): full blocks get their keys as they fill; snapshots at the end of a prompt,
+    # where a prefill chunk ends on a block boundary, and at the end of a generation (_finish).
+
+    def _cache_prefix(self, p: Scheduled):
+        seq, bs = p.seq, self.opts.kv_block_size
+        end = seq.num_computed
+        keys = self.prefix.block_keys(seq.tokens[:end], seq.block_keys)
+        for j in range(p.start // bs, end // bs):
+            self.blocks.register(seq.blocks[j], keys[j])
+        if end == len(seq.request.prompt_ids) or (p.count > 1 and end % bs == 0):
+            self._snapshot(seq)
+
+    def _snapshot(self, seq: Sequence):
+        """Snapshot seq's state (and partial last block) at seq.num_computed, unless the cache has it."""
+        snap = self.prefix.add(seq.tokens, seq.num_computed, seq.block_keys)
+        if snap is None:
+            return
+        blocks, copy = [], None
+        if snap.tail:                        # the partial block: a copy the cache owns (cached, evictable)
+            copy = self.blocks.alloc()
+            if copy is None:
+                self.prefix.forget(snap.key)
+                return
+            blocks = [(seq.blocks[snap.position // self.opts.kv_block_size], copy)]
+        self.copy_cache(self.cache, [] if snap.slot is None else [(seq.slot, snap.slot)], blocks)
+        if copy is not None:
+            self.blocks.register(copy, snap.key)
+            self.blocks.release([copy])
+
+    # A small state API for others that must roll a sequence back (speculative decoding): snapshot slots
+    # outside the prefix cache's keys, taken from the same pool.
+
+    def save_state(self, slot: int) -> int | None:
+        """Copy a running slot's recurrent state to a snapshot slot: a handle for restore_state, or None when
+        there are no snapshot slots (prefix cache off, or no recurrent state). The handle is the caller's until
+        drop_state; taking it may evict the prefix cache's least recently used snapshot."""
+        handle = self.prefix.take_slot() if self.prefix is not None else None
+        if handle is not None:
+            self.copy_cache(self.cache, [(slot, handle)], [])
+        return handle
+
+    def restore_state(self, handle: int, slot: int) -> None:
+        """Put a save_state snapshot back into a running slot (the handle stays valid)."""
+        self.copy_cache(self.cache, [(handle, slot)], [])
+
+    def drop_state(self, handle: int) -> None:
+        self.prefix.free_slots.append(handle)
 
     def _append(self, seq: Sequence, tok: int, logprobs: tuple | None):
         params = seq.params
@@ -3037,8 +3356,9 @@ class Engine:
                 continue
             shared = parent.blocks[:-1] if partial else parent.blocks
             child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
-            self.copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
+            self.copy_cache(self.cache, [(parent.slot, slot)], [(parent.blocks[-1], block)] if partial else [])
             child.slot, child.num_computed = slot, parent.num_computed
+            child.block_keys = parent.block_keys[:len(shared)]
             self.scheduler.running.append(child)
             ready.append(child)
         return ready
@@ -3048,6 +3368,8 @@ class Engine:
         if seq.finished:
             return
         seq.finished = True
+        if self.prefix is not None and reason in ("stop", "length") and seq.slot is not None:
+            self._snapshot(seq)              # the end of the generation: a follow-up turn may resume here
         self.scheduler.release(seq)
         req = seq.request
         req.finished_choices.add(seq.index)
@@ -3083,7 +3405,18 @@ class Engine:
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": self.blocks.used,
                 "kv_blocks_total": self.blocks.total, "slots_used": self.slots.used, "slots_total": self.slots.total,
                 "prompt_tokens_total": self.counters["prompt_tokens"],
-                "generation_tokens_total": self.counters["generation_tokens"]}
+                "generation_tokens_total": self.counters["generation_tokens"], **self.prefix_stats()}
+
+    def prefix_stats(self) -> dict:
+        """The prefix cache's figures for stats() and /metrics (zeros when it is off)."""
+        pc = self.prefix
+        counters = pc.counters if pc else {"queried_tokens": 0, "hit_tokens": 0, "snapshot_evictions": 0}
+        used = pc.snapshots_used if pc else 0
+        return {"prefix_cache_queried_tokens_total": counters["queried_tokens"],
+                "prefix_cache_hit_tokens_total": counters["hit_tokens"],
+                "prefix_cache_snapshots": used, "prefix_cache_snapshot_bytes": used * self.snapshot_bytes,
+                "prefix_cache_evictions_total": counters["snapshot_evictions"] + self.blocks.evictions,
+                "kv_blocks_cached": len(self.blocks.cached)}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -6791,6 +7124,8 @@ def _check_options(opts: EngineOptions, cfg: ModelConfig):
     for name in ("max_context", "kv_block_size", "prefill_token_budget"):
         if getattr(opts, name) < 1:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.prefix_cache_memory < -1:
+        raise PocketError("--prefix-cache-memory must be >= 0 MiB, or -1 (two snapshots per state slot)")
     for name in ("max_batch_size", "num_kv_blocks"):
         if getattr(opts, name) < 0:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 0 (0: sized for you)")
@@ -6902,7 +7237,7 @@ class LLM:
         if sized:
             self._size_cache()
         self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch,
-                             self.group.copy_state if self.group else copy_state)
+                             self.group.copy_cache if self.group else None)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
@@ -7105,6 +7440,11 @@ ENGINE_FLAG_HELP = {
                               "(default: %(default)s)",
     "prefill_token_budget": "tokens per engine step: prefill chunks plus one per decoding sequence "
                             "(default: %(default)s)",
+    "prefix_cache": "prefix caching: a prompt that starts like an earlier one resumes from its cached KV blocks and "
+                    "recurrent-state snapshots and prefills only the rest; --no-prefix-cache turns it off "
+                    "(default: on)",
+    "prefix_cache_memory": "MiB per device for the prefix cache's recurrent-state snapshots (hybrid models); -1: "
+                           "two snapshots per state slot (--max-batch-size) (default: %(default)s)",
     "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
                     "(default: %(default)s)",
     "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
@@ -7158,8 +7498,9 @@ def add_engine_args(parser: argparse.ArgumentParser):
     kinds = {"int": int, "float": float}
     for f in dataclasses.fields(EngineOptions):
         names = [_flag(f.name)] + ([VLLM_ALIASES[f.name]] if f.name in VLLM_ALIASES else [])
-        if f.type == "bool":
-            parser.add_argument(*names, action="store_true", default=f.default, help=ENGINE_FLAG_HELP.get(f.name))
+        if f.type == "bool":          # on by default: --NAME / --no-NAME
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction if f.default else "store_true",
+                                default=f.default, help=ENGINE_FLAG_HELP.get(f.name))
         else:
             parser.add_argument(*names, type=kinds.get(f.type, str), default=f.default, metavar=f.name.upper(),
                                 help=ENGINE_FLAG_HELP.get(f.name))
