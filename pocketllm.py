@@ -873,10 +873,11 @@ class TorchOps:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (w.float() * y * F.silu(z.float())).to(x.dtype)
 
-    def copy_rows(self, t, src, dst):
-        """t[dst[i]] = t[src[i]] in place: rows of t's first dimension (state slots, KV blocks); src, dst (N,)
-        int64 with no destination also a source."""
-        t[dst] = t[src]
+    def copy_rows(self, src_t, dst_t, src, dst):
+        """dst_t[dst[i]] = src_t[src[i]] in place, rows of the first dimension (state slots, KV blocks) of two
+        tensors of one row shape, or of one tensor; src, dst (N,) int64, within one tensor no destination also a
+        source."""
+        dst_t[dst] = src_t[src].to(dst_t.dtype)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1238,10 +1239,13 @@ class NativeOps:
 
     # ---- NCCL (native only): tensor parallelism refuses to start when nccl_available() is False ----
 
-    def copy_rows(self, t: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy_rows(self, src_t: torch.Tensor, dst_t: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src_t.dtype != dst_t.dtype or src_t.shape[1:] != dst_t.shape[1:]:
+            raise PocketError(f"copy_rows: rows of {src_t.dtype} {tuple(src_t.shape[1:])} cannot go to rows of "
+                              f"{dst_t.dtype} {tuple(dst_t.shape[1:])}")
         src, dst = self._as(src, torch.int64), self._as(dst, torch.int64)
-        self.lib.call("pl_copy_rows", self._p(t), t[0].numel() * t.element_size(), self._p(src), self._p(dst),
-                      src.numel(), self._stream(t))
+        self.lib.call("pl_copy_rows", self._p(src_t), self._p(dst_t), dst_t[0].numel() * dst_t.element_size(),
+                      self._p(src), self._p(dst), src.numel(), self._stream(dst_t))
 
     def nccl_available(self) -> bool:
         return nccl_status(self.lib)[0]
@@ -1862,17 +1866,18 @@ def snapshot_slots(opts: EngineOptions, cfg: ModelConfig, layers: list, kv_dtype
     return opts.prefix_cache_memory * (1 << 20) // per
 
 
-def copy_cache(cache: Cache, ops, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
-    """Copy recurrent-state slots and KV blocks inside the cache, (source, destination) pairs, one ops.copy_rows
-    per tensor: forked choices (n > 1) start from their parent's state and last block, and the prefix cache
-    saves and restores state snapshots and copies partial blocks. No destination may also be a source."""
-    for pairs, tensors in ((slots, itertools.chain(cache.conv.values(), cache.ssm.values())),
-                           (blocks, itertools.chain(cache.k.values(), cache.v.values()))):
+def copy_cache(src: Cache, dst: Cache, ops, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
+    """Copy recurrent-state slots and KV blocks, (source, destination) pairs, from one cache to another (or
+    within one), one ops.copy_rows per tensor: forked choices (n > 1) start from their parent's state and last
+    block; the prefix cache saves and restores state snapshots and copies partial blocks."""
+    for pairs, parts in ((slots, ("conv", "ssm")), (blocks, ("k", "v"))):
         if not pairs:
             continue
-        for t in tensors:
-            index = torch.tensor(pairs, dtype=torch.long, device=t.device).t()   # (2, N): sources, destinations
-            ops.copy_rows(t, index[0], index[1])
+        index = torch.tensor(pairs, dtype=torch.long).t()                # (2, N): sources, destinations
+        for part in parts:
+            for layer, t in getattr(dst, part).items():
+                rows = index.to(t.device)
+                ops.copy_rows(getattr(src, part)[layer], t, rows[0], rows[1])
 
 
 # The prefix cache. A prompt that begins with tokens the engine has computed before (an agent's next turn
@@ -1888,9 +1893,9 @@ def copy_cache(cache: Cache, ops, slots: list[tuple[int, int]], blocks: list[tup
 #   boundaries, and a prompt's last chunk first at its last boundary, so a follow-up prompt that diverges
 #   inside the previous prompt's final tokens, as a chat template's assistant header does, still resumes
 #   within a block of it). A snapshot at a position inside a block also keeps a copy of that partial block,
-#   which a request resuming there copies (never shares) before writing after it. Snapshots live in extra
-#   rows of the state tensors (slots max_batch_size and up), as many as --prefix-cache-memory holds, reused
-#   least recently used first.
+#   which a request resuming there copies (never shares) before writing after it. Snapshots live in a cache
+#   of their own (state rows only, Engine.snapshots), as many as --prefix-cache-memory holds, reused least
+#   recently used first.
 #
 # A model without linear-attention layers needs no snapshot: any run of cached full blocks resumes, and a
 # partial block kept at the end of a prompt or generation extends it.
@@ -2499,6 +2504,7 @@ def _cache_blocks(opts: EngineOptions) -> int:
 # rank 0's result is kept; a worker answers only "ready" after loading, or its error before it exits.
 
 ENGINE_CACHE, SCRATCH_CACHE = 0, 1    # which cache a step runs on: the engine's, or logits()'s temporary one
+SNAPSHOT_CACHE = 2                    # the prefix cache's state snapshots (section 5): copied to and from only
 STOP = "stop"                         # the call that ends a worker's loop (not a RankRunner method)
 
 
@@ -2506,9 +2512,10 @@ class RankRunner:
     """One rank's model shard and caches. Its public methods are the calls rank 0 makes on every rank."""
 
     def __init__(self, model: Model, opts: EngineOptions, kv_dtype: torch.dtype, device: torch.device,
-                 engine_cache: Cache | None = None):
+                 engine_cache: Cache | None = None, snapshot_cache: Cache | None = None):
         self.model, self.opts, self.kv_dtype, self.device = model, opts, kv_dtype, device
-        self.caches: dict[int, Cache | None] = {ENGINE_CACHE: engine_cache, SCRATCH_CACHE: None}
+        self.caches: dict[int, Cache | None] = {ENGINE_CACHE: engine_cache, SCRATCH_CACHE: None,
+                                                SNAPSHOT_CACHE: snapshot_cache}
 
     @staticmethod
     def is_call(method: str) -> bool:
@@ -2533,9 +2540,10 @@ class RankRunner:
                                            dtype=torch.float32)
         return [tuple(int(v) for v in row) for row in m.all_reduce(table).cpu().tolist()]
 
-    def copy_cache(self, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]) -> None:
-        """copy_cache (section 5) on the engine cache: forks, prefix-cache snapshots and partial blocks."""
-        copy_cache(self.caches[ENGINE_CACHE], self.model.ops, slots, blocks)
+    def copy_cache(self, src: int, dst: int, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]) -> None:
+        """copy_cache (section 5) from cache `src` to cache `dst` (ENGINE_CACHE, SNAPSHOT_CACHE): forks, the
+        prefix cache's snapshots and partial blocks."""
+        copy_cache(self.caches[src], self.caches[dst], self.model.ops, slots, blocks)
 
 
 def _move(value, device):
@@ -2997,11 +3005,13 @@ class RankGroup:
         self.runner.caches[ENGINE_CACHE] = cache
         return self.call("run", batch, ENGINE_CACHE)                        # (R, V): full logits, rank 0 only
 
-    def copy_cache(self, cache: Cache, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
-        """copy_cache (section 5) on every rank's engine cache (each copies its own shard of the state and KV).
-        The engine calls this in place of copy_cache when a group runs the model."""
-        self.runner.caches[ENGINE_CACHE] = cache
-        self.call("copy_cache", slots, blocks)
+    def copy_cache(self, caches: dict[int, Cache], src: int, dst: int, slots: list[tuple[int, int]],
+                   blocks: list[tuple[int, int]]):
+        """copy_cache (section 5) on every rank's caches (each copies its own shard of the state and KV);
+        `caches` are rank 0's (the engine's). The engine calls this in place of copy_cache when a group runs
+        the model."""
+        self.runner.caches.update(caches)
+        self.call("copy_cache", src, dst, slots, blocks)
 
     def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """LLM.logits over the group: every rank runs the prefill chunks on a temporary cache of its own."""
@@ -3105,8 +3115,9 @@ def run_rank_worker(spec_json: str) -> int:
                                  lambda x: comm[0].all_reduce(x), quiet=True)
         runner = RankRunner(model, opts, kv_dtype, device,
                             allocate_cache(model.cfg, model.layers, _cache_blocks(opts), opts.kv_block_size,
-                                           opts.max_batch_size + snapshot_slots(opts, model.cfg, model.layers,
-                                                                                kv_dtype), kv_dtype, device))
+                                           opts.max_batch_size, kv_dtype, device),
+                            allocate_cache(model.cfg, model.layers, 0, opts.kv_block_size,
+                                           snapshot_slots(opts, model.cfg, model.layers, kv_dtype), kv_dtype, device))
         channel.send(("ready",))
         comm.append(Comm(dist.FileStore(spec["store"], -1), rank, world, device, ops, opts))
         while True:
@@ -3184,18 +3195,19 @@ class Engine:
             raise PocketError(f"--num-kv-blocks {num_blocks} x --kv-block-size {bs} cannot hold one sequence of "
                               f"--max-context {opts.max_context} tokens")
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
-        snapshots = snapshot_slots(opts, model.cfg, model.layers, kv_dtype)    # rows after the running slots
-        self.cache = allocate_cache(model.cfg, model.layers, num_blocks, bs, opts.max_batch_size + snapshots,
-                                    kv_dtype, model.device)
+        self.cache = allocate_cache(model.cfg, model.layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
+                                    model.device)
+        snapshots = snapshot_slots(opts, model.cfg, model.layers, kv_dtype)
+        self.snapshots = allocate_cache(model.cfg, model.layers, 0, bs, snapshots, kv_dtype, model.device)
+        self.caches = {ENGINE_CACHE: self.cache, SNAPSHOT_CACHE: self.snapshots}
         self.snapshot_bytes = state_slot_bytes(model.cfg, model.layers, kv_dtype)
-        self.prefix = PrefixCache(self.blocks, bs, f"{model.cfg!r} {len(model.layers)} {kv_dtype}",
-                                  range(opts.max_batch_size, opts.max_batch_size + snapshots),
+        self.prefix = PrefixCache(self.blocks, bs, f"{model.cfg!r} {len(model.layers)} {kv_dtype}", range(snapshots),
                                   bool(self.snapshot_bytes)) if opts.prefix_cache else None
         self.sampler = Sampler(opts.max_batch_size, model.cfg.vocab_size, model.device)
         self.scheduler = Scheduler(opts, self.blocks, self.slots, self.prefix)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
-        self.copy_cache = copy or (lambda cache, slots, blocks: copy_cache(cache, model.ops, slots, blocks))
-        # with tensor parallelism, copy runs on every rank's cache
+        self.copy = copy or (lambda caches, src, dst, slots, blocks:      # with tensor parallelism: every rank's
+                             copy_cache(caches[src], caches[dst], model.ops, slots, blocks))
         self.requests: dict[str, Request] = {}
         self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -3225,8 +3237,8 @@ class Engine:
     def _run_copies(self):
         """The copies the admissions asked for (snapshots restored, partial blocks copied), before the forward."""
         copies = self.scheduler.copies
-        if copies.slots or copies.blocks:
-            self.copy_cache(self.cache, copies.slots, copies.blocks)
+        self._copy(SNAPSHOT_CACHE, ENGINE_CACHE, copies.slots, [])
+        self._copy(ENGINE_CACHE, ENGINE_CACHE, [], copies.blocks)
         self.blocks.release(copies.pinned)
         self.scheduler.copies = CacheCopies()
 
@@ -3301,7 +3313,8 @@ class Engine:
                 self.prefix.forget(snap.key)
                 return
             blocks = [(seq.blocks[snap.position // self.opts.kv_block_size], copy)]
-        self.copy_cache(self.cache, [] if snap.slot is None else [(seq.slot, snap.slot)], blocks)
+        self._copy(ENGINE_CACHE, SNAPSHOT_CACHE, [] if snap.slot is None else [(seq.slot, snap.slot)], [])
+        self._copy(ENGINE_CACHE, ENGINE_CACHE, [], blocks)
         if copy is not None:
             self.blocks.register(copy, snap.key)
             self.blocks.release([copy])
@@ -3315,12 +3328,16 @@ class Engine:
         drop_state; taking it may evict the prefix cache's least recently used snapshot."""
         handle = self.prefix.take_slot() if self.prefix is not None else None
         if handle is not None:
-            self.copy_cache(self.cache, [(slot, handle)], [])
+            self._copy(ENGINE_CACHE, SNAPSHOT_CACHE, [(slot, handle)], [])
         return handle
 
     def restore_state(self, handle: int, slot: int) -> None:
         """Put a save_state snapshot back into a running slot (the handle stays valid)."""
-        self.copy_cache(self.cache, [(handle, slot)], [])
+        self._copy(SNAPSHOT_CACHE, ENGINE_CACHE, [(handle, slot)], [])
+
+    def _copy(self, src: int, dst: int, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
+        if slots or blocks:
+            self.copy(self.caches, src, dst, slots, blocks)
 
     def drop_state(self, handle: int) -> None:
         self.prefix.free_slots.append(handle)
@@ -3356,7 +3373,7 @@ class Engine:
                 continue
             shared = parent.blocks[:-1] if partial else parent.blocks
             child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
-            self.copy_cache(self.cache, [(parent.slot, slot)], [(parent.blocks[-1], block)] if partial else [])
+            self._copy(ENGINE_CACHE, ENGINE_CACHE, [(parent.slot, slot)], [(parent.blocks[-1], block)] if partial else [])
             child.slot, child.num_computed = slot, parent.num_computed
             child.block_keys = parent.block_keys[:len(shared)]
             self.scheduler.running.append(child)
@@ -5740,9 +5757,11 @@ def _completion_logprobs(logprobs: list, text_offset: int) -> dict:
             "text_offset": offsets}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: the prompt tokens the prefix cache resumed (section 5)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Histogram:
@@ -5857,7 +5876,7 @@ class Completion:
                 "choices": choices}
 
     def _usage(self) -> dict:
-        return _usage(self.stream.prompt_tokens, self.completion_tokens)
+        return _usage(self.stream.prompt_tokens, self.completion_tokens, self.stream.request.cached_tokens or 0)
 
     def chunks(self) -> Iterator[dict]:
         """OpenAI stream chunks; closing the iterator early aborts the request."""
@@ -6174,6 +6193,14 @@ def metrics_text(llm, metrics: ServerMetrics) -> str:
            [f" {stats['kv_blocks_used'] / max(1, stats['kv_blocks_total'])}"])
     family("slots_used", "gauge", "Recurrent-state slots in use.", [f" {stats['slots_used']}"])
     family("slots_total", "gauge", "Recurrent-state slots in all.", [f" {stats['slots_total']}"])
+    for name, kind, help in (
+            ("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens resumed from the prefix cache, not prefilled."),
+            ("prefix_cache_snapshots", "gauge", "Recurrent-state snapshots the prefix cache holds."),
+            ("prefix_cache_snapshot_bytes", "gauge", "Memory those snapshots use (this rank)."),
+            ("prefix_cache_evictions_total", "counter", "Cached KV blocks and snapshots reused for new contents."),
+            ("kv_blocks_cached", "gauge", "KV blocks held only by the prefix cache (free for reuse when needed).")):
+        family(name, kind, help, [f" {stats[name]}"])
     for name, histogram, help in (
             ("time_to_first_token_seconds", metrics.time_to_first_token, "Time from submission to the first token."),
             ("inter_token_latency_seconds", metrics.inter_token_latency, "Time between tokens of one choice.")):
@@ -7017,10 +7044,12 @@ def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
 
 def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, max_batch_size: int = 16,
                   num_kv_blocks: int = 0, kv_block_size: int = 16, prefill_token_budget: int = 512,
-                  kv_bytes: int = 2, act_bytes: int = 2) -> dict[str, int]:
+                  kv_bytes: int = 2, act_bytes: int = 2, prefix_cache_memory: int = -1) -> dict[str, int]:
     """Bytes per GPU (rank) of each part: the layers' weights, the embedding and lm_head slices (each rank
-    loads both, also when tied), KV cache, recurrent state, workspace, and their total. num_kv_blocks 0 means
-    max_batch_size sequences of max_context. Heads and vocabulary split `world` ways (at least one head each).
+    loads both, also when tied), KV cache, recurrent state, the prefix cache's state snapshots (as
+    --prefix-cache-memory: -1 two per sequence, else MiB; 0 with the cache off), workspace, and their total.
+    num_kv_blocks 0 means max_batch_size sequences of max_context. Heads and vocabulary split `world` ways (at
+    least one head each).
 
     >>> cfg = ModelConfig("qwen3", 1000, 64, 128, 2, 4, 2, 16, 1e-6, False, ["full_attention"] * 2, 1e4, 16,
     ...                   4096, False, False)
@@ -7031,11 +7060,12 @@ def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, 
     kv_heads = max(1, cfg.num_key_value_heads // world)
     v_heads, conv_dim = max(1, cfg.linear_num_value_heads // world), cfg.linear_conv_dim // world
     kv = cfg.num_full_layers * 2 * blocks * kv_block_size * kv_heads * cfg.head_dim * kv_bytes
-    state = cfg.num_linear_layers * max_batch_size * (
-        v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
+    per_slot = cfg.num_linear_layers * (v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+                                        + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
+    snapshots = 2 * max_batch_size if prefix_cache_memory < 0 else prefix_cache_memory * (1 << 20) // max(per_slot, 1)
     parts = {"layers": layer_bytes(cfg, world), "embedding": vocab_bytes(cfg, world),
-             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": state,
+             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": max_batch_size * per_slot,
+             "prefix_cache": snapshots * per_slot,
              "workspace": workspace_bytes(cfg, prefill_token_budget, max_batch_size, act_bytes)}
     return {**parts, "total": sum(parts.values())}
 
@@ -7098,7 +7128,8 @@ def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch
     blocks = opts.num_kv_blocks or -(-opts.max_context // bs) * (1 if sized else batch)
     need = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=batch, num_kv_blocks=blocks,
                          kv_block_size=bs, prefill_token_budget=opts.prefill_token_budget,
-                         kv_bytes=kv_dtype.itemsize, act_bytes=dtype.itemsize)
+                         kv_bytes=kv_dtype.itemsize, act_bytes=dtype.itemsize,
+                         prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0)
     weights = need["layers"] + need["embedding"] + need["lm_head"]
     for device in devices:
         if device.type != "cuda":
@@ -7245,7 +7276,8 @@ class LLM:
         budget = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=opts.max_batch_size,
                                num_kv_blocks=self.engine.blocks.total, kv_block_size=opts.kv_block_size,
                                prefill_token_budget=opts.prefill_token_budget, kv_bytes=kv_dtype.itemsize,
-                               act_bytes=self.dtype.itemsize)
+                               act_bytes=self.dtype.itemsize,
+                               prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0)
         _log(opts, f"memory per {'rank' if world > 1 else 'device'} (config estimate, docs/serving.md): "
                    f"{format_budget(budget)}")
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
@@ -7269,6 +7301,11 @@ class LLM:
             cache_bytes(cfg, layers, 1, opts.kv_block_size, 1, self.kv_dtype)
         workspace = workspace_bytes(cfg, opts.prefill_token_budget, opts.max_batch_size or MAX_SIZED_BATCH_SIZE,
                                     self.dtype.itemsize)
+        snapshots = snapshot_slots(dataclasses.replace(opts, max_batch_size=1), cfg, layers, self.kv_dtype)
+        if opts.prefix_cache_memory < 0:       # prefix-cache snapshots: two per slot, sized with the slots
+            per_slot += snapshots * state_slot_bytes(cfg, layers, self.kv_dtype)
+        else:                                  # a fixed amount, set aside like the workspace
+            workspace += snapshots * state_slot_bytes(cfg, layers, self.kv_dtype)
         batch, blocks = size_from_memory(opts, free, total, per_block, per_slot, workspace)
         _log(opts, f"{free / GiB:.1f} GiB of {total / GiB:.1f} GiB free after the weights; at "
                    f"--gpu-memory-utilization {opts.gpu_memory_utilization:g}: KV cache {blocks} blocks = "

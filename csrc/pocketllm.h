@@ -149,11 +149,12 @@ int pl_gated_rmsnorm(uint64_t x, uint64_t z, uint64_t w, int32_t w_dtype, uint64
 
 /* ---- state (prefix cache) ---- */
 
-/* Row copies inside one cache tensor whose first dimension is rows of row_bytes bytes (a state slot, a KV
-   block) at device address base: row dst_rows[i] <- row src_rows[i] for i < n (0 <= n <= 65535), src_rows and
-   dst_rows (n,) int64 device arrays. No destination row may also be a source row of the same call. */
-int pl_copy_rows(uint64_t base, int64_t row_bytes, uint64_t src_rows, uint64_t dst_rows, int32_t n,
-                 uint64_t stream);
+/* Row copies between two cache tensors (or within one) whose first dimension is rows of row_bytes bytes (state
+   slots, KV blocks), at device addresses src_base and dst_base: dst row dst_rows[i] <- src row src_rows[i] for
+   i < n (0 <= n <= 65535); src_rows, dst_rows (n,) int64 device arrays. Within one tensor no destination row may
+   also be a source row of the same call. */
+int pl_copy_rows(uint64_t src_base, uint64_t dst_base, int64_t row_bytes, uint64_t src_rows, uint64_t dst_rows,
+                 int32_t n, uint64_t stream);
 
 /* ---- end ops ---- */
 
