@@ -2097,15 +2097,18 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of seq's tokens to compute now: up to `budget`. With state snapshots, a prefill chunk ends
-        on a block boundary when it stops short of the sequence's end, and the last one first stops at the last
-        boundary (the prefix cache snapshots both, section 5)."""
-        start = seq.num_computed
+        where the prefix cache wants one (section 5): at the request's snapshot_at (a chat prompt's last message
+        ends there); else on a block boundary when it stops short of the sequence's end; and a last chunk
+        without a snapshot_at first stops at the last boundary before the end."""
+        start, bs = seq.num_computed, self.opts.kv_block_size
         end = min(seq.num_tokens, start + budget)
-        if self.prefix is not None and self.prefix.state and self.prefix.slots_total:
-            boundary = end // self.opts.kv_block_size * self.opts.kv_block_size
-            if boundary > start and (end < seq.num_tokens or boundary < end):
-                end = boundary
-        return end - start
+        if self.prefix is None or not self.prefix.state or not self.prefix.slots_total or end - start < 2:
+            return end - start
+        hint = seq.request.snapshot_at
+        if hint is not None and start < hint < end:
+            return hint - start
+        boundary = end // bs * bs if end < seq.num_tokens else (end - 1) // bs * bs if hint is None else start
+        return (boundary if boundary > start else end) - start
 
     def _resume(self, seq: Sequence) -> Snapshot | None:
         """A sequence about to be admitted starts where the prefix cache can resume it: it shares the cached
@@ -3181,6 +3184,7 @@ class Request:
         self.finished_choices: set[int] = set()
         self.arrival = time.time()
         self.cached_tokens: int | None = None    # prompt tokens resumed from the prefix cache, once admitted
+        self.snapshot_at: int | None = None      # a position to snapshot besides the prefix cache's own (section 6)
 
 
 class Engine:
@@ -3298,7 +3302,7 @@ class Engine:
         keys = self.prefix.block_keys(seq.tokens[:end], seq.block_keys)
         for j in range(p.start // bs, end // bs):
             self.blocks.register(seq.blocks[j], keys[j])
-        if end == len(seq.request.prompt_ids) or (p.count > 1 and end % bs == 0):
+        if end in (len(seq.request.prompt_ids), seq.request.snapshot_at) or (p.count > 1 and end % bs == 0):
             self._snapshot(seq)
 
     def _snapshot(self, seq: Sequence):
@@ -5667,10 +5671,11 @@ def _as_sent(error: RequestError, body: dict, max_tokens_field: str | None) -> R
     return error
 
 
-def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None):
+def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None,
+            snapshot_at: int | None = None):
     _check_alive(llm)
     try:
-        return llm.submit(prompt_ids, params)
+        return llm.submit(prompt_ids, params, snapshot_at=snapshot_at)
     except RequestError as e:
         raise _as_sent(e, body, max_tokens_field) from None
 
@@ -5733,6 +5738,19 @@ def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
             message["role"] = "system"
     return _chat_template(llm).render(copy, tools=tools, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final, **template_kwargs)
+
+
+def chat_snapshot_point(llm, values: dict, tools: list[dict] | None, prompt_ids: list[int]) -> int | None:
+    """Where the prefix cache should snapshot a chat prompt: the end of its last message, i.e. the prompt
+    without the generation prompt. The conversation's next turn repeats everything up to there and then
+    renders this turn's reply its own way (templates drop the reasoning, so it diverges right after the
+    assistant header), so it resumes there and prefills only its new tokens. None: the cache is off, or the
+    prompt has no generation prompt to take off."""
+    if not llm.options.prefix_cache:
+        return None
+    ids = llm.tokenizer.encode(render_chat_prompt(llm, {**values, "add_generation_prompt": False,
+                                                        "continue_final_message": False}, tools))
+    return len(ids) if 0 < len(ids) < len(prompt_ids) and prompt_ids[:len(ids)] == ids else None
 
 
 # The response shapes: logprobs in both formats, usage.
@@ -5983,7 +6001,8 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
             params.logits_processors = [*params.logits_processors, processor]
     parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
                for _ in range(params.n)]
-    return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "chat", values["stream"],
+    return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field,
+                                   chat_snapshot_point(llm, values, tools, prompt_ids)), "chat", values["stream"],
                       values["stream_options"], params.logprobs, parsers, metrics)
 
 
@@ -7356,8 +7375,11 @@ class LLM:
             self.dead_reason = self.dead_reason or reason
             self.engine.fail_all(self.dead_reason)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, param: str = "max_tokens") -> RequestStream:
-        """Queue a request; iterate the returned stream for its events. Thread-safe."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, param: str = "max_tokens",
+               snapshot_at: int | None = None) -> RequestStream:
+        """Queue a request; iterate the returned stream for its events. Thread-safe. snapshot_at: a prompt
+        position the prefix cache should also snapshot, where a follow-up request is likely to diverge (the
+        end of a chat prompt's last message: chat_snapshot_point)."""
         if self.dead_reason or self._closing:
             raise PocketError(f"the engine failed: {self.dead_reason or 'the engine was closed'}")
         params.validate(self.config.vocab_size)
@@ -7375,6 +7397,7 @@ class LLM:
                 raise PocketError(f"the engine failed: {self.dead_reason or 'the engine was closed'}")
             req = Request(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
                           default_seed=self._seeds.getrandbits(62))
+            req.snapshot_at = snapshot_at if snapshot_at and 0 < snapshot_at < len(prompt_ids) else None
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="pocketllm-engine", daemon=True)
                 self._thread.start()
