@@ -2543,7 +2543,7 @@ class RankRunner:
                                            dtype=torch.float32)
         return [tuple(int(v) for v in row) for row in m.all_reduce(table).cpu().tolist()]
 
-    def copy_cache(self, src: int, dst: int, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]) -> None:
+    def copy_state(self, src: int, dst: int, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]) -> None:
         """copy_cache (section 5) from cache `src` to cache `dst` (ENGINE_CACHE, SNAPSHOT_CACHE): forks, the
         prefix cache's snapshots and partial blocks."""
         copy_cache(self.caches[src], self.caches[dst], self.model.ops, slots, blocks)
@@ -2787,7 +2787,7 @@ _WORKER_BOOT = ("import importlib.util, sys\n"
 
 class RankGroup:
     """Rank 0's side of the group: its own RankRunner, the worker processes and their channels. call() runs a
-    RankRunner method on every rank; run_batch / logits / copy_cache are the engine's calls. close() stops all."""
+    RankRunner method on every rank; run_batch / logits / copy_state are the engine's calls. close() stops all."""
 
     POLL_S = 0.2
 
@@ -3008,13 +3008,13 @@ class RankGroup:
         self.runner.caches[ENGINE_CACHE] = cache
         return self.call("run", batch, ENGINE_CACHE)                        # (R, V): full logits, rank 0 only
 
-    def copy_cache(self, caches: dict[int, Cache], src: int, dst: int, slots: list[tuple[int, int]],
+    def copy_state(self, caches: dict[int, Cache], src: int, dst: int, slots: list[tuple[int, int]],
                    blocks: list[tuple[int, int]]):
         """copy_cache (section 5) on every rank's caches (each copies its own shard of the state and KV);
         `caches` are rank 0's (the engine's). The engine calls this in place of copy_cache when a group runs
         the model."""
         self.runner.caches.update(caches)
-        self.call("copy_cache", src, dst, slots, blocks)
+        self.call("copy_state", src, dst, slots, blocks)
 
     def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """LLM.logits over the group: every rank runs the prefill chunks on a temporary cache of its own."""
@@ -7287,7 +7287,7 @@ class LLM:
         if sized:
             self._size_cache()
         self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch,
-                             self.group.copy_cache if self.group else None)
+                             self.group.copy_state if self.group else None)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
@@ -7516,7 +7516,8 @@ ENGINE_FLAG_HELP = {
 }
 # vLLM's names for the same things (vllm serve --help).
 VLLM_ALIASES = {"max_context": "--max-model-len", "max_batch_size": "--max-num-seqs",
-                "kv_block_size": "--block-size", "prefill_token_budget": "--max-num-batched-tokens"}
+                "kv_block_size": "--block-size", "prefill_token_budget": "--max-num-batched-tokens",
+                "prefix_cache": "--enable-prefix-caching"}
 # vLLM flags with no pocketllm equivalent: what to do instead, in one line.
 VLLM_ONLY_FLAGS = {
     "--kv-cache-dtype": "use --kv-dtype (float16, bfloat16 or float32; there is no fp8 KV cache)",
@@ -7525,7 +7526,6 @@ VLLM_ONLY_FLAGS = {
     "--enforce-eager": "drop it: pocketllm does not capture CUDA graphs",
     "--pipeline-parallel-size": "there is no pipeline parallelism: use --tensor-parallel-size N or --devices",
     "--data-parallel-size": "there is no data parallelism: run one pocketllm per GPU (--device cuda:N)",
-    "--enable-prefix-caching": "drop it: there is no prefix caching yet",
     "--tokenizer": "drop it: the tokenizer is read from the checkpoint directory (--ckpt)",
     "--download-dir": "pocketllm loads a local directory: download the checkpoint, then --ckpt DIR",
     "--revision": "pocketllm loads a local directory: download the revision, then --ckpt DIR",
