@@ -46,6 +46,7 @@ __license__ = "Apache-2.0"
 import argparse
 import ast
 import atexit
+import collections
 import copy
 import ctypes
 import dataclasses
@@ -277,7 +278,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory pocketllm may hold (weights, cache, work)
     prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
     prefix_cache: bool = True          # resume prompts from cached KV blocks and state snapshots (--no-prefix-cache)
-    prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: two per state slot
+    prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: one per state slot
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
     seed: int = 0                      # default seed for unseeded requests' generators
     quiet: bool = False                # no startup log lines
@@ -1856,13 +1857,14 @@ def state_slot_bytes(cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> i
 
 def snapshot_slots(opts: EngineOptions, cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> int:
     """How many state snapshots the prefix cache keeps: --prefix-cache-memory MiB of them on each rank (the
-    same count on every rank: each holds its 1/N of every snapshot), by default (-1) two per state slot; none
-    without the prefix cache or without linear-attention layers."""
+    same count on every rank: each holds its 1/N of every snapshot), by default (-1) one per state slot, so
+    as many conversations as run at once keep their next turn's resume point; none without the prefix cache or
+    without linear-attention layers."""
     per = state_slot_bytes(cfg, layers, kv_dtype)
     if not opts.prefix_cache or not per:
         return 0
     if opts.prefix_cache_memory < 0:
-        return 2 * opts.max_batch_size
+        return opts.max_batch_size
     return opts.prefix_cache_memory * (1 << 20) // per
 
 
@@ -1921,7 +1923,7 @@ class PrefixCache:
         self.slots_total = len(snapshot_slots)
         self.free_slots = list(reversed(snapshot_slots))
         self.points: dict[bytes, dict[tuple[int, ...], Snapshot]] = {}   # parent -> tail -> snapshot
-        self.by_key: dict[bytes, Snapshot] = {}     # least recently used first
+        self.by_key: collections.OrderedDict[bytes, Snapshot] = collections.OrderedDict()   # least recently used first
         self.counters = {"queried_tokens": 0, "hit_tokens": 0, "snapshot_evictions": 0}
         blocks.on_evict = self.forget
 
@@ -1950,28 +1952,32 @@ class PrefixCache:
                         tuple(tokens[j * bs:end]) == tail and (not tail or snap.key in self.blocks.by_key):
                     best = snap
             if best is not None:
-                self.by_key[best.key] = self.by_key.pop(best.key)          # most recently used
+                self.by_key.move_to_end(best.key)                          # most recently used
                 return best.position, j, best
             if j and not self.state:
                 return j * bs, j, None
         return 0, 0, None
 
-    def add(self, tokens: list[int], position: int, keys: list[bytes]) -> Snapshot | None:
+    def add(self, tokens: list[int], position: int, keys: list[bytes], keep: bool = True) -> Snapshot | None:
         """A new snapshot at position (tokens [0, position) computed), or None: one is there already (now the
-        most recently used), none is needed (a block boundary without recurrent state), or no slot is free."""
+        most recently used), none is needed (a block boundary without recurrent state), or no slot is free.
+        keep=False (a prefill chunk's boundary in the middle of a prompt) files it as the least recently used:
+        the first to go, so a long prefill cannot push out the snapshots that follow-up turns resume from."""
         j, bs = position // self.block_size, self.block_size
         parent, tail = keys[j - 1] if j else self.root, tuple(tokens[j * bs:position])
         if not position or (not tail and not self.state):
             return None
         known = self.points.get(parent, {}).get(tail)
         if known is not None:
-            self.by_key[known.key] = self.by_key.pop(known.key)
+            if keep:
+                self.by_key.move_to_end(known.key)
             return None
         slot = self.take_slot() if self.state else None
         if self.state and slot is None:
             return None
         snap = Snapshot(self.key(parent, tail) if tail else parent, parent, tail, position, slot)
         self.points.setdefault(parent, {})[tail] = self.by_key[snap.key] = snap
+        self.by_key.move_to_end(snap.key, last=keep)
         return snap
 
     def take_slot(self) -> int | None:
@@ -3302,12 +3308,13 @@ class Engine:
         keys = self.prefix.block_keys(seq.tokens[:end], seq.block_keys)
         for j in range(p.start // bs, end // bs):
             self.blocks.register(seq.blocks[j], keys[j])
-        if end in (len(seq.request.prompt_ids), seq.request.snapshot_at) or (p.count > 1 and end % bs == 0):
-            self._snapshot(seq)
+        prompt, hint = len(seq.request.prompt_ids), seq.request.snapshot_at
+        if end in (prompt, hint) or (p.count > 1 and end % bs == 0):   # mid-prompt boundaries go first
+            self._snapshot(seq, keep=end in (prompt, hint) or end >= (prompt - 1) // bs * bs)
 
-    def _snapshot(self, seq: Sequence):
+    def _snapshot(self, seq: Sequence, keep: bool = True):
         """Snapshot seq's state (and partial last block) at seq.num_computed, unless the cache has it."""
-        snap = self.prefix.add(seq.tokens, seq.num_computed, seq.block_keys)
+        snap = self.prefix.add(seq.tokens, seq.num_computed, seq.block_keys, keep)
         if snap is None:
             return
         blocks, copy = [], None
@@ -7066,7 +7073,7 @@ def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, 
                   kv_bytes: int = 2, act_bytes: int = 2, prefix_cache_memory: int = -1) -> dict[str, int]:
     """Bytes per GPU (rank) of each part: the layers' weights, the embedding and lm_head slices (each rank
     loads both, also when tied), KV cache, recurrent state, the prefix cache's state snapshots (as
-    --prefix-cache-memory: -1 two per sequence, else MiB; 0 with the cache off), workspace, and their total.
+    --prefix-cache-memory: -1 one per sequence, else MiB; 0 with the cache off), workspace, and their total.
     num_kv_blocks 0 means max_batch_size sequences of max_context. Heads and vocabulary split `world` ways (at
     least one head each).
 
@@ -7081,7 +7088,7 @@ def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, 
     kv = cfg.num_full_layers * 2 * blocks * kv_block_size * kv_heads * cfg.head_dim * kv_bytes
     per_slot = cfg.num_linear_layers * (v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
                                         + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
-    snapshots = 2 * max_batch_size if prefix_cache_memory < 0 else prefix_cache_memory * (1 << 20) // max(per_slot, 1)
+    snapshots = max_batch_size if prefix_cache_memory < 0 else prefix_cache_memory * (1 << 20) // max(per_slot, 1)
     parts = {"layers": layer_bytes(cfg, world), "embedding": vocab_bytes(cfg, world),
              "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": max_batch_size * per_slot,
              "prefix_cache": snapshots * per_slot,
@@ -7175,7 +7182,7 @@ def _check_options(opts: EngineOptions, cfg: ModelConfig):
         if getattr(opts, name) < 1:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 1")
     if opts.prefix_cache_memory < -1:
-        raise PocketError("--prefix-cache-memory must be >= 0 MiB, or -1 (two snapshots per state slot)")
+        raise PocketError("--prefix-cache-memory must be >= 0 MiB, or -1 (one snapshot per state slot)")
     for name in ("max_batch_size", "num_kv_blocks"):
         if getattr(opts, name) < 0:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 0 (0: sized for you)")
@@ -7321,7 +7328,7 @@ class LLM:
         workspace = workspace_bytes(cfg, opts.prefill_token_budget, opts.max_batch_size or MAX_SIZED_BATCH_SIZE,
                                     self.dtype.itemsize)
         snapshots = snapshot_slots(dataclasses.replace(opts, max_batch_size=1), cfg, layers, self.kv_dtype)
-        if opts.prefix_cache_memory < 0:       # prefix-cache snapshots: two per slot, sized with the slots
+        if opts.prefix_cache_memory < 0:       # prefix-cache snapshots: one per slot, sized with the slots
             per_slot += snapshots * state_slot_bytes(cfg, layers, self.kv_dtype)
         else:                                  # a fixed amount, set aside like the workspace
             workspace += snapshots * state_slot_bytes(cfg, layers, self.kv_dtype)
@@ -7504,7 +7511,7 @@ ENGINE_FLAG_HELP = {
                     "recurrent-state snapshots and prefills only the rest; --no-prefix-cache turns it off "
                     "(default: on)",
     "prefix_cache_memory": "MiB per device for the prefix cache's recurrent-state snapshots (hybrid models); -1: "
-                           "two snapshots per state slot (--max-batch-size) (default: %(default)s)",
+                           "one snapshot per state slot (--max-batch-size) (default: %(default)s)",
     "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
                     "(default: %(default)s)",
     "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
