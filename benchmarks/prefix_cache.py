@@ -108,6 +108,7 @@ def run_session(llm, tools, requests, thinking: bool, tag: str) -> list[dict]:
                 first = time.perf_counter() - start
         rows.append({"turn": t + 1, "prompt": len(ids), "new": len(ids) - common(ids, previous),
                      "prefilled": len(ids) - (req.cached_tokens or 0), "ttft": first})
+        print(f"  ({tag} turn {t + 1}: {rows[-1]})", file=sys.stderr, flush=True)
         previous = ids
     return rows
 
@@ -127,7 +128,8 @@ def main():
     for thinking in args.thinking.split(","):
         results = {name: run_session(llm, tools, requests, thinking == "on", f"{thinking}-{name}")
                    for name, llm in engines.items()}
-        print(f"\nthinking {thinking}: turn | prompt | new | prefilled on / off | TTFT on / off (s) | speed-up")
+        print(f"\nthinking {thinking}: turn | prompt | new | prefilled on / off | TTFT on / off (s) | speed-up",
+              flush=True)
         for on, off in zip(results["on"], results["off"]):
             print(f"{on['turn']:4d} | {on['prompt']:6d} | {on['new']:4d} | {on['prefilled']:5d} / {off['prefilled']:5d}"
                   f" | {on['ttft']:6.2f} / {off['ttft']:6.2f} | {off['ttft'] / on['ttft']:5.1f}x")
