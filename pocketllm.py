@@ -3305,9 +3305,10 @@ class Engine:
     def _cache_prefix(self, p: Scheduled):
         seq, bs = p.seq, self.opts.kv_block_size
         end = seq.num_computed
-        keys = self.prefix.block_keys(seq.tokens[:end], seq.block_keys)
-        for j in range(p.start // bs, end // bs):
-            self.blocks.register(seq.blocks[j], keys[j])
+        if end // bs > p.start // bs:        # blocks filled this step (a decode fills one every bs steps)
+            keys = self.prefix.block_keys(seq.tokens[:end // bs * bs], seq.block_keys)
+            for j in range(p.start // bs, end // bs):
+                self.blocks.register(seq.blocks[j], keys[j])
         prompt, hint = len(seq.request.prompt_ids), seq.request.snapshot_at
         if end in (prompt, hint) or (p.count > 1 and end % bs == 0):   # mid-prompt boundaries go first
             self._snapshot(seq, keep=end in (prompt, hint) or end >= (prompt - 1) // bs * bs)
@@ -3384,7 +3385,8 @@ class Engine:
                 continue
             shared = parent.blocks[:-1] if partial else parent.blocks
             child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
-            self._copy(ENGINE_CACHE, ENGINE_CACHE, [(parent.slot, slot)], [(parent.blocks[-1], block)] if partial else [])
+            last = [(parent.blocks[-1], block)] if partial else []
+            self._copy(ENGINE_CACHE, ENGINE_CACHE, [(parent.slot, slot)], last)
             child.slot, child.num_computed = slot, parent.num_computed
             child.block_keys = parent.block_keys[:len(shared)]
             self.scheduler.running.append(child)

@@ -2,11 +2,12 @@
 cache off, in one run.
 
     OMP_NUM_THREADS=2 python benchmarks/prefix_cache.py [--layers 4] [--turns 8] [--thinking on,off]
+                                                        [--off-turns 1,2,8]
 
 The model: a 0.8B-class Qwen3.5 shape (hidden 1024, MLP 3584, vocabulary 248320, attention 8 heads x 256
 with 2 KV heads, Gated DeltaNet 16 x 128 key and value heads, conv 4), random bf16 weights (tests/checkpoints.py),
-with --layers of its 24 layers in the real pattern (three linear-attention layers, then one full attention), run
-by the torch backend in float32 on the CPU.
+with --layers of its 24 layers in the real pattern (three linear-attention layers, then one full attention; fewer
+than four: linear-attention layers and one full attention last), run by the torch backend in float32 on the CPU.
 
 The session, rendered with pocket-tiny's Qwen3.5-format chat template and tokenizer (models/pocket-tiny), as the
 server renders it (render_chat_prompt, and chat_snapshot_point for the snapshot at the end of the last message):
@@ -14,13 +15,14 @@ a system prompt with four tools (~2,000 tokens), then --turns turns, each adding
 tool call replayed as the openai SDK sends it (content null, arguments a JSON string, no reasoning_content) and a
 ~300-token tool result. Each turn is one request, generating 4 tokens; the engine is stepped on this thread and
 the time to first token is from adding the request to its first token. "new" is the turn's tokens past the
-longest common prefix with the previous turn's prompt: what any cache must prefill.
+longest common prefix with the previous turn's prompt: what any cache must prefill. The cache-off engine keeps
+nothing between requests, so its turns are independent: --off-turns times only those (all by default), and only
+in the first --thinking session.
 """
 
 import argparse
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -49,7 +51,7 @@ def text(n_words: int, seed: int) -> str:
 
 
 def tool(name: str, seed: int) -> dict:
-    return {"type": "function", "function": {"name": name, "description": text(120, seed), "parameters": {
+    return {"type": "function", "function": {"name": name, "description": text(60, seed), "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "description": text(20, seed + 1)},
                                          "days": {"type": "integer", "description": text(12, seed + 2)}},
         "required": ["city"]}}}
@@ -58,7 +60,7 @@ def tool(name: str, seed: int) -> dict:
 def session(turns: int) -> tuple[list[dict], list[list[dict]]]:
     """(tools, the messages of each turn's request)."""
     tools = [tool(name, i) for i, name in enumerate(("get_weather", "get_prices", "find_ledger", "send_note"))]
-    messages = [{"role": "system", "content": "You are an agent that keeps the mill's books. " + text(260, 5)}]
+    messages = [{"role": "system", "content": "You are an agent that keeps the mill's books. " + text(150, 5)}]
     requests = []
     for t in range(turns):
         messages.append({"role": "user", "content": f"Turn {t + 1}: " + text(25, t)})
@@ -67,7 +69,7 @@ def session(turns: int) -> tuple[list[dict], list[list[dict]]]:
         messages.append({"role": "assistant", "content": None, "tool_calls": [
             {"id": call_id, "type": "function", "function": {
                 "name": "get_weather", "arguments": json.dumps({"city": f"City {t}", "days": t + 1})}}]})
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": text(150, 100 + t)})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": text(97, 100 + t)})
     return tools, requests
 
 
@@ -76,8 +78,9 @@ def make_checkpoint(layers: int) -> Path:
     path = Path(tempfile.gettempdir()) / f"pocketllm-bench-qwen3_5-0.8b-shape-{layers}"
     if (path / "chat_template.jinja").is_file():
         return path
-    kinds = (["linear_attention"] * 3 + ["full_attention"]) * 6
-    checkpoints.make_checkpoint(path, "qwen3_5", num_hidden_layers=layers, layer_types=kinds[:layers],
+    kinds = ((["linear_attention"] * 3 + ["full_attention"]) * 6)[:layers] if layers >= 4 else \
+        ["linear_attention"] * (layers - 1) + ["full_attention"]
+    checkpoints.make_checkpoint(path, "qwen3_5", num_hidden_layers=layers, layer_types=kinds,
                                 extra_tensors=False, **SHAPE_0_8B)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):   # pocket-tiny's text side
         shutil.copy(TINY / name, path / name)
@@ -91,9 +94,12 @@ def common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def run_session(llm, tools, requests, thinking: bool, tag: str) -> list[dict]:
+def run_session(llm, tools, requests, thinking: bool, tag: str, turns: set[int] | None = None) -> list[dict]:
     rows, previous = [], []
     for t, messages in enumerate(requests):
+        if turns is not None and t + 1 not in turns:
+            rows.append(None)
+            continue
         body = {"messages": messages, "chat_template_kwargs": {"enable_thinking": thinking}}
         ids = llm.tokenizer.encode(pocketllm.render_chat_prompt(llm, body, tools))
         req = pocketllm.Request(f"{tag}-{t}", ids, pocketllm.SamplingParams(max_tokens=4, temperature=0,
@@ -118,26 +124,28 @@ def main():
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the 24 (default: %(default)s)")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--thinking", default="on,off", help="enable_thinking per session: on, off or on,off")
+    ap.add_argument("--off-turns", default="all", help="turns the cache-off engine runs: all, or e.g. 1,2,8")
     args = ap.parse_args()
+    off_turns = None if args.off_turns == "all" else {int(t) for t in args.off_turns.split(",")}
     path = make_checkpoint(args.layers)
     opts = dict(backend="torch", quiet=True, max_context=8192, max_batch_size=4)
     engines = {"on": pocketllm.LLM(path, **opts), "off": pocketllm.LLM(path, prefix_cache=False, **opts)}
     tools, requests = session(args.turns)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} of 24 layers; "
           f"snapshot {engines['on'].engine.snapshot_bytes / 2**20:.1f} MiB")
-    for thinking in args.thinking.split(","):
-        results = {name: run_session(llm, tools, requests, thinking == "on", f"{thinking}-{name}")
-                   for name, llm in engines.items()}
-        print(f"\nthinking {thinking}: turn | prompt | new | prefilled on / off | TTFT on / off (s) | speed-up",
+    for s, thinking in enumerate(args.thinking.split(",")):
+        on = run_session(engines["on"], tools, requests, thinking == "on", f"{thinking}-on")
+        off = run_session(engines["off"], tools, requests, thinking == "on", f"{thinking}-off",
+                          off_turns if s == 0 else set())
+        print(f"\nthinking {thinking}: turn | prompt | new | prefilled with the cache | TTFT on / off (s) | speed-up",
               flush=True)
-        for on, off in zip(results["on"], results["off"]):
-            print(f"{on['turn']:4d} | {on['prompt']:6d} | {on['new']:4d} | {on['prefilled']:5d} / {off['prefilled']:5d}"
-                  f" | {on['ttft']:6.2f} / {off['ttft']:6.2f} | {off['ttft'] / on['ttft']:5.1f}x")
-        on = results["on"]
+        for r, o in zip(on, off):
+            timed = f"{r['ttft']:6.2f} / {o['ttft']:6.2f} | {o['ttft'] / r['ttft']:5.1f}x" if o else f"{r['ttft']:6.2f} / -"
+            print(f"{r['turn']:4d} | {r['prompt']:6d} | {r['new']:4d} | {r['prefilled']:5d} | {timed}")
         hit = sum(r["prompt"] - r["prefilled"] for r in on[1:]) / sum(r["prompt"] for r in on[1:])
         extra = max(r["prefilled"] - r["new"] for r in on[1:])
-        print(f"turns 2-{len(on)}: hit rate {100 * hit:.1f}% of prompt tokens; prefilled beyond the new tokens: "
-              f"at most {extra}; median speed-up {statistics.median(o['ttft'] / r['ttft'] for r, o in zip(on[1:], results['off'][1:])):.1f}x")
+        print(f"turns 2-{len(on)}: {100 * hit:.1f}% of prompt tokens resumed from the cache; prefilled beyond "
+              f"the new tokens: at most {extra}", flush=True)
     stats = engines["on"].stats()
     print("\ncache-on engine:", {k: v for k, v in stats.items() if k.startswith("prefix_cache") or "cached" in k})
     for llm in engines.values():
