@@ -47,11 +47,13 @@ import argparse
 import ast
 import atexit
 import bisect
+import collections
 import copy
 import ctypes
 import dataclasses
 import datetime
 import errno
+import hashlib
 import hmac
 import http.server
 import io
@@ -279,6 +281,8 @@ class EngineOptions:
                                        # on the CPU, enough for max_batch_size sequences of max_context
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory pocketllm may hold (weights, cache, work)
     prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
+    prefix_cache: bool = True          # resume prompts from cached KV blocks and state snapshots (--no-prefix-cache)
+    prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: one per state slot
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
     seed: int = 0                      # default seed for unseeded requests' generators
     speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
@@ -899,6 +903,12 @@ class TorchOps:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (w.float() * y * F.silu(z.float())).to(x.dtype)
 
+    def copy_rows(self, src_t, dst_t, src, dst):
+        """dst_t[dst[i]] = src_t[src[i]] in place, rows of the first dimension (state slots, KV blocks) of two
+        tensors of one row shape, or of one tensor; src, dst (N,) int64, within one tensor no destination also a
+        source."""
+        dst_t[dst] = src_t[src].to(dst_t.dtype)
+
 
 # -----------------------------------------------------------------------------------------------
 # 3b. The native backend: the same ops, run by the CUDA library in csrc/ (libpocketllm.so), reached
@@ -1341,6 +1351,14 @@ class NativeOps:
         return out
 
     # ---- NCCL (native only): tensor parallelism refuses to start when nccl_available() is False ----
+
+    def copy_rows(self, src_t: torch.Tensor, dst_t: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src_t.dtype != dst_t.dtype or src_t.shape[1:] != dst_t.shape[1:]:
+            raise PocketError(f"copy_rows: rows of {src_t.dtype} {tuple(src_t.shape[1:])} cannot go to rows of "
+                              f"{dst_t.dtype} {tuple(dst_t.shape[1:])}")
+        src, dst = self._as(src, torch.int64), self._as(dst, torch.int64)
+        self.lib.call("pl_copy_rows", self._p(src_t), self._p(dst_t), dst_t[0].numel() * dst_t.element_size(),
+                      self._p(src), self._p(dst), src.numel(), self._stream(dst_t))
 
     def nccl_available(self) -> bool:
         return nccl_status(self.lib)[0]
@@ -2047,21 +2065,39 @@ def named_weights(weights, prefix: str = "") -> Iterator[tuple[str, Linear | tor
 # -----------------------------------------------------------------------------------------------
 
 class BlockPool:
-    """KV-cache blocks. A block returns to the free list when its last owner releases it."""
+    """KV-cache blocks, reference counted: forked choices and requests with a common prefix share blocks. A block
+    may also carry a key (PrefixCache.key: a hash of every token up to its last one) once its tokens are written.
+    Released, a keyed block is not freed but kept, least recently used first, where a later request with the
+    same prefix finds it again by its key; alloc() takes such a block (forgetting its key) only when no block is
+    free. A block held by more than one owner is always full and never written again."""
 
     def __init__(self, num_blocks: int):
         self.total = num_blocks
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.free = list(range(num_blocks - 1, -1, -1))   # holding nothing anyone may ask for
         self.refs = [0] * num_blocks
+        self.cached: dict[int, None] = {}       # released keyed blocks, least recently used first
+        self.by_key: dict[bytes, int] = {}      # key -> the block holding those tokens' KV
+        self.key_of: dict[int, bytes] = {}
+        self.on_evict: Callable[[bytes], None] = lambda key: None   # told when a keyed block is reused
+        self.evictions = 0
 
     def alloc(self) -> int | None:
-        if not self.free:
+        if self.free:
+            b = self.free.pop()
+        elif self.cached:
+            b = next(iter(self.cached))
+            del self.cached[b]
+            key = self.key_of.pop(b)
+            del self.by_key[key]
+            self.evictions += 1
+            self.on_evict(key)
+        else:
             return None
-        b = self.free.pop()
         self.refs[b] = 1
         return b
 
     def share(self, b: int) -> int:
+        self.cached.pop(b, None)               # a cached block comes back into use
         self.refs[b] += 1
         return b
 
@@ -2069,12 +2105,26 @@ class BlockPool:
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self.free.append(b)
+                if b in self.key_of:
+                    self.cached[b] = None
+                else:
+                    self.free.append(b)
         blocks.clear()
+
+    def register(self, b: int, key: bytes) -> None:
+        """Block b (held, its tokens written) holds the KV of the tokens `key` names; a key already held by
+        another block stays with that one."""
+        if key not in self.by_key and b not in self.key_of:
+            self.by_key[key], self.key_of[b] = b, key
+
+    @property
+    def available(self) -> int:
+        """Blocks alloc() can hand out: free ones and cached ones."""
+        return len(self.free) + len(self.cached)
 
     @property
     def used(self) -> int:
-        return self.total - len(self.free)
+        return self.total - self.available
 
 
 class SlotPool:
@@ -2113,13 +2163,164 @@ def allocate_cache(cfg: ModelConfig, layers: list, num_blocks: int, block_size: 
     return cache
 
 
-def copy_state(cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
-    """Fork support: copy one sequence's recurrent state and (optionally) one KV block into another's."""
-    for t in itertools.chain(cache.conv.values(), cache.ssm.values()):
-        t[dst_slot] = t[src_slot]
-    if src_block is not None:
-        for t in itertools.chain(cache.k.values(), cache.v.values()):
-            t[dst_block] = t[src_block]
+def state_slot_bytes(cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> int:
+    """Bytes of one recurrent-state slot on this rank: the conv and SSM state of every linear-attention layer."""
+    cache = allocate_cache(cfg, layers, 0, 1, 1, kv_dtype, "meta")
+    return sum(t.numel() * t.element_size() for t in itertools.chain(cache.conv.values(), cache.ssm.values()))
+
+
+def snapshot_slots(opts: EngineOptions, cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> int:
+    """How many state snapshots the prefix cache keeps: --prefix-cache-memory MiB of them on each rank (the
+    same count on every rank: each holds its 1/N of every snapshot), by default (-1) one per state slot, so
+    as many conversations as run at once keep their next turn's resume point; none without the prefix cache or
+    without linear-attention layers."""
+    per = state_slot_bytes(cfg, layers, kv_dtype)
+    if not opts.prefix_cache or not per:
+        return 0
+    if opts.prefix_cache_memory < 0:
+        return opts.max_batch_size
+    return opts.prefix_cache_memory * (1 << 20) // per
+
+
+def copy_cache(src: Cache, dst: Cache, ops, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
+    """Copy recurrent-state slots and KV blocks, (source, destination) pairs, from one cache to another (or
+    within one), one ops.copy_rows per tensor: forked choices (n > 1) start from their parent's state and last
+    block; the prefix cache saves and restores state snapshots and copies partial blocks."""
+    for pairs, parts in ((slots, ("conv", "ssm")), (blocks, ("k", "v"))):
+        if not pairs:
+            continue
+        index = torch.tensor(pairs, dtype=torch.long).t()                # (2, N): sources, destinations
+        for part in parts:
+            for layer, t in getattr(dst, part).items():
+                rows = index.to(t.device)
+                ops.copy_rows(getattr(src, part)[layer], t, rows[0], rows[1])
+
+
+# The prefix cache. A prompt that begins with tokens the engine has computed before (an agent's next turn
+# resends the whole conversation) starts where the cache can resume it and prefills only the rest. Resuming at
+# position p needs two things of tokens [0, p): their KV in the attention layers, and the recurrent state of the
+# linear-attention layers after token p - 1.
+#
+# - KV: a full block is found by its key, a hash chain over every token up to the block's end (and the model's
+#   identity), so two requests with the same first 1,000 tokens share the first 62 blocks of 16 (BlockPool).
+# - State: a Gated DeltaNet layer keeps no per-token state to rewind, only the state after the last token, so
+#   the engine copies it to a snapshot slot at chosen positions: the end of every prompt, the end of every
+#   generation, and every block boundary where a prefill chunk ends (the scheduler ends chunks on block
+#   boundaries, and a prompt's last chunk first at its last boundary, so a follow-up prompt that diverges
+#   inside the previous prompt's final tokens, as a chat template's assistant header does, still resumes
+#   within a block of it). A snapshot at a position inside a block also keeps a copy of that partial block,
+#   which a request resuming there copies (never shares) before writing after it. Snapshots live in a cache
+#   of their own (state rows only, Engine.snapshots), as many as --prefix-cache-memory holds, reused least
+#   recently used first.
+#
+# A model without linear-attention layers needs no snapshot: any run of cached full blocks resumes, and a
+# partial block kept at the end of a prompt or generation extends it.
+
+@dataclass
+class Snapshot:
+    """A position the prefix cache can resume from: tokens [0, position) end with `tail` after the full block
+    `parent` (the root when position < block_size)."""
+    key: bytes                 # PrefixCache.key of tokens [0, position); also the partial block's key
+    parent: bytes              # key of the last full block before position (PrefixCache.root if none)
+    tail: tuple[int, ...]      # tokens after that block, fewer than block_size (empty: a block boundary)
+    position: int
+    slot: int | None           # snapshot slot of the state tensors; None: the model has no recurrent state
+
+
+class PrefixCache:
+    """Bookkeeping of the prefix cache (the copies are the engine's): block keys, snapshots, their slots, the
+    longest match of a prompt, and the counters /metrics reports."""
+
+    def __init__(self, blocks: BlockPool, block_size: int, identity: str, snapshot_slots: range, state: bool):
+        self.blocks, self.block_size, self.state = blocks, block_size, state   # state: a hit needs a snapshot
+        self.root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        self.slots_total = len(snapshot_slots)
+        self.free_slots = list(reversed(snapshot_slots))
+        self.points: dict[bytes, dict[tuple[int, ...], Snapshot]] = {}   # parent -> tail -> snapshot
+        self.by_key: collections.OrderedDict[bytes, Snapshot] = collections.OrderedDict()   # least recently used first
+        self.counters = {"queried_tokens": 0, "hit_tokens": 0, "snapshot_evictions": 0}
+        blocks.on_evict = self.forget
+
+    def key(self, parent: bytes, tokens) -> bytes:
+        return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()
+
+    def block_keys(self, tokens: list[int], keys: list[bytes]) -> list[bytes]:
+        """keys (the keys of tokens' first full blocks, as far as known) extended to every full block of tokens."""
+        bs = self.block_size
+        for j in range(len(keys), len(tokens) // bs):
+            keys.append(self.key(keys[-1] if keys else self.root, tokens[j * bs:(j + 1) * bs]))
+        return keys
+
+    def match(self, tokens: list[int], keys: list[bytes]) -> tuple[int, int, Snapshot | None]:
+        """The longest prefix of tokens, short of the last token (its logits are wanted), that the cache can
+        resume: (position, how many full blocks it shares, the snapshot to restore or None)."""
+        bs, limit = self.block_size, len(tokens) - 1
+        m = 0
+        while m < len(keys) and (m + 1) * bs <= limit and keys[m] in self.blocks.by_key:
+            m += 1
+        for j in range(m, -1, -1):
+            best = None
+            for tail, snap in self.points.get(keys[j - 1] if j else self.root, {}).items():
+                end = j * bs + len(tail)
+                if 0 < end <= limit and (best is None or len(tail) > len(best.tail)) and \
+                        tuple(tokens[j * bs:end]) == tail and (not tail or snap.key in self.blocks.by_key):
+                    best = snap
+            if best is not None:
+                self.by_key.move_to_end(best.key)                          # most recently used
+                return best.position, j, best
+            if j and not self.state:
+                return j * bs, j, None
+        return 0, 0, None
+
+    def add(self, tokens: list[int], position: int, keys: list[bytes], keep: bool = True) -> Snapshot | None:
+        """A new snapshot at position (tokens [0, position) computed), or None: one is there already (now the
+        most recently used), none is needed (a block boundary without recurrent state), or no slot is free.
+        keep=False (a prefill chunk's boundary in the middle of a prompt) files it as the least recently used:
+        the first to go, so a long prefill cannot push out the snapshots that follow-up turns resume from."""
+        j, bs = position // self.block_size, self.block_size
+        parent, tail = keys[j - 1] if j else self.root, tuple(tokens[j * bs:position])
+        if not position or (not tail and not self.state):
+            return None
+        known = self.points.get(parent, {}).get(tail)
+        if known is not None:
+            if keep:
+                self.by_key.move_to_end(known.key)
+            return None
+        slot = self.take_slot() if self.state else None
+        if self.state and slot is None:
+            return None
+        snap = Snapshot(self.key(parent, tail) if tail else parent, parent, tail, position, slot)
+        self.points.setdefault(parent, {})[tail] = self.by_key[snap.key] = snap
+        self.by_key.move_to_end(snap.key, last=keep)
+        return snap
+
+    def take_slot(self) -> int | None:
+        """A free snapshot slot, evicting the least recently used snapshot if none is; None if there is none.
+        (With recurrent state every snapshot has a slot.)"""
+        if not self.free_slots and self.state and self.by_key:
+            self.counters["snapshot_evictions"] += 1
+            self.forget(next(iter(self.by_key)))
+        return self.free_slots.pop() if self.free_slots else None
+
+    def forget(self, key: bytes) -> None:
+        """Drop the snapshot with this key (its slot is evicted, or its block is reused), if there is one."""
+        snap = self.by_key.pop(key, None)
+        if snap is None:
+            return
+        tails = self.points[snap.parent]
+        del tails[snap.tail]
+        if not tails:
+            del self.points[snap.parent]
+        if snap.slot is not None:
+            self.free_slots.append(snap.slot)
+
+    def count(self, queried: int, hit: int) -> None:
+        self.counters["queried_tokens"] += queried
+        self.counters["hit_tokens"] += hit
+
+    @property
+    def snapshots_used(self) -> int:
+        return self.slots_total - len(self.free_slots)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2139,6 +2340,7 @@ class Sequence:
         self.blocks: list[int] = []        # KV blocks holding tokens [0, num_computed)
         self.slot: int | None = None       # recurrent-state slot while running
         self.num_computed = 0              # tokens whose KV/state are in the cache
+        self.block_keys: list[bytes] = []  # prefix-cache keys of its full blocks, as far as computed (section 5)
         self.order = next(Sequence._ids)   # admission order: the newest is preempted first
         self.finished = False
         self.seed = self.params.seed if self.params.seed is not None else request.default_seed   # section 7
@@ -2168,12 +2370,23 @@ class Scheduled:
     drafts: list[int] = field(default_factory=list)   # drafts verified after the last token (count - 1 of them)
 
 
+@dataclass
+class CacheCopies:
+    """Copies inside the cache that must run before the next forward (restored snapshots, copied partial
+    blocks); `pinned` blocks are copy sources held until the copies ran."""
+    slots: list[tuple[int, int]] = field(default_factory=list)
+    blocks: list[tuple[int, int]] = field(default_factory=list)
+    pinned: list[int] = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(self, opts: EngineOptions, blocks: BlockPool, slots: SlotPool, draft_tokens: int = 0):
-        self.opts, self.blocks, self.slots = opts, blocks, slots
+    def __init__(self, opts: EngineOptions, blocks: BlockPool, slots: SlotPool, prefix: PrefixCache | None = None,
+                 draft_tokens: int = 0):
+        self.opts, self.blocks, self.slots, self.prefix = opts, blocks, slots, prefix
         self.draft_tokens = draft_tokens    # K of speculative decoding (0: off)
         self.waiting: list[Sequence] = []   # FIFO; preempted sequences go back to the front
         self.running: list[Sequence] = []
+        self.copies = CacheCopies()         # what admissions from the prefix cache need copied (the engine runs them)
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -2183,20 +2396,31 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.order):
             if seq not in self.running:      # preempted below by an older sequence's need
                 continue
-            count = min(seq.num_tokens - seq.num_computed, max(budget, 1))
+            count = self._chunk(seq, max(budget, 1))
             drafts = seq.drafts[:max(budget - 1, 0)] if seq.num_computed + 1 == seq.num_tokens else []
             if not self._reserve(seq, self._span(seq, count + len(drafts)), plan):
                 continue
             plan.append(Scheduled(seq, seq.num_computed, count + len(drafts),
                                   seq.num_computed + count == seq.num_tokens, drafts))
             budget -= count + len(drafts)
-        while self.waiting and budget > 0 and len(self.running) < self.opts.max_batch_size:
+        while self.waiting and budget > 0 and len(self.running) < self.opts.max_batch_size and self.slots.free:
             seq = self.waiting[0]
-            count = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._blocks_fit(seq, self._span(seq, count)) or not self.slots.free:
+            mark = len(self.copies.blocks), len(self.copies.pinned)
+            snap = self._resume(seq)
+            count = self._chunk(seq, budget)
+            if not self._blocks_fit(seq, self._span(seq, count)):      # undo the resume: it waits, holding nothing
+                self.blocks.release(seq.blocks + self.copies.pinned[mark[1]:])
+                del self.copies.blocks[mark[0]:], self.copies.pinned[mark[1]:]
+                seq.num_computed = 0
                 break
             self.waiting.pop(0)
             seq.slot = self.slots.alloc()
+            if snap is not None and snap.slot is not None:
+                self.copies.slots.append((snap.slot, seq.slot))
+            if seq.request.cached_tokens is None:     # its first admission: what /metrics and usage report
+                seq.request.cached_tokens = seq.num_computed
+                if self.prefix is not None:
+                    self.prefix.count(seq.num_tokens, seq.num_computed)
             self.running.append(seq)
             self._grow(seq, self._span(seq, count))
             plan.append(Scheduled(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens))
@@ -2210,11 +2434,53 @@ class Scheduler:
             return count
         return max(count, min(count + self.draft_tokens - 1, seq.max_tokens - seq.num_computed))
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of seq's tokens to compute now: up to `budget`. With state snapshots, a prefill chunk ends
+        where the prefix cache wants one (section 5): at the request's snapshot_at (a chat prompt's last message
+        ends there); else on a block boundary when it stops short of the sequence's end; and a last chunk
+        without a snapshot_at first stops at the last boundary before the end."""
+        start, bs = seq.num_computed, self.opts.kv_block_size
+        end = min(seq.num_tokens, start + budget)
+        if self.prefix is None or not self.prefix.state or not self.prefix.slots_total or end - start < 2:
+            return end - start
+        hint = seq.request.snapshot_at
+        if hint is not None and start < hint < end:
+            return hint - start
+        boundary = end // bs * bs if end < seq.num_tokens else (end - 1) // bs * bs if hint is None else start
+        return (boundary if boundary > start else end) - start
+
+    def _resume(self, seq: Sequence) -> Snapshot | None:
+        """A sequence about to be admitted starts where the prefix cache can resume it: it shares the cached
+        full blocks and (through self.copies) gets a copy of a snapshot's partial block; the snapshot to
+        restore into its slot is returned."""
+        if self.prefix is None or seq.num_computed:
+            return None
+        tokens = seq.tokens
+        keys = self.prefix.block_keys(tokens, seq.block_keys)
+        position, shared, snap = self.prefix.match(tokens, keys)
+        if position and snap is not None and snap.tail:
+            source = self.blocks.by_key[snap.key]
+            self.blocks.share(source)          # pinned until the copy ran: no alloc may take it before
+            block = self.blocks.alloc()
+            if block is None:
+                self.blocks.release([source])
+                position, snap = shared * self.opts.kv_block_size, None
+                if self.prefix.state:          # the full blocks alone are no resume point with state
+                    position, shared = 0, 0
+            else:
+                self.copies.pinned.append(source)
+                self.copies.blocks.append((source, block))
+        seq.blocks = [self.blocks.share(self.blocks.by_key[k]) for k in keys[:shared]]
+        if position and snap is not None and snap.tail:
+            seq.blocks.append(self.copies.blocks[-1][1])
+        seq.num_computed = position
+        return snap if position else None
+
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
         return max(0, -(-(seq.num_computed + count) // self.opts.kv_block_size) - len(seq.blocks))
 
     def _blocks_fit(self, seq: Sequence, count: int) -> bool:
-        return self._blocks_needed(seq, count) <= len(self.blocks.free)
+        return self._blocks_needed(seq, count) <= self.blocks.available
 
     def _grow(self, seq: Sequence, count: int):
         for _ in range(self._blocks_needed(seq, count)):
@@ -2780,6 +3046,7 @@ def _cache_blocks(opts: EngineOptions) -> int:
 # rank 0's result is kept; a worker answers only "ready" after loading, or its error before it exits.
 
 ENGINE_CACHE, SCRATCH_CACHE = 0, 1    # which cache a step runs on: the engine's, or logits()'s temporary one
+SNAPSHOT_CACHE = 2                    # the prefix cache's state snapshots (section 5): copied to and from only
 STOP = "stop"                         # the call that ends a worker's loop (not a RankRunner method)
 STEP_CALLS = ("run", "draft")         # the calls whose all-reduces a step waits for (Comm.finish_step)
 
@@ -2788,9 +3055,10 @@ class RankRunner:
     """One rank's model shard and caches. Its public methods are the calls rank 0 makes on every rank."""
 
     def __init__(self, model: Model, opts: EngineOptions, kv_dtype: torch.dtype, device: torch.device,
-                 engine_cache: Cache | None = None):
+                 engine_cache: Cache | None = None, snapshot_cache: Cache | None = None):
         self.model, self.opts, self.kv_dtype, self.device = model, opts, kv_dtype, device
-        self.caches: dict[int, Cache | None] = {ENGINE_CACHE: engine_cache, SCRATCH_CACHE: None}
+        self.caches: dict[int, Cache | None] = {ENGINE_CACHE: engine_cache, SCRATCH_CACHE: None,
+                                                SNAPSHOT_CACHE: snapshot_cache}
         self.hidden: torch.Tensor | None = None    # (T, D) the last engine step's hidden states (speculation)
         self.drafted: torch.Tensor | None = None   # (R, D) the last MTP pass's outputs at its logit rows
 
@@ -2835,9 +3103,10 @@ class RankRunner:
                                            dtype=torch.float32)
         return [tuple(int(v) for v in row) for row in m.all_reduce(table).cpu().tolist()]
 
-    def copy_state(self, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None) -> None:
-        """copy_state (section 5) on the engine cache: forked choices (n > 1) start from the parent's state."""
-        copy_state(self.caches[ENGINE_CACHE], src_slot, dst_slot, src_block, dst_block)
+    def copy_state(self, src: int, dst: int, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]) -> None:
+        """copy_cache (section 5) from cache `src` to cache `dst` (ENGINE_CACHE, SNAPSHOT_CACHE): forks, the
+        prefix cache's snapshots and partial blocks."""
+        copy_cache(self.caches[src], self.caches[dst], self.model.ops, slots, blocks)
 
 
 def _move(value, device):
@@ -3304,11 +3573,13 @@ class RankGroup:
         self.runner.caches[ENGINE_CACHE] = cache
         return self.call(method, *args)
 
-    def copy_state(self, cache: Cache, src_slot: int, dst_slot: int, src_block: int | None, dst_block: int | None):
-        """copy_state (section 5) on every rank's engine cache. The engine calls this in place of copy_state
-        when a group runs the model."""
-        self.runner.caches[ENGINE_CACHE] = cache
-        self.call("copy_state", src_slot, dst_slot, src_block, dst_block)
+    def copy_state(self, caches: dict[int, Cache], src: int, dst: int, slots: list[tuple[int, int]],
+                   blocks: list[tuple[int, int]]):
+        """copy_cache (section 5) on every rank's caches (each copies its own shard of the state and KV);
+        `caches` are rank 0's (the engine's). The engine calls this in place of copy_cache when a group runs
+        the model."""
+        self.runner.caches.update(caches)
+        self.call("copy_state", src, dst, slots, blocks)
 
     def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """LLM.logits over the group: every rank runs the prefill chunks on a temporary cache of its own."""
@@ -3412,7 +3683,9 @@ def run_rank_worker(spec_json: str) -> int:
                                  lambda x: comm[0].all_reduce(x), quiet=True)
         runner = RankRunner(model, opts, kv_dtype, device,
                             allocate_cache(model.cfg, model.cache_layers, _cache_blocks(opts), opts.kv_block_size,
-                                           opts.max_batch_size, kv_dtype, device))
+                                           opts.max_batch_size, kv_dtype, device),
+                            allocate_cache(model.cfg, model.layers, 0, opts.kv_block_size,
+                                           snapshot_slots(opts, model.cfg, model.layers, kv_dtype), kv_dtype, device))
         channel.send(("ready",))
         comm.append(Comm(dist.FileStore(spec["store"], -1), rank, world, device, ops, opts))
         while True:
@@ -3475,13 +3748,15 @@ class Request:
         self.seqs: list[Sequence] = []
         self.finished_choices: set[int] = set()
         self.arrival = time.time()
+        self.cached_tokens: int | None = None    # prompt tokens resumed from the prefix cache, once admitted
+        self.snapshot_at: int | None = None      # a position to snapshot besides the prefix cache's own (section 6)
 
 
 class Engine:
     """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
 
     def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
-                 run_batch: Callable | None = None, copy: Callable = copy_state, call: Callable | None = None):
+                 run_batch: Callable | None = None, copy: Callable | None = None, call: Callable | None = None):
         self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
         bs = opts.kv_block_size
         num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
@@ -3491,15 +3766,22 @@ class Engine:
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
         self.cache = allocate_cache(model.cfg, model.cache_layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
                                     model.device)
+        snapshots = snapshot_slots(opts, model.cfg, model.layers, kv_dtype)
+        self.snapshots = allocate_cache(model.cfg, model.layers, 0, bs, snapshots, kv_dtype, model.device)
+        self.caches = {ENGINE_CACHE: self.cache, SNAPSHOT_CACHE: self.snapshots}
+        self.snapshot_bytes = state_slot_bytes(model.cfg, model.layers, kv_dtype)
+        self.prefix = PrefixCache(self.blocks, bs, f"{model.cfg!r} {len(model.layers)} {kv_dtype}", range(snapshots),
+                                  bool(self.snapshot_bytes)) if opts.prefix_cache else None
         self.sampler = Sampler(opts.max_batch_size, model.cfg.vocab_size, model.device)
         self.draft_tokens = opts.speculative_tokens if model.mtp is not None else 0   # K (0: no speculation)
-        self.scheduler = Scheduler(opts, self.blocks, self.slots, self.draft_tokens)
+        self.scheduler = Scheduler(opts, self.blocks, self.slots, self.prefix, self.draft_tokens)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
         self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs) \
             if run_batch is None and DecodeGraphs.usable(model) else None
-        self.copy_state = copy                    # with tensor parallelism: on every rank's cache
-        if call is None:                          # RankRunner calls (speculative decoding), here on this cache
-            runner = RankRunner(model, opts, kv_dtype, model.device, self.cache)
+        self.copy = copy or (lambda caches, src, dst, slots, blocks:      # with tensor parallelism: every rank's
+                             copy_cache(caches[src], caches[dst], model.ops, slots, blocks))
+        if call is None:                          # RankRunner calls (speculative decoding), here on these caches
+            runner = RankRunner(model, opts, kv_dtype, model.device, self.cache, self.snapshots)
             call = lambda method, *args: getattr(runner, method)(*args)   # noqa: E731
         self.call = call
         self.requests: dict[str, Request] = {}
@@ -3523,6 +3805,7 @@ class Engine:
     def step(self) -> None:
         self._drain_inbox()
         plan = self.scheduler.schedule()
+        self._run_copies()
         if not plan:
             return
         if not self.draft_tokens:                   # graphs replay plain decode steps (not verify windows)
@@ -3591,6 +3874,14 @@ class Engine:
         for seq, q in probs.items():
             seq.draft_probs = torch.stack(q) if seq.request.sampling.floats[_TEMPERATURE] > 0 else None
 
+    def _run_copies(self):
+        """The copies the admissions asked for (snapshots restored, partial blocks copied), before the forward."""
+        copies = self.scheduler.copies
+        self._copy(SNAPSHOT_CACHE, ENGINE_CACHE, copies.slots, [])
+        self._copy(ENGINE_CACHE, ENGINE_CACHE, [], copies.blocks)
+        self.blocks.release(copies.pinned)
+        self.scheduler.copies = CacheCopies()
+
     def _drain_inbox(self):
         while True:
             try:
@@ -3622,9 +3913,12 @@ class Engine:
         computed: the chunk, or the window's last token and accepted drafts."""
         rows, first = [], 0
         for p in plan:
+            p.seq.num_computed += p.count
+            if self.prefix is not None and not p.seq.finished and not p.drafts:   # windows: once judged, below
+                self._cache_prefix(p)
+        for p in plan:
             seq, r = p.seq, first
             first += 1 + len(p.drafts)
-            seq.num_computed += p.count
             if not p.sample or seq.finished:
                 continue
             if not seq.output_ids and seq.request.params.n > 1 and len(seq.request.seqs) == 1:
@@ -3657,7 +3951,64 @@ class Engine:
             if p.drafts:                                   # its drafts that were not emitted are not computed
                 kept[j] = len(p.seq.output_ids) - (p.start - len(p.seq.request.prompt_ids)) - 1
                 p.seq.num_computed = p.start + kept[j]
+                if self.prefix is not None and not p.seq.finished:   # its blocks; no snapshot: the state
+                    self._cache_prefix(p, snapshot=False)           # is rolled back after this
         return kept
+
+    # The prefix cache (section 5): full blocks get their keys as they fill; snapshots at the end of a prompt,
+    # where a prefill chunk ends on a block boundary, and at the end of a generation (_finish).
+
+    def _cache_prefix(self, p: Scheduled, snapshot: bool = True):
+        seq, bs = p.seq, self.opts.kv_block_size
+        end = seq.num_computed
+        if end // bs > p.start // bs:        # blocks filled this step (a decode fills one every bs steps)
+            keys = self.prefix.block_keys(seq.tokens[:end // bs * bs], seq.block_keys)
+            for j in range(p.start // bs, end // bs):
+                self.blocks.register(seq.blocks[j], keys[j])
+        prompt, hint = len(seq.request.prompt_ids), seq.request.snapshot_at
+        if snapshot and (end in (prompt, hint) or (p.count > 1 and end % bs == 0)):   # mid-prompt ones go first
+            self._snapshot(seq, keep=end in (prompt, hint) or end >= (prompt - 1) // bs * bs)
+
+    def _snapshot(self, seq: Sequence, keep: bool = True):
+        """Snapshot seq's state (and partial last block) at seq.num_computed, unless the cache has it."""
+        snap = self.prefix.add(seq.tokens, seq.num_computed, seq.block_keys, keep)
+        if snap is None:
+            return
+        blocks, copy = [], None
+        if snap.tail:                        # the partial block: a copy the cache owns (cached, evictable)
+            copy = self.blocks.alloc()
+            if copy is None:
+                self.prefix.forget(snap.key)
+                return
+            blocks = [(seq.blocks[snap.position // self.opts.kv_block_size], copy)]
+        self._copy(ENGINE_CACHE, SNAPSHOT_CACHE, [] if snap.slot is None else [(seq.slot, snap.slot)], [])
+        self._copy(ENGINE_CACHE, ENGINE_CACHE, [], blocks)
+        if copy is not None:
+            self.blocks.register(copy, snap.key)
+            self.blocks.release([copy])
+
+    # A small state API for others that must roll a sequence back (speculative decoding): snapshot slots
+    # outside the prefix cache's keys, taken from the same pool.
+
+    def save_state(self, slot: int) -> int | None:
+        """Copy a running slot's recurrent state to a snapshot slot: a handle for restore_state, or None when
+        there are no snapshot slots (prefix cache off, or no recurrent state). The handle is the caller's until
+        drop_state; taking it may evict the prefix cache's least recently used snapshot."""
+        handle = self.prefix.take_slot() if self.prefix is not None else None
+        if handle is not None:
+            self._copy(ENGINE_CACHE, SNAPSHOT_CACHE, [(slot, handle)], [])
+        return handle
+
+    def restore_state(self, handle: int, slot: int) -> None:
+        """Put a save_state snapshot back into a running slot (the handle stays valid)."""
+        self._copy(SNAPSHOT_CACHE, ENGINE_CACHE, [(handle, slot)], [])
+
+    def _copy(self, src: int, dst: int, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
+        if slots or blocks:
+            self.copy(self.caches, src, dst, slots, blocks)
+
+    def drop_state(self, handle: int) -> None:
+        self.prefix.free_slots.append(handle)
 
     def _append(self, seq: Sequence, tok: int, logprobs: tuple | None):
         params = seq.params
@@ -3690,8 +4041,10 @@ class Engine:
                 continue
             shared = parent.blocks[:-1] if partial else parent.blocks
             child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
-            self.copy_state(self.cache, parent.slot, slot, parent.blocks[-1] if partial else None, block)
+            last = [(parent.blocks[-1], block)] if partial else []
+            self._copy(ENGINE_CACHE, ENGINE_CACHE, [(parent.slot, slot)], last)
             child.slot, child.num_computed = slot, parent.num_computed
+            child.block_keys = parent.block_keys[:len(shared)]
             self.scheduler.running.append(child)
             ready.append(child)
         return ready
@@ -3701,6 +4054,9 @@ class Engine:
         if seq.finished:
             return
         seq.finished = True
+        if self.prefix is not None and reason in ("stop", "length") and seq.slot is not None and not self.draft_tokens:
+            self._snapshot(seq)              # the end of the generation: a follow-up turn may resume here (not
+                                             # with speculation: the state still holds the window's drafts)
         self.scheduler.release(seq)
         req = seq.request
         req.finished_choices.add(seq.index)
@@ -3739,7 +4095,18 @@ class Engine:
                 "generation_tokens_total": self.counters["generation_tokens"],
                 "speculative_tokens": self.draft_tokens, "draft_tokens_total": self.counters["draft_tokens"],
                 "accepted_tokens_total": self.counters["accepted_tokens"],
-                "target_forwards_total": self.counters["target_forwards"]}
+                "target_forwards_total": self.counters["target_forwards"], **self.prefix_stats()}
+
+    def prefix_stats(self) -> dict:
+        """The prefix cache's figures for stats() and /metrics (zeros when it is off)."""
+        pc = self.prefix
+        counters = pc.counters if pc else {"queried_tokens": 0, "hit_tokens": 0, "snapshot_evictions": 0}
+        used = pc.snapshots_used if pc else 0
+        return {"prefix_cache_queried_tokens_total": counters["queried_tokens"],
+                "prefix_cache_hit_tokens_total": counters["hit_tokens"],
+                "prefix_cache_snapshots": used, "prefix_cache_snapshot_bytes": used * self.snapshot_bytes,
+                "prefix_cache_evictions_total": counters["snapshot_evictions"] + self.blocks.evictions,
+                "kv_blocks_cached": len(self.blocks.cached)}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -7189,10 +7556,11 @@ def _as_sent(error: RequestError, body: dict, max_tokens_field: str | None) -> R
     return error
 
 
-def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None):
+def _submit(llm, prompt_ids: list[int], params: SamplingParams, body: dict, max_tokens_field: str | None,
+            snapshot_at: int | None = None):
     _check_alive(llm)
     try:
-        return llm.submit(prompt_ids, params)
+        return llm.submit(prompt_ids, params, snapshot_at=snapshot_at)
     except RequestError as e:
         raise _as_sent(e, body, max_tokens_field) from None
 
@@ -7257,6 +7625,19 @@ def render_chat_prompt(llm, body: dict, tools: list[dict] | None) -> str:
                                       continue_final_message=continue_final, **template_kwargs)
 
 
+def chat_snapshot_point(llm, values: dict, tools: list[dict] | None, prompt_ids: list[int]) -> int | None:
+    """Where the prefix cache should snapshot a chat prompt: the end of its last message, i.e. the prompt
+    without the generation prompt. The conversation's next turn repeats everything up to there and then
+    renders this turn's reply its own way (templates drop the reasoning, so it diverges right after the
+    assistant header), so it resumes there and prefills only its new tokens. None: the cache is off, or the
+    prompt has no generation prompt to take off."""
+    if not llm.options.prefix_cache:
+        return None
+    ids = llm.tokenizer.encode(render_chat_prompt(llm, {**values, "add_generation_prompt": False,
+                                                        "continue_final_message": False}, tools))
+    return len(ids) if 0 < len(ids) < len(prompt_ids) and prompt_ids[:len(ids)] == ids else None
+
+
 # The response shapes: logprobs in both formats, usage.
 
 def _logprob(value: float) -> float:
@@ -7279,9 +7660,11 @@ def _completion_logprobs(logprobs: list, text_offset: int) -> dict:
             "text_offset": offsets}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: the prompt tokens the prefix cache resumed (section 5)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Histogram:
@@ -7396,7 +7779,7 @@ class Completion:
                 "choices": choices}
 
     def _usage(self) -> dict:
-        return _usage(self.stream.prompt_tokens, self.completion_tokens)
+        return _usage(self.stream.prompt_tokens, self.completion_tokens, self.stream.request.cached_tokens or 0)
 
     def chunks(self) -> Iterator[dict]:
         """OpenAI stream chunks; closing the iterator early aborts the request."""
@@ -7503,7 +7886,8 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
         params.logits_processors = [*params.logits_processors, processor]
     parsers = [ChatOutputParser(tools, template.tool_parser, in_reasoning, parse_tools=tool_choice != "none")
                for _ in range(params.n)]
-    return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "chat", values["stream"],
+    return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field,
+                                   chat_snapshot_point(llm, values, tools, prompt_ids)), "chat", values["stream"],
                       values["stream_options"], params.logprobs, parsers, metrics)
 
 
@@ -7729,6 +8113,14 @@ def metrics_text(llm, metrics: ServerMetrics) -> str:
     per_forward = stats["generation_tokens_total"] / max(1, stats["target_forwards_total"])
     family("tokens_per_target_forward", "gauge", "Tokens emitted per sequence per target-model step since start "
            "(1 without speculation).", [f" {per_forward}"])
+    for name, kind, help in (
+            ("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens resumed from the prefix cache, not prefilled."),
+            ("prefix_cache_snapshots", "gauge", "Recurrent-state snapshots the prefix cache holds."),
+            ("prefix_cache_snapshot_bytes", "gauge", "Memory those snapshots use (this rank)."),
+            ("prefix_cache_evictions_total", "counter", "Cached KV blocks and snapshots reused for new contents."),
+            ("kv_blocks_cached", "gauge", "KV blocks held only by the prefix cache (free for reuse when needed).")):
+        family(name, kind, help, [f" {stats[name]}"])
     for name, histogram, help in (
             ("time_to_first_token_seconds", metrics.time_to_first_token, "Time from submission to the first token."),
             ("inter_token_latency_seconds", metrics.inter_token_latency, "Time between tokens of one choice.")):
@@ -8572,10 +8964,12 @@ def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
 
 def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, max_batch_size: int = 16,
                   num_kv_blocks: int = 0, kv_block_size: int = 16, prefill_token_budget: int = 512,
-                  kv_bytes: int = 2, act_bytes: int = 2) -> dict[str, int]:
+                  kv_bytes: int = 2, act_bytes: int = 2, prefix_cache_memory: int = -1) -> dict[str, int]:
     """Bytes per GPU (rank) of each part: the layers' weights, the embedding and lm_head slices (each rank
-    loads both, also when tied), KV cache, recurrent state, workspace, and their total. num_kv_blocks 0 means
-    max_batch_size sequences of max_context. Heads and vocabulary split `world` ways (at least one head each).
+    loads both, also when tied), KV cache, recurrent state, the prefix cache's state snapshots (as
+    --prefix-cache-memory: -1 one per sequence, else MiB; 0 with the cache off), workspace, and their total.
+    num_kv_blocks 0 means max_batch_size sequences of max_context. Heads and vocabulary split `world` ways (at
+    least one head each).
 
     >>> cfg = ModelConfig("qwen3", 1000, 64, 128, 2, 4, 2, 16, 1e-6, False, ["full_attention"] * 2, 1e4, 16,
     ...                   4096, False, False)
@@ -8586,11 +8980,12 @@ def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, 
     kv_heads = max(1, cfg.num_key_value_heads // world)
     v_heads, conv_dim = max(1, cfg.linear_num_value_heads // world), cfg.linear_conv_dim // world
     kv = cfg.num_full_layers * 2 * blocks * kv_block_size * kv_heads * cfg.head_dim * kv_bytes
-    state = cfg.num_linear_layers * max_batch_size * (
-        v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
+    per_slot = cfg.num_linear_layers * (v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+                                        + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
+    snapshots = max_batch_size if prefix_cache_memory < 0 else prefix_cache_memory * (1 << 20) // max(per_slot, 1)
     parts = {"layers": layer_bytes(cfg, world), "embedding": vocab_bytes(cfg, world),
-             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": state,
+             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": max_batch_size * per_slot,
+             "prefix_cache": snapshots * per_slot,
              "workspace": workspace_bytes(cfg, prefill_token_budget, max_batch_size, act_bytes)}
     return {**parts, "total": sum(parts.values())}
 
@@ -8653,7 +9048,8 @@ def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch
     blocks = opts.num_kv_blocks or -(-opts.max_context // bs) * (1 if sized else batch)
     need = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=batch, num_kv_blocks=blocks,
                          kv_block_size=bs, prefill_token_budget=opts.prefill_token_budget,
-                         kv_bytes=kv_dtype.itemsize, act_bytes=dtype.itemsize)
+                         kv_bytes=kv_dtype.itemsize, act_bytes=dtype.itemsize,
+                         prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0)
     weights = need["layers"] + need["embedding"] + need["lm_head"]
     for device in devices:
         if device.type != "cuda":
@@ -8679,6 +9075,8 @@ def _check_options(opts: EngineOptions, cfg: ModelConfig):
     for name in ("max_context", "kv_block_size", "prefill_token_budget"):
         if getattr(opts, name) < 1:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.prefix_cache_memory < -1:
+        raise PocketError("--prefix-cache-memory must be >= 0 MiB, or -1 (one snapshot per state slot)")
     for name in ("max_batch_size", "num_kv_blocks"):
         if getattr(opts, name) < 0:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 0 (0: sized for you)")
@@ -8797,7 +9195,7 @@ class LLM:
         if sized:
             self._size_cache()
         self.engine = Engine(self.model, opts, self.eos_token_ids, kv_dtype, run_batch,
-                             self.group.copy_state if self.group else copy_state,
+                             self.group.copy_state if self.group else None,
                              (lambda method, *args: self.group.call_engine(self.engine.cache, method, *args))
                              if self.group else None)
         _log(opts, f"{self.model_name}: {cfg.model_type}, {len(self.model.layers)} layers, {self.dtype}; "
@@ -8807,7 +9205,8 @@ class LLM:
         budget = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=opts.max_batch_size,
                                num_kv_blocks=self.engine.blocks.total, kv_block_size=opts.kv_block_size,
                                prefill_token_budget=opts.prefill_token_budget, kv_bytes=kv_dtype.itemsize,
-                               act_bytes=self.dtype.itemsize)
+                               act_bytes=self.dtype.itemsize,
+                               prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0)
         _log(opts, f"memory per {'rank' if world > 1 else 'device'} (config estimate, docs/serving.md): "
                    f"{format_budget(budget)}")
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())
@@ -8831,6 +9230,11 @@ class LLM:
             cache_bytes(cfg, layers, 1, opts.kv_block_size, 1, self.kv_dtype)
         workspace = workspace_bytes(cfg, opts.prefill_token_budget, opts.max_batch_size or MAX_SIZED_BATCH_SIZE,
                                     self.dtype.itemsize)
+        snapshots = snapshot_slots(dataclasses.replace(opts, max_batch_size=1), cfg, layers, self.kv_dtype)
+        if opts.prefix_cache_memory < 0:       # prefix-cache snapshots: one per slot, sized with the slots
+            per_slot += snapshots * state_slot_bytes(cfg, layers, self.kv_dtype)
+        else:                                  # a fixed amount, set aside like the workspace
+            workspace += snapshots * state_slot_bytes(cfg, layers, self.kv_dtype)
         batch, blocks = size_from_memory(opts, free, total, per_block, per_slot, workspace)
         _log(opts, f"{free / GiB:.1f} GiB of {total / GiB:.1f} GiB free after the weights; at "
                    f"--gpu-memory-utilization {opts.gpu_memory_utilization:g}: KV cache {blocks} blocks = "
@@ -8881,8 +9285,11 @@ class LLM:
             self.dead_reason = self.dead_reason or reason
             self.engine.fail_all(self.dead_reason)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, param: str = "max_tokens") -> RequestStream:
-        """Queue a request; iterate the returned stream for its events. Thread-safe."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, param: str = "max_tokens",
+               snapshot_at: int | None = None) -> RequestStream:
+        """Queue a request; iterate the returned stream for its events. Thread-safe. snapshot_at: a prompt
+        position the prefix cache should also snapshot, where a follow-up request is likely to diverge (the
+        end of a chat prompt's last message: chat_snapshot_point)."""
         if self.dead_reason or self._closing:
             raise PocketError(f"the engine failed: {self.dead_reason or 'the engine was closed'}")
         params.validate(self.config.vocab_size)
@@ -8900,6 +9307,7 @@ class LLM:
                 raise PocketError(f"the engine failed: {self.dead_reason or 'the engine was closed'}")
             req = Request(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
                           default_seed=self._seeds.getrandbits(62))
+            req.snapshot_at = snapshot_at if snapshot_at and 0 < snapshot_at < len(prompt_ids) else None
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="pocketllm-engine", daemon=True)
                 self._thread.start()
@@ -9002,6 +9410,11 @@ ENGINE_FLAG_HELP = {
                               "(default: %(default)s)",
     "prefill_token_budget": "tokens per engine step: prefill chunks plus one per decoding sequence "
                             "(default: %(default)s)",
+    "prefix_cache": "prefix caching: a prompt that starts like an earlier one resumes from its cached KV blocks and "
+                    "recurrent-state snapshots and prefills only the rest; --no-prefix-cache turns it off "
+                    "(default: on)",
+    "prefix_cache_memory": "MiB per device for the prefix cache's recurrent-state snapshots (hybrid models); -1: "
+                           "one snapshot per state slot (--max-batch-size) (default: %(default)s)",
     "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
                     "(default: %(default)s)",
     "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
@@ -9015,7 +9428,8 @@ ENGINE_FLAG_HELP = {
 }
 # vLLM's names for the same things (vllm serve --help).
 VLLM_ALIASES = {"max_context": "--max-model-len", "max_batch_size": "--max-num-seqs",
-                "kv_block_size": "--block-size", "prefill_token_budget": "--max-num-batched-tokens"}
+                "kv_block_size": "--block-size", "prefill_token_budget": "--max-num-batched-tokens",
+                "prefix_cache": "--enable-prefix-caching"}
 # vLLM flags with no pocketllm equivalent: what to do instead, in one line.
 VLLM_ONLY_FLAGS = {
     "--kv-cache-dtype": "use --kv-dtype (float16, bfloat16 or float32; there is no fp8 KV cache)",
@@ -9024,7 +9438,6 @@ VLLM_ONLY_FLAGS = {
     "--enforce-eager": "drop it: pocketllm does not capture CUDA graphs",
     "--pipeline-parallel-size": "there is no pipeline parallelism: use --tensor-parallel-size N or --devices",
     "--data-parallel-size": "there is no data parallelism: run one pocketllm per GPU (--device cuda:N)",
-    "--enable-prefix-caching": "drop it: there is no prefix caching yet",
     "--tokenizer": "drop it: the tokenizer is read from the checkpoint directory (--ckpt)",
     "--download-dir": "pocketllm loads a local directory: download the checkpoint, then --ckpt DIR",
     "--revision": "pocketllm loads a local directory: download the revision, then --ckpt DIR",
@@ -9057,8 +9470,9 @@ def add_engine_args(parser: argparse.ArgumentParser):
     kinds = {"int": int, "float": float}
     for f in dataclasses.fields(EngineOptions):
         names = [_flag(f.name)] + ([VLLM_ALIASES[f.name]] if f.name in VLLM_ALIASES else [])
-        if f.type == "bool":
-            parser.add_argument(*names, action="store_true", default=f.default, help=ENGINE_FLAG_HELP.get(f.name))
+        if f.type == "bool":          # on by default: --NAME / --no-NAME
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction if f.default else "store_true",
+                                default=f.default, help=ENGINE_FLAG_HELP.get(f.name))
         else:
             parser.add_argument(*names, type=kinds.get(f.type, str), default=f.default, metavar=f.name.upper(),
                                 help=ENGINE_FLAG_HELP.get(f.name))

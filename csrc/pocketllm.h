@@ -184,6 +184,15 @@ int pl_gated_delta(uint64_t q, uint64_t k, uint64_t v, int32_t act_dtype, int64_
 int pl_gated_rmsnorm(uint64_t x, uint64_t z, uint64_t w, int32_t w_dtype, uint64_t out, int32_t act_dtype,
                      int64_t rows, int32_t D, float eps, uint64_t stream);
 
+/* ---- state (prefix cache) ---- */
+
+/* Row copies between two cache tensors (or within one) whose first dimension is rows of row_bytes bytes (state
+   slots, KV blocks), at device addresses src_base and dst_base: dst row dst_rows[i] <- src row src_rows[i] for
+   i < n (0 <= n <= 65535); src_rows, dst_rows (n,) int64 device arrays. Within one tensor no destination row may
+   also be a source row of the same call. */
+int pl_copy_rows(uint64_t src_base, uint64_t dst_base, int64_t row_bytes, uint64_t src_rows, uint64_t dst_rows,
+                 int32_t n, uint64_t stream);
+
 /* ---- end ops ---- */
 
 /* ---- cdef end ---- */

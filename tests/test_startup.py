@@ -164,6 +164,8 @@ def test_the_size_matches_the_cache_the_engine_allocates(monkeypatch):
         cache = llm.engine.cache
         kv = sum(t.numel() * t.element_size() for t in [*cache.k.values(), *cache.v.values()])
         state = sum(t.numel() * t.element_size() for t in [*cache.conv.values(), *cache.ssm.values()])
+        snaps = llm.engine.snapshots                  # the prefix cache's state snapshots: one per slot by default
+        state += sum(t.numel() * t.element_size() for t in [*snaps.conv.values(), *snaps.ssm.values()])
         monkeypatch.setattr(pocketllm, "device_memory", lambda device: (3 * GiB, 4 * GiB))
         llm.options.max_batch_size, llm.options.num_kv_blocks = 0, 0
         llm._size_cache()
@@ -188,6 +190,8 @@ def test_a_memory_sized_engine_starts_and_serves(monkeypatch):
         ws = pocketllm.workspace_bytes(llm.config, opts.prefill_token_budget, 256, 4)
         per_block = pocketllm.cache_bytes(llm.config, llm.model.layers, 1, 16, 0, torch.float32)
         per_slot = pocketllm.cache_bytes(llm.config, llm.model.layers, 0, 16, 1, torch.float32)
+        per_slot *= 2                                 # its state and, by default, one prefix-cache snapshot
+        assert llm.engine.snapshots.ssm[0].shape[0] == 256
         assert llm.engine.blocks.total == (GiB - int((1 - 0.8) * 2 * GiB) - ws - 256 * per_slot) // per_block
         assert llm.generate("Hello", max_tokens=3, temperature=1.0, presence_penalty=0.5)["completion_tokens"] == 3
     finally:

@@ -1,0 +1,376 @@
+"""The prefix cache (section 5): a prompt that starts like an earlier one resumes from cached KV blocks and
+recurrent-state snapshots, and prefills only the rest. Exactness: every engine below runs the same requests with
+the cache on and off (LLM(prefix_cache=False)), on the torch backend in float32, and the answers are the same:
+identical tokens (greedy, and seeded temperature-1 sampling with penalties) and every sampled row's logits within
+1e-5 relative (max |on - off| / max |off|; the only difference is where prefill chunks split, which reorders
+float32 sums). Cases: qwen3_5 (hybrid) and qwen3 (attention only) random checkpoints, whole and chunked
+prefill, n > 1 forks, preemption, aborts, tensor-parallel CPU ranks. Every cache-on engine also checks, at each
+KV write, that no written block is shared, and ends with nothing held: every block free or cached, every slot
+free (the existing leak checks: `kv_blocks_used == 0`, all refs 0).
+"""
+
+from __future__ import annotations
+
+import random
+import urllib.request
+
+import pytest
+import torch
+
+import pocketllm
+
+BS = 16
+REL = 1e-5
+
+
+def make(path, **opts):
+    opts = {"backend": "torch", "dtype": "float32", "quiet": True, "max_context": 320, "max_batch_size": 4, **opts}
+    return pocketllm.LLM(path, **opts)
+
+
+class Observed:
+    """An LLM whose engine is stepped here, by hand: the rows the sampler reads (logits per request and
+    choice) are recorded, and with the prefix cache on, every KV write is checked to touch only blocks that
+    one sequence holds. Observation only: the model, engine and sampler are the real ones."""
+
+    def __init__(self, llm):
+        self.llm, self.engine = llm, llm.engine
+        self.logits: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.shared_writes: list[int] = []
+        sample = self.engine.sampler.sample
+
+        def record(rows, logits):
+            for row in rows:
+                self.logits.setdefault((row.seq.request.id, row.seq.index), []).append(logits[row.logit_row].clone())
+            return sample(rows, logits)
+        self.engine.sampler.sample = record
+        ops = llm.model.ops
+        kv_write = ops.kv_write
+
+        def checked_write(k, v, k_cache, v_cache, slot_mapping):
+            refs = self.engine.blocks.refs
+            self.shared_writes += [b for b in (slot_mapping // k_cache.shape[1]).tolist() if refs[b] != 1]
+            return kv_write(k, v, k_cache, v_cache, slot_mapping)
+        if llm.group is None:
+            ops.kv_write = checked_write
+
+    def run(self, requests: list[pocketllm.Request], abort_after: dict[str, int] | None = None) -> list[list[list[int]]]:
+        """Add the requests, step until idle (aborting request id after its step count), and return each
+        request's choices' tokens."""
+        for req in requests:
+            req.params.validate(self.llm.config.vocab_size)
+            self.engine.add(req)
+        steps = 0
+        while self.engine.has_work():
+            self.engine.step()
+            steps += 1
+            for rid, at in (abort_after or {}).items():
+                if steps == at:
+                    self.engine.abort(rid)
+        out = []
+        for req in requests:
+            tokens = [[] for _ in range(req.params.n)]
+            while not req.events.empty():
+                ev = req.events.get()
+                assert ev.finish_reason != "error", ev.error
+                tokens[ev.index] += ev.token_ids
+            out.append(tokens)
+        return out
+
+
+def request(rid: str, prompt: list[int], **sampling) -> pocketllm.Request:
+    return pocketllm.Request(rid, prompt, pocketllm.SamplingParams(**sampling), default_seed=11)
+
+
+def assert_same_logits(on: Observed, off: Observed):
+    assert on.logits.keys() == off.logits.keys()
+    for key, rows in off.logits.items():
+        assert len(on.logits[key]) == len(rows), key
+        for i, (a, b) in enumerate(zip(on.logits[key], rows)):
+            err = ((a - b).abs().max() / b.abs().max()).item()
+            assert err <= REL, f"{key} token {i}: logits differ by {err:.3g} relative"
+
+
+def assert_nothing_held(llm):
+    """No block or slot held by a request: every block free or cached (evictable), refs all 0, slots free."""
+    e = llm.engine
+    stats = llm.stats()
+    assert stats["running"] == stats["waiting"] == 0
+    assert stats["kv_blocks_used"] == 0 and e.blocks.refs == [0] * e.blocks.total
+    assert sorted(e.blocks.free + list(e.blocks.cached)) == list(range(e.blocks.total))
+    assert stats["slots_used"] == 0 and sorted(e.slots.free) == list(range(e.slots.total))
+    if e.prefix is not None:
+        used = {s.slot for s in e.prefix.by_key.values() if s.slot is not None}
+        assert len(used) == e.prefix.snapshots_used and not used & set(e.prefix.free_slots)
+        assert sorted(used | set(e.prefix.free_slots)) == list(range(e.prefix.slots_total))
+
+
+def common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# ---- The native op: row copies between cache tensors ----
+
+def test_copy_rows_native_equals_torch_and_reference():
+    """pl_copy_rows through NativeOps (CPU build) and TorchOps.copy_rows against plain indexing: across two
+    tensors and within one, 16-byte rows and odd byte counts, fp32 and fp16."""
+    import build
+    build.build(cpu=True, quiet=True)         # skips, saying why, where the CPU test build cannot be made
+    native, torch_ops = pocketllm.NativeOps("cpu"), pocketllm.TorchOps()
+    g = torch.Generator().manual_seed(0)
+    for dtype, row in ((torch.float32, (4, 8)), (torch.float32, (5, 7)), (torch.float16, (3, 3)),
+                       (torch.float32, (48, 40))):
+        src = torch.randn(6, *row, generator=g).to(dtype)
+        dst = torch.randn(9, *row, generator=g).to(dtype)
+        pairs = torch.tensor([[5, 0], [0, 8], [3, 2]])
+        want = dst.clone()
+        for s, d in pairs.tolist():
+            want[d] = src[s]
+        for ops in (native, torch_ops):
+            out = dst.clone()
+            ops.copy_rows(src, out, pairs[:, 0], pairs[:, 1])
+            assert torch.equal(out, want), (ops.name, dtype, row)
+            same = src.clone()                                   # within one tensor: 5 -> 1, 0 -> 4
+            ops.copy_rows(same, same, torch.tensor([5, 0]), torch.tensor([1, 4]))
+            ref = src.clone()
+            ref[1], ref[4] = src[5], src[0]
+            assert torch.equal(same, ref), (ops.name, dtype, row)
+            ops.copy_rows(src, out, torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long))
+    with pytest.raises(pocketllm.PocketError, match="cannot go to rows"):
+        native.copy_rows(torch.zeros(2, 4), torch.zeros(2, 5), torch.tensor([0]), torch.tensor([1]))
+
+
+# ---- Exactness on an agent-like trace ----
+
+def agent_turns(observed: Observed, tag: str, **sampling) -> list[tuple[list[int], list[int], int]]:
+    """Five turns of a token-level agent session: (prompt, generated, cached_tokens) per turn.
+    1: system + user + an assistant header of 3 tokens (as a generation prompt "<|im_start|>assistant\\n<think>\\n"
+       is); 2: the history keeps only the header's first token (templates drop the empty reasoning) then the
+    reply and a new user turn: it diverges inside turn 1's last tokens; 3: turn 2 + its reply + more, exactly
+    (resumes at the end of the generation); 4: turn 3 resent; 5: the first 40 tokens of turn 1, then others."""
+    rng = random.Random(5)
+    toks = lambda n: [rng.randrange(5, 380) for _ in range(n)]  # noqa: E731
+    system, user, header = toks(45), toks(11), toks(3)
+    kw = dict(max_tokens=6, ignore_eos=True, **sampling)
+    turns = []
+
+    def turn(i, prompt):
+        req = request(f"{tag}-{i}", prompt, **kw)
+        (gen,), = observed.run([req])
+        turns.append((prompt, gen, req.cached_tokens))
+        return gen
+    gen1 = turn(1, system + user + header)
+    p2 = system + user + header[:1] + gen1 + [2] + toks(9) + header
+    gen2 = turn(2, p2)
+    p3 = p2 + gen2 + toks(7) + header
+    turn(3, p3)
+    turn(4, p3)
+    turn(5, system[:40] + toks(20))
+    return turns
+
+
+MODES = {"whole": {}, "chunked": {"prefill_token_budget": 20}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3"])
+def test_agent_turns_exact_and_resumed(ckpt_factory, model_type, mode):
+    path = ckpt_factory(model_type)[0]
+    on, off = Observed(make(path, **MODES[mode])), Observed(make(path, prefix_cache=False, **MODES[mode]))
+    sampling = dict(temperature=1.0, seed=3, presence_penalty=0.4, repetition_penalty=1.2)
+    for kw in (dict(temperature=0), sampling):
+        tag = "greedy" if not kw["temperature"] else "sampled"
+        got, want = agent_turns(on, tag, **kw), agent_turns(off, tag, **kw)
+        assert [g for _, g, _ in got] == [g for _, g, _ in want]
+        assert all(cached == 0 for _, _, cached in want)
+        (p1, g1, c1), (p2, g2, c2), (p3, _, c3), (_, _, c4), _ = got
+        assert c1 == 0 or tag == "sampled"                        # the second pass resumes turn 1 too
+        assert c2 >= common(p2, p1) - BS                          # only the new tokens, plus at most one block
+        assert c3 == len(p2) + len(g2) - 1                        # the end of turn 2's generation
+        assert c4 >= len(p3) - 1 - BS
+    assert_same_logits(on, off)
+    assert not on.shared_writes
+    for o in (on, off):
+        assert_nothing_held(o.llm)
+    stats = on.llm.stats()
+    assert stats["prefix_cache_hit_tokens_total"] > stats["prefix_cache_queried_tokens_total"] // 2
+    assert stats["kv_blocks_cached"] > 0
+    if model_type == "qwen3_5":
+        assert stats["prefix_cache_snapshots"] > 0
+        assert stats["prefix_cache_snapshot_bytes"] == stats["prefix_cache_snapshots"] * on.engine.snapshot_bytes
+    else:
+        assert stats["prefix_cache_snapshots"] == 0 and on.engine.prefix.slots_total == 0
+
+
+# ---- Forks, preemption and aborts ----
+
+def test_n_forks_exact(ckpt_factory):
+    """n = 3 seeded choices with penalties on a prompt that resumes from the cache: the parent's resumed
+    state and blocks are what the forks copy and share."""
+    path = ckpt_factory("qwen3_5")[0]
+    on, off = Observed(make(path)), Observed(make(path, prefix_cache=False))
+    base = [7 + i % 300 for i in range(50)]
+    kw = dict(max_tokens=8, temperature=1.0, seed=9, n=3, frequency_penalty=0.5, ignore_eos=True)
+    for o in (on, off):
+        o.run([request("a", base, max_tokens=3, temperature=0)])
+    forks_on = on.run([request("b", base + [9, 8, 7, 6, 5], **kw)])
+    assert forks_on == off.run([request("b", base + [9, 8, 7, 6, 5], **kw)])
+    assert len({tuple(c) for c in forks_on[0]}) == 3
+    assert on.engine.requests == {} and on.llm.stats()["prefix_cache_hit_tokens_total"] >= 48
+    assert_same_logits(on, off)
+    assert not on.shared_writes
+    assert_nothing_held(on.llm)
+
+
+def test_preemption_exact(ckpt_factory):
+    """Six requests sharing a 40-token prefix in 14 blocks of 16: they cannot all run at once, so the newest
+    are preempted, recomputed and (with the cache) resumed from their own cached blocks."""
+    path = ckpt_factory("qwen3_5")[0]
+    opts = dict(num_kv_blocks=14, max_context=96, max_batch_size=6)
+    on, off = Observed(make(path, **opts)), Observed(make(path, prefix_cache=False, **opts))
+    prefix = [11 + (i * 7) % 350 for i in range(40)]
+
+    def batch():
+        return [request(f"p{i}", prefix + [20 + i] * (i + 1), max_tokens=30, ignore_eos=True,
+                        **(dict(temperature=0) if i % 2 else dict(temperature=1.0, seed=i, presence_penalty=0.3)))
+                for i in range(6)]
+    for o in (on, off):
+        o.run([request("warm", prefix + [3], max_tokens=2, temperature=0)])
+    got = on.run(batch())
+    assert got == off.run(batch())
+    assert_same_logits(on, off)
+    assert not on.shared_writes
+    assert on.llm.stats()["prefix_cache_hit_tokens_total"] >= 6 * 32
+    assert_nothing_held(on.llm)
+
+
+def test_abort_mid_prefill_then_resume_exact(ckpt_factory):
+    """A request aborted in the middle of its chunked prefill frees what it holds; the blocks and snapshots it
+    completed stay cached, and a later request with its prefix resumes from them, exactly."""
+    path = ckpt_factory("qwen3_5")[0]
+    on, off = Observed(make(path, prefill_token_budget=20)), Observed(make(path, prefill_token_budget=20,
+                                                                            prefix_cache=False))
+    long = [5 + (i * 11) % 370 for i in range(100)]
+    for o in (on, off):
+        (tokens,), = o.run([request("gone", long, max_tokens=5, temperature=0)], abort_after={"gone": 3})
+        assert tokens == []
+        assert_nothing_held(o.llm)
+    assert on.llm.stats()["kv_blocks_cached"] >= 3                 # three chunks of 16 ran before the abort
+    kw = dict(max_tokens=6, temperature=1.0, seed=2, repetition_penalty=1.3, ignore_eos=True)
+    follow = long[:60] + [9] * 5
+    req = request("next", follow, **kw)
+    assert on.run([req]) == off.run([request("next", follow, **kw)])
+    assert req.cached_tokens == 48
+    assert_same_logits(on, off)
+    assert_nothing_held(on.llm)
+
+
+def test_snapshot_memory_bound_and_lru(ckpt_factory):
+    """--prefix-cache-memory 1 (MiB) holds a handful of snapshots: distinct prompts evict the least recently
+    used, the count never passes the bound, and what remains still resumes."""
+    path = ckpt_factory("qwen3_5")[0]
+    llm = make(path, prefix_cache_memory=1)
+    o = Observed(llm)
+    bound = llm.engine.prefix.slots_total
+    assert bound == (1 << 20) // llm.engine.snapshot_bytes and bound >= 2
+    prompts = [[5 + (i * 31 + j * 7) % 370 for j in range(37)] for i in range(10)]
+    for i, p in enumerate(prompts):
+        o.run([request(f"d{i}", p, max_tokens=2, temperature=0)])
+        assert llm.stats()["prefix_cache_snapshots"] <= bound
+    assert llm.stats()["prefix_cache_evictions_total"] > 0
+    req = request("again", prompts[-1] + [4, 4], max_tokens=2, temperature=0)
+    o.run([req])
+    assert req.cached_tokens >= 32
+    assert_nothing_held(llm)
+
+
+def test_save_and_restore_state(ckpt_factory):
+    """Engine.save_state / restore_state / drop_state: a slot's state is put back exactly."""
+    path = ckpt_factory("qwen3_5")[0]
+    llm = make(path)
+    e = llm.engine
+    layer = next(iter(e.cache.ssm))
+    e.cache.ssm[layer][1].normal_()
+    e.cache.conv[layer][1].normal_()
+    before = e.cache.ssm[layer][1].clone(), e.cache.conv[layer][1].clone()
+    handle = e.save_state(1)
+    e.cache.ssm[layer][1].zero_()
+    e.cache.conv[layer][1].zero_()
+    e.restore_state(handle, 2)
+    assert torch.equal(e.cache.ssm[layer][2], before[0]) and torch.equal(e.cache.conv[layer][2], before[1])
+    free = len(e.prefix.free_slots)
+    e.drop_state(handle)
+    assert len(e.prefix.free_slots) == free + 1
+    assert make(path, prefix_cache=False).engine.save_state(0) is None
+
+
+# ---- Tensor parallelism: each rank copies its own shard of the state ----
+
+@pytest.mark.slow
+def test_tensor_parallel_cpu_ranks_exact(ckpt_factory):
+    path = ckpt_factory("qwen3_5")[0]
+    opts = dict(devices="cpu,cpu", prefill_token_budget=20)
+    on, off = Observed(make(path, **opts)), Observed(make(path, prefix_cache=False, **opts))
+    try:
+        got, want = agent_turns(on, "tp", temperature=0), agent_turns(off, "tp", temperature=0)
+        assert [g for _, g, _ in got] == [g for _, g, _ in want]
+        assert got[2][2] == len(got[1][0]) + len(got[1][1]) - 1
+        assert_same_logits(on, off)
+        assert_nothing_held(on.llm)
+    finally:
+        on.llm.close()
+        off.llm.close()
+
+
+# ---- The flags, /metrics and usage over HTTP ----
+
+def test_flags():
+    args = pocketllm.parse_command_line(["--no-prefix-cache", "--prefix-cache-memory", "64"])
+    options = pocketllm.engine_options(args)
+    assert options["prefix_cache"] is False and options["prefix_cache_memory"] == 64
+    assert pocketllm.engine_options(pocketllm.parse_command_line([]))["prefix_cache"] is True
+    with pytest.raises(pocketllm.PocketError, match="--prefix-cache-memory"):
+        pocketllm.LLM(quiet=True, prefix_cache_memory=-2)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = pocketllm.LLM(backend="torch", quiet=True, max_context=1024)
+    yield llm
+    llm.close()
+
+
+def test_usage_reports_cached_tokens_over_http(server, llm):
+    """A follow-up chat turn and a completion that extends an earlier prompt report the prompt tokens they
+    resumed as usage.prompt_tokens_details.cached_tokens, streamed or not (openai SDK), and /metrics counts them."""
+    import openai
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none")
+    model = llm.model_name
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 20},
+                {"role": "user", "content": "Name three rivers."}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content or "ok"},
+                 {"role": "user", "content": "And three lakes?"}]
+    second = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - BS - 8 and cached < second.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+    text = "The river flows past the old mill and on to the sea. " * 8
+    one = client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0)
+    two = client.completions.create(model=model, prompt=text + "Then it rains.", max_tokens=3, temperature=0)
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens - BS
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/metrics") as r:
+        metrics = r.read().decode()
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    assert int(samples["pocketllm_prefix_cache_hit_tokens_total"]) >= cached
+    assert int(samples["pocketllm_prefix_cache_queried_tokens_total"]) > int(
+        samples["pocketllm_prefix_cache_hit_tokens_total"])
+    assert int(samples["pocketllm_prefix_cache_snapshot_bytes"]) > 0
+    assert "pocketllm_prefix_cache_evictions_total" in samples
