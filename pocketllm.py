@@ -5684,6 +5684,8 @@ RESPONSES_INCLUDES = ("reasoning.encrypted_content",)
 RESPONSES_TEXT_PARTS = ("input_text", "output_text", "text")
 REASONING_SUMMARIES = ("auto", "concise", "detailed")
 MESSAGES_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}      # and "tool": that function
+MESSAGES_THINKING = ("enabled", "adaptive", "disabled")
+MESSAGES_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 MESSAGES_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                          404: "not_found_error", 405: "invalid_request_error", 411: "invalid_request_error",
@@ -5694,6 +5696,7 @@ RESPONSES_RENAMES = ((r"messages\b.*", "input"), (r"max_tokens\b.*", "max_output
                      (r"response_format\b.*", "text.format"), (r"verbosity\b.*", "text.verbosity"),
                      (r"reasoning_effort\b.*", "reasoning.effort"), (r"tools\[(\d+)\]\.function\.", r"tools[\1]."))
 MESSAGES_RENAMES = ((r"messages\b.*", "messages"), (r"stop\b.*", "stop_sequences"),
+                    (r"response_format\b.*", "output_config.format"), (r"reasoning_effort\b.*", "output_config.effort"),
                     (r"chat_template_kwargs\b.*", "thinking"),
                     (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
                     (r"tools\[(\d+)\]\.function\.", r"tools[\1]."))
@@ -5775,7 +5778,7 @@ def _responses_input(value, param: str, vocab_size: int | None) -> list[dict]:
             else:
                 messages.append({"role": role, "content": content})
         elif kind == "function_call":
-            _only_keys(item, ("type", "call_id", "name", "arguments", "id", "status"), where)
+            _only_keys(item, ("type", "call_id", "name", "namespace", "arguments", "id", "status"), where)
             call = {"id": _check_type(item.get("call_id"), str, f"{where}.call_id"), "type": "function",
                     "function": {"name": _check_type(item.get("name"), str, f"{where}.name"),
                                  "arguments": _check_type(item.get("arguments"), str, f"{where}.arguments")}}
@@ -5798,12 +5801,30 @@ def _responses_input(value, param: str, vocab_size: int | None) -> list[dict]:
     return messages
 
 
-def _responses_tools(tools, param: str, vocab_size: int | None) -> list[dict] | None:
-    """Function tools -> chat tools; a hosted tool (web_search, file_search, ...) is 400 naming it."""
-    converted = []
+def _function_tools(tools, param: str) -> Iterator[tuple[str, dict, str | None]]:
+    """(where, tool, namespace) for every tool, the members of namespace tools in place of their group."""
     for i, tool in enumerate(_check_type(tools, list, param)):
         where = f"{param}[{i}]"
         tool = _check_type(tool, dict, where)
+        if tool.get("type") == "namespace":
+            _only_keys(tool, ("type", "name", "description", "tools"), where)
+            namespace = _check_type(tool.get("name"), str, f"{where}.name")
+            yield from ((inner, member, namespace) for inner, member, _ in _function_tools(tool.get("tools"),
+                                                                                          f"{where}.tools"))
+        else:
+            yield where, tool, None
+
+
+def _tool_namespaces(tools) -> dict[str, str]:
+    """function name -> the namespace tool that groups it, for a `tools` already checked."""
+    return {tool["name"]: namespace for _, tool, namespace in _function_tools(tools or [], "tools") if namespace}
+
+
+def _responses_tools(tools, param: str, vocab_size: int | None) -> list[dict] | None:
+    """Function tools (namespace tools' members too) -> chat tools; a hosted tool (web_search, file_search, ...)
+    is 400 naming it."""
+    converted = []
+    for where, tool, _ in _function_tools(tools, param):
         if tool.get("type") != "function":
             raise RequestError(f"'{where}.type' {tool.get('type')!r} is not supported: only function tools run "
                                "here (no hosted tools)", param=f"{where}.type", code="unsupported_field")
@@ -5906,6 +5927,12 @@ def _messages_blocks(content, param: str, role: str) -> list[dict]:
     return results + ([{"role": "user", "content": text}] if text or not results else [])
 
 
+def _messages_system(system, param: str, vocab_size: int | None) -> list[dict]:
+    """`system`, a string or text blocks -> [the chat system message] ([] when empty)."""
+    content = _text_content(system, param, ("text",))
+    return [{"role": "system", "content": content}] if content else []
+
+
 def _messages_input(messages, param: str, vocab_size: int | None) -> list[dict]:
     """`messages` -> chat messages."""
     converted = []
@@ -5913,19 +5940,17 @@ def _messages_input(messages, param: str, vocab_size: int | None) -> list[dict]:
         where = f"{param}[{i}]"
         message = _check_type(message, dict, where)
         _only_keys(message, ("role", "content"), where)
-        if message.get("role") not in ("user", "assistant"):
-            raise RequestError(f"'{where}.role' must be user or assistant, got {message.get('role')!r} (the system "
-                               "prompt is the top-level 'system')", param=f"{where}.role")
-        converted += _messages_blocks(message.get("content"), f"{where}.content", message["role"])
+        role = message.get("role")
+        if role == "system":                               # a system message mid-conversation
+            converted += _messages_system(message.get("content"), f"{where}.content", vocab_size)
+        elif role in ("user", "assistant"):
+            converted += _messages_blocks(message.get("content"), f"{where}.content", role)
+        else:
+            raise RequestError(f"'{where}.role' must be user, assistant or system, got {role!r}",
+                               param=f"{where}.role")
     if not converted:
         raise RequestError(f"'{param}' must not be empty", param=param)
     return converted
-
-
-def _messages_system(system, param: str, vocab_size: int | None) -> list[dict]:
-    """`system`, a string or text blocks -> [the chat system message] ([] when empty)."""
-    content = _text_content(system, param, ("text",))
-    return [{"role": "system", "content": content}] if content else []
 
 
 def _messages_tools(tools, param: str, vocab_size: int | None) -> list[dict] | None:
@@ -5961,12 +5986,47 @@ def _messages_tool_choice(choice: dict, param: str, vocab_size: int | None) -> d
 
 def _messages_thinking(thinking: dict, param: str, vocab_size: int | None) -> dict:
     kind = thinking.get("type")
-    if kind not in ("enabled", "disabled"):
-        raise RequestError(f"'{param}.type' must be enabled or disabled, got {kind!r}", param=f"{param}.type")
-    _only_keys(thinking, ("type", "budget_tokens") if kind == "enabled" else ("type",), param)
+    if kind not in MESSAGES_THINKING:
+        raise RequestError(f"'{param}.type' must be one of {', '.join(MESSAGES_THINKING)}, got {kind!r}",
+                           param=f"{param}.type")
+    _only_keys(thinking, {"enabled": ("type", "budget_tokens", "display"), "adaptive": ("type", "display"),
+                          "disabled": ("type",)}[kind], param)
     if kind == "enabled" and not _check_type(thinking.get("budget_tokens"), int, f"{param}.budget_tokens") >= 1:
         raise RequestError(f"'{param}.budget_tokens' must be at least 1", param=f"{param}.budget_tokens")
+    if thinking.get("display") not in (None, "summarized", "omitted"):
+        raise RequestError(f"'{param}.display' must be summarized or omitted", param=f"{param}.display")
     return thinking
+
+
+def _messages_output_config(config: dict, param: str, vocab_size: int | None) -> dict:
+    """`output_config` -> {"reasoning_effort"?, "response_format"?} for the chat body."""
+    _only_keys(config, ("effort", "format"), param)
+    out = {}
+    if config.get("effort") is not None:
+        if config["effort"] not in MESSAGES_EFFORTS:
+            raise RequestError(f"'{param}.effort' must be one of {', '.join(MESSAGES_EFFORTS)}",
+                               param=f"{param}.effort")
+        out["reasoning_effort"] = MESSAGES_EFFORTS[config["effort"]]
+    if config.get("format") is not None:
+        fmt = _check_type(config["format"], dict, f"{param}.format")
+        _only_keys(fmt, ("type", "schema"), f"{param}.format")
+        if fmt.get("type") != "json_schema":
+            raise RequestError(f"'{param}.format.type' must be json_schema", param=f"{param}.format.type")
+        out["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": _check_type(fmt.get("schema"), dict, f"{param}.format.schema")}}
+    return out
+
+
+def _messages_context_management(config: dict, param: str, vocab_size: int | None) -> dict:
+    """Only the edits that change nothing: clearing thinking while keeping all of it."""
+    _only_keys(config, ("edits",), param)
+    for i, edit in enumerate(_check_type(config.get("edits") or [], list, f"{param}.edits")):
+        edit = _check_type(edit, dict, f"{param}.edits[{i}]")
+        if not str(edit.get("type")).startswith("clear_thinking_") or edit.get("keep") != "all":
+            raise RequestError(f"'{param}.edits[{i}]' is not supported: the context is never edited (only "
+                               "clear_thinking with keep \"all\" is accepted)", param=f"{param}.edits[{i}]",
+                               code="unsupported_field")
+    return config
 
 
 def _budget_below_max_tokens(values: dict, param: str):
@@ -6095,6 +6155,8 @@ RESPONSES_FIELDS = {
         prompt=_refused_unless_null(why="stored prompt templates live on OpenAI's side")),
     **{name: GENERATION_FIELDS[name] for name in ("user", "metadata", "service_tier", "prompt_cache_key",
                                                   "prompt_cache_retention", "safety_identifier")},
+    **_table(client_metadata=Field(kind="object", layer="server", policy=NO_EFFECT,
+                                   why="Codex's session bookkeeping")),
 }
 
 MESSAGES_FIELDS = {
@@ -6133,21 +6195,44 @@ MESSAGES_FIELDS = {
                               "`disable_parallel_tool_use: true` is `parallel_tool_calls: false`"),
         thinking=Field(kind="object", layer="template", read=_messages_thinking, relate=_budget_below_max_tokens,
                        schema={"type": "object", "required": ["type"], "properties": {
-                           "type": {"enum": ["enabled", "disabled"]}, "budget_tokens": {"type": "integer",
-                                                                                        "minimum": 1}}},
-                       shape="`{type: enabled, budget_tokens}` or `{type: disabled}`", default_text="disabled",
-                       why="the template's `enable_thinking` (absent: false, as Anthropic's default; a template that "
-                           "does not read it is 400 when thinking is sent). `budget_tokens` must be below "
-                           "`max_tokens`, which alone bounds the thinking (Anthropic calls the budget a target)"),
+                           "type": {"enum": list(MESSAGES_THINKING)}, "budget_tokens": {"type": "integer", "minimum": 1},
+                           "display": {"enum": ["summarized", "omitted"]}}},
+                       shape="`{type: enabled, budget_tokens, display?}`, `{type: adaptive, display?}` or "
+                             "`{type: disabled}`", default_text="disabled",
+                       why="`enabled` and `adaptive` set the template's `enable_thinking` true, `disabled` and absent "
+                           "false (Anthropic's default); sent to a template that does not read it, 400. "
+                           "`budget_tokens` must be below `max_tokens`, which alone bounds the thinking (Anthropic "
+                           "calls the budget a target). `display: omitted`: thinking blocks come with empty text"),
+        output_config=Field(kind="object", layer="template", read=_messages_output_config,
+                            schema={"type": "object", "properties": {
+                                "effort": {"enum": list(MESSAGES_EFFORTS)}, "format": {
+                                    "type": "object", "required": ["type", "schema"], "properties": {
+                                        "type": {"const": "json_schema"}, "schema": {"type": "object"}}}}},
+                            shape="`{effort?, format?}`",
+                            why="`effort` is the chat's `reasoning_effort` (`xhigh` and `max` as `high`) for a "
+                                "template that reads it; with one that does not, the depth of thinking is the "
+                                "model's own and only `thinking` turns it on or off. `format` `{type: json_schema, "
+                                "schema}` becomes the chat's `response_format` (and its policy)"),
+        context_management=Field(kind="object", layer="template", read=_messages_context_management,
+                                 why="accepted when its edits change nothing (`clear_thinking_*` with `keep: "
+                                     "\"all\"`, as Claude Code sends); any other edit is 400"),
         metadata=Field(kind="object", layer="server", policy=NO_EFFECT, why="`user_id`: bookkeeping on "
                                                                             "Anthropic's side"),
-        service_tier=Field(kind="string", layer="server", policy=NO_EFFECT, why="bookkeeping on Anthropic's side"),
+        **{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why=why) for name, kind, why in (
+            ("cache_control", "object", "prompt caching is automatic here"),
+            ("diagnostics", "object", "no diagnostics are returned"),
+            ("service_tier", "string", "bookkeeping on Anthropic's side"),
+            ("inference_geo", "string", "bookkeeping on Anthropic's side"),
+            ("speed", "string", "one speed here"),
+            ("user_profile_id", "string", "bookkeeping on Anthropic's side"),
+            ("workspace_id", "string", "bookkeeping on Anthropic's side"))},
         container=_refused_unless_null(kind="any"),
         mcp_servers=_refused_unless_null(kind="array")),
 }
 
-MESSAGES_COUNT_FIELDS = {name: MESSAGES_FIELDS[name] for name in ("model", "messages", "system", "tools",
-                                                                  "tool_choice", "thinking")}
+MESSAGES_COUNT_FIELDS = {name: MESSAGES_FIELDS[name] for name in (
+    "model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "context_management",
+    "cache_control", "speed", "user_profile_id", "workspace_id")}
 FIELD_TABLES.update(responses=RESPONSES_FIELDS, messages=MESSAGES_FIELDS, messages_count_tokens=MESSAGES_COUNT_FIELDS)
 
 
@@ -6264,9 +6349,9 @@ class ResponsesTurn(ProtocolTurn):
     """One /v1/responses request: the Response object, built up as the chat stream's blocks arrive."""
 
     def __init__(self, llm, completion: Completion, values: dict, conversation: list[dict],
-                 store: ResponseStore | None):
+                 store: ResponseStore | None, namespaces: dict[str, str]):
         super().__init__(llm, completion, values["stream"])
-        self.conversation, self.store, self.sequence = conversation, store, 0
+        self.conversation, self.store, self.namespaces, self.sequence = conversation, store, namespaces, 0
         self.encrypted = "reasoning.encrypted_content" in (values["include"] or [])
         self.answer = {
             "id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()),
@@ -6334,6 +6419,8 @@ class ResponsesTurn(ProtocolTurn):
         else:
             item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "call_id": call["id"],
                     "name": call["name"], "arguments": "", "status": "in_progress"}
+            if call["name"] in self.namespaces:
+                item["namespace"] = self.namespaces[call["name"]]
         out.append(item)
         where = {"item_id": item["id"], "output_index": len(out) - 1}
         yield self._event("output_item.added", output_index=len(out) - 1, item=item)
@@ -6410,7 +6497,8 @@ def start_response(llm, body, store: ResponseStore | None = None, metrics: Serve
         completion = start_chat_completion(llm, chat, metrics)
     except RequestError as e:
         raise _renamed(e, RESPONSES_RENAMES) from None
-    return ResponsesTurn(llm, completion, values, conversation, store if values["store"] else None)
+    return ResponsesTurn(llm, completion, values, conversation, store if values["store"] else None,
+                         _tool_namespaces(body.get("tools")))
 
 
 def _messages_usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
@@ -6433,6 +6521,7 @@ class MessagesTurn(ProtocolTurn):
 
     def __init__(self, llm, completion: Completion, values: dict):
         super().__init__(llm, completion, values["stream"])
+        self.omit_thinking = (values["thinking"] or {}).get("display") == "omitted"
         self.answer = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
                        "model": llm.model_name, "content": [], "stop_reason": None, "stop_sequence": None,
                        "usage": _messages_usage(completion.stream.prompt_tokens, 0, 0)}
@@ -6455,6 +6544,8 @@ class MessagesTurn(ProtocolTurn):
                 content.append(block)
                 arguments = ""
                 yield {"type": "content_block_start", "index": len(content) - 1, "content_block": copy.deepcopy(block)}
+            elif what == "delta" and kind == "reasoning" and self.omit_thinking:
+                continue
             elif what == "delta":
                 key, delta_type = {"text": ("text", "text_delta"), "reasoning": ("thinking", "thinking_delta"),
                                    "tool": ("partial_json", "input_json_delta")}[kind]
@@ -6497,11 +6588,15 @@ def messages_chat_body(llm, body, table: dict[str, Field]) -> tuple[dict, dict]:
             chat["parallel_tool_calls"] = False
     if values.get("stop_sequences"):
         chat["stop"] = values["stop_sequences"]
-    thinking = values["thinking"]
+    thinking, output = values["thinking"], values["output_config"] or {}
     if thinking is not None and not _template_reads(llm, "enable_thinking"):
         raise _unsupported_by_template("thinking")
     if _template_reads(llm, "enable_thinking"):
-        chat["chat_template_kwargs"] = {"enable_thinking": bool(thinking) and thinking["type"] == "enabled"}
+        chat["chat_template_kwargs"] = {"enable_thinking": bool(thinking) and thinking["type"] != "disabled"}
+    if "reasoning_effort" in output and _template_reads(llm, "reasoning_effort"):
+        chat["reasoning_effort"] = output["reasoning_effort"]
+    if "response_format" in output:
+        chat["response_format"] = output["response_format"]
     return values, chat
 
 
