@@ -5716,6 +5716,14 @@ def _renamed(error: RequestError, renames: tuple) -> RequestError:
     return error
 
 
+def _on_chat_side(renames: tuple, step: Callable, *args):
+    """step(*args), a step of the chat path: its RequestError renamed to the protocol's fields."""
+    try:
+        return step(*args)
+    except RequestError as e:
+        raise _renamed(e, renames) from None
+
+
 def _text_content(content, param: str, part_types: tuple[str, ...]):
     """A string, or an array of text parts of part_types -> chat content (a string, or chat text parts)."""
     if isinstance(content, str):
@@ -5830,10 +5838,7 @@ def _responses_tools(tools, param: str, vocab_size: int | None) -> list[dict] | 
                                "here (no hosted tools)", param=f"{where}.type", code="unsupported_field")
         _only_keys(tool, ("type", *FUNCTION_KEYS), where)
         converted.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
-    try:
-        return _read_tools(converted, param, vocab_size)
-    except RequestError as e:
-        raise _renamed(e, RESPONSES_RENAMES) from None
+    return _on_chat_side(RESPONSES_RENAMES, _read_tools, converted, param, vocab_size)
 
 
 def _responses_tool_choice(choice, param: str, vocab_size: int | None):
@@ -5966,10 +5971,7 @@ def _messages_tools(tools, param: str, vocab_size: int | None) -> list[dict] | N
         _only_keys(tool, ("type", "name", "description", "input_schema", "cache_control"), where)
         function = {k: tool[k] for k in ("name", "description") if k in tool}
         converted.append({"type": "function", "function": {**function, "parameters": tool.get("input_schema")}})
-    try:
-        return _read_tools(converted, param, vocab_size)
-    except RequestError as e:
-        raise _renamed(e, MESSAGES_RENAMES) from None
+    return _on_chat_side(MESSAGES_RENAMES, _read_tools, converted, param, vocab_size)
 
 
 def _messages_tool_choice(choice: dict, param: str, vocab_size: int | None) -> dict:
@@ -6473,30 +6475,26 @@ class ResponsesTurn(ProtocolTurn):
 
 def start_response(llm, body, store: ResponseStore | None = None, metrics: ServerMetrics | None = None):
     """Validate a /v1/responses body, continue its previous response, and submit it as a chat completion."""
-    try:
-        values = read_fields(body, RESPONSES_FIELDS, llm.config.vocab_size)
-        history = []
-        if values["previous_response_id"] is not None:
-            record = store.get(values["previous_response_id"]) if store else None
-            if record is None:
-                raise RequestError(f"previous response {values['previous_response_id']!r} is not stored (it was "
-                                   "sent with store: false, deleted, or dropped as the store filled)",
-                                   param="previous_response_id", code="previous_response_not_found")
-            history = record[1]
-        conversation = history + values["input"]
-        system = [{"role": "system", "content": values["instructions"]}] if values["instructions"] else []
-        chat = _chat_body(body, values, system + conversation, ("model", "temperature", "top_p",
-                                                               "parallel_tool_calls"))
-        chat.update(values["text"] or {})
-        if values["max_output_tokens"] is not None:
-            chat["max_tokens"] = values["max_output_tokens"]
-        if values["tool_choice"] is not None:
-            chat["tool_choice"] = values["tool_choice"]
-        if (values["reasoning"] or {}).get("effort") is not None:
-            chat["reasoning_effort"] = values["reasoning"]["effort"]
-        completion = start_chat_completion(llm, chat, metrics)
-    except RequestError as e:
-        raise _renamed(e, RESPONSES_RENAMES) from None
+    values = read_fields(body, RESPONSES_FIELDS, llm.config.vocab_size)
+    history = []
+    if values["previous_response_id"] is not None:
+        record = store.get(values["previous_response_id"]) if store else None
+        if record is None:
+            raise RequestError(f"previous response {values['previous_response_id']!r} is not stored (it was sent "
+                               "with store: false, deleted, or dropped as the store filled)",
+                               param="previous_response_id", code="previous_response_not_found")
+        history = record[1]
+    conversation = history + values["input"]
+    system = [{"role": "system", "content": values["instructions"]}] if values["instructions"] else []
+    chat = _chat_body(body, values, system + conversation, ("model", "temperature", "top_p", "parallel_tool_calls"))
+    chat.update(values["text"] or {})
+    if values["max_output_tokens"] is not None:
+        chat["max_tokens"] = values["max_output_tokens"]
+    if values["tool_choice"] is not None:
+        chat["tool_choice"] = values["tool_choice"]
+    if (values["reasoning"] or {}).get("effort") is not None:
+        chat["reasoning_effort"] = values["reasoning"]["effort"]
+    completion = _on_chat_side(RESPONSES_RENAMES, start_chat_completion, llm, chat, metrics)
     return ResponsesTurn(llm, completion, values, conversation, store if values["store"] else None,
                          _tool_namespaces(body.get("tools")))
 
@@ -6602,22 +6600,21 @@ def messages_chat_body(llm, body, table: dict[str, Field]) -> tuple[dict, dict]:
 
 def start_message(llm, body, metrics: ServerMetrics | None = None) -> MessagesTurn:
     """Validate a /v1/messages body and submit it as a chat completion."""
-    try:
-        values, chat = messages_chat_body(llm, body, MESSAGES_FIELDS)
-        return MessagesTurn(llm, start_chat_completion(llm, chat, metrics), values)
-    except RequestError as e:
-        raise _renamed(e, MESSAGES_RENAMES) from None
+    values, chat = messages_chat_body(llm, body, MESSAGES_FIELDS)
+    return MessagesTurn(llm, _on_chat_side(MESSAGES_RENAMES, start_chat_completion, llm, chat, metrics), values)
+
+
+def _chat_prompt_tokens(llm, chat: dict) -> int:
+    """The prompt tokens of a chat body, rendered as /tokenize renders it."""
+    values = read_fields({k: v for k, v in chat.items() if k in TOKENIZE_FIELDS}, TOKENIZE_FIELDS)
+    return len(llm.tokenizer.encode(render_chat_prompt(llm, values, values["tools"])))
 
 
 def count_message_tokens(llm, body) -> dict:
     """/v1/messages/count_tokens: the prompt a /v1/messages body renders, counted."""
-    try:
-        values, chat = messages_chat_body(llm, body, MESSAGES_COUNT_FIELDS)
-        _check_model(llm, values)
-        chat = read_fields({k: v for k, v in chat.items() if k in TOKENIZE_FIELDS}, TOKENIZE_FIELDS)
-        return {"input_tokens": len(llm.tokenizer.encode(render_chat_prompt(llm, chat, chat["tools"])))}
-    except RequestError as e:
-        raise _renamed(e, MESSAGES_RENAMES) from None
+    values, chat = messages_chat_body(llm, body, MESSAGES_COUNT_FIELDS)
+    _check_model(llm, values)
+    return {"input_tokens": _on_chat_side(MESSAGES_RENAMES, _chat_prompt_tokens, llm, chat)}
 
 
 # -----------------------------------------------------------------------------------------------
