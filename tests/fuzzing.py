@@ -173,10 +173,11 @@ def request_strategy(doc: dict, path: str, max_context: int, generates: bool):
     return body.flatmap(raw_text)
 
 
-def _exchange(port: int, method: str, path: str, data: bytes | None, key: str | None) -> tuple[int, bytes]:
+def _exchange(port: int, method: str, path: str, data: bytes | None, key: str | None,
+              extra_headers: dict | None = None) -> tuple[int, bytes]:
     """One request with a timeout; a dropped connection or a hang raises."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **(extra_headers or {})}
     if key:
         headers["Authorization"] = f"Bearer {key}"
     try:
@@ -193,6 +194,12 @@ def send(port: int, path: str, data: bytes, key: str | None = None) -> tuple[int
 
 def get(port: int, path: str, key: str | None = None) -> tuple[int, bytes]:
     return _exchange(port, "GET", path, None, key)
+
+
+def request(port: int, method: str, path: str, body=None, key: str | None = None,
+            headers: dict | None = None) -> tuple[int, bytes]:
+    """Any method, a JSON body (or none), extra headers (x-api-key, anthropic-version)."""
+    return _exchange(port, method, path, None if body is None else json.dumps(body).encode(), key, headers)
 
 
 def wait_idle(llm, seconds: float = 30.0) -> bool:

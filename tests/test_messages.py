@@ -5,14 +5,13 @@ The reference is the chat endpoint: a Messages request is translated into a chat
 answer must be the chat completion's answer for the same conversation.
 """
 
-import http.client
 import json
 
 import anthropic
 import openai
 import pytest
 
-import pocketllm
+import fuzzing
 from fixtures.train_pocket_tiny import TOOLS
 
 KEY = "messages-key"
@@ -23,8 +22,8 @@ GREEDY = {"extra_body": {"temperature": 0}}          # the current SDK no longer
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=8, max_context=1024)
+def llm(pocket_tiny):
+    return pocket_tiny
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +37,7 @@ def chat(server):
 
 
 def raw(server, method, path, body=None, headers=None):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request(method, path, body=None if body is None else json.dumps(body),
-                 headers={"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    return resp.status, data
+    return fuzzing.request(server.port, method, path, body, headers=headers)
 
 
 def test_plain_answer_is_the_chat_answer(client, chat, llm):

@@ -6,12 +6,13 @@ answer must be the chat completion's answer for the same conversation, token for
 """
 
 import asyncio
-import http.client
 import json
 
 import openai
+from openai.types.shared import Reasoning
 import pytest
 
+import fuzzing
 import pocketllm
 from fixtures.train_pocket_tiny import TOOLS
 
@@ -21,8 +22,8 @@ ASK = "What is the weather in Paris for 3 days?"
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=8, max_context=1024)
+def llm(pocket_tiny):
+    return pocket_tiny
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +31,9 @@ def client(server):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def raw(server, method, path, body=None, key=KEY):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request(method, path, body=None if body is None else json.dumps(body),
-                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    return resp.status, (json.loads(data) if data.startswith(b"{") else data.decode())
+def raw(server, method, path):
+    status, data = fuzzing.request(server.port, method, path, key=KEY)
+    return status, json.loads(data)
 
 
 def chat_answer(client, messages, **extra):
@@ -46,9 +42,9 @@ def chat_answer(client, messages, **extra):
 
 def test_plain_answer_is_the_chat_answer(client, llm):
     r = client.responses.create(model=llm.model_name, input="Hello, who are you?", instructions="Be brief.",
-                                max_output_tokens=40, temperature=0)
+                                max_output_tokens=24, temperature=0)
     chat = chat_answer(client, [{"role": "system", "content": "Be brief."},
-                                {"role": "user", "content": "Hello, who are you?"}], max_tokens=40)
+                                {"role": "user", "content": "Hello, who are you?"}], max_tokens=24)
     message = chat.choices[0].message
     reasoning = [item for item in r.output if item.type == "reasoning"]
     assert r.object == "response" and r.id.startswith("resp_") and r.model == llm.model_name
@@ -68,7 +64,7 @@ def test_max_output_tokens_makes_it_incomplete(client):
 
 
 def test_stream_events_build_the_same_response(client):
-    kwargs = dict(model="pocket-tiny", input=ASK, tools=[WEATHER], max_output_tokens=60, temperature=0)
+    kwargs = dict(model="pocket-tiny", input=ASK, tools=[WEATHER], max_output_tokens=50, temperature=0)
     whole = client.responses.create(**kwargs)
     events = list(client.responses.create(stream=True, **kwargs))
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -97,7 +93,7 @@ def test_stream_events_build_the_same_response(client):
 def test_tool_round_trip_with_function_call_output(client):
     """Sampled as users send it (temperature 1), the call forced by tool_choice so it is certain."""
     first = client.responses.create(model="pocket-tiny", input=ASK, tools=[WEATHER], tool_choice="required",
-                                    temperature=1.0, max_output_tokens=80)
+                                    temperature=1.0, max_output_tokens=40, reasoning={"effort": "none"})
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
     arguments = json.loads(calls[0].arguments)
@@ -106,21 +102,21 @@ def test_tool_round_trip_with_function_call_output(client):
                {"type": "function_call_output", "call_id": calls[0].call_id,
                 "output": json.dumps({"city": arguments["city"], "forecast": "sunny", "high_c": 21})}]
     second = client.responses.create(model="pocket-tiny", input=history, tools=[WEATHER], temperature=0,
-                                     max_output_tokens=60)
+                                     max_output_tokens=16, reasoning={"effort": "none"})
     assert second.output and second.usage.input_tokens > first.usage.input_tokens
 
 
 def test_previous_response_id_continues_the_stored_conversation(client, server):
     first = client.responses.create(model="pocket-tiny", input=ASK, tools=[WEATHER], tool_choice="required",
-                                    max_output_tokens=80, temperature=0)
+                                    max_output_tokens=40, temperature=0)
     call = next(item for item in first.output if item.type == "function_call")
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "sunny"}'}
     continued = client.responses.create(model="pocket-tiny", previous_response_id=first.id, input=[result],
-                                        tools=[WEATHER], max_output_tokens=40, temperature=0)
+                                        tools=[WEATHER], max_output_tokens=12, temperature=0)
     replayed = client.responses.create(
         model="pocket-tiny", input=[{"role": "user", "content": ASK},
                                     *[item.model_dump(exclude_none=True) for item in first.output], result],
-        tools=[WEATHER], max_output_tokens=40, temperature=0, store=False)
+        tools=[WEATHER], max_output_tokens=12, temperature=0, store=False)
     assert continued.previous_response_id == first.id
     assert continued.usage.input_tokens == replayed.usage.input_tokens          # the same prompt
     assert continued.output_text == replayed.output_text
@@ -135,11 +131,11 @@ def test_previous_response_id_continues_the_stored_conversation(client, server):
 
 def test_reasoning_items_carry_the_thinking_when_asked(client):
     r = client.responses.create(model="pocket-tiny", input="Hi!", include=["reasoning.encrypted_content"],
-                                reasoning={"effort": "high", "summary": "auto"}, max_output_tokens=40, store=False)
+                                reasoning={"effort": "high", "summary": "auto"}, max_output_tokens=12, store=False)
     reasoning = [item for item in r.output if item.type == "reasoning"]
     assert reasoning and reasoning[0].encrypted_content == reasoning[0].summary[0].text
     off = client.responses.create(model="pocket-tiny", input="Hi!", reasoning={"effort": "none"},
-                                  max_output_tokens=20, store=False)
+                                  max_output_tokens=4, store=False)
     assert not [item for item in off.output if item.type == "reasoning"]
 
 
@@ -189,7 +185,8 @@ def test_agents_sdk_default_model_runs_a_function_tool(server):
         model = agents.OpenAIProvider(openai_client=client).get_model("pocket-tiny")
         assert type(model).__name__ == "OpenAIResponsesModel"                  # the default model class
         return agents.Agent(name="weather", instructions="Answer with the tools.", tools=[get_weather], model=model,
-                            model_settings=agents.ModelSettings(tool_choice="required", max_tokens=80))
+                            model_settings=agents.ModelSettings(tool_choice="required", max_tokens=48,
+                                                                reasoning=Reasoning(effort="none")))
 
     result = agents.Runner.run_sync(agent(), ASK, max_turns=4)
     assert seen and isinstance(result.final_output, str)
