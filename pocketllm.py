@@ -6225,9 +6225,10 @@ MESSAGES_FIELDS = {
             ("diagnostics", "object", "no diagnostics are returned"),
             ("service_tier", "string", "bookkeeping on Anthropic's side"),
             ("inference_geo", "string", "bookkeeping on Anthropic's side"),
-            ("speed", "string", "one speed here"),
             ("user_profile_id", "string", "bookkeeping on Anthropic's side"),
             ("workspace_id", "string", "bookkeeping on Anthropic's side"))},
+        speed=Field(kind="string", enum=("standard", "fast"), layer="server", policy=NO_EFFECT,
+                    why="one speed here"),
         container=_refused_unless_null(kind="any"),
         mcp_servers=_refused_unless_null(kind="array")),
 }
