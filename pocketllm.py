@@ -33,6 +33,8 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
         output: one JSON-Schema constrained decoder (response_format, tool_choice, strict and auto-mode calls).
     12. OpenAI protocol: the field tables (validation, docs/api.md, /openapi.json), request reading into
         SamplingParams and prompt ids, response and chunk builders. No sockets.
+        12b the Responses and Messages protocols: each body translated into a chat body, the chat stream
+        shaped into their items, blocks and events; the response store.
     13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
         chat page at /.
     14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
@@ -7933,6 +7935,952 @@ def llm_chat(llm, messages: list[dict], tools: list[dict] | None = None, stream:
 
 
 # -----------------------------------------------------------------------------------------------
+# 12b. The Responses and Messages protocols: OpenAI's /v1/responses and Anthropic's /v1/messages. Each body is
+#      read through its table and translated into a chat body that section 12 reads (one template, one parser,
+#      one policy); the chat stream is shaped back into the protocol's items, blocks and events. No sockets.
+# -----------------------------------------------------------------------------------------------
+
+RESPONSE_STORE_COUNT = 1000             # stored responses at most, the oldest dropped first
+RESPONSE_STORE_BYTES = 64 * 2 ** 20     # and their JSON bytes at most
+RESPONSES_INCLUDES = ("reasoning.encrypted_content",)
+RESPONSES_TEXT_PARTS = ("input_text", "output_text", "text")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+MESSAGES_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}      # and "tool": that function
+MESSAGES_THINKING = ("enabled", "adaptive", "disabled")
+MESSAGES_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+MESSAGES_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 405: "invalid_request_error", 411: "invalid_request_error",
+                         413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                         503: "overloaded_error"}
+# A chat error's param -> the field of the protocol's body it came from (the first pattern that matches).
+RESPONSES_RENAMES = ((r"messages\b.*", "input"), (r"max_tokens\b.*", "max_output_tokens"),
+                     (r"response_format\b.*", "text.format"), (r"verbosity\b.*", "text.verbosity"),
+                     (r"reasoning_effort\b.*", "reasoning.effort"), (r"tools\[(\d+)\]\.function\.", r"tools[\1]."))
+MESSAGES_RENAMES = ((r"messages\b.*", "messages"), (r"stop\b.*", "stop_sequences"),
+                    (r"response_format\b.*", "output_config.format"), (r"reasoning_effort\b.*", "output_config.effort"),
+                    (r"chat_template_kwargs\b.*", "thinking"),
+                    (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
+                    (r"tools\[(\d+)\]\.function\.", r"tools[\1]."))
+
+
+def anthropic_error(status: int, error: dict) -> dict:
+    """An OpenAI error object ({message, param, code}) in Anthropic's shape; param and code stay, as extras."""
+    return {"type": "error", "error": {**error, "type": ANTHROPIC_ERROR_TYPES.get(status, "api_error")}}
+
+
+def _renamed(error: RequestError, renames: tuple) -> RequestError:
+    """A chat-side error renamed to the field of the protocol's body that the client sent."""
+    for pattern, name in renames:
+        if error.param and re.match(pattern, error.param):
+            error.param = re.sub(pattern, name, error.param, count=1)
+            break
+    return error
+
+
+def _on_chat_side(renames: tuple, step: Callable, *args):
+    """step(*args), a step of the chat path: its RequestError renamed to the protocol's fields."""
+    try:
+        return step(*args)
+    except RequestError as e:
+        raise _renamed(e, renames) from None
+
+
+def _text_content(content, param: str, part_types: tuple[str, ...]):
+    """A string, or an array of text parts of part_types -> chat content (a string, or chat text parts)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(_check_type(content, list, param)):
+        part = _check_type(part, dict, f"{param}[{j}]")
+        if part.get("type") not in part_types:
+            raise RequestError(f"'{param}[{j}].type' {part.get('type')!r} is not supported: this server takes text "
+                               f"only ({', '.join(part_types)})", param=f"{param}[{j}].type", code="unsupported_field")
+        parts.append({"type": "text", "text": _check_type(part.get("text"), str, f"{param}[{j}].text")})
+    return parts
+
+
+def _text_of(part, param: str, part_type: str) -> str:
+    part = _check_type(part, dict, param)
+    if part.get("type") != part_type:
+        raise RequestError(f"'{param}.type' must be \"{part_type}\"", param=f"{param}.type")
+    return _check_type(part.get("text"), str, f"{param}.text")
+
+
+def _joined_texts(parts, param: str, part_type: str) -> str:
+    """The texts of an array of {"type": part_type, "text"} parts, joined by blank lines."""
+    return "\n\n".join(_text_of(part, f"{param}[{j}]", part_type)
+                       for j, part in enumerate(_check_type(parts, list, param)))
+
+
+def _assistant_turn(messages: list[dict], reasoning: str | None) -> dict:
+    """The assistant message that a replayed call or text joins: the last one if it is one, else a new one."""
+    if not messages or messages[-1]["role"] != "assistant":
+        messages.append({"role": "assistant", "content": None})
+    if reasoning:
+        messages[-1]["reasoning_content"] = reasoning
+    return messages[-1]
+
+
+# The Responses body's nested fields, read(value, param, vocab_size) -> the chat form.
+
+def _responses_input(value, param: str, vocab_size: int | None) -> list[dict]:
+    """`input` -> chat messages: a string is one user message; message items become messages, function_call
+    items the assistant's tool_calls, function_call_output items tool messages, and a reasoning item the next
+    assistant message's reasoning_content."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    messages, reasoning = [], None
+    for i, item in enumerate(_check_type(value, list, param)):
+        where = f"{param}[{i}]"
+        item = _check_type(item, dict, where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            _only_keys(item, ("type", "role", "content", "id", "status"), where)
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise RequestError(f"'{where}.role' must be one of user, system, developer, assistant, got {role!r}",
+                                   param=f"{where}.role")
+            content = _text_content(item.get("content"), f"{where}.content", RESPONSES_TEXT_PARTS)
+            if role == "assistant":
+                _assistant_turn(messages, reasoning)["content"] = content
+                reasoning = None
+            else:
+                messages.append({"role": role, "content": content})
+        elif kind == "function_call":
+            _only_keys(item, ("type", "call_id", "name", "namespace", "arguments", "id", "status"), where)
+            call = {"id": _check_type(item.get("call_id"), str, f"{where}.call_id"), "type": "function",
+                    "function": {"name": _check_type(item.get("name"), str, f"{where}.name"),
+                                 "arguments": _check_type(item.get("arguments"), str, f"{where}.arguments")}}
+            turn = _assistant_turn(messages, reasoning)
+            turn["tool_calls"] = [*(turn.get("tool_calls") or []), call]
+            reasoning = None
+        elif kind == "function_call_output":
+            _only_keys(item, ("type", "call_id", "output", "id", "status"), where)
+            messages.append({"role": "tool", "tool_call_id": _check_type(item.get("call_id"), str, f"{where}.call_id"),
+                             "content": _text_content(item.get("output"), f"{where}.output", RESPONSES_TEXT_PARTS)})
+        elif kind == "reasoning":
+            _only_keys(item, ("type", "id", "summary", "content", "encrypted_content", "status"), where)
+            reasoning = (_joined_texts(item["content"], f"{where}.content", "reasoning_text") if item.get("content")
+                         else _joined_texts(item.get("summary") or [], f"{where}.summary", "summary_text"))
+        else:
+            raise RequestError(f"'{where}.type' {kind!r} is not supported (message, function_call, "
+                               "function_call_output, reasoning)", param=f"{where}.type", code="unsupported_field")
+    if not messages:
+        raise RequestError(f"'{param}' holds no message", param=param)
+    return messages
+
+
+def _function_tools(tools, param: str) -> Iterator[tuple[str, dict, str | None]]:
+    """(where, tool, namespace) for every tool, the members of namespace tools in place of their group."""
+    for i, tool in enumerate(_check_type(tools, list, param)):
+        where = f"{param}[{i}]"
+        tool = _check_type(tool, dict, where)
+        if tool.get("type") == "namespace":
+            _only_keys(tool, ("type", "name", "description", "tools"), where)
+            namespace = _check_type(tool.get("name"), str, f"{where}.name")
+            yield from ((inner, member, namespace) for inner, member, _ in _function_tools(tool.get("tools"),
+                                                                                          f"{where}.tools"))
+        else:
+            yield where, tool, None
+
+
+def _tool_namespaces(tools) -> dict[str, str]:
+    """function name -> the namespace tool that groups it, for a `tools` already checked."""
+    return {tool["name"]: namespace for _, tool, namespace in _function_tools(tools or [], "tools") if namespace}
+
+
+def _responses_tools(tools, param: str, vocab_size: int | None) -> list[dict] | None:
+    """Function tools (namespace tools' members too) -> chat tools; a hosted tool (web_search, file_search, ...)
+    is 400 naming it."""
+    converted = []
+    for where, tool, _ in _function_tools(tools, param):
+        if tool.get("type") != "function":
+            raise RequestError(f"'{where}.type' {tool.get('type')!r} is not supported: only function tools run "
+                               "here (no hosted tools)", param=f"{where}.type", code="unsupported_field")
+        _only_keys(tool, ("type", *FUNCTION_KEYS), where)
+        converted.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return _on_chat_side(RESPONSES_RENAMES, _read_tools, converted, param, vocab_size)
+
+
+def _responses_tool_choice(choice, param: str, vocab_size: int | None):
+    """"none" | "auto" | "required" | {"type": "function", "name"} -> the chat tool_choice."""
+    if isinstance(choice, str):
+        return choice                                   # the chat checks the word and the tools
+    choice = _check_type(choice, dict, param)
+    if choice.get("type") != "function":
+        raise RequestError(f"'{param}.type' {choice.get('type')!r} is not supported (only \"function\")",
+                           param=f"{param}.type", code="unsupported_field")
+    _only_keys(choice, ("type", "name"), param)
+    return {"type": "function", "function": {"name": _check_type(choice.get("name"), str, f"{param}.name")}}
+
+
+def _responses_reasoning(reasoning: dict, param: str, vocab_size: int | None) -> dict:
+    _only_keys(reasoning, ("effort", "summary", "generate_summary"), param)
+    if reasoning.get("effort") not in (None, *REASONING_EFFORTS):
+        raise RequestError(f"'{param}.effort' must be one of {', '.join(REASONING_EFFORTS)}", param=f"{param}.effort")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) not in (None, *REASONING_SUMMARIES):
+            raise RequestError(f"'{param}.{key}' must be one of {', '.join(REASONING_SUMMARIES)}",
+                               param=f"{param}.{key}")
+    return reasoning
+
+
+def _responses_text(text: dict, param: str, vocab_size: int | None) -> dict:
+    """`text` -> {"response_format": the chat's, "verbosity": ...} (only the keys sent)."""
+    _only_keys(text, ("format", "verbosity"), param)
+    out = {"verbosity": text["verbosity"]} if text.get("verbosity") is not None else {}
+    fmt = text.get("format")
+    if fmt is None:
+        return out
+    fmt = _check_type(fmt, dict, f"{param}.format")
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        _only_keys(fmt, ("type", "name", "schema", "strict", "description"), f"{param}.format")
+        out["response_format"] = {"type": "json_schema", "json_schema": {
+            k: v for k, v in fmt.items() if k != "type" and v is not None}}
+    elif kind in ("text", "json_object"):
+        _only_keys(fmt, ("type",), f"{param}.format")
+        out["response_format"] = {"type": kind}
+    else:
+        raise RequestError(f"'{param}.format.type' must be text, json_schema or json_object, got {kind!r}",
+                           param=f"{param}.format.type")
+    return out
+
+
+def _responses_include(include: list, param: str, vocab_size: int | None) -> list[str]:
+    for i, name in enumerate(include):
+        if name not in RESPONSES_INCLUDES:
+            raise RequestError(f"'{param}[{i}]' {name!r} is not supported (only {', '.join(RESPONSES_INCLUDES)})",
+                               param=f"{param}[{i}]", code="unsupported_field")
+    return include
+
+
+# The Messages body's nested fields.
+
+def _messages_blocks(content, param: str, role: str) -> list[dict]:
+    """One Anthropic message -> chat messages: text blocks the content, thinking the reasoning, tool_use blocks
+    the tool_calls; a user message's tool_result blocks become tool messages before its text."""
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    text, results, calls, reasoning = [], [], [], None
+    for j, block in enumerate(_check_type(content, list, param)):
+        where = f"{param}[{j}]"
+        block = _check_type(block, dict, where)
+        kind = block.get("type")
+        if kind == "text":
+            text.append({"type": "text", "text": _check_type(block.get("text"), str, f"{where}.text")})
+        elif kind == "thinking" and role == "assistant":
+            reasoning = _check_type(block.get("thinking"), str, f"{where}.thinking")
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": _check_type(block.get("id"), str, f"{where}.id"), "type": "function", "function": {
+                "name": _check_type(block.get("name"), str, f"{where}.name"),
+                "arguments": json.dumps(_check_type(block.get("input"), dict, f"{where}.input"))}})
+        elif kind == "tool_result" and role == "user":
+            result = _text_content(block.get("content") or "", f"{where}.content", ("text",))
+            if block.get("is_error") is not None and _check_type(block["is_error"], bool, f"{where}.is_error"):
+                result = [{"type": "text", "text": "Error:"}, *([{"type": "text", "text": result}]
+                                                                 if isinstance(result, str) else result)]
+            results.append({"role": "tool", "tool_call_id": _check_type(block.get("tool_use_id"), str,
+                                                                        f"{where}.tool_use_id"), "content": result})
+        else:
+            raise RequestError(f"'{where}.type' {kind!r} is not supported in a {role} message (this server takes "
+                               "text, thinking, tool_use and tool_result blocks)", param=f"{where}.type",
+                               code="unsupported_field")
+    if role == "assistant":
+        message = {"role": "assistant", "content": text or None}
+        message.update({k: v for k, v in (("reasoning_content", reasoning), ("tool_calls", calls)) if v})
+        return [message]
+    return results + ([{"role": "user", "content": text}] if text or not results else [])
+
+
+def _messages_system(system, param: str, vocab_size: int | None) -> list[dict]:
+    """`system`, a string or text blocks -> [the chat system message] ([] when empty)."""
+    content = _text_content(system, param, ("text",))
+    return [{"role": "system", "content": content}] if content else []
+
+
+def _messages_input(messages, param: str, vocab_size: int | None) -> list[dict]:
+    """`messages` -> chat messages."""
+    converted = []
+    for i, message in enumerate(_check_type(messages, list, param)):
+        where = f"{param}[{i}]"
+        message = _check_type(message, dict, where)
+        _only_keys(message, ("role", "content"), where)
+        role = message.get("role")
+        if role == "system":                               # a system message mid-conversation
+            converted += _messages_system(message.get("content"), f"{where}.content", vocab_size)
+        elif role in ("user", "assistant"):
+            converted += _messages_blocks(message.get("content"), f"{where}.content", role)
+        else:
+            raise RequestError(f"'{where}.role' must be user, assistant or system, got {role!r}",
+                               param=f"{where}.role")
+    if not converted:
+        raise RequestError(f"'{param}' must not be empty", param=param)
+    return converted
+
+
+def _messages_tools(tools, param: str, vocab_size: int | None) -> list[dict] | None:
+    """Custom tools (name, description, input_schema) -> chat tools; a server tool (web_search, bash, ...) is 400
+    naming it."""
+    converted = []
+    for i, tool in enumerate(_check_type(tools, list, param)):
+        where = f"{param}[{i}]"
+        tool = _check_type(tool, dict, where)
+        if tool.get("type") not in (None, "custom"):
+            raise RequestError(f"'{where}.type' {tool['type']!r} is not supported: only custom tools (name, "
+                               "input_schema) run here", param=f"{where}.type", code="unsupported_field")
+        _only_keys(tool, ("type", "name", "description", "input_schema", "cache_control"), where)
+        function = {k: tool[k] for k in ("name", "description") if k in tool}
+        converted.append({"type": "function", "function": {**function, "parameters": tool.get("input_schema")}})
+    return _on_chat_side(MESSAGES_RENAMES, _read_tools, converted, param, vocab_size)
+
+
+def _messages_tool_choice(choice: dict, param: str, vocab_size: int | None) -> dict:
+    kind = choice.get("type")
+    if kind not in (*MESSAGES_TOOL_CHOICES, "tool"):
+        raise RequestError(f"'{param}.type' must be auto, any, tool or none, got {kind!r}", param=f"{param}.type")
+    _only_keys(choice, ("type", "name", "disable_parallel_tool_use"), param)
+    if kind == "tool":
+        _check_type(choice.get("name"), str, f"{param}.name")
+    if choice.get("disable_parallel_tool_use") is not None:
+        _check_type(choice["disable_parallel_tool_use"], bool, f"{param}.disable_parallel_tool_use")
+    return choice
+
+
+def _messages_thinking(thinking: dict, param: str, vocab_size: int | None) -> dict:
+    kind = thinking.get("type")
+    if kind not in MESSAGES_THINKING:
+        raise RequestError(f"'{param}.type' must be one of {', '.join(MESSAGES_THINKING)}, got {kind!r}",
+                           param=f"{param}.type")
+    _only_keys(thinking, {"enabled": ("type", "budget_tokens", "display"), "adaptive": ("type", "display"),
+                          "disabled": ("type",)}[kind], param)
+    if kind == "enabled" and not _check_type(thinking.get("budget_tokens"), int, f"{param}.budget_tokens") >= 1:
+        raise RequestError(f"'{param}.budget_tokens' must be at least 1", param=f"{param}.budget_tokens")
+    if thinking.get("display") not in (None, "summarized", "omitted"):
+        raise RequestError(f"'{param}.display' must be summarized or omitted", param=f"{param}.display")
+    return thinking
+
+
+def _messages_output_config(config: dict, param: str, vocab_size: int | None) -> dict:
+    """`output_config` -> {"reasoning_effort"?, "response_format"?} for the chat body."""
+    _only_keys(config, ("effort", "format"), param)
+    out = {}
+    if config.get("effort") is not None:
+        if config["effort"] not in MESSAGES_EFFORTS:
+            raise RequestError(f"'{param}.effort' must be one of {', '.join(MESSAGES_EFFORTS)}",
+                               param=f"{param}.effort")
+        out["reasoning_effort"] = MESSAGES_EFFORTS[config["effort"]]
+    if config.get("format") is not None:
+        fmt = _check_type(config["format"], dict, f"{param}.format")
+        _only_keys(fmt, ("type", "schema"), f"{param}.format")
+        if fmt.get("type") != "json_schema":
+            raise RequestError(f"'{param}.format.type' must be json_schema", param=f"{param}.format.type")
+        out["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": _check_type(fmt.get("schema"), dict, f"{param}.format.schema")}}
+    return out
+
+
+def _messages_context_management(config: dict, param: str, vocab_size: int | None) -> dict:
+    """Only the edits that change nothing: clearing thinking while keeping all of it."""
+    _only_keys(config, ("edits",), param)
+    for i, edit in enumerate(_check_type(config.get("edits") or [], list, f"{param}.edits")):
+        edit = _check_type(edit, dict, f"{param}.edits[{i}]")
+        if not str(edit.get("type")).startswith("clear_thinking_") or edit.get("keep") != "all":
+            raise RequestError(f"'{param}.edits[{i}]' is not supported: the context is never edited (only "
+                               "clear_thinking with keep \"all\" is accepted)", param=f"{param}.edits[{i}]",
+                               code="unsupported_field")
+    return config
+
+
+def _budget_below_max_tokens(values: dict, param: str):
+    thinking = values[param]
+    if thinking and thinking["type"] == "enabled" and values.get("max_tokens") is not None \
+            and thinking["budget_tokens"] >= values["max_tokens"]:
+        raise RequestError(f"'{param}.budget_tokens' must be less than 'max_tokens'", param=f"{param}.budget_tokens")
+    return thinking
+
+
+# The two tables, rendered into docs/api.md and /openapi.json like the chat's.
+
+TEXT_PARTS_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"enum": list(RESPONSES_TEXT_PARTS)}, "text": {"type": "string"}}}}]}
+FUNCTION_PARAMETERS_SCHEMA = TOOLS_SCHEMA["items"]["properties"]["function"]["properties"]["parameters"]
+RESPONSES_INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+        "content": TEXT_PARTS_SCHEMA}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
+        "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": {"type": "string"}, "output": TEXT_PARTS_SCHEMA}},
+    {"type": "object", "required": ["type", "summary"], "properties": {
+        "type": {"const": "reasoning"}, "summary": {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "summary_text"}, "text": {"type": "string"}}}}}}]}}]}
+RESPONSES_TOOLS_SCHEMA = {"type": "array", "items": {
+    "type": "object", "required": ["type", "name"], "additionalProperties": False,
+    "properties": {"type": {"const": "function"}, "name": {"type": "string", "minLength": 1},
+                   "description": {"type": "string"}, "strict": {"type": "boolean"},
+                   "parameters": FUNCTION_PARAMETERS_SCHEMA}}}
+RESPONSES_TEXT_SCHEMA = {"type": "object", "additionalProperties": False, "properties": {
+    "verbosity": {"enum": list(VERBOSITIES)}, "format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_schema", "json_object"]}, "name": {"type": "string"},
+        "schema": {"type": "object"}, "strict": {"type": "boolean"}, "description": {"type": "string"}}}}}
+MESSAGES_INPUT_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"], "additionalProperties": False,
+    "properties": {"role": {"enum": ["user", "assistant"]}, "content": {"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "thinking", "tool_use", "tool_result"]}, "text": {"type": "string"},
+            "thinking": {"type": "string"}, "signature": {"type": "string"}, "id": {"type": "string"},
+            "name": {"type": "string"}, "input": {"type": "object"}, "tool_use_id": {"type": "string"},
+            "content": {"type": ["string", "array"]}, "is_error": {"type": "boolean"}}}}]}}}}
+MESSAGES_TOOLS_SCHEMA = {"type": "array", "items": {
+    "type": "object", "required": ["name", "input_schema"], "additionalProperties": False,
+    "properties": {"type": {"const": "custom"}, "name": {"type": "string", "minLength": 1},
+                   "description": {"type": "string"}, "input_schema": FUNCTION_PARAMETERS_SCHEMA,
+                   "cache_control": {"type": "object"}}}}
+TEXT_BLOCKS_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": {"type": "string"},
+                                                                   "cache_control": {"type": "object"}}}}]}
+
+
+def _refused_unless_null(why: str = UNIMPLEMENTED, kind: str = "object") -> Field:
+    return Field(kind=kind, policy=DEFAULT_ONLY, allowed=(None,), layer="server", why=why)
+
+
+RESPONSES_FIELDS = {
+    **_table(
+        model=GENERATION_FIELDS["model"],
+        input=Field(required=True, layer="template", read=_responses_input, schema=RESPONSES_INPUT_SCHEMA,
+                    shape="string, or array of items",
+                    why="items: `message` (roles `user`, `system`, `developer`, `assistant`; content a string or "
+                        "`input_text`/`output_text` parts), `function_call` (`call_id`, `name`, `arguments`), "
+                        "`function_call_output` (`call_id`, `output`), `reasoning` (its `content` or `summary` "
+                        "texts, replayed as the next assistant turn's reasoning). Other item and part types (images, "
+                        "files, item references) are 400 naming them"),
+        instructions=Field(kind="string", layer="template",
+                           why="a system message before the input; not carried over by `previous_response_id`"),
+        previous_response_id=Field(kind="string", layer="server",
+                                   why="continue a stored response: its input and output come before this input "
+                                       "(not its instructions); an id not stored is 400 "
+                                       "(`code: previous_response_not_found`)"),
+        store=Field(kind="boolean", default=True, layer="server",
+                    why=f"keep the response in memory for `previous_response_id` and `GET`/`DELETE "
+                        f"/v1/responses/{{id}}` (at most {RESPONSE_STORE_COUNT} responses and "
+                        f"{RESPONSE_STORE_BYTES >> 20} MiB, the oldest dropped); false keeps nothing"),
+        stream=Field(kind="boolean", default=False, layer="server",
+                     why="server-sent events `response.created` ... `response.completed`, each with "
+                         "`sequence_number`")),
+    "stream_options": CHAT_FIELDS["stream_options"],
+    **_table(
+        tools=Field(kind="array", layer="template", read=_responses_tools, schema=RESPONSES_TOOLS_SCHEMA,
+                    shape='array of `{"type": "function", "name", "description"?, "parameters"?, "strict"?}`',
+                    why="as the chat's `tools`; hosted tools (`web_search`, `file_search`, `computer_use`, "
+                        "`code_interpreter`, `mcp`, ...) are 400 naming the type"),
+        tool_choice=Field(layer="parser", read=_responses_tool_choice,
+                          schema={"anyOf": [{"enum": ["none", "auto", "required"]}, {
+                              "type": "object", "required": ["type", "name"],
+                              "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}]},
+                          shape='`"none"`, `"auto"`, `"required"`, `{"type": "function", "name"}`',
+                          default_text='`"auto"` with tools, else `"none"`', why="as the chat's `tool_choice`"),
+        parallel_tool_calls=CHAT_FIELDS["parallel_tool_calls"],
+        max_output_tokens=Field(kind="integer", lo=1, layer="engine", default_text="the rest of the context",
+                                why="output tokens at most, thinking included; reaching it ends the response with "
+                                    "`status: incomplete`, `incomplete_details.reason: max_output_tokens`")),
+    **_sampling_rows("temperature", "top_p"),
+    **_table(
+        reasoning=Field(kind="object", layer="template", read=_responses_reasoning,
+                        schema={"type": "object", "properties": {"effort": {"enum": list(REASONING_EFFORTS)},
+                                                                 "summary": {"enum": list(REASONING_SUMMARIES)}}},
+                        shape="`{effort?, summary?}`",
+                        why="`effort` as the chat's `reasoning_effort`; `summary` accepted with no effect: the "
+                            "`reasoning` item's summary is always the whole thinking text"),
+        text=Field(kind="object", layer="parser", read=_responses_text, schema=RESPONSES_TEXT_SCHEMA,
+                   shape="`{format?, verbosity?}`",
+                   why="`format` `{type: text}`, `{type: json_schema, name, schema, strict?}` or "
+                       "`{type: json_object}` becomes the chat's `response_format` (and its policy); `verbosity` as "
+                       "the chat's"),
+        include=Field(kind="array", layer="server", read=_responses_include,
+                      schema={"type": "array", "items": {"enum": list(RESPONSES_INCLUDES)}},
+                      why="`reasoning.encrypted_content`: reasoning items carry `encrypted_content` (the thinking "
+                          "text itself, not encrypted: pocketllm keeps no secret), replayed when sent back; other "
+                          "values 400"),
+        truncation=Field(kind="string", policy=DEFAULT_ONLY, allowed=(None, "disabled"), layer="server",
+                         why="a prompt over the context is 400, never cut"),
+        background=Field(kind="boolean", policy=DEFAULT_ONLY, allowed=(None, False), layer="server",
+                         why=UNIMPLEMENTED),
+        top_logprobs=Field(kind="integer", policy=DEFAULT_ONLY, allowed=(None, 0), layer="server", why=UNIMPLEMENTED),
+        max_tool_calls=_refused_unless_null(kind="integer"),
+        conversation=_refused_unless_null(kind="any", why="conversations are not stored; use "
+                                                          "`previous_response_id`"),
+        prompt=_refused_unless_null(why="stored prompt templates live on OpenAI's side")),
+    **{name: GENERATION_FIELDS[name] for name in ("user", "metadata", "service_tier", "prompt_cache_key",
+                                                  "prompt_cache_retention", "safety_identifier")},
+    **_table(client_metadata=Field(kind="object", layer="server", policy=NO_EFFECT,
+                                   why="Codex's session bookkeeping")),
+}
+
+MESSAGES_FIELDS = {
+    **_table(
+        model=GENERATION_FIELDS["model"],
+        messages=Field(kind="array", required=True, layer="template", read=_messages_input,
+                       schema=MESSAGES_INPUT_SCHEMA, shape="non-empty array of `{role, content}`",
+                       why="roles `user` and `assistant`; content a string or blocks: `text`, `thinking` "
+                           "(assistant; replayed as its reasoning, the signature not checked), `tool_use` "
+                           "(assistant), `tool_result` (user: content a string or text blocks; `is_error` puts "
+                           "\"Error:\" before it). `image`, `document` and other blocks are 400 naming them; "
+                           "`cache_control` is accepted (caching is automatic)"),
+        system=Field(layer="template", read=_messages_system, schema=TEXT_BLOCKS_SCHEMA,
+                     shape="string or array of text blocks", why="the system message"),
+        max_tokens=Field(kind="integer", lo=1, required=True, layer="engine",
+                         why="required, as Anthropic requires it; thinking included; reaching it is "
+                             "`stop_reason: max_tokens`"),
+        stop_sequences=dataclasses.replace(SAMPLING_FIELDS["stop"], why="the matched one is `stop_sequence` with "
+                                                                         "`stop_reason: stop_sequence`"),
+        stream=Field(kind="boolean", default=False, layer="server",
+                     why="server-sent events `message_start` ... `message_stop`, with `ping`")),
+    "temperature": dataclasses.replace(SAMPLING_FIELDS["temperature"], hi=1, why="0 is greedy (Anthropic's range)"),
+    **_sampling_rows("top_p", "top_k"),
+    **_table(
+        tools=Field(kind="array", layer="template", read=_messages_tools, schema=MESSAGES_TOOLS_SCHEMA,
+                    shape="array of `{name, description?, input_schema}`",
+                    why="as the chat's `tools`; server tools (`web_search_*`, `bash_*`, `text_editor_*`, ...) are "
+                        "400 naming the type"),
+        tool_choice=Field(kind="object", layer="parser", read=_messages_tool_choice,
+                          schema={"type": "object", "required": ["type"], "properties": {
+                              "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+                              "disable_parallel_tool_use": {"type": "boolean"}}},
+                          shape="`{type: auto | any | tool | none, name?, disable_parallel_tool_use?}`",
+                          default_text="auto with tools",
+                          why="`any` is the chat's `required`, `tool` names the one function; "
+                              "`disable_parallel_tool_use: true` is `parallel_tool_calls: false`"),
+        thinking=Field(kind="object", layer="template", read=_messages_thinking, relate=_budget_below_max_tokens,
+                       schema={"type": "object", "required": ["type"], "properties": {
+                           "type": {"enum": list(MESSAGES_THINKING)}, "budget_tokens": {"type": "integer", "minimum": 1},
+                           "display": {"enum": ["summarized", "omitted"]}}},
+                       shape="`{type: enabled, budget_tokens, display?}`, `{type: adaptive, display?}` or "
+                             "`{type: disabled}`", default_text="disabled",
+                       why="`enabled` and `adaptive` set the template's `enable_thinking` true, `disabled` and absent "
+                           "false (Anthropic's default); sent to a template that does not read it, 400. "
+                           "`budget_tokens` must be below `max_tokens`, which alone bounds the thinking (Anthropic "
+                           "calls the budget a target). `display: omitted`: thinking blocks come with empty text"),
+        output_config=Field(kind="object", layer="template", read=_messages_output_config,
+                            schema={"type": "object", "properties": {
+                                "effort": {"enum": list(MESSAGES_EFFORTS)}, "format": {
+                                    "type": "object", "required": ["type", "schema"], "properties": {
+                                        "type": {"const": "json_schema"}, "schema": {"type": "object"}}}}},
+                            shape="`{effort?, format?}`",
+                            why="`effort` is the chat's `reasoning_effort` (`xhigh` and `max` as `high`) for a "
+                                "template that reads it; with one that does not, the depth of thinking is the "
+                                "model's own and only `thinking` turns it on or off. `format` `{type: json_schema, "
+                                "schema}` becomes the chat's `response_format` (and its policy)"),
+        context_management=Field(kind="object", layer="template", read=_messages_context_management,
+                                 why="accepted when its edits change nothing (`clear_thinking_*` with `keep: "
+                                     "\"all\"`, as Claude Code sends); any other edit is 400"),
+        metadata=Field(kind="object", layer="server", policy=NO_EFFECT, why="`user_id`: bookkeeping on "
+                                                                            "Anthropic's side"),
+        **{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why=why) for name, kind, why in (
+            ("cache_control", "object", "prompt caching is automatic here"),
+            ("diagnostics", "object", "no diagnostics are returned"),
+            ("service_tier", "string", "bookkeeping on Anthropic's side"),
+            ("inference_geo", "string", "bookkeeping on Anthropic's side"),
+            ("user_profile_id", "string", "bookkeeping on Anthropic's side"),
+            ("workspace_id", "string", "bookkeeping on Anthropic's side"))},
+        speed=Field(kind="string", enum=("standard", "fast"), layer="server", policy=NO_EFFECT,
+                    why="one speed here"),
+        container=_refused_unless_null(kind="any"),
+        mcp_servers=_refused_unless_null(kind="array")),
+}
+
+MESSAGES_COUNT_FIELDS = {name: MESSAGES_FIELDS[name] for name in (
+    "model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "context_management",
+    "cache_control", "speed", "user_profile_id", "workspace_id")}
+FIELD_TABLES.update(responses=RESPONSES_FIELDS, messages=MESSAGES_FIELDS, messages_count_tokens=MESSAGES_COUNT_FIELDS)
+
+
+class ResponseStore:
+    """Responses kept for previous_response_id and GET/DELETE /v1/responses/{id}: in memory, bounded by count and
+    JSON bytes, the oldest dropped first. Each holds the response and its conversation as chat messages."""
+
+    def __init__(self, max_count: int = RESPONSE_STORE_COUNT, max_bytes: int = RESPONSE_STORE_BYTES):
+        self.max_count, self.max_bytes, self.bytes = max_count, max_bytes, 0
+        self.lock, self.records = threading.Lock(), {}    # id -> (response, messages, bytes), oldest first
+
+    def put(self, response: dict, messages: list[dict]) -> None:
+        size = len(json.dumps([response, messages], ensure_ascii=False).encode())
+        with self.lock:
+            self.records[response["id"]] = (response, messages, size)
+            self.bytes += size
+            while self.records and (len(self.records) > self.max_count or self.bytes > self.max_bytes):
+                self.bytes -= self.records.pop(next(iter(self.records)))[2]
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        with self.lock:
+            record = self.records.get(response_id)
+        return record[:2] if record else None
+
+    def delete(self, response_id: str) -> bool:
+        with self.lock:
+            record = self.records.pop(response_id, None)
+            self.bytes -= record[2] if record else 0
+        return record is not None
+
+
+def _chat_body(body: dict, values: dict, messages: list[dict], passed: tuple[str, ...]) -> dict:
+    """The chat body a protocol's request becomes: its messages, always streamed with usage (both protocols are
+    shaped from the stream), and the fields that mean the same as sent (absent ones take the chat's defaults)."""
+    chat = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}}
+    chat.update({name: body[name] for name in passed if body.get(name) is not None})
+    if values.get("tools"):
+        chat["tools"] = values["tools"]
+    return chat
+
+
+def _chat_blocks(chunks: Iterator[dict]) -> Iterator[tuple]:
+    """A one-choice chat stream as blocks: ("open", kind, call) when a "reasoning", "text" or "tool" block starts
+    (call: {"id", "name"} for a tool), ("delta", kind, text), ("close", kind, None), then ("finish",
+    finish_reason, stop_reason) and ("usage", None, usage)."""
+    kind = None
+    for chunk in chunks:
+        if not chunk["choices"]:
+            yield "usage", None, chunk["usage"]
+            continue
+        choice, delta = chunk["choices"][0], chunk["choices"][0]["delta"]
+        for key, block in (("reasoning_content", "reasoning"), ("content", "text")):
+            if delta.get(key):
+                if kind != block:
+                    if kind:
+                        yield "close", kind, None
+                    kind = block
+                    yield "open", block, None
+                yield "delta", block, delta[key]
+        for call in delta.get("tool_calls") or []:
+            if "id" in call:
+                if kind:
+                    yield "close", kind, None
+                kind = "tool"
+                yield "open", "tool", {"id": call["id"], "name": call["function"]["name"]}
+            if call["function"].get("arguments"):
+                yield "delta", "tool", call["function"]["arguments"]
+        if choice["finish_reason"]:
+            if kind:
+                yield "close", kind, None
+            kind = None
+            yield "finish", choice["finish_reason"], choice.get("stop_reason")
+
+
+def _cached_tokens(usage: dict) -> int:
+    """Prompt tokens served from the prefix cache, as the chat usage reports them (0 when it does not)."""
+    return ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+class ProtocolTurn:
+    """A submitted chat completion shaped into another protocol: `chunks()` its stream events (an error after the
+    first becomes the protocol's error event), `response()` its whole answer (the same events, folded)."""
+
+    def __init__(self, llm, completion: Completion, stream_mode: bool):
+        self.llm, self.completion, self.stream_mode = llm, completion, stream_mode
+
+    def abort(self) -> None:
+        self.completion.abort()
+
+    def events(self) -> Iterator[dict]:
+        raise NotImplementedError
+
+    def error_event(self, error: RequestError) -> dict:
+        raise NotImplementedError
+
+    def chunks(self) -> Iterator[dict]:
+        try:
+            yield from self.events()
+        except RequestError as e:
+            yield self.error_event(e)
+        finally:
+            self.abort()
+
+    def response(self) -> dict:
+        try:
+            for _ in self.events():
+                pass
+        finally:
+            self.abort()
+        return self.answer
+
+
+class ResponsesTurn(ProtocolTurn):
+    """One /v1/responses request: the Response object, built up as the chat stream's blocks arrive."""
+
+    def __init__(self, llm, completion: Completion, values: dict, conversation: list[dict],
+                 store: ResponseStore | None, namespaces: dict[str, str]):
+        super().__init__(llm, completion, values["stream"])
+        self.conversation, self.store, self.namespaces, self.sequence = conversation, store, namespaces, 0
+        self.encrypted = "reasoning.encrypted_content" in (values["include"] or [])
+        self.answer = {
+            "id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "background": False, "error": None, "incomplete_details": None,
+            "instructions": values["instructions"], "max_output_tokens": values["max_output_tokens"],
+            "max_tool_calls": None, "model": llm.model_name, "output": [],
+            "parallel_tool_calls": values["parallel_tool_calls"],
+            "previous_response_id": values["previous_response_id"],
+            "reasoning": {"effort": (values["reasoning"] or {}).get("effort"),
+                          "summary": (values["reasoning"] or {}).get("summary")},
+            "service_tier": "default", "store": store is not None,
+            "temperature": values["temperature"], "top_p": values["top_p"],
+            "text": {"format": (values["text"] or {}).get("response_format") or {"type": "text"},
+                     "verbosity": (values["text"] or {}).get("verbosity")},
+            "tool_choice": values["tool_choice"] or ("auto" if values["tools"] else "none"),
+            "tools": [{"type": "function", **tool["function"]} for tool in values["tools"] or []],
+            "top_logprobs": 0, "truncation": "disabled", "usage": None, "user": values["user"],
+            "metadata": values["metadata"] or {}}
+
+    def _event(self, kind: str, **fields) -> dict:
+        self.sequence += 1
+        return {"type": "response." + kind, "sequence_number": self.sequence - 1, **copy.deepcopy(fields)}
+
+    def error_event(self, error: RequestError) -> dict:
+        self.sequence += 1
+        return {"type": "error", "code": error.code, "message": str(error), "param": error.param,
+                "sequence_number": self.sequence - 1}
+
+    def events(self) -> Iterator[dict]:
+        out = self.answer["output"]
+        yield self._event("created", response=self.answer)
+        yield self._event("in_progress", response=self.answer)
+        for what, kind, data in _chat_blocks(self.completion.chunks()):
+            item, where = (out[-1], {"item_id": out[-1]["id"], "output_index": len(out) - 1}) if out else (None, {})
+            if what == "open":
+                yield from self._open(kind, data)
+            elif what == "delta" and kind == "text":
+                item["content"][0]["text"] += data
+                yield self._event("output_text.delta", **where, content_index=0, delta=data, logprobs=[])
+            elif what == "delta" and kind == "reasoning":
+                item["summary"][0]["text"] += data
+                yield self._event("reasoning_summary_text.delta", **where, summary_index=0, delta=data)
+            elif what == "delta":
+                item["arguments"] += data
+                yield self._event("function_call_arguments.delta", **where, delta=data)
+            elif what == "close":
+                yield from self._close(kind, item, where)
+            elif what == "finish" and kind == "length":
+                self.answer.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
+            elif what == "usage":
+                self.answer["usage"] = self._usage(data)
+        if self.answer["status"] == "in_progress":
+            self.answer["status"] = "completed"
+        if self.store is not None:
+            self.store.put(copy.deepcopy(self.answer), self.conversation + [self._assistant_message()])
+        yield self._event(self.answer["status"], response=self.answer)
+
+    def _open(self, kind: str, call: dict | None) -> Iterator[dict]:
+        out = self.answer["output"]
+        if kind == "text":
+            item = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "status": "in_progress",
+                    "content": []}
+        elif kind == "reasoning":
+            item = {"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [], "status": "in_progress"}
+        else:
+            item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "call_id": call["id"],
+                    "name": call["name"], "arguments": "", "status": "in_progress"}
+            if call["name"] in self.namespaces:
+                item["namespace"] = self.namespaces[call["name"]]
+        out.append(item)
+        where = {"item_id": item["id"], "output_index": len(out) - 1}
+        yield self._event("output_item.added", output_index=len(out) - 1, item=item)
+        if kind == "text":
+            item["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            yield self._event("content_part.added", **where, content_index=0, part=item["content"][0])
+        elif kind == "reasoning":
+            item["summary"].append({"type": "summary_text", "text": ""})
+            yield self._event("reasoning_summary_part.added", **where, summary_index=0, part=item["summary"][0])
+
+    def _close(self, kind: str, item: dict, where: dict) -> Iterator[dict]:
+        if kind == "text":
+            part = item["content"][0]
+            yield self._event("output_text.done", **where, content_index=0, text=part["text"], logprobs=[])
+            yield self._event("content_part.done", **where, content_index=0, part=part)
+        elif kind == "reasoning":
+            part = item["summary"][0]
+            if self.encrypted:
+                item["encrypted_content"] = part["text"]
+            yield self._event("reasoning_summary_text.done", **where, summary_index=0, text=part["text"])
+            yield self._event("reasoning_summary_part.done", **where, summary_index=0, part=part)
+        else:
+            yield self._event("function_call_arguments.done", **where, name=item["name"],
+                              arguments=item["arguments"])
+        item["status"] = "completed"
+        yield self._event("output_item.done", output_index=where["output_index"], item=item)
+
+    def _usage(self, usage: dict) -> dict:
+        reasoning = "".join(item["summary"][0]["text"] for item in self.answer["output"] if item["type"] == "reasoning")
+        return {"input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": _cached_tokens(usage)},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": len(self.llm.tokenizer.encode_text(reasoning))
+                                          if reasoning else 0},
+                "total_tokens": usage["total_tokens"]}
+
+    def _assistant_message(self) -> dict:
+        """This response's output as the chat message that a previous_response_id continues after."""
+        message = {"role": "assistant", "content": None}
+        for item in self.answer["output"]:
+            if item["type"] == "reasoning":
+                message["reasoning_content"] = item["summary"][0]["text"]
+            elif item["type"] == "message":
+                message["content"] = item["content"][0]["text"]
+            else:
+                message.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
+                    "name": item["name"], "arguments": item["arguments"]}})
+        return message
+
+
+def start_response(llm, body, store: ResponseStore | None = None, metrics: ServerMetrics | None = None):
+    """Validate a /v1/responses body, continue its previous response, and submit it as a chat completion."""
+    values = read_fields(body, RESPONSES_FIELDS, llm.config.vocab_size)
+    history = []
+    if values["previous_response_id"] is not None:
+        record = store.get(values["previous_response_id"]) if store else None
+        if record is None:
+            raise RequestError(f"previous response {values['previous_response_id']!r} is not stored (it was sent "
+                               "with store: false, deleted, or dropped as the store filled)",
+                               param="previous_response_id", code="previous_response_not_found")
+        history = record[1]
+    conversation = history + values["input"]
+    system = [{"role": "system", "content": values["instructions"]}] if values["instructions"] else []
+    chat = _chat_body(body, values, system + conversation, ("model", "temperature", "top_p", "parallel_tool_calls"))
+    chat.update(values["text"] or {})
+    if values["max_output_tokens"] is not None:
+        chat["max_tokens"] = values["max_output_tokens"]
+    if values["tool_choice"] is not None:
+        chat["tool_choice"] = values["tool_choice"]
+    if (values["reasoning"] or {}).get("effort") is not None:
+        chat["reasoning_effort"] = values["reasoning"]["effort"]
+    completion = _on_chat_side(RESPONSES_RENAMES, start_chat_completion, llm, chat, metrics)
+    return ResponsesTurn(llm, completion, values, conversation, store if values["store"] else None,
+                         _tool_namespaces(body.get("tools")))
+
+
+def _messages_usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
+    """Anthropic's usage: input_tokens excludes those read from the cache."""
+    return {"input_tokens": prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": output_tokens}
+
+
+def _arguments_object(arguments: str) -> dict:
+    """A call's JSON arguments as the tool_use block's input ({} when cut off before they closed)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class MessagesTurn(ProtocolTurn):
+    """One /v1/messages request: the Message object, built up as the chat stream's blocks arrive."""
+
+    def __init__(self, llm, completion: Completion, values: dict):
+        super().__init__(llm, completion, values["stream"])
+        self.omit_thinking = (values["thinking"] or {}).get("display") == "omitted"
+        self.answer = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
+                       "model": llm.model_name, "content": [], "stop_reason": None, "stop_sequence": None,
+                       "usage": _messages_usage(completion.stream.prompt_tokens, 0, 0)}
+
+    def error_event(self, error: RequestError) -> dict:
+        return anthropic_error(error.status, {"message": str(error), "param": error.param, "code": error.code})
+
+    def events(self) -> Iterator[dict]:
+        content = self.answer["content"]
+        yield {"type": "message_start", "message": copy.deepcopy(self.answer)}
+        yield {"type": "ping"}
+        arguments = ""
+        for what, kind, data in _chat_blocks(self.completion.chunks()):
+            index = len(content) - 1
+            if what == "open":
+                block = ({"type": "text", "text": ""} if kind == "text" else
+                         {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" else
+                         {"type": "tool_use", "id": "toolu_" + data["id"].removeprefix("call_"), "name": data["name"],
+                          "input": {}})
+                content.append(block)
+                arguments = ""
+                yield {"type": "content_block_start", "index": len(content) - 1, "content_block": copy.deepcopy(block)}
+            elif what == "delta" and kind == "reasoning" and self.omit_thinking:
+                continue
+            elif what == "delta":
+                key, delta_type = {"text": ("text", "text_delta"), "reasoning": ("thinking", "thinking_delta"),
+                                   "tool": ("partial_json", "input_json_delta")}[kind]
+                if kind == "tool":
+                    arguments += data
+                else:
+                    content[index][key] += data
+                yield {"type": "content_block_delta", "index": index, "delta": {"type": delta_type, key: data}}
+            elif what == "close":
+                if kind == "reasoning":          # a digest of the thinking, so replays look as signed ones do
+                    content[index]["signature"] = hashlib.sha256(content[index]["thinking"].encode()).hexdigest()
+                    yield {"type": "content_block_delta", "index": index,
+                           "delta": {"type": "signature_delta", "signature": content[index]["signature"]}}
+                elif kind == "tool":
+                    content[index]["input"] = _arguments_object(arguments)
+                yield {"type": "content_block_stop", "index": index}
+            elif what == "finish":
+                stop_sequence = data if isinstance(data, str) else None
+                self.answer.update(stop_reason="stop_sequence" if stop_sequence else MESSAGES_STOP_REASONS[kind],
+                                   stop_sequence=stop_sequence)
+            else:
+                self.answer["usage"] = _messages_usage(data["prompt_tokens"], data["completion_tokens"],
+                                                       _cached_tokens(data))
+        yield {"type": "message_delta", "delta": {"stop_reason": self.answer["stop_reason"],
+                                                  "stop_sequence": self.answer["stop_sequence"]},
+               "usage": self.answer["usage"]}
+        yield {"type": "message_stop"}
+
+
+def messages_chat_body(llm, body, table: dict[str, Field]) -> tuple[dict, dict]:
+    """A /v1/messages (or count_tokens) body read through its table -> (its values, the chat body it means)."""
+    values = read_fields(body, table, llm.config.vocab_size)
+    chat = _chat_body(body, values, (values["system"] or []) + values["messages"],
+                      ("model", "temperature", "top_p", "top_k", "max_tokens"))
+    choice = values["tool_choice"]
+    if choice is not None:
+        chat["tool_choice"] = MESSAGES_TOOL_CHOICES.get(choice["type"]) or {
+            "type": "function", "function": {"name": choice.get("name")}}
+        if choice.get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
+    if values.get("stop_sequences"):
+        chat["stop"] = values["stop_sequences"]
+    thinking, output = values["thinking"], values["output_config"] or {}
+    if thinking is not None and not _template_reads(llm, "enable_thinking"):
+        raise _unsupported_by_template("thinking")
+    if _template_reads(llm, "enable_thinking"):
+        chat["chat_template_kwargs"] = {"enable_thinking": bool(thinking) and thinking["type"] != "disabled"}
+    if "reasoning_effort" in output and _template_reads(llm, "reasoning_effort"):
+        chat["reasoning_effort"] = output["reasoning_effort"]
+    if "response_format" in output:
+        chat["response_format"] = output["response_format"]
+    return values, chat
+
+
+def start_message(llm, body, metrics: ServerMetrics | None = None) -> MessagesTurn:
+    """Validate a /v1/messages body and submit it as a chat completion."""
+    values, chat = messages_chat_body(llm, body, MESSAGES_FIELDS)
+    return MessagesTurn(llm, _on_chat_side(MESSAGES_RENAMES, start_chat_completion, llm, chat, metrics), values)
+
+
+def _chat_prompt_tokens(llm, chat: dict) -> int:
+    """The prompt tokens of a chat body, rendered as /tokenize renders it."""
+    values = read_fields({k: v for k, v in chat.items() if k in TOKENIZE_FIELDS}, TOKENIZE_FIELDS)
+    return len(llm.tokenizer.encode(render_chat_prompt(llm, values, values["tools"])))
+
+
+def count_message_tokens(llm, body) -> dict:
+    """/v1/messages/count_tokens: the prompt a /v1/messages body renders, counted."""
+    values, chat = messages_chat_body(llm, body, MESSAGES_COUNT_FIELDS)
+    _check_model(llm, values)
+    return {"input_tokens": _on_chat_side(MESSAGES_RENAMES, _chat_prompt_tokens, llm, chat)}
+
+
+# -----------------------------------------------------------------------------------------------
 # 13. The HTTP server: ThreadingHTTPServer with one route table and one translator from exceptions to
 #     OpenAI errors. Each request runs on its own thread and blocks on its RequestStream; SSE for streams.
 # -----------------------------------------------------------------------------------------------
@@ -8057,6 +9005,39 @@ def _chat(handler, match, raw) -> None:
 
 def _completions(handler, match, raw) -> None:
     handler.send_completion(start_completion(handler.server.llm, _json_body(raw), handler.server.metrics))
+
+
+def _responses(handler, match, raw) -> None:
+    server = handler.server
+    handler.send_completion(start_response(server.llm, _json_body(raw), server.responses, server.metrics),
+                            named_events=True)
+
+
+def _stored_id(handler, match) -> str:
+    """The {id} of /v1/responses/{id}, if that response is stored; else 404."""
+    response_id = urllib.parse.unquote(match["id"])
+    if handler.server.responses.get(response_id) is None:
+        raise RequestError(f"no stored response has id {response_id!r}", status=404, code="not_found")
+    return response_id
+
+
+def _response_get(handler, match, raw) -> None:
+    handler.send_json(200, handler.server.responses.get(_stored_id(handler, match))[0])
+
+
+def _response_delete(handler, match, raw) -> None:
+    response_id = _stored_id(handler, match)
+    handler.server.responses.delete(response_id)
+    handler.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _messages(handler, match, raw) -> None:
+    handler.send_completion(start_message(handler.server.llm, _json_body(raw), handler.server.metrics),
+                            named_events=True)
+
+
+def _count_tokens(handler, match, raw) -> None:
+    handler.send_json(200, count_message_tokens(handler.server.llm, _json_body(raw)))
 
 
 def _tokenize(handler, match, raw) -> None:
@@ -8453,12 +9434,19 @@ def _chat_page_url(host: str, port: int) -> str:
 
 PUBLIC_PATHS = ("/", "/health")   # no API key: the chat page loads without it (then sends it), and health checks
 REQUEST_TABLES = {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLETION_FIELDS,
+                  "/v1/responses": RESPONSES_FIELDS, "/v1/messages": MESSAGES_FIELDS,
+                  "/v1/messages/count_tokens": MESSAGES_COUNT_FIELDS,
                   "/tokenize": TOKENIZE_FIELDS, "/detokenize": DETOKENIZE_FIELDS}
 ROUTE_SUMMARIES = {"/": "the chat page: one self-contained HTML document (no auth)",
                    "/health": "200 while the engine runs; 503 naming the cause once it has died (no auth)",
                    "/v1/models": "the served model's card, as a list", "/v1/models/{model}": "the model card",
                    "/v1/chat/completions": "an OpenAI chat completion, or its SSE chunks with stream: true",
                    "/v1/completions": "an OpenAI text completion, or its SSE chunks with stream: true",
+                   "/v1/responses": "an OpenAI Response, or its SSE events with stream: true",
+                   "/v1/responses/{id}": "a stored Response (GET), or remove it (DELETE)",
+                   "/v1/messages": "an Anthropic Message, or its SSE events with stream: true; Anthropic's error "
+                                   "shape; 'x-api-key' authenticates too",
+                   "/v1/messages/count_tokens": "the input tokens a /v1/messages body renders to",
                    "/tokenize": "vLLM's /tokenize: a prompt or chat messages -> token ids",
                    "/detokenize": "vLLM's /detokenize: token ids -> text",
                    "/metrics": "Prometheus text: engine and server counters, latency histograms",
@@ -8478,8 +9466,9 @@ def openapi_document(llm) -> dict:
             "default": {"description": "an error", "content": {"application/json": {"schema": ERROR_SCHEMA}}}}}
         if path not in PUBLIC_PATHS:
             operation["security"] = [{"bearer": []}]
-        if "{model}" in path:
-            operation["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        if names := re.findall(r"\{(\w+)\}", path):
+            operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                       for name in names]
         if path in REQUEST_TABLES:
             schema = request_schema(REQUEST_TABLES[path], llm.config.vocab_size)
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
@@ -8504,6 +9493,11 @@ ROUTES = [
     ("GET", "/v1/models/{model}", _model),
     ("POST", "/v1/chat/completions", _chat),
     ("POST", "/v1/completions", _completions),
+    ("POST", "/v1/responses", _responses),
+    ("GET", "/v1/responses/{id}", _response_get),
+    ("DELETE", "/v1/responses/{id}", _response_delete),
+    ("POST", "/v1/messages", _messages),
+    ("POST", "/v1/messages/count_tokens", _count_tokens),
     ("POST", "/tokenize", _tokenize),
     ("POST", "/detokenize", _detokenize),
     ("GET", "/metrics", _metrics),
@@ -8514,11 +9508,12 @@ ROUTE_PATTERNS = [(method, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>.+)", path) 
 
 
 def find_route(method: str, path: str):
-    """(label, match, endpoint) for the request; 404 for an unknown path, 405 for a known path's wrong method."""
+    """(label, match, endpoint) for the request; 404 for an unknown path, 405 for a known path's wrong method.
+    HEAD is answered wherever GET is, without the body."""
     allowed = []
     for route_method, pattern, label, endpoint in ROUTE_PATTERNS:
         match = pattern.match(path)
-        if match and route_method == method:
+        if match and (route_method == method or (method == "HEAD" and route_method == "GET")):
             return label, match, endpoint
         if match:
             allowed.append(route_method)
@@ -8593,13 +9588,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return raw
 
     def check_auth(self) -> None:
+        """The key from 'Authorization: Bearer KEY' or, as Anthropic's clients send it, 'x-api-key: KEY'."""
         key = self.server.api_key
         if key is None:
             return
-        given = self.headers.get("Authorization", "")
+        given = self.headers.get("Authorization", "") or ("Bearer " + self.headers["x-api-key"]
+                                                          if "x-api-key" in self.headers else "")
         if not given:
-            raise RequestError("missing API key: send 'Authorization: Bearer <key>'", status=401,
-                               code="invalid_api_key")
+            raise RequestError("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                               status=401, code="invalid_api_key")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise RequestError("invalid API key", status=401, code="invalid_api_key")
@@ -8624,9 +9621,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def send_error_response(self, error: Exception) -> None:
         status, body = translate_error(error)
-        headers = {}
+        path, headers = urllib.parse.urlsplit(self.path).path, {}
+        if path.startswith("/v1/messages"):
+            body = anthropic_error(status, body["error"])
         if status == 405:
-            allowed = [m for m, pattern, _, _ in ROUTE_PATTERNS if pattern.match(urllib.parse.urlsplit(self.path).path)]
+            allowed = [m for m, pattern, _, _ in ROUTE_PATTERNS if pattern.match(path)]
             headers["Allow"] = ", ".join(allowed)
         try:
             self.send_json(status, body, headers)
@@ -8640,16 +9639,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.close_connection = True
         self.send_json(int(code), error_body(int(code), message or explain or "bad request"))
 
-    def send_completion(self, completion: Completion) -> None:
+    def send_completion(self, completion: Completion | ProtocolTurn, named_events: bool = False) -> None:
         if completion.stream_mode:
-            self.send_stream(completion.chunks())
+            self.send_stream(completion.chunks(), named_events)
             return
         with DisconnectWatch(self.connection, completion.abort):
             response = completion.response()
         self.send_json(200, response)
 
-    def send_stream(self, chunks: Iterator[dict]) -> None:
-        """SSE over chunked transfer encoding, so the connection stays alive for the next request."""
+    def send_stream(self, chunks: Iterator[dict], named_events: bool = False) -> None:
+        """SSE over chunked transfer encoding, so the connection stays alive for the next request. Named events
+        (the Responses and Messages protocols) carry an `event:` line, their type, and end without [DONE]."""
         self.server.metrics.count(self.endpoint, 200)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -8663,10 +9663,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 except StopIteration:
                     break
                 except Exception as e:            # after the headers an error can only travel as an event
-                    self.send_event(translate_error(e)[1])
+                    self.send_event({"type": "error", **translate_error(e)[1]} if named_events
+                                    else translate_error(e)[1], named_events)
                     break
-                self.send_event(chunk)
-            self.send_event("[DONE]")
+                self.send_event(chunk, named_events)
+            if not named_events:
+                self.send_event("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
         except Exception as e:
             if not _client_gone(e):
@@ -8675,9 +9677,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         finally:
             chunks.close()                        # aborts the request if the client left
 
-    def send_event(self, data: dict | str) -> None:
+    def send_event(self, data: dict | str, named: bool = False) -> None:
         text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-        payload = b"data: " + text.encode() + b"\n\n"
+        payload = (b"event: " + data["type"].encode() + b"\n" if named else b"") + b"data: " + text.encode() + b"\n\n"
         # A reader that stops reading fills the socket buffer and blocks this write: after the socket timeout
         # the connection is cut, the stream's request aborted, and what the engine buffered for it released.
         self.server.deadlines.arm(self)
@@ -8745,6 +9747,7 @@ class PocketServer(http.server.ThreadingHTTPServer):
         self.max_connections, self.connections, self.count_lock = max_connections, set(), threading.Lock()
         self.send_buffer_bytes = send_buffer_bytes
         self.deadlines = Deadlines(socket_timeout)
+        self.responses = ResponseStore()           # /v1/responses stored with store: true
 
     # At most max_connections at once: one more is answered 503 on a short-lived thread and closed, so a
     # client opening hundreds of idle connections cannot starve the others of threads and sockets.

@@ -70,6 +70,15 @@ def ckpt_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def pocket_tiny():
+    """The bundled pocket-tiny (a real model that calls tools) on the CPU's torch backend, one per session."""
+    import pocketllm
+    llm = pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=8, max_context=1024)
+    yield llm
+    llm.close()
+
+
 @pytest.fixture(scope="module")
 def server(request, llm):
     """The test module's `llm` served over HTTP on port 0, protected by the module's KEY (if it has one)."""

@@ -127,23 +127,32 @@ def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def cap_generation(body, max_context: int):
+# Per generating endpoint: its token-count fields, and the one a body without any of its max fields gets.
+LIMITS = {"/v1/responses": (("max_output_tokens",), "max_output_tokens"),
+          "/v1/messages": (("max_tokens",), "max_tokens")}
+CHAT_LIMITS = (("max_tokens", "max_completion_tokens", "min_tokens"), "max_tokens")
+
+
+def cap_generation(body, max_context: int, path: str = "/v1/chat/completions"):
     """Keep what the server will generate short: token counts the server would honour become MAX_TOKENS, and a
-    body that sets neither max_tokens field gets max_tokens (else it would generate the rest of the context)."""
+    body that sets no max-tokens field gets one (else it would generate the rest of the context)."""
     if not isinstance(body, dict):
         return body
-    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    names, default = LIMITS.get(path, CHAT_LIMITS)
+    for name in names:
         if _count(body.get(name)) and MAX_TOKENS < body[name] <= max_context:
             body[name] = MAX_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = MAX_TOKENS
+    if all(body.get(name) is None for name in names if name != "min_tokens"):
+        body[default] = MAX_TOKENS
     return body
 
 
 # The smallest good body of each endpoint: plausible bodies add a few schema-drawn fields to it, so that more
 # requests pass validation and reach the template, the tool-choice machinery and the engine.
 BASES = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
-         "/v1/completions": {"prompt": "Hi"}, "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]}}
+         "/v1/completions": {"prompt": "Hi"}, "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]},
+         "/v1/responses": {"input": "Hi"}, "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}]},
+         "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "Hi"}]}}
 
 
 def _plausible(schema: dict, base: dict):
@@ -160,14 +169,15 @@ def request_strategy(doc: dict, path: str, max_context: int, generates: bool):
     start = st.one_of(from_schema(schema), _plausible(schema, BASES[path]))
     body = st.one_of(start, start.flatmap(mutated))
     if generates:
-        body = body.map(lambda b: cap_generation(b, max_context))
+        body = body.map(lambda b: cap_generation(b, max_context, path))
     return body.flatmap(raw_text)
 
 
-def _exchange(port: int, method: str, path: str, data: bytes | None, key: str | None) -> tuple[int, bytes]:
+def _exchange(port: int, method: str, path: str, data: bytes | None, key: str | None,
+              extra_headers: dict | None = None) -> tuple[int, bytes]:
     """One request with a timeout; a dropped connection or a hang raises."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **(extra_headers or {})}
     if key:
         headers["Authorization"] = f"Bearer {key}"
     try:
@@ -184,6 +194,12 @@ def send(port: int, path: str, data: bytes, key: str | None = None) -> tuple[int
 
 def get(port: int, path: str, key: str | None = None) -> tuple[int, bytes]:
     return _exchange(port, "GET", path, None, key)
+
+
+def request(port: int, method: str, path: str, body=None, key: str | None = None,
+            headers: dict | None = None) -> tuple[int, bytes]:
+    """Any method, a JSON body (or none), extra headers (x-api-key, anthropic-version)."""
+    return _exchange(port, method, path, None if body is None else json.dumps(body).encode(), key, headers)
 
 
 def wait_idle(llm, seconds: float = 30.0) -> bool:
@@ -215,7 +231,13 @@ def check_answer(path: str, fields: list[str], data: bytes, status: int, answer:
     if status >= 500:
         return f"{status} answer: {answer[:300]!r}"
     if status < 300:
-        if answer.startswith(b"data:"):                                  # a stream: events, then [DONE]
+        if answer.startswith(b"event:"):                                 # named events (Responses, Messages)
+            events = [line[6:] for line in answer.split(b"\n") if line.startswith(b"data: ")]
+            if not events or any(json.loads(event)["type"] == "error" for event in events):
+                return f"no events or an error event in a 200 stream: {answer[-300:]!r}"
+            if json.loads(events[-1])["type"] not in ("response.completed", "response.incomplete", "message_stop"):
+                return f"a stream that did not finish: {answer[-300:]!r}"
+        elif answer.startswith(b"data:"):                                # a stream: events, then [DONE]
             events = [line[6:] for line in answer.split(b"\n") if line.startswith(b"data: ")]
             if not events or events[-1] != b"[DONE]":
                 return f"stream without [DONE]: {answer[-300:]!r}"

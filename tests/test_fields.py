@@ -39,7 +39,10 @@ WEATHER = {"type": "function", "function": {
 BASES = {"/v1/chat/completions": {"messages": USER, "max_tokens": 1},
          "/v1/completions": {"prompt": "Hi", "max_tokens": 1},
          "/tokenize": {"prompt": "Hi"},
-         "/detokenize": {"tokens": [1, 2]}}
+         "/detokenize": {"tokens": [1, 2]},
+         "/v1/responses": {"input": "Hi", "max_output_tokens": 1},
+         "/v1/messages": {"messages": USER, "max_tokens": 1},
+         "/v1/messages/count_tokens": {"messages": USER}}
 MARKERS = re.compile(r"(<!-- fields: (\w+) -->\n)(.*?)(<!-- end fields -->)", re.S)
 
 

@@ -18,8 +18,9 @@ import pocketllm
 
 KEY = "fuzz-key"
 # endpoint -> examples in the default run
-EXAMPLES = {"/v1/chat/completions": 160, "/v1/completions": 60, "/tokenize": 50, "/detokenize": 30}
-GENERATING = ("/v1/chat/completions", "/v1/completions")
+EXAMPLES = {"/v1/chat/completions": 160, "/v1/completions": 60, "/tokenize": 50, "/detokenize": 30,
+            "/v1/responses": 30, "/v1/messages": 30, "/v1/messages/count_tokens": 15}
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 GOOD = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 1.0,
         "presence_penalty": 0.5, "seed": 7}
 

@@ -229,17 +229,22 @@ class Api:
     def connect(self, timeout: float | None = None) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
 
-    def send(self, conn, method: str, path: str, body=None) -> None:
+    def send(self, conn, method: str, path: str, body=None, anthropic: bool = False) -> None:
+        """anthropic: the key as Anthropic's clients send it (x-api-key), with their version header."""
         headers = {"Content-Type": "application/json"}
+        if anthropic:
+            headers["anthropic-version"] = "2023-06-01"
         if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+            headers["x-api-key" if anthropic else "Authorization"] = \
+                self.api_key if anthropic else f"Bearer {self.api_key}"
         data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
         conn.request(method, path, body=data, headers=headers)
 
-    def request(self, method: str, path: str, body=None, timeout: float | None = None) -> tuple[int, object]:
+    def request(self, method: str, path: str, body=None, timeout: float | None = None,
+                anthropic: bool = False) -> tuple[int, object]:
         conn = self.connect(timeout)
         try:
-            self.send(conn, method, path, body)
+            self.send(conn, method, path, body, anthropic)
             resp = conn.getresponse()
             raw = resp.read()
         finally:
@@ -321,6 +326,33 @@ def read_sse(resp) -> list[dict]:
         if "error" in chunk:
             raise CheckFailed(f"error event in the stream: {error_text(chunk)}")
     return chunks
+
+
+def named_events(api: Api, path: str, body: dict, anthropic: bool = False) -> list[dict]:
+    """A Responses or Messages stream: `event: TYPE` + `data: {"type": TYPE, ...}` pairs, no [DONE]; the datas."""
+    conn = api.connect()
+    try:
+        api.send(conn, "POST", path, {**body, "stream": True}, anthropic)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise CheckFailed(f"HTTP {resp.status}: {error_text(json_or_text(resp.read()))}")
+        text = resp.read().decode("utf-8")
+    finally:
+        conn.close()
+    events = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        lines = block.split("\n")
+        if len(lines) != 2 or not lines[0].startswith("event: ") or not lines[1].startswith("data: "):
+            raise CheckFailed(f"malformed named event {block[:120]!r}")
+        data = json.loads(lines[1][6:])
+        if data.get("type") != lines[0][7:]:
+            raise CheckFailed(f"event {lines[0][7:]!r} carries data of type {data.get('type')!r}")
+        if data["type"] == "error":
+            raise CheckFailed(f"error event in the stream: {data}")
+        events.append(data)
+    return events
 
 
 def assemble(chunks: list[dict]) -> dict:
@@ -917,6 +949,123 @@ def check_disconnect(ctx: Context) -> str:
     return f"2 cut connections (streamed, not streamed): {detail}then /health 200 and an answer"
 
 
+# The other protocols agents speak: OpenAI's Responses API and Anthropic's Messages API, over raw HTTP.
+
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+MESSAGES_TOOLS = [{"name": tool["function"]["name"], "description": tool["function"]["description"],
+                   "input_schema": tool["function"]["parameters"]} for tool in TOOLS]
+
+
+def responses(ctx: Context, **body) -> dict:
+    status, obj = ctx.api.request("POST", "/v1/responses", {"model": ctx.api.model, **body})
+    if status != 200:
+        raise CheckFailed(f"/v1/responses HTTP {status}: {error_text(obj)}")
+    return obj
+
+
+def output_text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+
+
+def check_responses(ctx: Context) -> str:
+    """Plain and streamed (the events must build the same response), then a forced tool call answered through
+    previous_response_id, and the stored response read and deleted."""
+    body = {"input": "Who wrote Romeo and Juliet?", "temperature": 0, "max_output_tokens": 32,
+            "reasoning": {"effort": "none"}}
+    whole = responses(ctx, **body, store=False)
+    events = named_events(ctx.api, "/v1/responses", {"model": ctx.api.model, **body, "store": False})
+    if [e["sequence_number"] for e in events] != list(range(len(events))):
+        raise CheckFailed("sequence_number is not 0, 1, 2, ...")
+    if [e["type"] for e in events[:2]] != ["response.created", "response.in_progress"] or \
+            events[-1]["type"] not in ("response.completed", "response.incomplete"):
+        raise CheckFailed(f"event order: {[e['type'] for e in events][:3]} ... {events[-1]['type']}")
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    if not (deltas == output_text(events[-1]["response"]) == output_text(whole)):
+        raise CheckFailed(f"streamed {deltas!r} != non-streamed {output_text(whole)!r}")
+    usage = whole["usage"]
+    if usage["total_tokens"] != usage["input_tokens"] + usage["output_tokens"]:
+        raise CheckFailed(f"usage does not add up: {usage}")
+    first = responses(ctx, input=WEATHER_PROMPTS[0], tools=RESPONSES_TOOLS, tool_choice="required",
+                      temperature=0, max_output_tokens=ctx.args.max_tokens)
+    calls = [item for item in first["output"] if item["type"] == "function_call"]
+    if not calls or not calls[0]["call_id"] or calls[0]["name"] not in {t["name"] for t in RESPONSES_TOOLS}:
+        raise CheckFailed(f"tool_choice required gave no function_call item: {first['output']}")
+    json.loads(calls[0]["arguments"])
+    result = {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": weather_result(
+        {"function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}})}
+    second = responses(ctx, previous_response_id=first["id"], input=[result], tools=RESPONSES_TOOLS,
+                       temperature=0, max_output_tokens=ctx.args.max_tokens)
+    if second["usage"]["input_tokens"] <= first["usage"]["input_tokens"]:
+        raise CheckFailed("previous_response_id did not carry the conversation (input_tokens did not grow)")
+    status, stored = ctx.api.request("GET", f"/v1/responses/{first['id']}")
+    if status != 200 or stored["output"] != first["output"]:
+        raise CheckFailed(f"GET /v1/responses/{{id}}: HTTP {status}")
+    deleted = [ctx.api.request("DELETE", f"/v1/responses/{r['id']}")[0] for r in (first, second)]
+    if deleted != [200, 200] or ctx.api.request("GET", f"/v1/responses/{first['id']}")[0] != 404:
+        raise CheckFailed(f"DELETE /v1/responses/{{id}}: {deleted}, then GET is not 404")
+    status, obj = ctx.api.request("POST", "/v1/responses", {"input": "Hi", "tools": [{"type": "web_search"}]})
+    if status != 400 or obj["error"]["param"] != "tools[0].type":
+        raise CheckFailed(f"a web_search tool: HTTP {status} {error_text(obj)}, not 400 naming tools[0].type")
+    return (f"{len(events)} events, sequence 0..{len(events) - 1}, stream = non-stream; {calls[0]['name']} call "
+            f"answered via previous_response_id ({second['usage']['input_tokens']} input tokens); stored, read, "
+            f"deleted; web_search refused")
+
+
+def messages(ctx: Context, path: str = "/v1/messages?beta=true", **body) -> dict:
+    status, obj = ctx.api.request("POST", path, {"model": ctx.api.model, **body}, anthropic=True)
+    if status != 200:
+        raise CheckFailed(f"{path} HTTP {status}: {obj}")
+    return obj
+
+
+def check_messages(ctx: Context) -> str:
+    """Plain and streamed (the same text), a forced tool_use answered with a tool_result, count_tokens, and
+    Anthropic's error shape."""
+    ask = [{"role": "user", "content": "Who wrote Romeo and Juliet?"}]
+    whole = messages(ctx, messages=ask, max_tokens=32, temperature=0)
+    events = named_events(ctx.api, "/v1/messages?beta=true", {"model": ctx.api.model, "messages": ask,
+                                                              "max_tokens": 32, "temperature": 0}, anthropic=True)
+    names = [e["type"] for e in events]
+    if names[0] != "message_start" or names[-2:] != ["message_delta", "message_stop"] or "ping" not in names:
+        raise CheckFailed(f"event order: {names[:3]} ... {names[-2:]}")
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta"
+                   and e["delta"]["type"] == "text_delta")
+    expected = "".join(block["text"] for block in whole["content"] if block["type"] == "text")
+    if text != expected or events[-2]["delta"]["stop_reason"] != whole["stop_reason"]:
+        raise CheckFailed(f"streamed {text!r} != non-streamed {expected!r}")
+    ask = [{"role": "user", "content": WEATHER_PROMPTS[0]}]
+    first = messages(ctx, messages=ask, tools=MESSAGES_TOOLS, tool_choice={"type": "any"}, temperature=0,
+                     max_tokens=ctx.args.max_tokens)
+    uses = [block for block in first["content"] if block["type"] == "tool_use"]
+    if first["stop_reason"] != "tool_use" or not uses or not uses[0]["id"].startswith("toolu_"):
+        raise CheckFailed(f"tool_choice any gave no tool_use: {first['content']} ({first['stop_reason']})")
+    result = weather_result({"function": {"name": uses[0]["name"], "arguments": json.dumps(uses[0]["input"])}})
+    conversation = ask + [{"role": "assistant", "content": first["content"]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0]["id"],
+                                                        "content": result}]}]
+    second = messages(ctx, messages=conversation, tools=MESSAGES_TOOLS, temperature=0,
+                      max_tokens=ctx.args.max_tokens)
+    counted = messages(ctx, "/v1/messages/count_tokens", messages=conversation, tools=MESSAGES_TOOLS)
+    used = second["usage"]["input_tokens"] + second["usage"]["cache_read_input_tokens"]
+    if counted.get("input_tokens") != used:
+        raise CheckFailed(f"count_tokens {counted} != the request's input tokens {used}")
+    status, obj = ctx.api.request("POST", "/v1/messages", {"messages": ask}, anthropic=True)
+    if status != 400 or obj.get("type") != "error" or obj["error"].get("type") != "invalid_request_error":
+        raise CheckFailed(f"no max_tokens: HTTP {status} {obj}, not Anthropic's 400 error shape")
+    conn = ctx.api.connect()
+    try:
+        conn.request("HEAD", "/")
+        head = conn.getresponse()
+        head.read()
+    finally:
+        conn.close()
+    if head.status != 200:
+        raise CheckFailed(f"HEAD / answered {head.status}")
+    return (f"{len(events)} events, stream = non-stream; {uses[0]['name']} tool_use answered with a tool_result "
+            f"({used} input tokens = count_tokens); Anthropic error shape; HEAD / 200")
+
+
 # -----------------------------------------------------------------------------------------------
 # 6. The published clients, each a small script run by --client-python: a full call-and-return tool cycle,
 #    no extra_body. The configuration travels as one JSON argument.
@@ -1032,6 +1181,8 @@ CHECKS = {
     "reasoning": check_reasoning,
     "concurrency": check_concurrency,
     "disconnect": check_disconnect,
+    "responses": check_responses,
+    "messages": check_messages,
     "client_openai": check_client_openai,
     "client_langchain": check_client_langchain,
 }
