@@ -1812,12 +1812,13 @@ def stackable(a: Linear, b: Linear) -> bool:
     return a.scale is None or (tuple(a.block) == tuple(b.block) and a.shape[0] % a.block[0] == 0)
 
 
-def fuse_linears(parts: list[Linear]) -> tuple[FusedLinear, list[Linear]]:
+def fuse_linears(parts: list[Linear], stack: bool = True) -> tuple[FusedLinear, list[Linear]]:
     """Stack consecutive stackable parts (at most four per group: pl_linear_parts' limit) into one weight each;
-    returns the FusedLinear and each part as a view of its group's weight (the originals can be freed)."""
+    returns the FusedLinear and each part as a view of its group's weight (the originals can be freed).
+    stack=False: one group per part, nothing copied."""
     groups, views = [], []
     for w in parts:
-        if groups and len(groups[-1]) < 4 and stackable(groups[-1][-1], w):
+        if stack and groups and len(groups[-1]) < 4 and stackable(groups[-1][-1], w):
             groups[-1].append(w)
         else:
             groups.append([w])
@@ -1826,6 +1827,8 @@ def fuse_linears(parts: list[Linear]) -> tuple[FusedLinear, list[Linear]]:
         scales = None if group[0].scale is None else torch.cat([w.scale for w in group])
         stacked = Linear(torch.cat([w.weight for w in group]), scales, group[0].block)
         sizes = [w.shape[0] for w in group]
+        if len(group) == 1:
+            stacked = group[0]                                             # nothing to stack: no copy
         fused.append((stacked, sizes))
         ends = list(itertools.accumulate(sizes))
         views += [linear_rows(stacked, e - n, e) for n, e in zip(sizes, ends)]
@@ -1845,19 +1848,20 @@ def split_q_gate(w: Linear, heads: int, Dh: int) -> tuple[Linear, Linear] | None
                  for i in (0, 1))
 
 
-def fuse_projections(layer: DecoderLayer, Dh: int) -> DecoderLayer:
+def fuse_projections(layer: DecoderLayer, Dh: int, stack: bool = True) -> DecoderLayer:
     """The layer with its same-input projections stacked (q|gate|k|v, qkv|z|a|b, gate|up); the HF fields become
-    views of the stacked weights (q_proj then holds [q (all heads) | gate (all heads)]), so memory stays one copy."""
+    views of the stacked weights (q_proj then holds [q (all heads) | gate (all heads)]), so memory stays one copy.
+    stack=False keeps every weight where it is (one group per part; q_proj stays [q | gate] per head)."""
     m, mlp = layer.mixer, layer.mlp
-    gate_up, (gate, up) = fuse_linears([mlp.gate_proj, mlp.up_proj])
+    gate_up, (gate, up) = fuse_linears([mlp.gate_proj, mlp.up_proj], stack)
     mlp = dataclasses.replace(mlp, gate_proj=gate, up_proj=up, gate_up=gate_up)
     if isinstance(m, GatedDeltaNetWeights):
-        in_proj, (qkv, z, a, b) = fuse_linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_a, m.in_proj_b])
+        in_proj, (qkv, z, a, b) = fuse_linears([m.in_proj_qkv, m.in_proj_z, m.in_proj_a, m.in_proj_b], stack)
         m = dataclasses.replace(m, in_proj=in_proj, in_proj_qkv=qkv, in_proj_z=z, in_proj_a=a, in_proj_b=b)
     else:
         gated = m.q_proj.shape[0] == 2 * m.heads * Dh
-        q_gate = split_q_gate(m.q_proj, m.heads, Dh) if gated else None
-        qkv, views = fuse_linears(([m.q_proj] if q_gate is None else list(q_gate)) + [m.k_proj, m.v_proj])
+        q_gate = split_q_gate(m.q_proj, m.heads, Dh) if gated and stack else None
+        qkv, views = fuse_linears(([m.q_proj] if q_gate is None else list(q_gate)) + [m.k_proj, m.v_proj], stack)
         # q and gate always share the first group (same dtype and grid; FP8 heads are whole blocks)
         q_proj = views[0] if q_gate is None else linear_rows(qkv.groups[0][0], 0, 2 * m.heads * Dh)
         m = dataclasses.replace(m, qkv=qkv, gate_interleaved=gated and q_gate is None, q_proj=q_proj,
@@ -1886,9 +1890,12 @@ class Model:
         self.norm = load_norm(ckpt, cfg, p + "norm.weight", (D,)).to(device)
         self.layers = []
         t0 = time.time()
+        # On the CPU the torch backend reads FP8 weights in place from the mapped checkpoint: stacking them would
+        # copy every projection (twice the checkpoint's bytes resident). Elsewhere the weights are copies anyway.
+        stack = not (torch.device(device).type == "cpu" and ops.name == "torch")
         for i in range(n):
             self.layers.append(fuse_projections(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype),
-                                                cfg.head_dim))
+                                                cfg.head_dim, stack))
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
         self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
@@ -1896,7 +1903,7 @@ class Model:
         self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype) \
             if mtp and n == cfg.num_hidden_layers and has_mtp(ckpt) else None
         if self.mtp is not None:
-            self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim))
+            self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim, stack))
         self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
         self.inv_freq = inv.float().to(device)                             # (R/2,)
@@ -6890,10 +6897,13 @@ class StructuredDecoder:
     "grammar" (the grammar's state), "free" (only banned tokens), "off" (a token the mask did not allow was
     sampled, as when another constraint emptied it: no constraint from then on), "end". In the grammar a
     token is allowed when the shortest completion after it still fits in max_tokens, so the answer always
-    closes within max_tokens."""
+    closes within max_tokens. budget=False (auto mode) keeps that only inside calls: prose and reasoning run to
+    max_tokens as without a grammar (cut: finish_reason length), and a call is opened only when it can close."""
 
-    def __init__(self, facts: _TokenFacts, grammar: _Grammar | None, ban: list[int], think: bool, max_tokens: int):
-        self.facts, self.grammar, self.ban, self.max_tokens = facts, grammar, ban, max_tokens
+    def __init__(self, facts: _TokenFacts, grammar: _Grammar | None, ban: list[int], think: bool, max_tokens: int,
+                 budget: bool = True):
+        self.facts, self.grammar, self.ban = facts, grammar, ban
+        self.max_tokens, self.budget = max_tokens, budget
         self.think = think and grammar is not None
         self.forced = grammar.start_after(_THINK_FORCED_CLOSE) if self.think else None
         self._cursors: dict = {}
@@ -6909,7 +6919,7 @@ class StructuredDecoder:
             else ("free", None, b"")
 
     def _settle(self, cursor, used: int):
-        if cursor[0] == "think" and self.max_tokens - used - 1 < self.smallest():
+        if cursor[0] == "think" and self.budget and self.max_tokens - used - 1 < self.smallest():
             return ("grammar", self.forced, b"")
         return cursor
 
@@ -6957,6 +6967,10 @@ class StructuredDecoder:
         found = self.grammar.mask(state)
         if found.most <= left - 1:
             return state, found.mask
+        if not self.budget and found.ends:   # auto mode, in prose: no forced end; no call that cannot close
+            mask = found.mask.clone()
+            mask[[t for t, need in zip(found.single_ids, found.single_needs) if need > left - 1]] = False
+            return None, mask
         mask = self.grammar.budget_mask(state, left)
         return None, mask if bool(mask.any()) else self.facts.ids_mask(self._closing(state, left))
 
@@ -7055,7 +7069,7 @@ def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: 
     ban = facts.ids_of(fmt.call_open) if fmt.call_open and ban_calls else []
     if grammar is None and not ban:
         return None
-    decoder = StructuredDecoder(facts, grammar, ban, think, max_tokens)
+    decoder = StructuredDecoder(facts, grammar, ban, think, max_tokens, budget=must_finish)
     if grammar is not None and must_finish and max_tokens < decoder.smallest():
         what = "the call tool_choice requires" if choice not in ("none", "auto") else "the JSON response_format requires"
         raise RequestError(f"max_tokens {max_tokens} is too small for {what} (at least {decoder.smallest()} tokens)",
@@ -9967,12 +9981,13 @@ def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
 
 def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, max_batch_size: int = 16,
                   num_kv_blocks: int = 0, kv_block_size: int = 16, prefill_token_budget: int = 512,
-                  kv_bytes: int = 2, act_bytes: int = 2, prefix_cache_memory: int = -1) -> dict[str, int]:
+                  kv_bytes: int = 2, act_bytes: int = 2, prefix_cache_memory: int = -1,
+                  mtp_layers: int = 0) -> dict[str, int]:
     """Bytes per GPU (rank) of each part: the layers' weights, the embedding and lm_head slices (each rank
     loads both, also when tied), KV cache, recurrent state, the prefix cache's state snapshots (as
     --prefix-cache-memory: -1 one per sequence, else MiB; 0 with the cache off), workspace, and their total.
     num_kv_blocks 0 means max_batch_size sequences of max_context. Heads and vocabulary split `world` ways (at
-    least one head each).
+    least one head each). mtp_layers: MTP draft layers whose KV shares the blocks (their weights not counted).
 
     >>> cfg = ModelConfig("qwen3", 1000, 64, 128, 2, 4, 2, 16, 1e-6, False, ["full_attention"] * 2, 1e4, 16,
     ...                   4096, False, False)
@@ -9982,7 +9997,7 @@ def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, 
     blocks = num_kv_blocks or max_batch_size * -(-max_context // kv_block_size)
     kv_heads = max(1, cfg.num_key_value_heads // world)
     v_heads, conv_dim = max(1, cfg.linear_num_value_heads // world), cfg.linear_conv_dim // world
-    kv = cfg.num_full_layers * 2 * blocks * kv_block_size * kv_heads * cfg.head_dim * kv_bytes
+    kv = (cfg.num_full_layers + mtp_layers) * 2 * blocks * kv_block_size * kv_heads * cfg.head_dim * kv_bytes
     per_slot = cfg.num_linear_layers * (v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
                                         + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
     snapshots = max_batch_size if prefix_cache_memory < 0 else prefix_cache_memory * (1 << 20) // max(per_slot, 1)
@@ -10209,7 +10224,8 @@ class LLM:
                                num_kv_blocks=self.engine.blocks.total, kv_block_size=opts.kv_block_size,
                                prefill_token_budget=opts.prefill_token_budget, kv_bytes=kv_dtype.itemsize,
                                act_bytes=self.dtype.itemsize,
-                               prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0)
+                               prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0,
+                               mtp_layers=len(self.model.cache_layers) - len(self.model.layers))
         _log(opts, f"memory per {'rank' if world > 1 else 'device'} (config estimate, docs/serving.md): "
                    f"{format_budget(budget)}")
         self._lock = threading.Lock()          # one forward pass at a time (engine thread or logits())

@@ -188,7 +188,7 @@ def test_a_memory_sized_engine_starts_and_serves(monkeypatch):
         opts = llm.options
         assert opts.max_batch_size == 256 and llm.engine.slots.total == 256
         ws = pocketllm.workspace_bytes(llm.config, opts.prefill_token_budget, 256, 4)
-        per_block = pocketllm.cache_bytes(llm.config, llm.model.layers, 1, 16, 0, torch.float32)
+        per_block = pocketllm.cache_bytes(llm.config, llm.model.cache_layers, 1, 16, 0, torch.float32)   # + MTP KV
         per_slot = pocketllm.cache_bytes(llm.config, llm.model.layers, 0, 16, 1, torch.float32)
         per_slot *= 2                                 # its state and, by default, one prefix-cache snapshot
         assert llm.engine.snapshots.ssm[0].shape[0] == 256
@@ -203,7 +203,8 @@ def test_a_memory_sized_engine_starts_and_serves(monkeypatch):
 def test_budget_kv_and_state_equal_the_allocated_cache():
     llm = pocketllm.LLM(TINY, quiet=True, max_context=256, max_batch_size=3)
     try:
-        b = pocketllm.memory_budget(llm.config, max_context=256, max_batch_size=3, kv_bytes=4, act_bytes=4)
+        b = pocketllm.memory_budget(llm.config, max_context=256, max_batch_size=3, kv_bytes=4, act_bytes=4,
+                                    mtp_layers=len(llm.model.cache_layers) - len(llm.model.layers))   # its MTP layer
         cache = llm.engine.cache
         assert b["kv_cache"] == sum(t.numel() * t.element_size() for t in [*cache.k.values(), *cache.v.values()])
         assert b["recurrent_state"] == sum(t.numel() * t.element_size()
@@ -321,7 +322,8 @@ def test_serving_starts_with_a_warm_up_that_leaves_no_trace():
     try:
         said = llm.warm_up()
         assert said.startswith("warm-up: 16-token prefill and 4 tokens sampled at temperature 1 with penalties")
-        assert llm.engine.counters == {"prompt_tokens": 0, "generation_tokens": 0}
+        assert llm.engine.counters["prompt_tokens"] == llm.engine.counters["generation_tokens"] == 0
+        assert not any(llm.engine.counters.values())         # speculative decoding's counters too
         assert llm.engine.blocks.used == 0 and llm.engine.slots.used == 0
         assert llm.generate("Hello", max_tokens=3, temperature=0)["completion_tokens"] == 3
     finally:
@@ -334,7 +336,7 @@ def test_a_server_whose_engine_fails_never_starts(monkeypatch):
     try:
         def broken(*a, **k):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        monkeypatch.setattr(llm.model, "forward", broken)
+        monkeypatch.setattr(llm.model, "hidden", broken)    # every forward runs it (with speculation too)
         with pytest.raises(pocketllm.PocketError, match="the warm-up request failed, so the server does not start"):
             pocketllm.serve(llm, port=0, block=False)
     finally:

@@ -267,7 +267,7 @@ def test_pocket_tiny_runs_on_two_cpu_ranks():
     one = pocketllm.LLM(None, quiet=True, max_context=512, max_batch_size=2)
     two = pocketllm.LLM(None, devices=cpu_ranks(2), quiet=True, max_context=512, max_batch_size=2)
     try:
-        want, got = (llm.chat(messages, tools=tools, temperature=0, max_tokens=48, logprobs=True)["choices"][0]
+        want, got = (llm.chat(messages, tools=tools, temperature=0, max_tokens=96, logprobs=True)["choices"][0]
                      for llm in (one, two))
         assert [t["token"] for t in got["logprobs"]["content"]] == [t["token"] for t in want["logprobs"]["content"]]
         for message in (want["message"], got["message"]):     # call ids are random per response
