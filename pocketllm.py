@@ -3996,28 +3996,9 @@ class Engine:
             self.blocks.register(copy, snap.key)
             self.blocks.release([copy])
 
-    # A small state API for others that must roll a sequence back (speculative decoding): snapshot slots
-    # outside the prefix cache's keys, taken from the same pool.
-
-    def save_state(self, slot: int) -> int | None:
-        """Copy a running slot's recurrent state to a snapshot slot: a handle for restore_state, or None when
-        there are no snapshot slots (prefix cache off, or no recurrent state). The handle is the caller's until
-        drop_state; taking it may evict the prefix cache's least recently used snapshot."""
-        handle = self.prefix.take_slot() if self.prefix is not None else None
-        if handle is not None:
-            self._copy(ENGINE_CACHE, SNAPSHOT_CACHE, [(slot, handle)], [])
-        return handle
-
-    def restore_state(self, handle: int, slot: int) -> None:
-        """Put a save_state snapshot back into a running slot (the handle stays valid)."""
-        self._copy(SNAPSHOT_CACHE, ENGINE_CACHE, [(handle, slot)], [])
-
     def _copy(self, src: int, dst: int, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
         if slots or blocks:
             self.copy(self.caches, src, dst, slots, blocks)
-
-    def drop_state(self, handle: int) -> None:
-        self.prefix.free_slots.append(handle)
 
     def _append(self, seq: Sequence, tok: int, logprobs: tuple | None):
         params = seq.params

@@ -287,26 +287,6 @@ def test_snapshot_memory_bound_and_lru(ckpt_factory):
     assert_nothing_held(llm)
 
 
-def test_save_and_restore_state(ckpt_factory):
-    """Engine.save_state / restore_state / drop_state: a slot's state is put back exactly."""
-    path = ckpt_factory("qwen3_5")[0]
-    llm = make(path)
-    e = llm.engine
-    layer = next(iter(e.cache.ssm))
-    e.cache.ssm[layer][1].normal_()
-    e.cache.conv[layer][1].normal_()
-    before = e.cache.ssm[layer][1].clone(), e.cache.conv[layer][1].clone()
-    handle = e.save_state(1)
-    e.cache.ssm[layer][1].zero_()
-    e.cache.conv[layer][1].zero_()
-    e.restore_state(handle, 2)
-    assert torch.equal(e.cache.ssm[layer][2], before[0]) and torch.equal(e.cache.conv[layer][2], before[1])
-    free = len(e.prefix.free_slots)
-    e.drop_state(handle)
-    assert len(e.prefix.free_slots) == free + 1
-    assert make(path, prefix_cache=False).engine.save_state(0) is None
-
-
 # ---- Tensor parallelism: each rank copies its own shard of the state ----
 
 @pytest.mark.slow
