@@ -6313,20 +6313,22 @@ class _Grammar:
             found = self._masks[state] = self.facts.walk(self, state)
         return found
 
-    def budget_mask(self, state, left: int) -> torch.Tensor:
-        """(V,) bool on the host: the tokens that keep the output in the grammar and its shortest completion
-        within the `left` tokens left (this one included). While every allowed token fits, the state's
-        cached mask; near the end, the tokens whose state after still fits."""
+    def budget_mask(self, state, left: int) -> bytearray:
+        """(V,) bytes on the host, 1 allowed: the tokens that keep the output in the grammar and its shortest
+        completion within the `left` tokens left (this one included). While every allowed token fits, the
+        state's cached mask; near the end, the tokens whose state after still fits."""
         found = self.mask(state)
         if found.most <= left - 1:
-            return found.mask
+            return found.bits
         fits = [t for t, need in zip(found.single_ids, found.single_needs) if need <= left - 1]
         if found.need > left - 1:            # no room for another string character either: only what fits
             return self.facts.ids_mask(fits + (self.facts.eos_ids if found.ends else []))
-        mask = found.mask.clone()
-        mask[found.single_ids] = False
-        mask[fits] = True
-        return mask
+        bits = bytearray(found.bits)
+        for t in found.single_ids:
+            bits[t] = 0
+        for t in fits:
+            bits[t] = 1
+        return bits
 
 
 @dataclass
@@ -6334,7 +6336,7 @@ class _StateMask:
     """The mask of a grammar state and what the budget check needs: the tokens found one by one with the
     tokens their state after needs to end; every other allowed token (a run of string characters, prose)
     needs no more than the state itself."""
-    mask: torch.Tensor            # (V,) bool: allowed, the ends included when the state is complete
+    bits: bytearray               # (V,) one byte per token id, 1 allowed (the ends too when the state is complete)
     single_ids: list[int]         # (S,)
     single_needs: list[int]       # (S,) tokens the completion after each takes, its end included
     need: int                     # the same for the state
@@ -6342,10 +6344,68 @@ class _StateMask:
     ends: bool                    # the state is complete: the ends are allowed
 
 
+def _bool_view(bits: bytearray) -> torch.Tensor:
+    """(len(bits),) bool sharing the bytes' memory: masks are built with byte operations on the host, never
+    with whole-vocabulary tensor ops (each of those is a thread-pool round trip, milliseconds on a busy CPU)."""
+    return torch.frombuffer(bits, dtype=torch.bool)
+
+
+_FITS = [bytes(int(v <= limit) for v in range(256)) for limit in range(256)]   # translate tables: byte <= limit
+_LONG = 253                # a clean ASCII token's length code saturates here (longer ones are checked apart)
+
+
+class _Dirty:
+    """One set of `dirty` bytes (a string cannot hold them as they are: JSON '"', '\\\\' and control bytes;
+    raw '<'; an opener's first byte in prose) against the vocabulary, per sorted token: the index of its
+    last dirty byte (-1: none) and the positions of the tokens that have one; per token id a length code
+    (255 a dirty byte or no bytes, 254 a byte past ASCII, else its length, _LONG and above for long ones),
+    so that "the clean tokens of at most n characters" is one bytes.translate over the vocabulary."""
+
+    def __init__(self, facts: "_TokenFacts", dirty: frozenset):
+        self.dirty_set = dirty
+        table = bytes(0 if b in dirty else 1 for b in range(256))
+        self.lasts = [t.translate(table).rfind(0) for t in facts.sorted]                # (N,)
+        self.where = [k for k, at in enumerate(self.lasts) if at >= 0]                  # (D,)
+        self.where_lasts = [self.lasts[k] for k in self.where]                          # (D,)
+        code = bytearray(b"\xff") * facts.vocab                                         # (V,)
+        self.long = []                                                                  # [(id, length)]
+        for k, (i, t) in enumerate(zip(facts.order, facts.sorted)):
+            if self.lasts[k] < 0:
+                code[i] = 254 if not t.isascii() else min(len(t), _LONG)
+                if len(t) >= _LONG and t.isascii():
+                    self.long.append((i, len(t)))
+        self.code = bytes(code)
+        self._groups = None
+        self._fits: dict[int, bytes] = {}
+
+    def clean(self, spare: int | None) -> bytes:
+        """(V,) 1 for the tokens without a dirty byte (spare: and ASCII, at most `spare` characters)."""
+        limit = 254 if spare is None else min(spare, _LONG - 1)
+        found = self._fits.get(limit)
+        if found is None:
+            found = self._fits[limit] = self.code.translate(_FITS[limit])
+        return found
+
+    def groups(self, facts: "_TokenFacts") -> list[tuple[bytes, list[int]]]:
+        """The tokens whose first dirty byte is '"' or '\\\\', grouped by their bytes from it on, sorted (a
+        JSON string's clean bytes loop on its state, so such a token's fate is that suffix's)."""
+        if self._groups is None:
+            found: dict[bytes, list[int]] = {}
+            table = bytes(0 if b in self.dirty_set else 1 for b in range(256))
+            for k in self.where:
+                blob = facts.sorted[k]
+                at = blob.translate(table).find(0)
+                if at >= 0 and blob[at] in (_QUOTE, _BACKSLASH):
+                    found.setdefault(blob[at:], []).append(facts.order[k])
+            self._groups = sorted(found.items())
+        return self._groups
+
+
 class _TokenFacts:
     """What the masks need to know about a vocabulary, computed once per tokenizer: every token's bytes in
-    sorted order (so the tokens sharing a prefix are a range: an implicit trie), and per token where its last
-    byte that a string cannot hold as it is sits (JSON: '"', '\\\\', control bytes; raw: '<')."""
+    sorted order (so the tokens sharing a prefix are a range: an implicit trie), the ranges of each first
+    byte, and per set of dirty bytes a _Dirty (the string and prose masks at a state are then a translate
+    plus the few tokens that leave the string, run through the grammar)."""
 
     def __init__(self, tokenizer, eos_ids):
         self.tokenizer, self.eos_ids = tokenizer, sorted(set(eos_ids))
@@ -6357,12 +6417,16 @@ class _TokenFacts:
         for i, blob in enumerate(self.blobs):
             if blob:
                 self.by_bytes.setdefault(blob, i)
-        order = sorted((i for i in range(V) if self.blobs[i]), key=self.blobs.__getitem__)
-        self.sorted = [self.blobs[i] for i in order]                                        # (N,) bytes
-        self.sorted_ids = torch.tensor(order, dtype=torch.long)                            # (N,)
-        self.chars = torch.tensor([len(t) - sum(map(t.count, _CONTINUATIONS)) for t in self.sorted],
-                                  dtype=torch.int32)                                        # (N,)
-        self._lasts: dict[frozenset, torch.Tensor] = {}
+        self.order = sorted((i for i in range(V) if self.blobs[i]), key=self.blobs.__getitem__)   # (N,) ids
+        self.sorted = [self.blobs[i] for i in self.order]                                         # (N,) bytes
+        self.firsts = []                       # [(first byte, lo, hi)]: the depth-0 level of the trie
+        for k, blob in enumerate(self.sorted):
+            if not self.firsts or self.firsts[-1][0] != blob[0]:
+                self.firsts.append([blob[0], k, k])
+            self.firsts[-1][2] = k + 1
+        self._dirty = {}
+        for dirty in (_JSON_DIRTY, _JSON_DIRTY | {_LT}, _NON_ASCII):        # the sets every JSON schema uses
+            self.dirty(dirty)
         self._costs: dict[bytes, int] = {}
         self._ids: dict[str, list[int]] = {}
         self._grammars: dict = {}
@@ -6374,23 +6438,17 @@ class _TokenFacts:
             found = self._costs[text] = len(self.tokenizer.encode(text.decode("utf-8", "replace"))) if text else 0
         return found
 
-    def last(self, dirty: frozenset) -> tuple[torch.Tensor, list[int], list[int]]:
-        """Per sorted token, the index of its last byte in `dirty` (-1: none): as an (N,) int32 tensor, and as
-        the sorted positions of the tokens that have one with that index (host lists: no data-dependent
-        tensor ops, so the masks are plain host work wherever the logits live)."""
-        found = self._lasts.get(dirty)
+    def dirty(self, dirty: frozenset) -> _Dirty:
+        found = self._dirty.get(dirty)
         if found is None:
-            table = bytes(0 if b in dirty else 1 for b in range(256))
-            lasts = [t.translate(table).rfind(0) for t in self.sorted]
-            where = [k for k, at in enumerate(lasts) if at >= 0]
-            found = self._lasts[dirty] = (torch.tensor(lasts, dtype=torch.int32), where, [lasts[k] for k in where])
+            found = self._dirty[dirty] = _Dirty(self, dirty)
         return found
 
     def dirty_in(self, dirty: frozenset, depth: int, lo: int, hi: int) -> list[int]:
         """The sorted positions in [lo, hi) of the tokens with a byte in `dirty` at index `depth` or later."""
-        _, where, lasts = self.last(dirty)
-        a, b = bisect.bisect_left(where, lo), bisect.bisect_left(where, hi)
-        return [where[k] for k in range(a, b) if lasts[k] >= depth]
+        d = self.dirty(dirty)
+        a, b = bisect.bisect_left(d.where, lo), bisect.bisect_left(d.where, hi)
+        return [d.where[k] for k in range(a, b) if d.where_lasts[k] >= depth]
 
     def ids_of(self, text: str) -> list[int]:
         """The tokens that are exactly `text` (a marker such as <tool_call>)."""
@@ -6400,34 +6458,39 @@ class _TokenFacts:
             found = self._ids[text] = [i for i in range(self.vocab) if self.tokenizer.token_bytes(i) == blob]
         return found
 
-    def ids_mask(self, ids) -> torch.Tensor:
-        mask = torch.zeros(self.vocab, dtype=torch.bool)
-        mask[list(ids)] = True
-        return mask
+    def ids_mask(self, ids) -> bytearray:
+        bits = bytearray(self.vocab)                                                        # (V,)
+        for i in ids:
+            bits[i] = 1
+        return bits
 
     def walk(self, grammar: _Grammar, state) -> _StateMask:
-        """The state's mask, by walking the sorted vocabulary (see _walk)."""
+        """The state's mask, by walking the sorted vocabulary (see _walk): at most one whole-vocabulary
+        chunk (a string's or prose's clean tokens, one translate) plus ids set one by one."""
         chunks, singles = [], []
         self._walk(grammar, state, 0, 0, len(self.sorted), chunks, singles)
-        allowed = torch.zeros(len(self.sorted), dtype=torch.bool)                          # (N,)
-        for lo, chunk in chunks:
-            allowed[lo:lo + len(chunk)] |= chunk
-        positions = torch.tensor([at for at, _ in singles], dtype=torch.long)              # (S,)
-        allowed[positions] = True
-        mask = torch.zeros(self.vocab, dtype=torch.bool).index_put_((self.sorted_ids,), allowed)   # (V,)
+        whole = [c for c in chunks if isinstance(c, bytes)]
+        bits = bytearray(whole[0]) if whole else bytearray(self.vocab)                     # (V,)
+        for chunk in chunks:
+            if not isinstance(chunk, bytes):
+                for i in chunk:
+                    bits[i] = 1
+        ids = [i for i, _ in singles]
+        for i in ids:
+            bits[i] = 1
         ends = grammar.accepts(state)
         if ends:
-            mask[self.eos_ids] = True
-        ids = self.sorted_ids[positions].tolist() if singles else []
+            for i in self.eos_ids:
+                bits[i] = 1
         needs = [grammar.completion(after)[1] for _, after in singles]
         need = grammar.completion(state)[1]
-        return _StateMask(mask, ids, needs, need, max([need, *needs]), ends)
+        return _StateMask(bits, ids, needs, need, max([need, *needs]), ends)
 
     def _walk(self, grammar, state, depth, lo, hi, chunks, singles):
         """Mark the tokens sorted[lo:hi], which share the `depth` bytes that led to `state`, that keep it alive."""
         blobs = self.sorted
         while depth and lo < hi and len(blobs[lo]) == depth:
-            singles.append((lo, state))
+            singles.append((self.order[lo], state))
             lo += 1
         if lo >= hi:
             return
@@ -6439,34 +6502,76 @@ class _TokenFacts:
             if isinstance(node, _Prose) and data[2] == -1 and not data[0] and len(stack) == 2 and \
                     (node.calls is None or data[1] < node.calls):
                 return self._walk_free(grammar, state, node.firsts, depth, lo, hi, chunks, singles)
-        i = lo
-        while i < hi:
-            b = blobs[i][depth]
-            j = hi if b == 255 else bisect.bisect_left(blobs, blobs[i][:depth] + bytes((b + 1,)), i, hi)
+        if depth == 0:
+            level = self.firsts
+        else:
+            level, i = [], lo
+            while i < hi:
+                b = blobs[i][depth]
+                j = hi if b == 255 else bisect.bisect_left(blobs, blobs[i][:depth] + bytes((b + 1,)), i, hi)
+                level.append((b, i, j))
+                i = j
+        for b, i, j in level:
             nxt = grammar.step(state, b)
             if nxt is not None:
                 self._walk(grammar, nxt, depth + 1, i, j, chunks, singles)
-            i = j
 
-    def _walk_free(self, grammar, state, dirty, depth, lo, hi, chunks, singles, spare=None):
+    def _clean_in(self, d: _Dirty, depth, lo, hi, spare) -> list[int]:
+        """The ids in sorted[lo:hi] (below the first level: a small range) with no dirty byte from `depth`
+        on (spare: and ASCII from there, at most `spare` bytes)."""
+        lasts, order = d.lasts, self.order
+        if spare is None:
+            return [order[k] for k in range(lo, hi) if lasts[k] < depth]
+        wide = self.dirty(_NON_ASCII).lasts
+        return [order[k] for k in range(lo, hi)
+                if lasts[k] < depth and wide[k] < depth and len(self.sorted[k]) - depth <= spare]
+
+    def _walk_free(self, grammar, state, dirty, depth, lo, hi, chunks, singles, spare=None, json_string=False):
         """Tokens whose bytes from `depth` on hold nothing in `dirty` keep the state alive (spare: also if they
-        fit); the others are run through the grammar one by one."""
-        tail = self.last(dirty)[0][lo:hi] < depth                                           # (n,)
-        if spare is not None:                  # a counted string: ASCII only, so bytes are characters
-            tail &= (self.chars[lo:hi] - depth <= spare) & (self.last(_NON_ASCII)[0][lo:hi] < depth)
-        chunks.append((lo, tail))
+        fit); the others are run through the grammar one by one (json_string: only those whose first dirty
+        byte is '"' or '\\\\' and whose clean bytes before it fit; a JSON string takes no other)."""
+        d = self.dirty(dirty)
+        if depth == 0:
+            chunks.append(d.clean(spare))
+            if spare is not None and spare >= _LONG:
+                chunks.append([i for i, n in d.long if n <= spare])
+        else:
+            chunks.append(self._clean_in(d, depth, lo, hi, spare))
         for at in self.dirty_in(dirty, depth, lo, hi):
-            after = grammar.advance(state, self.sorted[at][depth:])
+            blob = self.sorted[at]
+            if json_string:
+                first = next(p for p in range(depth, len(blob)) if blob[p] in dirty)
+                if blob[first] not in (_QUOTE, _BACKSLASH) or \
+                        spare is not None and (first - depth > spare or not blob[depth:first].isascii()):
+                    continue
+            after = grammar.advance(state, blob[depth:])
             if after is not None:
-                singles.append((at, after))
+                singles.append((self.order[at], after))
 
     def _walk_string(self, grammar, state, node, data, depth, lo, hi, chunks, singles):
         if not node.plain:
             spare = node.hi - data[1] if node.hi is not None else 1 << 30 if node.ascii else None
-            return self._walk_free(grammar, state, node.dirty, depth, lo, hi, chunks, singles, spare)
+            return self._walk_free(grammar, state, node.dirty, depth, lo, hi, chunks, singles, spare,
+                                   json_string=not node.raw)
         # unbounded JSON string content: clean bytes loop on this state, so a token's fate is its suffix from
         # its first byte that is not clean
-        chunks.append((lo, self.last(node.dirty)[0][lo:hi] < depth))
+        d = self.dirty(node.dirty)
+        if depth == 0:
+            chunks.append(d.clean(None))
+            dead = None
+            for suffix, ids in d.groups(self):       # sorted: a dead prefix skips its whole run
+                if dead is not None and suffix.startswith(dead):
+                    continue
+                after = state
+                for k, b in enumerate(suffix):
+                    after = grammar.step(after, b)
+                    if after is None:
+                        dead = suffix[:k + 1]
+                        break
+                else:
+                    singles.extend((i, after) for i in ids)
+            return
+        chunks.append(self._clean_in(d, depth, lo, hi, None))
         results: dict[bytes, frozenset | None] = {}
         for at_token in self.dirty_in(node.dirty, depth, lo, hi):
             blob = self.sorted[at_token]
@@ -6477,7 +6582,7 @@ class _TokenFacts:
             if suffix not in results:
                 results[suffix] = grammar.advance(state, suffix)
             if results[suffix] is not None:
-                singles.append((at_token, results[suffix]))
+                singles.append((self.order[at_token], results[suffix]))
 
     def grammar(self, key, build) -> _Grammar:
         """The compiled grammar for `key` (built by build() on first use); the last 64 are kept."""
@@ -6934,26 +7039,29 @@ class StructuredDecoder:
         return self._settle(found, len(ids))
 
     def allowed(self, ids):
-        """The host-side answer: a cache key and the (V,) bool mask for it, or None."""
+        """The host-side answer: a cache key and the (V,) mask for it as bytes (1 allowed), or None."""
         phase, state, _ = self.cursor(ids)
         if phase in ("off", "end"):
             return None
         if phase in ("think", "free"):
             found = self._host.get(phase)
             if found is None:
-                found = self._host[phase] = torch.ones(self.facts.vocab, dtype=torch.bool)
-                found[self.ban + (self.facts.eos_ids if phase == "think" else [])] = False
+                found = self._host[phase] = bytearray(b"\x01") * self.facts.vocab
+                for t in self.ban + (self.facts.eos_ids if phase == "think" else []):
+                    found[t] = 0
             return phase, found
         left = self.max_tokens - len(ids)
         found = self.grammar.mask(state)
         if found.most <= left - 1:
-            return state, found.mask
+            return state, found.bits
         if not self.budget and found.ends:   # auto mode, in prose: no forced end; no call that cannot close
-            mask = found.mask.clone()
-            mask[[t for t, need in zip(found.single_ids, found.single_needs) if need > left - 1]] = False
-            return None, mask
-        mask = self.grammar.budget_mask(state, left)
-        return None, mask if bool(mask.any()) else self.facts.ids_mask(self._closing(state, left))
+            bits = bytearray(found.bits)
+            for t, need in zip(found.single_ids, found.single_needs):
+                if need > left - 1:
+                    bits[t] = 0
+            return None, bits
+        bits = self.grammar.budget_mask(state, left)
+        return None, bits if 1 in bits else self.facts.ids_mask(self._closing(state, left))
 
     def _closing(self, state, left: int) -> list[int]:
         """Near the end of the budget: the tokens that start the shortest completion and keep it in budget."""
@@ -6973,13 +7081,13 @@ class StructuredDecoder:
         found = self.allowed(ids)
         if found is None:
             return None
-        key, mask = found
+        key, bits = found
         cached = self._device.get((key, size, str(device))) if key is not None else None
         if cached is None:
-            cached = torch.zeros(size, dtype=torch.bool)
-            n = min(size, mask.numel())
-            cached[:n] = mask[:n]
-            cached = cached.to(device)
+            row = bytearray(size)                                                   # (size,): logit rows
+            n = min(size, len(bits))
+            row[:n] = bits[:n]
+            cached = _bool_view(row).to(device)
             if key is not None:
                 if len(self._device) > 256:
                     self._device.clear()
