@@ -5382,6 +5382,15 @@ class _Node:
     def finish(self, data):
         return data
 
+    def first_key(self, data):
+        """What of `data` decides which bytes the frame takes (frames alike here share their first bytes)."""
+        return data
+
+    def takes(self, data, entry) -> frozenset | None:
+        """The bytes the frame takes next without ending (entry(node): the bytes that start a child), or None:
+        found by trying every byte."""
+        return None
+
     def shortest(self) -> bytes | None:
         """The shortest text (None: no finite one, e.g. a required self-reference)."""
         found = getattr(self, "_shortest", ...)
@@ -5406,6 +5415,9 @@ class _Lit(_Node):
 
     def can_end(self, i):
         return i == len(self.text)
+
+    def takes(self, i, entry):
+        return frozenset(self.text[i:i + 1])
 
     def rest(self, i):
         return self.text[i:]
@@ -5435,6 +5447,9 @@ class _Choice(_Node):
 
     def can_end(self, p):
         return p in self.complete
+
+    def takes(self, p, entry):
+        return frozenset(t[len(p)] for t in self.texts if len(t) > len(p) and t.startswith(p))
 
     def rest(self, p):
         return min((t[len(p):] for t in self.texts if t.startswith(p)), key=lambda t: (len(t), t))
@@ -5972,6 +5987,7 @@ class _Obj(_Node):
         self.members, self.extra, self.no_lt = members, extra, no_lt
         self._keys: dict[int, _Node] = {}
         self._choices: dict[int, tuple] = {}
+        self._tails: dict[tuple, bytes | None] = {}
 
     def starts(self):
         return [(0, 0, 0, -1)]
@@ -6011,6 +6027,34 @@ class _Obj(_Node):
     def can_end(self, data):
         return data[0] == 8
 
+    def first_key(self, data):
+        return data[0], data[1], data[2] >= _MAX_WS, data[3]
+
+    def takes(self, data, entry):
+        """As step() takes them, phase by phase."""
+        phase, i, ws, j = data
+        found = set(_WS) if phase in (1, 3, 4, 6, 7) and ws < _MAX_WS else set()
+        if phase == 0:
+            found.add(0x7B)
+        elif phase in (1, 7):
+            if self.keys_at(i).options:
+                found.add(_QUOTE)
+            if phase == 1 and not _required_from(self.members, i):
+                found.add(0x7D)
+        elif phase == 3:
+            found.add(0x3A)
+        elif phase == 4:
+            value = entry(self.members[j][1] if j >= 0 else self.extra)
+            if value is None:
+                return None
+            found |= value - _WS
+        elif phase == 6:
+            if i < len(self.members) or self.extra is not None:
+                found.add(0x2C)
+            if not _required_from(self.members, i):
+                found.add(0x7D)
+        return frozenset(found)
+
     def child_done(self, data, child):
         phase, i, ws, j = data
         if phase == 2:
@@ -6025,7 +6069,14 @@ class _Obj(_Node):
         return None if v is None else json.dumps(key, ensure_ascii=False).encode() + b":" + v
 
     def _tail(self, i, need_member) -> bytes | None:
-        """The shortest members from i (joined by ','), at least one if need_member, without the '}'."""
+        """The shortest members from i (joined by ','), at least one if need_member, without the '}' (kept:
+        every completion of a state inside the object asks)."""
+        found = self._tails.get((i, need_member), ...)
+        if found is ...:
+            found = self._tails[(i, need_member)] = self._find_tail(i, need_member)
+        return found
+
+    def _find_tail(self, i, need_member) -> bytes | None:
         todo = _required_from(self.members, i)
         if not todo and need_member:
             options = [self._member_text(j) for j in _next_members(self.members, i)]
@@ -6083,6 +6134,27 @@ class _Arr(_Node):
 
     def can_end(self, data):
         return data[0] == 5
+
+    def first_key(self, data):
+        return data[0], data[1], data[2] >= _MAX_WS
+
+    def takes(self, data, entry):
+        """As step() takes them, phase by phase."""
+        phase, n, ws = data
+        found = set(_WS) if phase in (1, 3, 4) and ws < _MAX_WS else set()
+        room = self.hi is None or n < self.hi
+        if phase == 0:
+            found.add(0x5B)
+        if phase in (1, 3) and n >= self.lo:
+            found.add(0x5D)
+        if phase in (1, 4) and room:
+            item = entry(self.item(n))
+            if item is None:
+                return None
+            found |= item - _WS
+        if phase == 3 and room:
+            found.add(0x2C)
+        return frozenset(found)
 
     def child_done(self, data, child):
         n = data[1] + 1
@@ -6239,6 +6311,12 @@ def _feed(stack: tuple, b: int, out: list, enter: _Node | None = None) -> None:
         _feed(stack[:-2] + ((parent, parent.child_done(parent_data, stack[-1])),), b, out)
 
 
+def _feeds(stack: tuple, b: int) -> bool:
+    out = []
+    _feed(stack, b, out)
+    return bool(out)
+
+
 def _stack_accepts(stack: tuple) -> bool:
     for k in range(len(stack) - 1, -1, -1):
         node, data = stack[k]
@@ -6273,6 +6351,9 @@ class _Grammar:
         self._next: dict = {}
         self._masks: dict = {}
         self._completions: dict = {}
+        self._viable: dict = {}
+        self._firsts: dict = {}
+        self._entries: dict = {}
 
     def start_after(self, text: str) -> frozenset:
         """The state before `text` and then the grammar (the forced close of reasoning)."""
@@ -6286,6 +6367,45 @@ class _Grammar:
             for stack in state:
                 _feed(stack, b, out)
             found = self._next[key] = frozenset(out) if out else None
+        return found
+
+    def viable(self, state) -> frozenset:
+        """The bytes that may follow `state` (step(state, b) is not None for exactly these): per stack, its top
+        frame's own first bytes (context-free, kept per frame), and its parent's when the frame may end."""
+        found = self._viable.get(state)
+        if found is None:
+            found = self._viable[state] = frozenset().union(*(self._stack_viable(stack) for stack in state))
+        return found
+
+    def _stack_viable(self, stack: tuple) -> frozenset:
+        node, data = stack[-1]
+        found = self._frame_firsts(node, data)
+        if node.can_end(data) and len(stack) > 1:
+            parent, parent_data = stack[-2]
+            found = found | self._stack_viable(stack[:-2] + ((parent, parent.child_done(parent_data, stack[-1])),))
+        return found
+
+    def _frame_firsts(self, node: _Node, data) -> frozenset:
+        """The bytes a frame takes without ending, kept per (node, first_key)."""
+        key = (node, node.first_key(data))
+        found = self._firsts.get(key)
+        if found is None:
+            found = node.takes(data, self._entry)
+            if found is None:                # try every byte on a one-frame stack (which never ends)
+                found = frozenset(b for b in range(256) if _feeds(((node, data),), b))
+            self._firsts[key] = found
+        return found
+
+    def _entry(self, node: _Node) -> frozenset | None:
+        """The bytes that may start `node` (None: it may be empty, or it is being found: a cycle)."""
+        found = self._entries.get(node, ...)
+        if found is ...:
+            self._entries[node] = None
+            if isinstance(node, (_Union, _Ref)):
+                parts = [self._entry(o) for o in (node.options if isinstance(node, _Union) else [node.target])]
+            else:
+                parts = [None] if node.nullable else [self._frame_firsts(node, d) for d in node.starts()]
+            found = self._entries[node] = None if None in parts else frozenset().union(*parts)
         return found
 
     def advance(self, state, blob: bytes):
@@ -6386,25 +6506,28 @@ class _Dirty:
             found = self._fits[limit] = self.code.translate(_FITS[limit])
         return found
 
-    def groups(self, facts: "_TokenFacts") -> list[tuple[bytes, list[int]]]:
-        """The tokens whose first dirty byte is '"' or '\\\\', grouped by their bytes from it on, sorted (a
-        JSON string's clean bytes loop on its state, so such a token's fate is that suffix's)."""
+    def groups(self, facts: "_TokenFacts") -> list[tuple[bytes, list[int], list[int]]]:
+        """The tokens whose first dirty byte is '"' or '\\\\', grouped by their bytes from it on, sorted, as
+        (suffix, ids, lengths of the clean bytes before it, -1 where those are not ASCII): a JSON string's
+        clean bytes loop on its state (or only count), so such a token's fate is that suffix's."""
         if self._groups is None:
-            found: dict[bytes, list[int]] = {}
+            found: dict[bytes, tuple[list, list]] = {}
             table = bytes(0 if b in self.dirty_set else 1 for b in range(256))
             for k in self.where:
                 blob = facts.sorted[k]
                 at = blob.translate(table).find(0)
                 if at >= 0 and blob[at] in (_QUOTE, _BACKSLASH):
-                    found.setdefault(blob[at:], []).append(facts.order[k])
-            self._groups = sorted(found.items())
+                    ids, lengths = found.setdefault(blob[at:], ([], []))
+                    ids.append(facts.order[k])
+                    lengths.append(at if blob[:at].isascii() else -1)
+            self._groups = [(suffix, ids, lengths) for suffix, (ids, lengths) in sorted(found.items())]
         return self._groups
 
 
 class _TokenFacts:
     """What the masks need to know about a vocabulary, computed once per tokenizer: every token's bytes in
-    sorted order (so the tokens sharing a prefix are a range: an implicit trie), the ranges of each first
-    byte, and per set of dirty bytes a _Dirty (the string and prose masks at a state are then a translate
+    sorted order (so the tokens sharing a prefix are a range: an implicit trie, its levels kept as visited),
+    and per set of dirty bytes a _Dirty (the string and prose masks at a state are then a translate
     plus the few tokens that leave the string, run through the grammar)."""
 
     def __init__(self, tokenizer, eos_ids):
@@ -6419,14 +6542,12 @@ class _TokenFacts:
                 self.by_bytes.setdefault(blob, i)
         self.order = sorted((i for i in range(V) if self.blobs[i]), key=self.blobs.__getitem__)   # (N,) ids
         self.sorted = [self.blobs[i] for i in self.order]                                         # (N,) bytes
-        self.firsts = []                       # [(first byte, lo, hi)]: the depth-0 level of the trie
-        for k, blob in enumerate(self.sorted):
-            if not self.firsts or self.firsts[-1][0] != blob[0]:
-                self.firsts.append([blob[0], k, k])
-            self.firsts[-1][2] = k + 1
+        self._levels: dict[tuple[int, int], dict] = {}
+        self.level(0, 0, len(self.sorted))
         self._dirty = {}
-        for dirty in (_JSON_DIRTY, _JSON_DIRTY | {_LT}, _NON_ASCII):        # the sets every JSON schema uses
-            self.dirty(dirty)
+        for dirty in (_JSON_DIRTY, _JSON_DIRTY | {_LT}):                   # the sets every JSON schema uses
+            self.dirty(dirty).groups(self)
+        self.dirty(_NON_ASCII)
         self._costs: dict[bytes, int] = {}
         self._ids: dict[str, list[int]] = {}
         self._grammars: dict = {}
@@ -6502,19 +6623,26 @@ class _TokenFacts:
             if isinstance(node, _Prose) and data[2] == -1 and not data[0] and len(stack) == 2 and \
                     (node.calls is None or data[1] < node.calls):
                 return self._walk_free(grammar, state, node.firsts, depth, lo, hi, chunks, singles)
-        if depth == 0:
-            level = self.firsts
-        else:
-            level, i = [], lo
+        level, viable = self.level(depth, lo, hi), grammar.viable(state)
+        for b in viable if len(viable) < len(level) else level:
+            span = level.get(b) if b in viable else None
+            nxt = grammar.step(state, b) if span is not None else None
+            if nxt is not None:
+                self._walk(grammar, nxt, depth + 1, span[0], span[1], chunks, singles)
+
+    def level(self, depth: int, lo: int, hi: int) -> dict[int, tuple[int, int]]:
+        """The trie's children of the node sorted[lo:hi] at `depth`: next byte -> its range (kept: the trie
+        never changes, and walks keep visiting the same nodes)."""
+        found = self._levels.get((depth, lo))
+        if found is None:
+            blobs, found, i = self.sorted, {}, lo
             while i < hi:
                 b = blobs[i][depth]
                 j = hi if b == 255 else bisect.bisect_left(blobs, blobs[i][:depth] + bytes((b + 1,)), i, hi)
-                level.append((b, i, j))
+                found[b] = (i, j)
                 i = j
-        for b, i, j in level:
-            nxt = grammar.step(state, b)
-            if nxt is not None:
-                self._walk(grammar, nxt, depth + 1, i, j, chunks, singles)
+            self._levels[(depth, lo)] = found
+        return found
 
     def _clean_in(self, d: _Dirty, depth, lo, hi, spare) -> list[int]:
         """The ids in sorted[lo:hi] (below the first level: a small range) with no dirty byte from `depth`
@@ -6549,6 +6677,9 @@ class _TokenFacts:
                 singles.append((self.order[at], after))
 
     def _walk_string(self, grammar, state, node, data, depth, lo, hi, chunks, singles):
+        counted = node.counted and not node.raw
+        if depth == 0 and (node.plain or counted):
+            return self._walk_exits(grammar, state, node, data[1], chunks, singles)
         if not node.plain:
             spare = node.hi - data[1] if node.hi is not None else 1 << 30 if node.ascii else None
             return self._walk_free(grammar, state, node.dirty, depth, lo, hi, chunks, singles, spare,
@@ -6556,21 +6687,6 @@ class _TokenFacts:
         # unbounded JSON string content: clean bytes loop on this state, so a token's fate is its suffix from
         # its first byte that is not clean
         d = self.dirty(node.dirty)
-        if depth == 0:
-            chunks.append(d.clean(None))
-            dead = None
-            for suffix, ids in d.groups(self):       # sorted: a dead prefix skips its whole run
-                if dead is not None and suffix.startswith(dead):
-                    continue
-                after = state
-                for k, b in enumerate(suffix):
-                    after = grammar.step(after, b)
-                    if after is None:
-                        dead = suffix[:k + 1]
-                        break
-                else:
-                    singles.extend((i, after) for i in ids)
-            return
         chunks.append(self._clean_in(d, depth, lo, hi, None))
         results: dict[bytes, frozenset | None] = {}
         for at_token in self.dirty_in(node.dirty, depth, lo, hi):
@@ -6583,6 +6699,39 @@ class _TokenFacts:
                 results[suffix] = grammar.advance(state, suffix)
             if results[suffix] is not None:
                 singles.append((self.order[at_token], results[suffix]))
+
+    def _walk_exits(self, grammar, state, node: _Str, count: int, chunks, singles):
+        """A JSON string's content (no pattern, no excluded keys) over the whole vocabulary: its clean tokens
+        (that fit, when counted: ASCII, each byte a character) in one translate, then the tokens that leave
+        it, by suffix ('"' then what follows: one run through the grammar per suffix, a dead prefix skipping
+        its run; an escape: token by token, as the count moves)."""
+        d = self.dirty(node.dirty)
+        spare = None
+        if node.counted:
+            spare = node.hi - count if node.hi is not None else 1 << 30
+            if spare >= _LONG:
+                chunks.append([i for i, n in d.long if n <= spare])
+        chunks.append(d.clean(spare))
+        least = max(0, node.lo - count) if node.counted else 0      # characters still owed before the quote
+        start = grammar.advance(state, b"a" * least) if least <= (1 << 30 if spare is None else spare) else None
+        dead = None
+        for suffix, ids, lengths in d.groups(self):      # sorted: a dead prefix skips its whole run
+            if suffix[0] == _BACKSLASH and spare is not None:
+                for i, n in zip(ids, lengths):
+                    after = grammar.advance(state, self.blobs[i]) if 0 <= n <= spare else None
+                    if after is not None:
+                        singles.append((i, after))
+                continue
+            if start is None or dead is not None and suffix.startswith(dead):
+                continue
+            after = start
+            for k, b in enumerate(suffix):
+                after = grammar.step(after, b)
+                if after is None:
+                    dead = suffix[:k + 1]
+                    break
+            else:
+                singles.extend((i, after) for i, n in zip(ids, lengths) if spare is None or least <= n <= spare)
 
     def grammar(self, key, build) -> _Grammar:
         """The compiled grammar for `key` (built by build() on first use); the last 64 are kept."""
