@@ -9,6 +9,7 @@ with_structured_output()).
 
 import enum
 import json
+import random
 from typing import Optional
 
 import jsonschema
@@ -93,6 +94,54 @@ def test_random_model_answers_validate(llm, schema, refs, seed):
     schema = with_defs(schema) if refs else schema
     text = decode(llm, schema, max_tokens=64, seed=seed)
     jsonschema.validate(json.loads(text), schema)
+
+
+def reference_bits(grammar, state) -> bytearray:
+    """A state's mask token by token: each token's bytes run through the grammar (no trie, no pruning, no
+    grouping), the ends allowed when the state is complete."""
+    facts = grammar.facts
+    bits = bytearray(1 if blob and grammar.advance(state, blob) is not None else 0 for blob in facts.blobs)
+    for t in facts.eos_ids if grammar.accepts(state) else []:
+        bits[t] = 1
+    return bits
+
+
+def assert_masks_match_reference(decoder, seed, steps=48):
+    """Along a random path of allowed tokens, every state's mask is the token-by-token reference's."""
+    rng, grammar = random.Random(seed), decoder.grammar
+    state = grammar.start
+    for _ in range(steps):
+        bits = grammar.mask(state).bits
+        want = reference_bits(grammar, state)
+        assert bits == want, [(t, grammar.facts.blobs[t]) for t in range(len(bits)) if bits[t] != want[t]][:10]
+        allowed = [t for t, ok in enumerate(bits) if ok and t not in grammar.facts.eos_ids]
+        if not allowed:
+            return
+        state = grammar.advance(state, grammar.facts.blobs[rng.choice(allowed)])
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return P.Tokenizer(P.bundled_model_dir())             # pocket-tiny's byte-level BPE (1,122 tokens)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=SCHEMAS, refs=st.booleans(), seed=st.integers(0, 1000))
+def test_masks_equal_the_token_by_token_reference(tiny_tokenizer, schema, refs, seed):
+    """The vocabulary walk (first bytes per frame, trie levels, strings' exits by suffix, length codes) allows
+    exactly the tokens that the grammar takes one by one."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": with_defs(schema) if refs else schema}}
+    decoder = P.structured_decoder(tiny_tokenizer, response_format=fmt, max_tokens=4096)
+    assert_masks_match_reference(decoder, seed)
+
+
+@pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_call_masks_equal_the_token_by_token_reference(tiny_tokenizer, fmt, choice):
+    decoder = P.structured_decoder(tiny_tokenizer, tools=[SHIP], tool_choice=choice, tool_parser=fmt,
+                                   max_tokens=4096)
+    for seed in range(4):
+        assert_masks_match_reference(decoder, seed, steps=64)
 
 
 RECURSIVE = {"$defs": {"Node": {"type": "object", "properties": {
