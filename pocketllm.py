@@ -2793,6 +2793,13 @@ class Sampler:
         a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None when no row has
         one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
         found, failed = {}, {}
+        for r in rows:                    # every row's host work before the first copy (which waits for the forward)
+            for proc in r.seq.params.logits_processors:
+                if hasattr(proc, "prepare_mask"):
+                    try:
+                        proc.prepare_mask(list(r.seq.output_ids) + r.ahead)
+                    except Exception:
+                        pass                                      # raised again, and recorded, by token_mask below
         for i, r in enumerate(rows):
             for proc in r.seq.params.logits_processors:
                 token_mask = getattr(proc, "token_mask", None)
@@ -5336,7 +5343,9 @@ class ChatOutputParser:
 # 11b. Structured output: one JSON-Schema constrained decoder for response_format, strict tools, tool_choice
 #      and the calls of auto mode. A schema compiles to a byte-level grammar (nodes below); a state of the
 #      grammar is a set of stacks of (node, data) frames, and the mask of a state is found by walking the
-#      vocabulary sorted by bytes (its implicit trie), once per state and cached. The mask is a pure
+#      vocabulary sorted by bytes (its implicit trie) along only the bytes the state's top frames take (kept
+#      per frame: context-free), a string's clean tokens as one translate, once per state and cached, as host
+#      bytes (never whole-vocabulary tensor ops: thread-pool round trips on a busy CPU). The mask is a pure
 #      function of the generated ids, computed on the host before the sampler's first transfer, so on a GPU
 #      it overlaps the forward pass still in flight; the sampler applies all rows' masks as one (B, V) op.
 # -----------------------------------------------------------------------------------------------
@@ -7225,6 +7234,11 @@ class StructuredDecoder:
             if after is not None and grammar.completion(after)[1] <= left - 1:
                 found.append(token)
         return found or self.facts.tokenizer.encode(text.decode("utf-8", "replace"))[:1]
+
+    def prepare_mask(self, ids) -> None:
+        """The host work of token_mask (kept in the grammar's caches), for the sampler to do for every row while
+        the forward pass is still in flight, before any copy to the device waits for it."""
+        self.allowed(ids)
 
     def token_mask(self, ids, size: int, device) -> torch.Tensor | None:
         found = self.allowed(ids)
