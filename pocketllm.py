@@ -3986,8 +3986,10 @@ class Engine:
             for j in range(p.start // bs, end // bs):
                 self.blocks.register(seq.blocks[j], keys[j])
         prompt, hint = len(seq.request.prompt_ids), seq.request.snapshot_at
-        if snapshot and (end in (prompt, hint) or (p.count > 1 and end % bs == 0)):   # mid-prompt ones go first
-            self._snapshot(seq, keep=end in (prompt, hint) or end >= (prompt - 1) // bs * bs)
+        if snapshot and (end in (prompt, hint) or (p.count > 1 and end % bs == 0)):
+            # Filed as most recently used: a chat prompt's last message (its next turn resumes there, or at the
+            # end of the generation), else a prompt's last block boundary and end; the others go first.
+            self._snapshot(seq, keep=end == hint if hint is not None else end >= (prompt - 1) // bs * bs)
 
     def _snapshot(self, seq: Sequence, keep: bool = True):
         """Snapshot seq's state (and partial last block) at seq.num_computed, unless the cache has it."""

@@ -93,15 +93,16 @@ def generation(t: int, thinking: bool) -> str:
     return (f"Step {t + 1}: I need the weather in City {t}.\n</think>\n\n" if thinking else "") + call
 
 
-def session(turns: int, shape: str) -> tuple[list[dict], list[list[dict]]]:
+def session(turns: int, shape: str, conversation: int = 0) -> tuple[list[dict], list[list[dict]]]:
     """(tools, the messages of each turn's request); shape "user" adds a user message every turn, "loop" only
-    before the first."""
+    before the first. Conversations other than 0 differ from it from their first user message on."""
     tools = [tool(name, i) for i, name in enumerate(("get_weather", "get_prices", "find_ledger", "send_note"))]
     messages = [{"role": "system", "content": "You are an agent that keeps the mill's books. " + text(860, 5)}]
     requests = []
     for t in range(turns):
         if shape == "user" or t == 0:
-            messages.append({"role": "user", "content": f"Turn {t + 1}: " + text(25, t)})
+            tag = f"Conversation {conversation}. " if conversation else ""
+            messages.append({"role": "user", "content": tag + f"Turn {t + 1}: " + text(25, t)})
         requests.append(list(messages))
         call_id = f"call_{t}"
         messages.append({"role": "assistant", "content": None, "tool_calls": [
@@ -207,6 +208,26 @@ def hit_rates(turns: int, thinking: list[str]):
             llm.close()
 
 
+def concurrent_hit_rates(turns: int, conversations: int, memory: list[int]):
+    """Conversations that take turns round-robin (each turn one request, as agents waiting on their tools do):
+    the share of turns 2.. resumed from the cache, for each --prefix-cache-memory."""
+    path = make_checkpoint(2, SHAPE_TOKENS, "tokens")
+    for shape in ("user", "loop"):
+        sessions = [session(turns, shape, c) for c in range(conversations)]
+        for mib in memory:
+            llm = pocketllm.LLM(path, **OPTIONS, prefix_cache_memory=mib)
+            scripts, queried, resumed = script_generations(llm), 0, 0
+            for t in range(turns):
+                for c, (tools, requests) in enumerate(sessions):
+                    row = run_session(llm, scripts, tools, requests, True, f"{shape}-{c}", {t + 1})[t]
+                    queried += row["prompt"] if t else 0
+                    resumed += row["prompt"] - row["prefilled"] if t else 0
+            print(f"{conversations} {shape} conversations, thinking on, --prefix-cache-memory {mib} "
+                  f"({llm.engine.prefix.slots_total} snapshots): {100 * resumed / queried:.1f}% of turns 2-{turns}'s "
+                  f"prompt tokens resumed", flush=True)
+            llm.close()
+
+
 def timed(args, off_turns: set[int] | None):
     path = make_checkpoint(args.layers, SHAPE_0_8B, "0.8b-shape")
     engines = {"on": pocketllm.LLM(path, **OPTIONS), "off": pocketllm.LLM(path, prefix_cache=False, **OPTIONS)}
@@ -237,9 +258,15 @@ def main():
     ap.add_argument("--thinking", default="on,off", help="enable_thinking per session: on, off or on,off")
     ap.add_argument("--off-turns", default="all", help="turns the cache-off engine runs: all, or e.g. 1,2,8")
     ap.add_argument("--hit-rate-only", action="store_true", help="only the tokens-only hit rates")
+    ap.add_argument("--conversations", type=int, default=1,
+                    help="> 1: hit rates of that many conversations taking turns, instead of one")
+    ap.add_argument("--prefix-cache-memory", default="-1", help="with --conversations: values to compare, e.g. -1,1")
     args = ap.parse_args()
     off_turns = None if args.off_turns == "all" else {int(t) for t in args.off_turns.split(",")}
-    hit_rates(args.turns, args.thinking.split(","))
+    if args.conversations > 1:
+        concurrent_hit_rates(args.turns, args.conversations, [int(m) for m in args.prefix_cache_memory.split(",")])
+    else:
+        hit_rates(args.turns, args.thinking.split(","))
     if not args.hit_rate_only:
         timed(args, off_turns)
 
