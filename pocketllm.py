@@ -3804,6 +3804,8 @@ class Engine:
         self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0,
                          "target_forwards": 0}   # target_forwards: steps in which a sequence emitted tokens
+        self.windowed: set[Sequence] = set()     # the sequences verifying drafts this step, until the rollback
+        self.finishing: list[tuple[Sequence, str]] = []   # those of them that finished: released after it
 
     # Thread-safe entry points: they only post to the inbox, which step() drains.
 
@@ -3832,9 +3834,11 @@ class Engine:
             return
         batch = make_batch(plan, self.opts.kv_block_size, self.model.device)
         window = self._window(plan)
+        self.windowed = {p.seq for p in plan if p.drafts} if window is not None else set()
         kept = self._postprocess(plan, self.call("run", batch, ENGINE_CACHE, window))   # (R, V) logits
         if window is not None:
             self.call("rollback", [k for p, k in zip(plan, kept) if p.drafts])
+        self._close_window()
         self._draft(plan, kept)
 
     # Speculative decoding (--speculative-tokens K): a decoding sequence's step verifies its last token and K
@@ -3852,6 +3856,13 @@ class Engine:
             return None
         t = lambda v: torch.tensor(v, dtype=torch.long).to(self.model.device)   # noqa: E731
         return VerifyWindow(t([p.seq.slot for p in plan if p.drafts]), t(rows), [p.count for p in plan if p.drafts])
+
+    def _close_window(self) -> None:
+        """After the rollback: the sequences that finished inside the window take their end-of-generation
+        snapshot from the rolled-back state (the state after their kept tokens) and free what they hold."""
+        finishing, self.finishing, self.windowed = self.finishing, [], set()
+        for seq, reason in finishing:
+            self._release(seq, reason)
 
     def _draft(self, plan: list[Scheduled], kept: list[int]) -> None:
         """The MTP layer over every kept position of the step (its KV, and the first draft), then K - 1 chained
@@ -3967,8 +3978,8 @@ class Engine:
             if p.drafts:                                   # its drafts that were not emitted are not computed
                 kept[j] = len(p.seq.output_ids) - (p.start - len(p.seq.request.prompt_ids)) - 1
                 p.seq.num_computed = p.start + kept[j]
-                if self.prefix is not None and not p.seq.finished:   # its blocks; no snapshot: the state
-                    self._cache_prefix(p, snapshot=False)           # is rolled back after this
+                if self.prefix is not None and (not p.seq.finished or p.seq in self.windowed):   # its blocks (held
+                    self._cache_prefix(p, snapshot=False)   # till the rollback); no snapshot: the state is rolled back
         return kept
 
     # The prefix cache (section 5): full blocks get their keys as they fill; snapshots at the end of a prompt,
@@ -3982,8 +3993,10 @@ class Engine:
             for j in range(p.start // bs, end // bs):
                 self.blocks.register(seq.blocks[j], keys[j])
         prompt, hint = len(seq.request.prompt_ids), seq.request.snapshot_at
-        if snapshot and (end in (prompt, hint) or (p.count > 1 and end % bs == 0)):   # mid-prompt ones go first
-            self._snapshot(seq, keep=end in (prompt, hint) or end >= (prompt - 1) // bs * bs)
+        if snapshot and (end in (prompt, hint) or (p.count > 1 and end % bs == 0)):
+            # Filed as most recently used: a chat prompt's last message (its next turn resumes there, or at the
+            # end of the generation), else a prompt's last block boundary and end; the others go first.
+            self._snapshot(seq, keep=end == hint if hint is not None else end >= (prompt - 1) // bs * bs)
 
     def _snapshot(self, seq: Sequence, keep: bool = True):
         """Snapshot seq's state (and partial last block) at seq.num_computed, unless the cache has it."""
@@ -4051,10 +4064,10 @@ class Engine:
         if seq.finished:
             return
         seq.finished = True
-        if self.prefix is not None and reason in ("stop", "length") and seq.slot is not None and not self.draft_tokens:
-            self._snapshot(seq)              # the end of the generation: a follow-up turn may resume here (not
-                                             # with speculation: the state still holds the window's drafts)
-        self.scheduler.release(seq)
+        if seq in self.windowed:             # its GDN state holds the window's drafts until the rollback
+            self.finishing.append((seq, reason))
+        else:
+            self._release(seq, reason)
         req = seq.request
         req.finished_choices.add(seq.index)
         req.events.put(EngineEvent(seq.index, [], None, reason, stop, error, fatal))
@@ -4065,6 +4078,13 @@ class Engine:
                     req.events.put(EngineEvent(i, [], None, reason, None, error, fatal))
         if len(req.finished_choices) == req.params.n:
             self.requests.pop(req.id, None)
+
+    def _release(self, seq: Sequence, reason: str):
+        """Free a finished sequence's blocks and slot; a completed generation first leaves its snapshot: a
+        follow-up turn may resume there."""
+        if self.prefix is not None and reason in ("stop", "length") and seq.slot is not None:
+            self._snapshot(seq)
+        self.scheduler.release(seq)
 
     # Failures: one request's, or the engine's.
 
@@ -4079,6 +4099,9 @@ class Engine:
     def fail_all(self, reason: str):
         """The engine cannot go on: every request, those still in the inbox included, ends with `reason`.
         Called once the engine thread has stopped stepping."""
+        for seq, _ in self.finishing:        # a step that failed inside a window: no snapshot of that state
+            self.scheduler.release(seq)
+        self.finishing, self.windowed = [], set()
         self._drain_inbox()
         for req in list(self.requests.values()):
             for seq in list(req.seqs):

@@ -36,12 +36,16 @@ class Observed:
     def __init__(self, llm):
         self.llm, self.engine = llm, llm.engine
         self.logits: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.contexts: dict[tuple[str, int], list[tuple[int, ...]]] = {}   # the tokens each row's logits follow
+        self.outputs: dict[tuple[str, int], list[int]] = {}                # prompt + generated tokens per choice
         self.shared_writes: list[int] = []
         sample = self.engine.sampler.sample
 
         def record(rows, logits):
             for row in rows:
-                self.logits.setdefault((row.seq.request.id, row.seq.index), []).append(logits[row.logit_row].clone())
+                key = (row.seq.request.id, row.seq.index)
+                self.logits.setdefault(key, []).append(logits[row.logit_row].clone())
+                self.contexts.setdefault(key, []).append(tuple(row.seq.tokens + row.ahead))
             return sample(rows, logits)
         self.engine.sampler.sample = record
         ops = llm.model.ops
@@ -75,6 +79,8 @@ class Observed:
                 assert ev.finish_reason != "error", ev.error
                 tokens[ev.index] += ev.token_ids
             out.append(tokens)
+            for i, t in enumerate(tokens):
+                self.outputs[(req.id, i)] = req.prompt_ids + t
         return out
 
 
@@ -82,13 +88,31 @@ def request(rid: str, prompt: list[int], **sampling) -> pocketllm.Request:
     return pocketllm.Request(rid, prompt, pocketllm.SamplingParams(**sampling), default_seed=11)
 
 
+def assert_close(a: torch.Tensor, b: torch.Tensor, what):
+    err = ((a - b).abs().max() / b.abs().max()).item()
+    assert err <= REL, f"{what}: logits differ by {err:.3g} relative"
+
+
 def assert_same_logits(on: Observed, off: Observed):
     assert on.logits.keys() == off.logits.keys()
     for key, rows in off.logits.items():
         assert len(on.logits[key]) == len(rows), key
         for i, (a, b) in enumerate(zip(on.logits[key], rows)):
-            err = ((a - b).abs().max() / b.abs().max()).item()
-            assert err <= REL, f"{key} token {i}: logits differ by {err:.3g} relative"
+            assert_close(a, b, f"{key} token {i}")
+
+
+def assert_same_logits_by_context(on: Observed, off: Observed):
+    """Speculation under preemption: which windows verify which drafts depends on when blocks run out, so the
+    two engines sample different rows. Every emitted token's row (the logits after the choice's own tokens) is
+    in both, and every row both computed after the same tokens has the same logits."""
+    assert on.outputs == off.outputs
+    for key, final in off.outputs.items():
+        rows = [dict(zip(o.contexts[key], o.logits[key])) for o in (on, off)]
+        for context in rows[0].keys() & rows[1].keys():
+            assert_close(rows[0][context], rows[1][context], f"{key} after {len(context)} tokens")
+        for r in rows:
+            emitted = {c for c in r if tuple(final[:len(c)]) == c and len(c) < len(final)}
+            assert len(emitted) == len(final) - min(map(len, r)), key   # one row per generated token
 
 
 def assert_nothing_held(llm):
@@ -285,6 +309,180 @@ def test_snapshot_memory_bound_and_lru(ckpt_factory):
     o.run([req])
     assert req.cached_tokens >= 32
     assert_nothing_held(llm)
+
+
+# ---- Speculative decoding: snapshots of rolled-back states ----
+
+K = 3
+
+
+def oracle_drafts(observed: Observed, truth: dict[str, list[int]]) -> Observed:
+    """Replace the engine's drafts, after its real MTP pass, by truth[request id]'s continuation, wrong at every
+    third position (a random MTP layer almost never guesses right): windows then accept 0..K drafts, and
+    generations end inside them. The cache-on and cache-off engines get the same drafts, hence the same rows.
+    Sampled rows' drafts count as drawn from a one-hot q (a valid proposal: rejection sampling stays exact)."""
+    engine = observed.engine
+    real = engine._draft
+    vocab = observed.llm.config.vocab_size
+
+    def draft(plan, kept):
+        real(plan, kept)
+        for p in plan:
+            seq, want = p.seq, truth.get(p.seq.request.id)
+            if not seq.drafts or want is None:
+                continue
+            n = len(seq.output_ids)
+            seq.drafts = [t if (n + i) % 3 else (t + 1) % vocab for i, t in enumerate(want[n:n + len(seq.drafts)])]
+            sampled = seq.request.sampling.floats[pocketllm._TEMPERATURE] > 0
+            seq.draft_probs = torch.nn.functional.one_hot(torch.tensor(seq.drafts, dtype=torch.long), vocab).float() \
+                if sampled and seq.drafts else None
+    engine._draft = draft
+    return observed
+
+
+def speculated(path, **opts) -> tuple[Observed, Observed]:
+    """Cache on and off, both speculating with oracle drafts from a first cache-off run's outputs (the truth
+    is filled by `learn`)."""
+    opts = dict(speculative_tokens=K, **opts)
+    on, off = Observed(make(path, **opts)), Observed(make(path, prefix_cache=False, **opts))
+    assert on.engine.draft_tokens == K
+    return on, off
+
+
+def test_speculative_follow_up_resumes_from_end_of_generation_exact(ckpt_factory):
+    """With speculation on, a generation that ends inside a verify window leaves its end-of-generation
+    snapshot from the rolled-back state: a follow-up turn that extends it resumes there, and the answers
+    (greedy, and seeded temperature 1 with penalties) and every sampled row's logits equal the cache-off
+    engine's; nothing stays held. Whole and chunked prefill."""
+    path = ckpt_factory("qwen3_5", mtp=True)[0]
+    sampling = dict(temperature=1.0, seed=3, presence_penalty=0.4, repetition_penalty=1.2)
+    for mode in MODES.values():
+        truth = Observed(make(path, prefix_cache=False, speculative_tokens=K, **mode))
+        on, off = speculated(path, **mode)
+        for kw in (dict(temperature=0), sampling):
+            tag = "greedy" if not kw["temperature"] else "sampled"
+            known = {f"{tag}-{i + 1}": g for i, (_, g, _) in enumerate(agent_turns(truth, tag, **kw))}
+            for o in (on, off):
+                oracle_drafts(o, known)
+            got, want = agent_turns(on, tag, **kw), agent_turns(off, tag, **kw)
+            assert [g for _, g, _ in got] == [g for _, g, _ in want]
+            if tag == "greedy":                                # speculation never changes greedy output
+                assert [g for _, g, _ in got] == list(known.values())
+            (p1, _, _), (p2, g2, c2), (p3, g3, c3), (_, _, c4), _ = got
+            assert c2 >= common(p2, p1) - BS
+            assert c3 == len(p2) + len(g2) - 1                # the end of turn 2's speculated generation
+            assert c4 >= len(p3) - 1 - BS
+        stats = on.llm.stats()
+        assert stats["accepted_tokens_total"] > 0 and stats["draft_tokens_total"] > stats["accepted_tokens_total"]
+        assert_same_logits(on, off)
+        assert not on.shared_writes
+        for o in (on, off, truth):
+            assert_nothing_held(o.llm)
+
+
+def test_speculative_stop_inside_a_window_then_resume_exact(ckpt_factory):
+    """A generation that stops at a draft accepted in the middle of its window (later drafts dropped, the GDN
+    state rolled back past them): its end-of-generation snapshot is the rolled-back state, so a follow-up that
+    resends it resumes exactly there with the cache-off engine's logits. Every stop position is tried once."""
+    path = ckpt_factory("qwen3_5", mtp=True)[0]
+    prompt = [9 + (i * 13) % 360 for i in range(37)]
+    truth = Observed(make(path, prefix_cache=False, speculative_tokens=K))
+    (want,), = truth.run([request("truth", prompt, max_tokens=14, temperature=0, ignore_eos=True)])
+    stops = [j for j in range(1, 13) if want[j] not in want[:j]]
+    on, off = speculated(path)
+    for o in (on, off):
+        oracle_drafts(o, {f"stop{j}": want for j in stops})
+    rolled_back = []                                     # stops with drafts after them in their window
+    postprocess = on.engine._postprocess
+
+    def observe(plan, logits):
+        kept = postprocess(plan, logits)
+        rolled_back.extend(p.seq.request.id for p, k in zip(plan, kept) if p.drafts and p.seq.finished and k < p.count)
+        return kept
+    on.engine._postprocess = observe
+    for j in stops:
+        extra = [3 + j, 4, 5]
+        for o in (on, off):
+            (gen,), = o.run([request(f"stop{j}", prompt, max_tokens=14, temperature=0, stop_token_ids=[want[j]],
+                                     ignore_eos=True)])
+            assert gen == want[:j + 1]
+            follow = request(f"next{j}", prompt + gen + extra, max_tokens=3, temperature=0)
+            o.run([follow])
+            if o is on:
+                assert follow.cached_tokens == len(prompt) + j   # the end of the stopped generation
+    assert len(rolled_back) >= 2, rolled_back
+    assert_same_logits(on, off)
+    assert not on.shared_writes
+    for o in (on, off, truth):
+        assert_nothing_held(o.llm)
+
+
+def test_speculative_preemption_and_abort_exact(ckpt_factory):
+    """Windows under block pressure (the newest sequences preempted mid-generation, their drafts dropped) and a
+    request aborted while it verifies windows: the same answers and logits as without the cache, the aborted
+    request leaves no snapshot of its unverified state, and nothing stays held."""
+    path = ckpt_factory("qwen3_5", mtp=True)[0]
+    opts = dict(num_kv_blocks=14, max_context=96, max_batch_size=6)
+    prefix = [11 + (i * 7) % 350 for i in range(40)]
+
+    def batch():
+        return [request(f"p{i}", prefix + [20 + i] * (i + 1), max_tokens=30, ignore_eos=True,
+                        **(dict(temperature=0) if i % 2 else dict(temperature=1.0, seed=i, presence_penalty=0.3)))
+                for i in range(6)]
+    truth = Observed(make(path, prefix_cache=False, speculative_tokens=K, **opts))
+    known = {req.id: g for req, (g,) in zip(batch(), truth.run(batch()))}
+    on, off = speculated(path, **opts)
+    for o in (on, off):
+        oracle_drafts(o, known)
+        o.run([request("warm", prefix + [3], max_tokens=2, temperature=0)])
+    got = on.run(batch())
+    assert got == off.run(batch())
+    assert on.llm.stats()["prefix_cache_hit_tokens_total"] >= 6 * 32
+    before = set(on.engine.prefix.by_key)
+    for o in (on, off):                                  # aborted after its prefill and a few windows
+        (gone,), = o.run([request("gone", prefix + [7] * 9, max_tokens=40, temperature=0, ignore_eos=True)],
+                         abort_after={"gone": 4})
+        assert 0 < len(gone) < 40
+        assert_nothing_held(o.llm)
+    new = [s.position for key, s in on.engine.prefix.by_key.items() if key not in before]
+    assert new and max(new) <= len(prefix) + 9              # its prompt's snapshots, none past it
+    kw = dict(max_tokens=6, temperature=1.0, seed=2, repetition_penalty=1.3, ignore_eos=True)
+    follow = prefix + [7] * 9 + gone[:3]
+    req = request("next", follow, **kw)
+    assert on.run([req]) == off.run([request("next", follow, **kw)])
+    assert req.cached_tokens >= len(prefix) + 9 - BS
+    for o in (on, off):                                  # the abort came after a different number of tokens
+        del o.outputs[("gone", 0)]
+    assert_same_logits_by_context(on, off)
+    assert not on.shared_writes
+    for o in (on, off, truth):
+        assert_nothing_held(o.llm)
+
+
+
+def test_pocket_tiny_speculated_follow_up_resumes():
+    """pocket-tiny speculates with its trained MTP layer (drafts accepted and rejected as they come): a
+    generation's follow-up that resends it whole resumes at its end, and answers as without the cache."""
+    on, off = (Observed(pocketllm.LLM(None, backend="torch", dtype="float32", quiet=True, max_context=512,
+                                      max_batch_size=2, prefix_cache=cache)) for cache in (True, False))
+    assert on.engine.draft_tokens > 0
+    tok = on.llm.tokenizer
+    p1 = tok.encode("<|im_start|>user\nWhat is the weather in Paris for 3 days?<|im_end|>\n<|im_start|>assistant\n")
+    outs = []
+    for o in (on, off):
+        (g1,), = o.run([request("t1", p1, max_tokens=48, temperature=0)])
+        p2 = p1 + g1 + tok.encode("<|im_end|>\n<|im_start|>user\nAnd in Rome?<|im_end|>\n<|im_start|>assistant\n")
+        req = request("t2", p2, max_tokens=24, temperature=0)
+        (g2,), = o.run([req])
+        outs.append((g1, g2, req.cached_tokens))
+    (g1, g2, cached), want = outs[0], outs[1]
+    assert (g1, g2) == want[:2] and want[2] == 0
+    assert cached == len(p1) + len(g1) - 1                # the end of turn 1's speculated generation
+    assert on.llm.stats()["accepted_tokens_total"] > 0
+    assert not on.shared_writes
+    for o in (on, off):
+        assert_nothing_held(o.llm)
+        o.llm.close()
 
 
 # ---- Tensor parallelism: each rank copies its own shard of the state ----
