@@ -783,6 +783,11 @@ class TorchOps:
         residual = residual + x.float()                                  # the residual stream stays fp32
         return self.rmsnorm(residual, w, eps).to(dtype or x.dtype), residual
 
+    def prenorm(self, x, residual, w, eps, dtype=None):
+        """add_rmsnorm whose output feeds only projections (linear, linear_parts, mlp, gdn_gates_linear): the
+        native backend computes it inside them."""
+        return self.add_rmsnorm(x, residual, w, eps, dtype)
+
     def linear(self, x, w: Linear, dtype=None):
         """x @ w^T in `dtype` (default x's); float32 computes in float32, so sums past 65504 stay finite."""
         x = x.float() if dtype == torch.float32 else x
@@ -920,6 +925,8 @@ class TorchOps:
 
 NATIVE_ABI_VERSION = 4          # must equal PL_ABI_VERSION in csrc/pocketllm.h
 NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
+
+GEMV_MAX_TOKENS = 16            # GEMV_MAX_T in csrc/linear.cu: up to this many tokens a linear is a GEMV
 
 # torch dtype -> the library's pl_dtype code.
 NATIVE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3,
@@ -1071,6 +1078,24 @@ def nccl_status(lib: NativeLibrary) -> tuple[bool, str]:
     return False, "; ".join(reasons)
 
 
+@dataclass
+class Prenormed:
+    """NativeOps.prenorm's output: the input h = rmsnorm(residual + x) of the projections that follow, never
+    stored. Their GEMVs compute it in their prologue (pl_norm_linear_*); the first of them also writes
+    residual + x into residual_out, the new residual stream."""
+    x: torch.Tensor               # (T, D) fp32
+    residual: torch.Tensor        # (T, D) fp32, the stream before x
+    residual_out: torch.Tensor    # (T, D) fp32, written by the first projection
+    w: torch.Tensor               # (D,) the norm's weight
+    eps: float
+    dtype: torch.dtype            # h's dtype: the activations'
+    written: bool = False         # residual_out holds residual + x (or its write is queued)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+
 class NativeOps:
     """The backend op list of TorchOps on the native library: the same methods and signatures. Each method
     passes data pointers, shapes and dtype codes on torch's current stream. Inputs may be strided views (they
@@ -1162,6 +1187,23 @@ class NativeOps:
                       self._p(out), self._dt(out), x.numel() // D, D, eps, self._stream(x))
         return out, residual
 
+    def prenorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                dtype: torch.dtype | None = None) -> tuple[Prenormed | torch.Tensor, torch.Tensor]:
+        """add_rmsnorm for the projections that follow, run by their GEMVs (no launch of its own) at decode sizes
+        (1..16 tokens) with fp32 x; returns the Prenormed input and the new residual stream (a new tensor, written
+        by the first projection). Other sizes: add_rmsnorm."""
+        T = x.numel() // x.shape[-1]
+        if not (0 < T <= GEMV_MAX_TOKENS and x.dtype == residual.dtype == torch.float32 and x.is_contiguous()):
+            return self.add_rmsnorm(x, residual, w, eps, dtype)
+        out = torch.empty_like(residual)                                             # (T, D) fp32
+        return Prenormed(x, self._as(residual), out, self._as(w), eps, dtype or x.dtype), out
+
+    def _prenorm_args(self, h: Prenormed) -> tuple:
+        """The pl_norm_linear_* arguments before act_dtype; the first call of a step's h writes residual_out."""
+        out = 0 if h.written else self._p(h.residual_out)
+        h.written = True
+        return (self._p(h.x), self._p(h.residual), out, self._p(h.w), self._dt(h.w), h.eps, NATIVE_DTYPES[h.dtype])
+
     def linear(self, x: torch.Tensor, w: Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ w^T in `dtype`: x's own, or float32 (fp32 accumulation either way)."""
         return self._linear(x, w, dtype or x.dtype, None)
@@ -1174,14 +1216,21 @@ class NativeOps:
         if w.scale is not None and tuple(w.block) != (128, 128):
             raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w.block)} "
                               f"(use --backend torch)")
-        x, weight = self._as(x), self._as(w.weight)
+        weight = self._as(w.weight)
         N, K = weight.shape
         ends = [N, N, N] if sizes is None else (list(itertools.accumulate(sizes[:-1])) + [N, N, N])[:3]
-        out = torch.empty(*x.shape[:-1], N, dtype=dtype, device=x.device)            # (T, N) or the parts
         scale = self._as(w.scale, torch.float32) if w.scale is not None else None    # (ceil(N/128), ceil(K/128))
+        scale = 0 if scale is None else self._p(scale)
+        if isinstance(x, Prenormed):                                                 # add + norm in the prologue
+            out = torch.empty(*x.shape[:-1], N, dtype=dtype, device=x.x.device)      # (T, N) or the parts
+            self.lib.call("pl_norm_linear_parts", *self._prenorm_args(x), x.x.numel() // K, K, self._p(weight),
+                          self._dt(weight), scale, N, *ends, self._p(out), self._dt(out), self._stream(out))
+            return out
+        x = self._as(x)
+        out = torch.empty(*x.shape[:-1], N, dtype=dtype, device=x.device)            # (T, N) or the parts
         self.lib.call("pl_linear_parts", self._p(x), self._dt(x), 0 if row_scale is None else self._p(row_scale),
-                      x.numel() // K, K, self._p(weight), self._dt(weight), 0 if scale is None else self._p(scale),
-                      N, *ends, self._p(out), self._dt(out), self._stream(x))
+                      x.numel() // K, K, self._p(weight), self._dt(weight), scale, N, *ends, self._p(out),
+                      self._dt(out), self._stream(x))
         return out
 
     def linear_parts(self, x: torch.Tensor, w: Linear, sizes: list[int],
@@ -1190,7 +1239,7 @@ class NativeOps:
         if len(sizes) > 4:
             raise PocketError(f"linear_parts: at most 4 parts, got {len(sizes)}")
         out = self._linear(x, w, dtype or x.dtype, None, sizes).view(-1)
-        T = x.numel() // x.shape[-1]
+        T = math.prod(x.shape[:-1])
         offsets = itertools.accumulate([0] + [T * n for n in sizes])
         return tuple(out[o:o + T * n].view(T, n) for o, n in zip(offsets, sizes))
 
@@ -1217,18 +1266,25 @@ class NativeOps:
         """down(silu(x gate^T) * (x up^T)) -> (T, N) fp32. Decode (T <= 16): pl_linear_glu writes the fp32 product
         in one launch (no fp16 intermediate, so no row scale), then down_proj; larger T: gate|up in one launch,
         pl_silu_mul, down_proj (silu_mul_linear)."""
-        T = x.numel() // x.shape[-1]
-        if T > 16:
+        T = math.prod(x.shape[:-1])
+        if T > GEMV_MAX_TOKENS:
             g, u = self.linear_parts(x, gate_up, [gate_up.shape[0] // 2] * 2, torch.float32)
             return self.silu_mul_linear(g, u, down, dtype)
         if gate_up.scale is not None and tuple(gate_up.block) != (128, 128):
             raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(gate_up.block)} "
                               f"(use --backend torch)")
-        x, weight = self._as(x), self._as(gate_up.weight)
+        weight = self._as(gate_up.weight)
         (N, K), scale = weight.shape, gate_up.scale
-        h = torch.empty(T, N // 2, dtype=torch.float32, device=x.device)                   # (T, I)
-        self.lib.call("pl_linear_glu", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight),
-                      0 if scale is None else self._p(self._as(scale, torch.float32)), N, self._p(h), self._stream(x))
+        scale = 0 if scale is None else self._p(self._as(scale, torch.float32))
+        normed = isinstance(x, Prenormed)
+        h = torch.empty(T, N // 2, dtype=torch.float32, device=x.x.device if normed else x.device)   # (T, I)
+        if normed:                                                                   # add + norm in the prologue
+            self.lib.call("pl_norm_linear_glu", *self._prenorm_args(x), T, K, self._p(weight), self._dt(weight),
+                          scale, N, self._p(h), self._stream(h))
+        else:
+            x = self._as(x)
+            self.lib.call("pl_linear_glu", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight), scale, N,
+                          self._p(h), self._stream(x))
         return self._linear(h, down, torch.float32, None)
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -1323,13 +1379,18 @@ class NativeOps:
         if w_ab.scale is not None and tuple(w_ab.block) != (128, 128):
             raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w_ab.block)} "
                               f"(use --backend torch)")
-        x, weight = self._as(x), self._as(w_ab.weight)
-        (N, K), T = weight.shape, x.numel() // x.shape[-1]
+        weight = self._as(w_ab.weight)
+        (N, K), T = weight.shape, math.prod(x.shape[:-1])
         A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)
-        out = torch.empty(2, T, N // 2, dtype=torch.float32, device=x.device)                 # [g | beta]
+        out = torch.empty(2, T, N // 2, dtype=torch.float32, device=A_log.device)            # [g | beta]
         scale = 0 if w_ab.scale is None else self._p(self._as(w_ab.scale, torch.float32))
-        self.lib.call("pl_linear_gdn_gates", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight), scale,
-                      N // 2, self._p(A_log), self._p(dt_bias), self._p(out), self._stream(x))
+        args = (K, self._p(weight), self._dt(weight), scale, N // 2, self._p(A_log), self._p(dt_bias), self._p(out),
+                self._stream(out))
+        if isinstance(x, Prenormed):                                                 # add + norm in the prologue
+            self.lib.call("pl_norm_linear_gdn_gates", *self._prenorm_args(x), T, *args)
+        else:
+            x = self._as(x)
+            self.lib.call("pl_linear_gdn_gates", self._p(x), self._dt(x), T, *args)
         return out[0], out[1]
 
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -1927,9 +1988,9 @@ class Model:
     def layer(self, L: DecoderLayer, mixer: Callable, x, residual, batch: Batch, cache: Cache):
         """One decoder layer on the fp32 residual stream: returns the MLP's output and the stream before it."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        h, residual = ops.add_rmsnorm(x, residual, L.input_layernorm, eps, self.dtype)
+        h, residual = ops.prenorm(x, residual, L.input_layernorm, eps, self.dtype)    # computed by the projections
         x = self.all_reduce(mixer(L, h, batch, cache))
-        h, residual = ops.add_rmsnorm(x, residual, L.post_attention_layernorm, eps, self.dtype)
+        h, residual = ops.prenorm(x, residual, L.post_attention_layernorm, eps, self.dtype)
         return self.all_reduce(self.mlp(L.mlp, h)), residual
 
     # Speculative decoding: the MTP layer drafts, the target verifies a window of K+1 tokens per sequence.
