@@ -23,16 +23,38 @@ __device__ __forceinline__ float row_scaled(float v, const float* rs, int64_t t)
 // e0 = e1 = e2 = N is the ordinary (T, N) layout.
 // With A_log (pl_linear_gdn_gates) the epilogue turns GDN's [a | b] (e0 = Hv) into its gates in fp32:
 // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) (pl_gdn_gates' formulas).
+// With conv_w (pl_gdn_in_proj, decode: row t is the one new token of the sequence at state slot slots[t]) the
+// epilogue runs GDN's causal conv1d + SiLU over part 0 (the e0 qkv channels), as pl_conv1d does: the value,
+// rounded to the output type first (pl_conv1d's input), after the slot's W-1 previous inputs, which it then
+// shifts into the conv state (S, e0, W-1). Output (t, n) has one writer, so (t's slot, n) has one too.
 struct OutParts {
   int64_t T;
   int e0, e1, e2, N;
   const float* A_log = 0;
   const float* dt_bias = 0;
-  __device__ __forceinline__ float epi(int n, float v) const {
+  const void* conv_w = 0;     // (e0, W) of conv_wdt
+  int conv_wdt = 0, W = 0;
+  void* conv_state = 0;       // (S, e0, W-1) of conv_sdt
+  int conv_sdt = 0;
+  const int32_t* slots = 0;   // (T,)
+  template <typename TO>
+  __device__ __forceinline__ float epi(int64_t t, int n, float v) const {
+    if (conv_w && n < e0) return conv(t, n, to_f(from_f<TO>(v)));
     if (!A_log) return v;
     if (n >= e0) return sigmoid_f(v);
     float x = v + dt_bias[n];
     return -expf(A_log[n]) * (x > 20.f ? x : log1pf(expf(x)));   // torch's softplus threshold
+  }
+  __device__ __forceinline__ float conv(int64_t t, int n, float xt) const {
+    int64_t st = ((int64_t)slots[t] * e0 + n) * (W - 1), wi = (int64_t)n * W;
+    float y = load_any(conv_w, conv_wdt, wi + W - 1) * xt;
+    for (int j = 0; j < W - 1; j++) {
+      float prev = load_any(conv_state, conv_sdt, st + j);
+      y += load_any(conv_w, conv_wdt, wi + j) * prev;
+      if (j > 0) store_any(conv_state, conv_sdt, st + j - 1, prev);     // shift left: the oldest leaves
+    }
+    store_any(conv_state, conv_sdt, st + W - 2, xt);
+    return silu_f(y);
   }
   __device__ __forceinline__ int64_t at(int64_t t, int n) const {
     int s = n < e0 ? 0 : n < e1 ? e0 : n < e2 ? e1 : e2;
@@ -181,7 +203,7 @@ __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, cons
     if (t >= T) break;
     float v = warp_sum(acc[0][t]);
     if (GLU) v = silu_f(v) * warp_sum(acc[NR - 1][t]);
-    if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi(n, row_scaled(v, rs, t)));
+    if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi<TO>(t, n, row_scaled(v, rs, t)));
   }
 }
 
@@ -282,7 +304,7 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
         }
       }
       float y = GLU ? silu_f(v[0]) * v[NR - 1] : v[0];
-      if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi(n, row_scaled(y, rs, t)));
+      if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi<TO>(t, n, row_scaled(y, rs, t)));
     }
   }
 }
@@ -376,7 +398,7 @@ __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K,
     for (int i = 0; i < (GLU ? 2 : 4); i++) {
       int n = n0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (i & 1);
       float y = GLU ? silu_f(v[i]) * v[i + 2] : v[i];
-      if (n < rows && tok < T) out[op.at(tok, n)] = from_f<TO>(op.epi(n, row_scaled(y, rs, tok)));
+      if (n < rows && tok < T) out[op.at(tok, n)] = from_f<TO>(op.epi<TO>(tok, n, row_scaled(y, rs, tok)));
     }
   }
 }
@@ -420,7 +442,7 @@ __global__ void gemm_tiled_kernel(const TA* x, const float* rs, int T, int K, co
   for (int i = 0; i < 4; i++)
     for (int j = 0; j < 4; j++) {
       int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
-      if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi(n, row_scaled(acc[i][j], rs, m)));
+      if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi<TO>(m, n, row_scaled(acc[i][j], rs, m)));
     }
 }
 
@@ -521,7 +543,7 @@ __global__ void gemm_mma_kernel(const pl_half* x, const float* rs, int T, int K,
     for (int ni = 0; ni < 4; ni++)
       for (int i = 0; i < 4; i++) {
         int m = m0 + wm + mi * 16 + g + (i >= 2 ? 8 : 0), n = n0 + wn + ni * 8 + 2 * t + (i & 1);
-        if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi(n, row_scaled(acc[mi][ni][i], rs, m)));
+        if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi<TO>(m, n, row_scaled(acc[mi][ni][i], rs, m)));
       }
 }
 
@@ -765,4 +787,38 @@ extern "C" int pl_norm_linear_gdn_gates(uint64_t x, uint64_t residual, uint64_t 
   const int64_t ends[3] = {Hv, 2 * (int64_t)Hv, 2 * (int64_t)Hv};
   return linear(0, act_dtype, 0, T, K, w, w_dtype, scale, 2 * (int64_t)Hv, ends, out, PL_F32, stream,
                 (const float*)A_log, (const float*)dt_bias, &pn);
+}
+
+// ---- GDN's in_proj qkv|z with the causal conv1d of the decode step in its epilogue (OutParts::conv). ------------
+
+extern "C" int pl_gdn_in_proj(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
+                              int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w,
+                              int32_t w_dtype, uint64_t scale, int64_t C, int64_t N, uint64_t out, uint64_t conv_w,
+                              int32_t conv_w_dtype, int32_t W, uint64_t conv_state, int32_t state_dtype,
+                              uint64_t slot_ids, uint64_t stream) {
+  PL_REQUIRE(T >= 0 && T <= GEMV_MAX_T, "pl_gdn_in_proj takes at most %d tokens (got %lld): use pl_linear_parts "
+             "and pl_conv1d", GEMV_MAX_T, (long long)T);
+  PL_REQUIRE(0 < C && C <= N, "qkv channels %lld: must be in 1..N = %lld", (long long)C, (long long)N);
+  PL_REQUIRE(W >= 2 && W <= 8, "conv kernel width must be in 2..8");
+  PL_REQUIRE(conv_w_dtype >= PL_F32 && conv_w_dtype <= PL_BF16, "conv weight dtype must be fp32, fp16 or bf16");
+  PL_REQUIRE(state_dtype >= PL_F32 && state_dtype <= PL_BF16, "conv state dtype must be fp32, fp16 or bf16");
+  PL_REQUIRE(conv_w != 0 && conv_state != 0 && slot_ids != 0, "the conv needs its weight, state and slots");
+  Prenorm pn;
+  if (residual && prenorm_of(pn, x, residual, residual_out, norm_w, norm_w_dtype, eps, T)) return -1;
+  if (T == 0) return 0;
+  PL_REQUIRE(w_dtype >= PL_F32 && w_dtype <= PL_E4M3, "weight dtype must be 0..3 (fp32, fp16, bf16, e4m3)");
+  PL_REQUIRE(w_dtype != PL_E4M3 || scale != 0, "an e4m3 weight needs its fp32 block scales");
+  PL_REQUIRE(K > 0 && K < (1ll << 31) && N < (1ll << 31), "linear shape out of range");
+  OutParts op{T, (int)C, (int)N, (int)N, (int)N};
+  op.conv_w = (const void*)conv_w;
+  op.conv_wdt = conv_w_dtype;
+  op.W = W;
+  op.conv_state = (void*)conv_state;
+  op.conv_sdt = state_dtype;
+  op.slots = (const int32_t*)slot_ids;
+  PL_DISPATCH_ACT(act_dtype, TA,
+    launch_gemv_of<false, TA, TA>(residual ? (const TA*)0 : (const TA*)x, residual ? &pn : 0, 0, T, K,
+                                  (const void*)w, (int)w_dtype, (const float*)scale, N, op, (TA*)out, stream));
+  PL_CHECK_LAUNCH();
+  return 0;
 }

@@ -467,6 +467,33 @@ def test_norm_linear(lib, act, wdt, T, K):
     check(gates[1], torch.sigmoid(ab[:, Hv:]), TOL[act] * 4, "norm gdn gates beta")
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("wdt", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("normed", [False, True])
+def test_gdn_in_proj(lib, act, wdt, normed):
+    """pl_gdn_in_proj: GDN's [qkv | z] with the decode step's conv1d + SiLU over qkv in its epilogue equals the
+    product (rounded to act, as pl_conv1d reads it) then the conv reference, the conv states advanced alike (slots
+    out of order; slot 1 untouched); normed: the input is the residual add + RMSNorm prologue's."""
+    dev, T, K, C, N, W = lib.device, 3, 256, 256, 384, 4
+    wt, scale, full = weight_of(wdt, N, K, dev)
+    conv_w, state = rnd(C, W, device=dev, scale=0.5), rnd(4, C, W - 1, dtype=act, device=dev)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=dev)
+    if normed:
+        x, res, nw, h, _ = prenorm_case(act, T, K, dev)
+        args = (p(x), p(res), 0, p(nw), F32, 1e-6, CODE[act])
+    else:
+        x = rnd(T, K, dtype=act, device=dev)
+        h, args = x.double().cpu(), (p(x), 0, 0, 0, 0, 0.0, CODE[act])
+    y = (h @ full.T).to(act).double()                                            # (T, N)
+    ref_qkv, ref_state = ref_conv1d(y[:, :C], conv_w.cpu(), state.cpu(), slots.cpu(), torch.arange(T + 1))
+    out = poisoned((T * N,), act, dev)
+    lib.call("pl_gdn_in_proj", *args, T, K, p(wt), CODE[wdt], 0 if scale is None else p(scale), C, N, p(out),
+             p(conv_w), F32, W, p(state), CODE[act], p(slots))
+    check(out[:T * C].view(T, C), ref_qkv, TOL[act] * 2, "gdn in_proj qkv after the conv")
+    check(out[T * C:].view(T, N - C), y[:, C:], TOL[act] * 2, "gdn in_proj z")
+    check(state, ref_state, TOL[act], "gdn in_proj conv state")
+
+
 def test_norm_linear_refuses_prefill_sizes(lib):
     x, res, w = rnd(17, 64, device=lib.device), rnd(17, 64, device=lib.device), rnd(64, device=lib.device)
     wl, out = rnd(8, 64, device=lib.device), poisoned((17, 8), torch.float32, lib.device)
@@ -846,6 +873,11 @@ def _nativeops_cases(pl, act):
                              1e7 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16), r(nb, bs, Hk, Dh),
                              r(nb, bs, Hk, Dh), torch.tensor([48, 49, 50, 80, 81, 16, 17]))),
         ("conv1d", (r(T, C), r(C, W, scale=0.5, dtype=torch.float32), r(4, C, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs)),
+        ("gdn_in_proj", (r(2, 256), pl.Linear(w8, s8), [128, 22], r(128, W, scale=0.5, dtype=torch.float32),   # decode:
+                         r(3, 128, W - 1), torch.tensor([2, 0], dtype=torch.int32),                  # the conv in
+                         torch.tensor([0, 1, 2], dtype=torch.int32))),                               # the epilogue
+        ("gdn_in_proj", (r(T, 256), pl.Linear(w8, s8), [128, 22], r(128, W, scale=0.5, dtype=torch.float32),
+                         r(3, 128, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs)),
         ("gdn_gates", (r(T, Hv, scale=3), r(T, Hv, scale=3), r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
         ("gdn_gates_linear", (r(T, 64), pl.Linear(r(2 * Hv, 64, scale=0.3, dtype=torch.bfloat16), None),
                               r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
