@@ -1204,7 +1204,7 @@ class NativeOps:
         return Prenormed(x, self._as(residual), out, self._as(w), eps, dtype or x.dtype), out
 
     def _prenorm_args(self, h: Prenormed) -> tuple:
-        """The pl_norm_linear_* arguments before act_dtype; the first call of a step's h writes residual_out."""
+        """The pl_norm_linear_* input arguments (x .. act_dtype); the first projection of h writes residual_out."""
         out = 0 if h.written else self._p(h.residual_out)
         h.written = True
         return (self._p(h.x), self._p(h.residual), out, self._p(h.w), self._dt(h.w), h.eps, NATIVE_DTYPES[h.dtype])
