@@ -783,6 +783,11 @@ class TorchOps:
         residual = residual + x.float()                                  # the residual stream stays fp32
         return self.rmsnorm(residual, w, eps).to(dtype or x.dtype), residual
 
+    def prenorm(self, x, residual, w, eps, dtype=None):
+        """add_rmsnorm whose output feeds only projections (linear, linear_parts, mlp, gdn_gates_linear): the
+        native backend computes it inside them."""
+        return self.add_rmsnorm(x, residual, w, eps, dtype)
+
     def linear(self, x, w: Linear, dtype=None):
         """x @ w^T in `dtype` (default x's); float32 computes in float32, so sums past 65504 stay finite."""
         x = x.float() if dtype == torch.float32 else x
@@ -875,6 +880,11 @@ class TorchOps:
             conv_state[s] = xs[-(width - 1):].t().to(conv_state.dtype)
         return out
 
+    def gdn_in_proj(self, x, w: Linear, sizes: list[int], conv_w, conv_state, slot_ids, query_start):
+        """GDN's stacked [qkv | z] projection, then the causal conv over qkv: (qkv (T, C), z)."""
+        qkv, z = self.linear_parts(x, w, sizes)
+        return self.conv1d(qkv, conv_w, conv_state, slot_ids, query_start), z
+
     def gdn_gates(self, a, b, A_log, dt_bias):
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # (T, Hv) fp32
         return g, torch.sigmoid(b.float())
@@ -920,6 +930,8 @@ class TorchOps:
 
 NATIVE_ABI_VERSION = 4          # must equal PL_ABI_VERSION in csrc/pocketllm.h
 NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
+
+GEMV_MAX_TOKENS = 16            # GEMV_MAX_T in csrc/linear.cu: up to this many tokens a linear is a GEMV
 
 # torch dtype -> the library's pl_dtype code.
 NATIVE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3,
@@ -1071,6 +1083,24 @@ def nccl_status(lib: NativeLibrary) -> tuple[bool, str]:
     return False, "; ".join(reasons)
 
 
+@dataclass
+class Prenormed:
+    """NativeOps.prenorm's output: the input h = rmsnorm(residual + x) of the projections that follow, never
+    stored. Their GEMVs compute it in their prologue (pl_norm_linear_*); the first of them also writes
+    residual + x into residual_out, the new residual stream."""
+    x: torch.Tensor               # (T, D) fp32
+    residual: torch.Tensor        # (T, D) fp32, the stream before x
+    residual_out: torch.Tensor    # (T, D) fp32, written by the first projection
+    w: torch.Tensor               # (D,) the norm's weight
+    eps: float
+    dtype: torch.dtype            # h's dtype: the activations'
+    written: bool = False         # residual_out holds residual + x (or its write is queued)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+
 class NativeOps:
     """The backend op list of TorchOps on the native library: the same methods and signatures. Each method
     passes data pointers, shapes and dtype codes on torch's current stream. Inputs may be strided views (they
@@ -1162,6 +1192,40 @@ class NativeOps:
                       self._p(out), self._dt(out), x.numel() // D, D, eps, self._stream(x))
         return out, residual
 
+    def prenorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                dtype: torch.dtype | None = None) -> tuple[Prenormed | torch.Tensor, torch.Tensor]:
+        """add_rmsnorm for the projections that follow, run by their GEMVs (no launch of its own) at decode sizes
+        (1..16 tokens) with fp32 x; returns the Prenormed input and the new residual stream (a new tensor, written
+        by the first projection). Other sizes: add_rmsnorm."""
+        T = x.numel() // x.shape[-1]
+        if not (0 < T <= GEMV_MAX_TOKENS and x.dtype == residual.dtype == torch.float32 and x.is_contiguous()):
+            return self.add_rmsnorm(x, residual, w, eps, dtype)
+        out = torch.empty_like(residual)                                             # (T, D) fp32
+        return Prenormed(x, self._as(residual), out, self._as(w), eps, dtype or x.dtype), out
+
+    def _prenorm_args(self, h: Prenormed) -> tuple:
+        """The pl_norm_linear_* input arguments (x .. act_dtype); the first projection of h writes residual_out."""
+        out = 0 if h.written else self._p(h.residual_out)
+        h.written = True
+        return (self._p(h.x), self._p(h.residual), out, self._p(h.w), self._dt(h.w), h.eps, NATIVE_DTYPES[h.dtype])
+
+    def _weight(self, w: Linear) -> tuple[torch.Tensor, int]:
+        """A weight as the kernels take it: the (N, K) tensor and its FP8 block scales' address (0 if dense)."""
+        if w.scale is None:
+            return self._as(w.weight), 0
+        if tuple(w.block) != (128, 128):
+            raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w.block)} "
+                              f"(use --backend torch)")
+        return self._as(w.weight), self._p(self._as(w.scale, torch.float32))   # scale (ceil(N/128), ceil(K/128))
+
+    def _input(self, x: Prenormed | torch.Tensor) -> tuple:
+        """The GEMV input arguments of pl_gdn_in_proj's form: (x, residual, residual_out, norm_w, its dtype, eps,
+        act_dtype), the middle ones 0 for a plain activation input x."""
+        if isinstance(x, Prenormed):
+            return self._prenorm_args(x)
+        x = self._as(x)
+        return self._p(x), 0, 0, 0, 0, 0.0, self._dt(x)
+
     def linear(self, x: torch.Tensor, w: Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ w^T in `dtype`: x's own, or float32 (fp32 accumulation either way)."""
         return self._linear(x, w, dtype or x.dtype, None)
@@ -1171,17 +1235,19 @@ class NativeOps:
         """pl_linear_parts; row_scale (T,) fp32 multiplies output row t (pl_silu_mul's scales), None for none.
         sizes: the output columns of each stacked part (at most 4), whose (T, N_p) blocks follow one another
         in the returned flat buffer; None for the plain (T, N) output."""
-        if w.scale is not None and tuple(w.block) != (128, 128):
-            raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w.block)} "
-                              f"(use --backend torch)")
-        x, weight = self._as(x), self._as(w.weight)
+        weight, scale = self._weight(w)
         N, K = weight.shape
         ends = [N, N, N] if sizes is None else (list(itertools.accumulate(sizes[:-1])) + [N, N, N])[:3]
+        if isinstance(x, Prenormed):                                                 # add + norm in the prologue
+            out = torch.empty(*x.shape[:-1], N, dtype=dtype, device=x.x.device)      # (T, N) or the parts
+            self.lib.call("pl_norm_linear_parts", *self._prenorm_args(x), x.x.numel() // K, K, self._p(weight),
+                          self._dt(weight), scale, N, *ends, self._p(out), self._dt(out), self._stream(out))
+            return out
+        x = self._as(x)
         out = torch.empty(*x.shape[:-1], N, dtype=dtype, device=x.device)            # (T, N) or the parts
-        scale = self._as(w.scale, torch.float32) if w.scale is not None else None    # (ceil(N/128), ceil(K/128))
         self.lib.call("pl_linear_parts", self._p(x), self._dt(x), 0 if row_scale is None else self._p(row_scale),
-                      x.numel() // K, K, self._p(weight), self._dt(weight), 0 if scale is None else self._p(scale),
-                      N, *ends, self._p(out), self._dt(out), self._stream(x))
+                      x.numel() // K, K, self._p(weight), self._dt(weight), scale, N, *ends, self._p(out),
+                      self._dt(out), self._stream(x))
         return out
 
     def linear_parts(self, x: torch.Tensor, w: Linear, sizes: list[int],
@@ -1190,7 +1256,7 @@ class NativeOps:
         if len(sizes) > 4:
             raise PocketError(f"linear_parts: at most 4 parts, got {len(sizes)}")
         out = self._linear(x, w, dtype or x.dtype, None, sizes).view(-1)
-        T = x.numel() // x.shape[-1]
+        T = math.prod(x.shape[:-1])
         offsets = itertools.accumulate([0] + [T * n for n in sizes])
         return tuple(out[o:o + T * n].view(T, n) for o, n in zip(offsets, sizes))
 
@@ -1217,18 +1283,21 @@ class NativeOps:
         """down(silu(x gate^T) * (x up^T)) -> (T, N) fp32. Decode (T <= 16): pl_linear_glu writes the fp32 product
         in one launch (no fp16 intermediate, so no row scale), then down_proj; larger T: gate|up in one launch,
         pl_silu_mul, down_proj (silu_mul_linear)."""
-        T = x.numel() // x.shape[-1]
-        if T > 16:
+        T = math.prod(x.shape[:-1])
+        if T > GEMV_MAX_TOKENS:
             g, u = self.linear_parts(x, gate_up, [gate_up.shape[0] // 2] * 2, torch.float32)
             return self.silu_mul_linear(g, u, down, dtype)
-        if gate_up.scale is not None and tuple(gate_up.block) != (128, 128):
-            raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(gate_up.block)} "
-                              f"(use --backend torch)")
-        x, weight = self._as(x), self._as(gate_up.weight)
-        (N, K), scale = weight.shape, gate_up.scale
-        h = torch.empty(T, N // 2, dtype=torch.float32, device=x.device)                   # (T, I)
-        self.lib.call("pl_linear_glu", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight),
-                      0 if scale is None else self._p(self._as(scale, torch.float32)), N, self._p(h), self._stream(x))
+        weight, scale = self._weight(gate_up)
+        N, K = weight.shape
+        normed = isinstance(x, Prenormed)
+        h = torch.empty(T, N // 2, dtype=torch.float32, device=x.x.device if normed else x.device)   # (T, I)
+        if normed:                                                                   # add + norm in the prologue
+            self.lib.call("pl_norm_linear_glu", *self._prenorm_args(x), T, K, self._p(weight), self._dt(weight),
+                          scale, N, self._p(h), self._stream(h))
+        else:
+            x = self._as(x)
+            self.lib.call("pl_linear_glu", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight), scale, N,
+                          self._p(h), self._stream(x))
         return self._linear(h, down, torch.float32, None)
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -1306,6 +1375,24 @@ class NativeOps:
                       slot_ids.numel(), self._p(out), self._stream(x))
         return out
 
+    def gdn_in_proj(self, x: Prenormed | torch.Tensor, w: Linear, sizes: list[int], conv_w: torch.Tensor,
+                    conv_state: torch.Tensor, slot_ids: torch.Tensor,
+                    query_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """linear_parts of [qkv | z], then conv1d over qkv: one launch (pl_gdn_in_proj, the conv in the GEMV's
+        epilogue) for a decode step of at most 16 sequences, else two."""
+        T = math.prod(x.shape[:-1])
+        if not (0 < T <= GEMV_MAX_TOKENS and T == slot_ids.numel() and len(sizes) == 2):
+            qkv, z = self.linear_parts(x, w, sizes)
+            return self.conv1d(qkv, conv_w, conv_state, slot_ids, query_start), z
+        weight, scale = self._weight(w)
+        (N, K), C = weight.shape, sizes[0]
+        conv_w, slot_ids = self._as(conv_w).reshape(C, -1), self._as(slot_ids, torch.int32)   # (C, W)
+        out = torch.empty(T * N, dtype=x.dtype, device=conv_state.device)                   # qkv | z
+        self.lib.call("pl_gdn_in_proj", *self._input(x), T, K, self._p(weight), self._dt(weight), scale, C, N,
+                      self._p(out), self._p(conv_w), self._dt(conv_w), conv_w.shape[1], self._p(conv_state),
+                      self._dt(conv_state), self._p(slot_ids), self._stream(out))
+        return out[:T * C].view(T, C), out[T * C:].view(T, N - C)
+
     def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self._as(a), self._as(b, a.dtype)
@@ -1320,16 +1407,17 @@ class NativeOps:
     def gdn_gates_linear(self, x: torch.Tensor, w_ab: Linear, A_log: torch.Tensor,
                          dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj_a|b and gdn_gates in one launch (pl_linear_gdn_gates): (g, beta), (T, Hv) fp32 each."""
-        if w_ab.scale is not None and tuple(w_ab.block) != (128, 128):
-            raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w_ab.block)} "
-                              f"(use --backend torch)")
-        x, weight = self._as(x), self._as(w_ab.weight)
-        (N, K), T = weight.shape, x.numel() // x.shape[-1]
+        weight, scale = self._weight(w_ab)
+        (N, K), T = weight.shape, math.prod(x.shape[:-1])
         A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)
-        out = torch.empty(2, T, N // 2, dtype=torch.float32, device=x.device)                 # [g | beta]
-        scale = 0 if w_ab.scale is None else self._p(self._as(w_ab.scale, torch.float32))
-        self.lib.call("pl_linear_gdn_gates", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight), scale,
-                      N // 2, self._p(A_log), self._p(dt_bias), self._p(out), self._stream(x))
+        out = torch.empty(2, T, N // 2, dtype=torch.float32, device=A_log.device)            # [g | beta]
+        args = (K, self._p(weight), self._dt(weight), scale, N // 2, self._p(A_log), self._p(dt_bias), self._p(out),
+                self._stream(out))
+        if isinstance(x, Prenormed):                                                 # add + norm in the prologue
+            self.lib.call("pl_norm_linear_gdn_gates", *self._prenorm_args(x), T, *args)
+        else:
+            x = self._as(x)
+            self.lib.call("pl_linear_gdn_gates", self._p(x), self._dt(x), T, *args)
         return out[0], out[1]
 
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -1927,9 +2015,9 @@ class Model:
     def layer(self, L: DecoderLayer, mixer: Callable, x, residual, batch: Batch, cache: Cache):
         """One decoder layer on the fp32 residual stream: returns the MLP's output and the stream before it."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        h, residual = ops.add_rmsnorm(x, residual, L.input_layernorm, eps, self.dtype)
+        h, residual = ops.prenorm(x, residual, L.input_layernorm, eps, self.dtype)    # computed by the projections
         x = self.all_reduce(mixer(L, h, batch, cache))
-        h, residual = ops.add_rmsnorm(x, residual, L.post_attention_layernorm, eps, self.dtype)
+        h, residual = ops.prenorm(x, residual, L.post_attention_layernorm, eps, self.dtype)
         return self.all_reduce(self.mlp(L.mlp, h)), residual
 
     # Speculative decoding: the MTP layer drafts, the target verifies a window of K+1 tokens per sequence.
@@ -2030,25 +2118,34 @@ class Model:
         ops, cfg, w, T = self.ops, self.cfg, L.mixer, x.shape[0]
         Dv = cfg.linear_value_head_dim
         groups = w.in_proj.groups
-        if len(groups) == 2 and len(groups[1][1]) == 2:                    # FP8 qkv|z, then a|b: gates in its
-            qkv, z = ops.linear_parts(x, *groups[0])                       # epilogue (T, C'), (T, Hv'*Dv)
+        # FP8 [qkv | z] with the conv in its epilogue, except in a speculative verify, which keeps the conv's
+        # inputs for rollback; then [a | b] with the gates in its epilogue.
+        conv = cache.window is not None or [len(sizes) for _, sizes in groups] != [2, 2]
+        if not conv:
+            qkv, z = ops.gdn_in_proj(x, *groups[0], w.conv1d, cache.conv[L.index], batch.state_slots,
+                                     batch.query_start)                    # (T, C') after the conv, (T, Hv'*Dv)
             g, beta = ops.gdn_gates_linear(x, groups[1][0], w.A_log, w.dt_bias)   # (T, Hv') fp32 each
+        elif len(groups) == 2 and len(groups[1][1]) == 2:
+            qkv, z = ops.linear_parts(x, *groups[0])
+            g, beta = ops.gdn_gates_linear(x, groups[1][0], w.A_log, w.dt_bias)
         else:
             qkv, z, a, b = self.project(x, w.in_proj)
             g, beta = ops.gdn_gates(a, b, w.A_log, w.dt_bias)
         if cache.window is not None:                                       # speculative verify: keep for rollback
             rows = cache.window.rows
             cache.window.inputs[L.index] = (qkv[rows], g[rows], beta[rows])
-        o = self.delta_rule(L, qkv, g, beta, cache, batch.state_slots, batch.query_start)   # (T, Hv', Dv)
+        o = self.delta_rule(L, qkv, g, beta, cache, batch.state_slots, batch.query_start, conv)   # (T, Hv', Dv)
         o = ops.gated_rmsnorm(o, z.view(T, w.v_heads, Dv), w.norm, cfg.rms_norm_eps).reshape(T, w.v_heads * Dv)
         return ops.linear(o, w.out_proj, torch.float32)                    # row-parallel: fp32
 
-    def delta_rule(self, L: DecoderLayer, qkv, g, beta, cache: Cache, slots, query_start):
-        """The GDN's recurrent part: causal conv over the projected qkv (T, C'), then the gated delta rule with
-        gates g, beta (T, Hv'); advances the sequences' conv and SSM states. Returns o (T, Hv', Dv)."""
+    def delta_rule(self, L: DecoderLayer, qkv, g, beta, cache: Cache, slots, query_start, conv: bool = True):
+        """The GDN's recurrent part: causal conv over the projected qkv (T, C') (conv=False: done already), then
+        the gated delta rule with gates g, beta (T, Hv'); advances the sequences' conv and SSM states. Returns o
+        (T, Hv', Dv)."""
         ops, cfg, w, T = self.ops, self.cfg, L.mixer, qkv.shape[0]
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], slots, query_start)   # (T, C')
+        if conv:
+            qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], slots, query_start)   # (T, C')
         nk = w.k_heads * Dk
         q = qkv[:, :nk].reshape(T, w.k_heads, Dk)
         k = qkv[:, nk:2 * nk].reshape(T, w.k_heads, Dk)

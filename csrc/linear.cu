@@ -23,16 +23,38 @@ __device__ __forceinline__ float row_scaled(float v, const float* rs, int64_t t)
 // e0 = e1 = e2 = N is the ordinary (T, N) layout.
 // With A_log (pl_linear_gdn_gates) the epilogue turns GDN's [a | b] (e0 = Hv) into its gates in fp32:
 // g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) (pl_gdn_gates' formulas).
+// With conv_w (pl_gdn_in_proj, decode: row t is the one new token of the sequence at state slot slots[t]) the
+// epilogue runs GDN's causal conv1d + SiLU over part 0 (the e0 qkv channels), as pl_conv1d does: the value,
+// rounded to the output type first (pl_conv1d's input), after the slot's W-1 previous inputs, which it then
+// shifts into the conv state (S, e0, W-1). Output (t, n) has one writer, so (t's slot, n) has one too.
 struct OutParts {
   int64_t T;
   int e0, e1, e2, N;
   const float* A_log = 0;
   const float* dt_bias = 0;
-  __device__ __forceinline__ float epi(int n, float v) const {
+  const void* conv_w = 0;     // (e0, W) of conv_wdt
+  int conv_wdt = 0, W = 0;
+  void* conv_state = 0;       // (S, e0, W-1) of conv_sdt
+  int conv_sdt = 0;
+  const int32_t* slots = 0;   // (T,)
+  template <typename TO>
+  __device__ __forceinline__ float epi(int64_t t, int n, float v) const {
+    if (conv_w && n < e0) return conv(t, n, to_f(from_f<TO>(v)));
     if (!A_log) return v;
     if (n >= e0) return sigmoid_f(v);
     float x = v + dt_bias[n];
     return -expf(A_log[n]) * (x > 20.f ? x : log1pf(expf(x)));   // torch's softplus threshold
+  }
+  __device__ __forceinline__ float conv(int64_t t, int n, float xt) const {
+    int64_t st = ((int64_t)slots[t] * e0 + n) * (W - 1), wi = (int64_t)n * W;
+    float y = load_any(conv_w, conv_wdt, wi + W - 1) * xt;
+    for (int j = 0; j < W - 1; j++) {
+      float prev = load_any(conv_state, conv_sdt, st + j);
+      y += load_any(conv_w, conv_wdt, wi + j) * prev;
+      if (j > 0) store_any(conv_state, conv_sdt, st + j - 1, prev);     // shift left: the oldest leaves
+    }
+    store_any(conv_state, conv_sdt, st + W - 2, xt);
+    return silu_f(y);
   }
   __device__ __forceinline__ int64_t at(int64_t t, int n) const {
     int s = n < e0 ? 0 : n < e1 ? e0 : n < e2 ? e1 : e2;
@@ -40,6 +62,58 @@ struct OutParts {
     return T * s + t * (e - s) + (n - s);
   }
 };
+
+// The input of pl_norm_linear_*: h = act(rmsnorm(residual + x) * (1 + w)) (pl_add_rmsnorm's formulas), computed
+// on the fly from the fp32 residual stream and the fp32 row-parallel output x, so the decoder layer's add + norm
+// needs no launch of its own. Each block first reduces every token's sum of squares into shared memory (it
+// re-reads the (T, K) inputs, which sit in L2: T <= 16 rows of K floats); block 0 also writes residual + x to
+// res_out (a separate buffer: the other blocks still read res). Then every load of x goes through xin().
+// x == 0: no prologue, the kernel reads its ordinary activation input.
+struct Prenorm {
+  const float* x = 0;         // (T, K) fp32
+  const float* res = 0;       // (T, K) fp32
+  float* res_out = 0;         // (T, K) fp32 = res + x; 0 when an earlier op of the step wrote it
+  const void* w = 0;          // (K,) the norm's weight, dtype wdt
+  int wdt = 0;
+  float eps = 0.f;
+};
+
+// Every thread of the block calls it (a barrier inside), before any warp leaves.
+template <bool NORM>
+__device__ __forceinline__ void prenorm_prologue(const Prenorm& pn, int T, int K, float* inv) {
+  if (!NORM) return;
+  __shared__ float red[32];
+  bool first = blockIdx.x == 0 && blockIdx.y == 0 && pn.res_out;
+  for (int t = 0; t < T; t++) {
+    float ss = 0.f;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+      int64_t i = (int64_t)t * K + k;
+      float r = pn.x[i] + pn.res[i];
+      if (first) pn.res_out[i] = r;
+      ss += r * r;
+    }
+    float total = block_sum(ss, red);
+    if (threadIdx.x == 0) inv[t] = rsqrtf(total / K + pn.eps);
+  }
+  __syncthreads();
+}
+
+// Input value (t, k) as the kernel multiplies it: x's, or the normed one rounded to the activation type.
+template <typename TA, bool NORM>
+__device__ __forceinline__ float xin(const TA* x, const Prenorm& pn, const float* inv, int64_t t, int k, int K) {
+  int64_t i = t * K + k;
+  if (!NORM) return to_f(x[i]);
+  return to_f(from_f<TA>((pn.x[i] + pn.res[i]) * inv[t] * (1.f + load_any(pn.w, pn.wdt, k))));
+}
+
+// Eight normed fp16 inputs (t, k .. k+7), packed as the tensor-core GEMV loads them.
+__device__ __forceinline__ uint4 xin8_half(const Prenorm& pn, const float* inv, int64_t t, int k, int K) {
+  uint32_t u[4];
+  for (int j = 0; j < 4; j++)
+    u[j] = pl_half2_bits(pl_make_half2(pl_f2h(xin<pl_half, true>(0, pn, inv, t, k + 2 * j, K)),
+                                       pl_f2h(xin<pl_half, true>(0, pn, inv, t, k + 2 * j + 1, K))));
+  return make_uint4(u[0], u[1], u[2], u[3]);
+}
 
 // ---- Loads of 16 consecutive values to fp32 (16-byte vector loads; the caller guarantees alignment). ----
 
@@ -72,11 +146,13 @@ __device__ __forceinline__ void dequant16(const uint8_t* p, float* v) {
 // GLU (pl_linear_glu): the weight is [gate (N/2 rows) | up (N/2 rows)] and warp n computes rows n and n + N/2
 // from the same x loads, writing silu(gate) * up as output column n of N/2.
 
-template <typename TA, typename TO, bool VEC, bool GLU = false>
+template <typename TA, typename TO, bool VEC, bool GLU = false, bool NORM = false>
 __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, const uint8_t* w, const float* scale,
-                                int N, OutParts op, TO* out) {
+                                int N, OutParts op, TO* out, Prenorm pn) {
   const int NR = GLU ? 2 : 1;                         // weight rows per warp
   int rows = GLU ? N / 2 : N;
+  __shared__ float inv[GEMV_MAX_T];
+  prenorm_prologue<NORM>(pn, T, K, inv);
   int lane = threadIdx.x & 31;
   int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
   if (n >= rows) return;                              // whole warps leave together; no block barrier follows
@@ -100,7 +176,10 @@ __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, cons
 #pragma unroll
       for (int t = 0; t < GEMV_MAX_T; t++) {
         if (t < T) {
-          load16(x + (int64_t)t * K + k0, xv);
+          if (NORM)
+            for (int i = 0; i < 16; i++) xv[i] = xin<TA, true>(x, pn, inv, t, k0 + i, K);
+          else
+            load16(x + (int64_t)t * K + k0, xv);
           for (int r = 0; r < NR; r++) {
             float dot = 0.f;
 #pragma unroll
@@ -116,7 +195,7 @@ __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, cons
         float wk = e4m3_to_f(wrow[r][k]) * srow[r][k >> 7];
 #pragma unroll
         for (int t = 0; t < GEMV_MAX_T; t++)
-          if (t < T) acc[r][t] += wk * to_f(x[(int64_t)t * K + k]);
+          if (t < T) acc[r][t] += wk * xin<TA, NORM>(x, pn, inv, t, k, K);
       }
     }
   }
@@ -124,7 +203,7 @@ __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, cons
     if (t >= T) break;
     float v = warp_sum(acc[0][t]);
     if (GLU) v = silu_f(v) * warp_sum(acc[NR - 1][t]);
-    if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi(n, row_scaled(v, rs, t)));
+    if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi<TO>(t, n, row_scaled(v, rs, t)));
   }
 }
 
@@ -161,11 +240,13 @@ __device__ __forceinline__ void load8_x(const TA* p, float* v) {
 // WPR warps per row (a few output rows, e.g. GDN's in_proj_a|b: 96 rows at TP1, 24 at TP4): a row's K is dealt
 // out to WPR warps in 256-wide chunks, so more loads are in flight instead of one warp's chain of DRAM round
 // trips; the warps' sums meet in shared memory, in warp order. GLU as in gemv_fp8_kernel.
-template <typename TA, typename TO, int WDT, bool VEC, bool GLU = false, int WPR = 1>
+template <typename TA, typename TO, int WDT, bool VEC, bool GLU = false, int WPR = 1, bool NORM = false>
 __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, const void* w, int N, OutParts op,
-                                  TO* out) {
+                                  TO* out, Prenorm pn) {
   const int NR = GLU ? 2 : 1;
   int rows = GLU ? N / 2 : N;
+  __shared__ float inv[GEMV_MAX_T];
+  prenorm_prologue<NORM>(pn, T, K, inv);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int n = blockIdx.x * (GEMV_WARPS / WPR) + warp / WPR, part = warp % WPR;
   if (WPR == 1 && n >= rows) return;                  // whole warps leave together; no block barrier follows
@@ -180,7 +261,10 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
 #pragma unroll
       for (int t = 0; t < GEMV_MAX_T; t++) {
         if (t < T) {
-          load8_x(x + (int64_t)t * K + k0, xv);
+          if (NORM)
+            for (int i = 0; i < 8; i++) xv[i] = xin<TA, true>(x, pn, inv, t, k0 + i, K);
+          else
+            load8_x(x + (int64_t)t * K + k0, xv);
           for (int r = 0; r < NR; r++)
 #pragma unroll
             for (int i = 0; i < 8; i++) acc[r][t] += wv[r][i] * xv[i];
@@ -193,7 +277,7 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
         float wk = load_any(w, WDT, (n + (int64_t)r * rows) * K + k);
 #pragma unroll
         for (int t = 0; t < GEMV_MAX_T; t++)
-          if (t < T) acc[r][t] += wk * to_f(x[(int64_t)t * K + k]);
+          if (t < T) acc[r][t] += wk * xin<TA, NORM>(x, pn, inv, t, k, K);
       }
     }
   }
@@ -220,7 +304,7 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
         }
       }
       float y = GLU ? silu_f(v[0]) * v[NR - 1] : v[0];
-      if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi(n, row_scaled(y, rs, t)));
+      if (lane == 0) out[op.at(t, n)] = from_f<TO>(op.epi<TO>(t, n, row_scaled(y, rs, t)));
     }
   }
 }
@@ -237,10 +321,12 @@ static const int GEMV_MMA_WARPS = 8;
 
 // GLU (N/2 % 8 == 0): a block takes 8 output columns c0..c0+7, gate rows c0 + g as the A operand's rows g and up
 // rows N/2 + c0 + g as its rows g + 8, so each lane ends up holding gate and up of the same (column, token)s.
-template <int NT, typename TO, bool GLU = false>
+template <int NT, typename TO, bool GLU = false, bool NORM = false>
 __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K, const uint8_t* w,
-                                const float* scale, int N, OutParts op, TO* out) {
+                                const float* scale, int N, OutParts op, TO* out, Prenorm pn) {
   __shared__ float red[GEMV_MMA_WARPS][32][NT * 4];
+  __shared__ float inv[GEMV_MAX_T];
+  prenorm_prologue<NORM>(pn, T, K, inv);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int g = lane >> 2, t = lane & 3;
   int rows = GLU ? N / 2 : N;
@@ -263,7 +349,10 @@ __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K,
     for (int j = 0; j < NT; j++) {
       int tok = 8 * j + g;
       c.xa[j] = c.xb[j] = z;
-      if (k < K && tok < T) {
+      if (k < K && tok < T && NORM) {
+        c.xa[j] = xin8_half(pn, inv, tok, k, K);
+        c.xb[j] = xin8_half(pn, inv, tok, k + 8, K);
+      } else if (k < K && tok < T) {
         c.xa[j] = *(const uint4*)(x + (int64_t)tok * K + k);
         c.xb[j] = *(const uint4*)(x + (int64_t)tok * K + k + 8);
       }
@@ -309,7 +398,7 @@ __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K,
     for (int i = 0; i < (GLU ? 2 : 4); i++) {
       int n = n0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (i & 1);
       float y = GLU ? silu_f(v[i]) * v[i + 2] : v[i];
-      if (n < rows && tok < T) out[op.at(tok, n)] = from_f<TO>(op.epi(n, row_scaled(y, rs, tok)));
+      if (n < rows && tok < T) out[op.at(tok, n)] = from_f<TO>(op.epi<TO>(tok, n, row_scaled(y, rs, tok)));
     }
   }
 }
@@ -353,7 +442,7 @@ __global__ void gemm_tiled_kernel(const TA* x, const float* rs, int T, int K, co
   for (int i = 0; i < 4; i++)
     for (int j = 0; j < 4; j++) {
       int m = m0 + ty * 4 + i, n = n0 + tx * 4 + j;
-      if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi(n, row_scaled(acc[i][j], rs, m)));
+      if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi<TO>(m, n, row_scaled(acc[i][j], rs, m)));
     }
 }
 
@@ -454,7 +543,7 @@ __global__ void gemm_mma_kernel(const pl_half* x, const float* rs, int T, int K,
     for (int ni = 0; ni < 4; ni++)
       for (int i = 0; i < 4; i++) {
         int m = m0 + wm + mi * 16 + g + (i >= 2 ? 8 : 0), n = n0 + wn + ni * 8 + 2 * t + (i & 1);
-        if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi(n, row_scaled(acc[mi][ni][i], rs, m)));
+        if (m < T && n < N) out[op.at(m, n)] = from_f<TO>(op.epi<TO>(m, n, row_scaled(acc[mi][ni][i], rs, m)));
       }
 }
 
@@ -486,45 +575,50 @@ static bool launch_mma(const pl_half* x, const float* rs, int64_t T, int64_t K, 
 
 // The tensor-core GEMV takes fp16 activations, e4m3 weights, K % 16 == 0, aligned (GLU: N/2 % 8 == 0); false
 // for other cases.
-template <bool GLU, typename TO>
+template <bool GLU, bool NORM, typename TO>
 static bool launch_gemv_mma(const float*, const float*, int64_t, int64_t, const void*, int, const float*, int64_t,
-                            OutParts, TO*, uint64_t) {
+                            OutParts, TO*, const Prenorm&, uint64_t) {
   return false;
 }
 
-template <bool GLU, typename TO>
+template <bool GLU, bool NORM, typename TO>
 static bool launch_gemv_mma(const pl_half* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
-                            const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
+                            const float* scale, int64_t N, OutParts op, TO* out, const Prenorm& pn, uint64_t stream) {
   if (wdt != PL_E4M3 || K % 16 != 0 || ((uintptr_t)x & 15) != 0 || ((uintptr_t)w & 15) != 0) return false;
   if (GLU && (N / 2) % 8 != 0) return false;
   dim3 grid((unsigned)(GLU ? N / 2 / 8 : (N + 15) / 16)), block(32 * GEMV_MMA_WARPS);
   const uint8_t* w8 = (const uint8_t*)w;
   if (T <= 8)
-    PL_LAUNCH((gemv_mma_kernel<1, TO, GLU>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, op, out);
+    PL_LAUNCH((gemv_mma_kernel<1, TO, GLU, NORM>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N,
+              op, out, pn);
   else
-    PL_LAUNCH((gemv_mma_kernel<2, TO, GLU>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N, op, out);
+    PL_LAUNCH((gemv_mma_kernel<2, TO, GLU, NORM>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N,
+              op, out, pn);
   return true;
 }
 
 // Up to this many output rows a dense GEMV gives each row a whole block (GEMV_WARPS warps splitting K).
 static const int64_t GEMV_SPLIT_ROWS = 1024;
 
-template <typename TA, typename TO, int WDT, bool VEC, bool GLU>
+template <typename TA, typename TO, int WDT, bool VEC, bool GLU, bool NORM>
 static void launch_dense(bool split, dim3 grid, uint64_t stream, const TA* x, const float* rs, int t, int k,
-                         const void* w, int n, OutParts op, TO* out) {
+                         const void* w, int n, OutParts op, TO* out, const Prenorm& pn) {
   dim3 block(32 * GEMV_WARPS);
   if (split)
-    PL_LAUNCH((gemv_dense_kernel<TA, TO, WDT, VEC, false, GEMV_WARPS>), grid, block, 0, stream, x, rs, t, k, w, n,
-              op, out);
+    PL_LAUNCH((gemv_dense_kernel<TA, TO, WDT, VEC, false, GEMV_WARPS, NORM>), grid, block, 0, stream, x, rs, t, k, w,
+              n, op, out, pn);
   else
-    PL_LAUNCH((gemv_dense_kernel<TA, TO, WDT, VEC, GLU, 1>), grid, block, 0, stream, x, rs, t, k, w, n, op, out);
+    PL_LAUNCH((gemv_dense_kernel<TA, TO, WDT, VEC, GLU, 1, NORM>), grid, block, 0, stream, x, rs, t, k, w, n, op, out,
+              pn);
 }
 
 // T <= GEMV_MAX_T: the tensor-core GEMV where it applies, else a warp (or, for a few dense rows, a block) per row.
-template <bool GLU, typename TA, typename TO>
+// NORM: the input is pn's normed residual stream (x is 0).
+template <bool GLU, typename TA, typename TO, bool NORM = false>
 static void launch_gemv(const TA* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
-                        const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
-  if (launch_gemv_mma<GLU>(x, rs, T, K, w, wdt, scale, N, op, out, stream)) return;
+                        const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream,
+                        const Prenorm& pn = Prenorm()) {
+  if (launch_gemv_mma<GLU, NORM>(x, rs, T, K, w, wdt, scale, N, op, out, pn, stream)) return;
   int64_t rows = GLU ? N / 2 : N;
   bool split = !GLU && wdt != PL_E4M3 && rows <= GEMV_SPLIT_ROWS;
   dim3 grid((unsigned)(split ? rows : (rows + GEMV_WARPS - 1) / GEMV_WARPS)), block(32 * GEMV_WARPS);
@@ -532,28 +626,40 @@ static void launch_gemv(const TA* x, const float* rs, int64_t T, int64_t K, cons
   const uint8_t* w8 = (const uint8_t*)w;
   int t = (int)T, k = (int)K, n = (int)N;
   if (wdt == PL_E4M3 && vec && K % 16 == 0)
-    PL_LAUNCH((gemv_fp8_kernel<TA, TO, true, GLU>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out);
+    PL_LAUNCH((gemv_fp8_kernel<TA, TO, true, GLU, NORM>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out,
+              pn);
   else if (wdt == PL_E4M3)
-    PL_LAUNCH((gemv_fp8_kernel<TA, TO, false, GLU>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out);
+    PL_LAUNCH((gemv_fp8_kernel<TA, TO, false, GLU, NORM>), grid, block, 0, stream, x, rs, t, k, w8, scale, n, op, out,
+              pn);
   else if (vec && K % 8 == 0 && wdt == PL_BF16)
-    launch_dense<TA, TO, PL_BF16, true, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+    launch_dense<TA, TO, PL_BF16, true, GLU, NORM>(split, grid, stream, x, rs, t, k, w, n, op, out, pn);
   else if (vec && K % 8 == 0 && wdt == PL_F16)
-    launch_dense<TA, TO, PL_F16, true, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+    launch_dense<TA, TO, PL_F16, true, GLU, NORM>(split, grid, stream, x, rs, t, k, w, n, op, out, pn);
   else if (vec && K % 8 == 0)
-    launch_dense<TA, TO, PL_F32, true, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+    launch_dense<TA, TO, PL_F32, true, GLU, NORM>(split, grid, stream, x, rs, t, k, w, n, op, out, pn);
   else if (wdt == PL_BF16)
-    launch_dense<TA, TO, PL_BF16, false, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+    launch_dense<TA, TO, PL_BF16, false, GLU, NORM>(split, grid, stream, x, rs, t, k, w, n, op, out, pn);
   else if (wdt == PL_F16)
-    launch_dense<TA, TO, PL_F16, false, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+    launch_dense<TA, TO, PL_F16, false, GLU, NORM>(split, grid, stream, x, rs, t, k, w, n, op, out, pn);
   else
-    launch_dense<TA, TO, PL_F32, false, GLU>(split, grid, stream, x, rs, t, k, w, n, op, out);
+    launch_dense<TA, TO, PL_F32, false, GLU, NORM>(split, grid, stream, x, rs, t, k, w, n, op, out, pn);
+}
+
+// The GEMV of x, or (pn not 0) of pn's normed input.
+template <bool GLU, typename TA, typename TO>
+static void launch_gemv_of(const TA* x, const Prenorm* pn, const float* rs, int64_t T, int64_t K, const void* w,
+                           int wdt, const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
+  if (pn)
+    launch_gemv<GLU, TA, TO, true>((const TA*)0, rs, T, K, w, wdt, scale, N, op, out, stream, *pn);
+  else
+    launch_gemv<GLU, TA, TO>(x, rs, T, K, w, wdt, scale, N, op, out, stream);
 }
 
 template <typename TA, typename TO>
-static void launch_linear(const TA* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
-                          const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
+static void launch_linear(const TA* x, const Prenorm* pn, const float* rs, int64_t T, int64_t K, const void* w,
+                          int wdt, const float* scale, int64_t N, OutParts op, TO* out, uint64_t stream) {
   if (T <= GEMV_MAX_T) {
-    launch_gemv<false>(x, rs, T, K, w, wdt, scale, N, op, out, stream);
+    launch_gemv_of<false>(x, pn, rs, T, K, w, wdt, scale, N, op, out, stream);
     return;
   }
   dim3 grid((unsigned)((N + TN - 1) / TN), (unsigned)((T + TM - 1) / TM));
@@ -562,10 +668,11 @@ static void launch_linear(const TA* x, const float* rs, int64_t T, int64_t K, co
               wdt == PL_E4M3 ? scale : (const float*)0, (int)N, op, out);
 }
 
-// pl_linear and pl_linear_parts: the same kernels; ends = (N, N, N) is the plain (T, N) output.
+// pl_linear and pl_linear_parts: the same kernels; ends = (N, N, N) is the plain (T, N) output. pn: the normed
+// input of pl_norm_linear_* (the GEMV sizes only), or 0.
 static int linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T, int64_t K, uint64_t w,
                   int32_t w_dtype, uint64_t scale, int64_t N, const int64_t ends[3], uint64_t out, int32_t out_dtype,
-                  uint64_t stream, const float* A_log = 0, const float* dt_bias = 0) {
+                  uint64_t stream, const float* A_log = 0, const float* dt_bias = 0, const Prenorm* pn = 0) {
   PL_REQUIRE(w_dtype >= PL_F32 && w_dtype <= PL_E4M3, "weight dtype must be 0..3 (fp32, fp16, bf16, e4m3)");
   PL_REQUIRE(w_dtype != PL_E4M3 || scale != 0, "an e4m3 weight needs its fp32 block scales");
   PL_REQUIRE(out_dtype == act_dtype || out_dtype == PL_F32,
@@ -579,10 +686,10 @@ static int linear(uint64_t x, int32_t act_dtype, uint64_t x_row_scale, int64_t T
   OutParts op{T, (int)ends[0], (int)ends[1], (int)ends[2], (int)N, A_log, dt_bias};
   PL_DISPATCH_ACT(act_dtype, TA,
     if (out_dtype == PL_F32)
-      launch_linear<TA, float>((const TA*)x, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
+      launch_linear<TA, float>((const TA*)x, pn, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
                                (float*)out, stream);
     else
-      launch_linear<TA, TA>((const TA*)x, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
+      launch_linear<TA, TA>((const TA*)x, pn, rs, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
                             (TA*)out, stream));
   PL_CHECK_LAUNCH();
   return 0;
@@ -602,8 +709,8 @@ extern "C" int pl_linear_parts(uint64_t x, int32_t act_dtype, uint64_t x_row_sca
   return linear(x, act_dtype, x_row_scale, T, K, w, w_dtype, scale, N, ends, out, out_dtype, stream);
 }
 
-extern "C" int pl_linear_glu(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
-                             uint64_t scale, int64_t N, uint64_t out, uint64_t stream) {
+static int linear_glu(uint64_t x, const Prenorm* pn, int32_t act_dtype, int64_t T, int64_t K, uint64_t w,
+                      int32_t w_dtype, uint64_t scale, int64_t N, uint64_t out, uint64_t stream) {
   PL_REQUIRE(w_dtype >= PL_F32 && w_dtype <= PL_E4M3, "weight dtype must be 0..3 (fp32, fp16, bf16, e4m3)");
   PL_REQUIRE(w_dtype != PL_E4M3 || scale != 0, "an e4m3 weight needs its fp32 block scales");
   PL_REQUIRE(K > 0 && K < (1ll << 31) && N > 0 && N < (1ll << 31) && N % 2 == 0,
@@ -615,10 +722,15 @@ extern "C" int pl_linear_glu(uint64_t x, int32_t act_dtype, int64_t T, int64_t K
   if (T == 0) return 0;
   OutParts op{T, (int)(N / 2), (int)(N / 2), (int)(N / 2), (int)(N / 2)};
   PL_DISPATCH_ACT(act_dtype, TA,
-    launch_gemv<true, TA, float>((const TA*)x, 0, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
-                                 (float*)out, stream));
+    launch_gemv_of<true, TA, float>((const TA*)x, pn, 0, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N,
+                                    op, (float*)out, stream));
   PL_CHECK_LAUNCH();
   return 0;
+}
+
+extern "C" int pl_linear_glu(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
+                             uint64_t scale, int64_t N, uint64_t out, uint64_t stream) {
+  return linear_glu(x, 0, act_dtype, T, K, w, w_dtype, scale, N, out, stream);
 }
 
 extern "C" int pl_linear_gdn_gates(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
@@ -628,4 +740,85 @@ extern "C" int pl_linear_gdn_gates(uint64_t x, int32_t act_dtype, int64_t T, int
   const int64_t ends[3] = {Hv, 2 * (int64_t)Hv, 2 * (int64_t)Hv};
   return linear(x, act_dtype, 0, T, K, w, w_dtype, scale, 2 * (int64_t)Hv, ends, out, PL_F32, stream,
                 (const float*)A_log, (const float*)dt_bias);
+}
+
+// ---- The same three with the decoder layer's residual add + RMSNorm as the GEMV's prologue (Prenorm). --------
+
+static int prenorm_of(Prenorm& pn, uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
+                      int32_t norm_w_dtype, float eps, int64_t T) {
+  PL_REQUIRE(x != 0 && residual != 0 && norm_w != 0, "the normed input needs x, residual and the norm's weight");
+  PL_REQUIRE(norm_w_dtype >= PL_F32 && norm_w_dtype <= PL_BF16, "norm weight dtype must be fp32, fp16 or bf16");
+  PL_REQUIRE(T >= 0 && T <= GEMV_MAX_T, "a normed input takes at most %d tokens (got %lld): use pl_add_rmsnorm "
+             "first", GEMV_MAX_T, (long long)T);
+  pn.x = (const float*)x;
+  pn.res = (const float*)residual;
+  pn.res_out = (float*)residual_out;
+  pn.w = (const void*)norm_w;
+  pn.wdt = norm_w_dtype;
+  pn.eps = eps;
+  return 0;
+}
+
+extern "C" int pl_norm_linear_parts(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
+                                    int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K,
+                                    uint64_t w, int32_t w_dtype, uint64_t scale, int64_t N, int64_t end0,
+                                    int64_t end1, int64_t end2, uint64_t out, int32_t out_dtype, uint64_t stream) {
+  Prenorm pn;
+  if (prenorm_of(pn, x, residual, residual_out, norm_w, norm_w_dtype, eps, T)) return -1;
+  const int64_t ends[3] = {end0, end1, end2};
+  return linear(0, act_dtype, 0, T, K, w, w_dtype, scale, N, ends, out, out_dtype, stream, 0, 0, &pn);
+}
+
+extern "C" int pl_norm_linear_glu(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
+                                  int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w,
+                                  int32_t w_dtype, uint64_t scale, int64_t N, uint64_t out, uint64_t stream) {
+  Prenorm pn;
+  if (prenorm_of(pn, x, residual, residual_out, norm_w, norm_w_dtype, eps, T)) return -1;
+  return linear_glu(0, &pn, act_dtype, T, K, w, w_dtype, scale, N, out, stream);
+}
+
+extern "C" int pl_norm_linear_gdn_gates(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
+                                        int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K,
+                                        uint64_t w, int32_t w_dtype, uint64_t scale, int32_t Hv, uint64_t A_log,
+                                        uint64_t dt_bias, uint64_t out, uint64_t stream) {
+  Prenorm pn;
+  if (prenorm_of(pn, x, residual, residual_out, norm_w, norm_w_dtype, eps, T)) return -1;
+  PL_REQUIRE(Hv > 0 && A_log != 0 && dt_bias != 0, "GDN gates need Hv > 0, A_log and dt_bias");
+  const int64_t ends[3] = {Hv, 2 * (int64_t)Hv, 2 * (int64_t)Hv};
+  return linear(0, act_dtype, 0, T, K, w, w_dtype, scale, 2 * (int64_t)Hv, ends, out, PL_F32, stream,
+                (const float*)A_log, (const float*)dt_bias, &pn);
+}
+
+// ---- GDN's in_proj qkv|z with the causal conv1d of the decode step in its epilogue (OutParts::conv). ------------
+
+extern "C" int pl_gdn_in_proj(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
+                              int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w,
+                              int32_t w_dtype, uint64_t scale, int64_t C, int64_t N, uint64_t out, uint64_t conv_w,
+                              int32_t conv_w_dtype, int32_t W, uint64_t conv_state, int32_t state_dtype,
+                              uint64_t slot_ids, uint64_t stream) {
+  PL_REQUIRE(T >= 0 && T <= GEMV_MAX_T, "pl_gdn_in_proj takes at most %d tokens (got %lld): use pl_linear_parts "
+             "and pl_conv1d", GEMV_MAX_T, (long long)T);
+  PL_REQUIRE(0 < C && C <= N, "qkv channels %lld: must be in 1..N = %lld", (long long)C, (long long)N);
+  PL_REQUIRE(W >= 2 && W <= 8, "conv kernel width must be in 2..8");
+  PL_REQUIRE(conv_w_dtype >= PL_F32 && conv_w_dtype <= PL_BF16, "conv weight dtype must be fp32, fp16 or bf16");
+  PL_REQUIRE(state_dtype >= PL_F32 && state_dtype <= PL_BF16, "conv state dtype must be fp32, fp16 or bf16");
+  PL_REQUIRE(conv_w != 0 && conv_state != 0 && slot_ids != 0, "the conv needs its weight, state and slots");
+  Prenorm pn;
+  if (residual && prenorm_of(pn, x, residual, residual_out, norm_w, norm_w_dtype, eps, T)) return -1;
+  if (T == 0) return 0;
+  PL_REQUIRE(w_dtype >= PL_F32 && w_dtype <= PL_E4M3, "weight dtype must be 0..3 (fp32, fp16, bf16, e4m3)");
+  PL_REQUIRE(w_dtype != PL_E4M3 || scale != 0, "an e4m3 weight needs its fp32 block scales");
+  PL_REQUIRE(K > 0 && K < (1ll << 31) && N < (1ll << 31), "linear shape out of range");
+  OutParts op{T, (int)C, (int)N, (int)N, (int)N};
+  op.conv_w = (const void*)conv_w;
+  op.conv_wdt = conv_w_dtype;
+  op.W = W;
+  op.conv_state = (void*)conv_state;
+  op.conv_sdt = state_dtype;
+  op.slots = (const int32_t*)slot_ids;
+  PL_DISPATCH_ACT(act_dtype, TA,
+    launch_gemv_of<false, TA, TA>(residual ? (const TA*)0 : (const TA*)x, residual ? &pn : 0, 0, T, K,
+                                  (const void*)w, (int)w_dtype, (const float*)scale, N, op, (TA*)out, stream));
+  PL_CHECK_LAUNCH();
+  return 0;
 }

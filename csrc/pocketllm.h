@@ -120,6 +120,32 @@ int pl_linear_glu(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t 
    g = -exp(A_log) * softplus(x a^T + dt_bias), beta = sigmoid(x b^T) (a and b are not rounded to act first). */
 int pl_linear_gdn_gates(uint64_t x, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
                         uint64_t scale, int32_t Hv, uint64_t A_log, uint64_t dt_bias, uint64_t out, uint64_t stream);
+/* The decoder layer's residual add + RMSNorm as the prologue of the projections that read its output (decode
+   sizes: T <= 16; larger T fails, use pl_add_rmsnorm first). Their input is h = act(rmsnorm(residual + x) * (1 +
+   norm_w)) with x, residual (T, K) fp32 (pl_add_rmsnorm's formulas, act = act_dtype), never stored: every block
+   of the GEMV recomputes the T row norms. residual_out (T, K) fp32 (not residual: other blocks still read it)
+   receives residual + x, or 0 when an earlier op of the step wrote it. The rest as in pl_linear_parts,
+   pl_linear_glu and pl_linear_gdn_gates. */
+int pl_norm_linear_parts(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w, int32_t norm_w_dtype,
+                         float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
+                         uint64_t scale, int64_t N, int64_t end0, int64_t end1, int64_t end2, uint64_t out,
+                         int32_t out_dtype, uint64_t stream);
+int pl_norm_linear_glu(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w, int32_t norm_w_dtype,
+                       float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype, uint64_t scale,
+                       int64_t N, uint64_t out, uint64_t stream);
+int pl_norm_linear_gdn_gates(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
+                             int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w,
+                             int32_t w_dtype, uint64_t scale, int32_t Hv, uint64_t A_log, uint64_t dt_bias,
+                             uint64_t out, uint64_t stream);
+/* GDN's in_proj at decode sizes (T <= 16, row t the one new token of the sequence at slot slot_ids[t] (int32)):
+   the fused weight w (N, K) [qkv (C rows) | z] as pl_linear_parts with parts [0, C), [C, N), output act, and
+   pl_conv1d's causal conv + SiLU over the qkv part in the epilogue, advancing conv_state (S, C, W-1) of
+   state_dtype; conv_w (C, W). residual = 0: x (T, K) act is the input; else the input is pl_norm_linear_parts'
+   normed one (x, residual, residual_out, norm_w, eps as there; norm_w 0 and eps unused otherwise). */
+int pl_gdn_in_proj(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w, int32_t norm_w_dtype,
+                   float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype, uint64_t scale,
+                   int64_t C, int64_t N, uint64_t out, uint64_t conv_w, int32_t conv_w_dtype, int32_t W,
+                   uint64_t conv_state, int32_t state_dtype, uint64_t slot_ids, uint64_t stream);
 /* out (T, I) of out_dtype = silu(g) * u / row_scale[t], g, u (T, I) of in_dtype, in fp32; out_dtype is in_dtype
    or fp16 from fp32 inputs. row_scale: 0 for none, or (T,) fp32 written with the power of two that brings the
    row's largest |value| to at most 2^15 (1 when it already is), so an fp16 out never overflows and keeps its

@@ -418,6 +418,90 @@ def test_linear_parts_refuses_falling_ends(lib):
         lib.call("pl_linear_parts", p(x), F32, 0, 1, 64, p(w), F32, 0, 8, 4, 2, 8, p(out), F32)
 
 
+def prenorm_case(act, T, K, dev, gen=None):
+    """x, residual (T, K) fp32 and a norm weight, with the float64 reference of the normed input rounded to act as
+    pl_add_rmsnorm's output is (so the GEMV sees the same h) and of residual + x."""
+    x, res = rnd(T, K, device=dev, scale=2.0, gen=gen), rnd(T, K, device=dev, scale=3.0, gen=gen)
+    w = rnd(K, device=dev, scale=0.2, gen=gen)
+    r = res.double().cpu() + x.double().cpu()
+    h = ref_rmsnorm(r, w.double().cpu(), 1e-6).to(act).double()
+    return x, res, w, h, r
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("wdt", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("T,K", [(1, 256), (5, 256), (12, 384), (3, 200)])   # K = 200: the element-wise paths
+def test_norm_linear(lib, act, wdt, T, K):
+    """pl_norm_linear_parts, _glu and _gdn_gates: the residual add + RMSNorm as the GEMV's prologue gives the
+    product of pl_add_rmsnorm's output (every GEMV path: tensor-core, warp per row, block per row); residual_out
+    gets residual + x when asked for (residual itself is never written), and is left alone when 0."""
+    dev = lib.device
+    x, res, w, h, r = prenorm_case(act, T, K, dev)
+    res_before = res.clone()
+    wt, scale, full = weight_of(wdt, 384, K, dev)
+    sp = 0 if scale is None else p(scale)
+    ref = h @ full.T                                                             # (T, 384)
+    pre = lambda res_out: (p(x), p(res), res_out, p(w), F32, 1e-6, CODE[act])  # noqa: E731
+    out, res_out = poisoned((T * 384,), act, dev), poisoned((T, K), torch.float32, dev)
+    lib.call("pl_norm_linear_parts", *pre(p(res_out)), T, K, p(wt), CODE[wdt], sp, 384, 128, 256, 384, p(out),
+             CODE[act])
+    parts = [ref[:, a:b].reshape(-1) for a, b in [(0, 128), (128, 256), (256, 384)]]
+    check(out, torch.cat(parts), TOL[act] * 2, f"norm linear parts T={T} K={K}")
+    check(res_out, r, 1e-6, "residual_out")
+    assert torch.equal(res, res_before)
+    wg, sg, fg = weight_of(wdt, 256, K, dev)                                     # [gate | up], I = 128
+    glu, untouched = poisoned((T, 128), torch.float32, dev), poisoned((T, K), torch.float32, dev)
+    lib.call("pl_norm_linear_glu", *pre(0), T, K, p(wg), CODE[wdt], 0 if sg is None else p(sg), 256, p(glu))
+    gu = h @ fg.T                                                                # (T, 256)
+    check(glu, F.silu(gu[:, :128]) * gu[:, 128:], TOL[act] * 2, f"norm linear glu T={T} K={K}")
+    assert torch.isnan(untouched).all()
+    Hv = 64 if wdt == torch.float8_e4m3fn else 12
+    wab, sab, fab = weight_of(wdt, 2 * Hv, K, dev)
+    A_log, dt_bias = rnd(Hv, device=dev, scale=0.5), rnd(Hv, device=dev)
+    gates = poisoned((2, T, Hv), torch.float32, dev)
+    lib.call("pl_norm_linear_gdn_gates", *pre(0), T, K, p(wab), CODE[wdt], 0 if sab is None else p(sab), Hv,
+             p(A_log), p(dt_bias), p(gates))
+    ab = h @ fab.T                                                               # (T, 2 Hv)
+    g = -A_log.double().cpu().exp() * F.softplus(ab[:, :Hv] + dt_bias.double().cpu())
+    check(gates[0], g, TOL[act] * 4, "norm gdn gates g")
+    check(gates[1], torch.sigmoid(ab[:, Hv:]), TOL[act] * 4, "norm gdn gates beta")
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("wdt", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("normed", [False, True])
+def test_gdn_in_proj(lib, act, wdt, normed):
+    """pl_gdn_in_proj: GDN's [qkv | z] with the decode step's conv1d + SiLU over qkv in its epilogue equals the
+    product (rounded to act, as pl_conv1d reads it) then the conv reference, the conv states advanced alike (slots
+    out of order; slot 1 untouched); normed: the input is the residual add + RMSNorm prologue's."""
+    dev, T, K, C, N, W = lib.device, 3, 256, 256, 384, 4
+    wt, scale, full = weight_of(wdt, N, K, dev)
+    conv_w, state = rnd(C, W, device=dev, scale=0.5), rnd(4, C, W - 1, dtype=act, device=dev)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=dev)
+    if normed:
+        x, res, nw, h, _ = prenorm_case(act, T, K, dev)
+        args = (p(x), p(res), 0, p(nw), F32, 1e-6, CODE[act])
+    else:
+        x = rnd(T, K, dtype=act, device=dev)
+        h, args = x.double().cpu(), (p(x), 0, 0, 0, 0, 0.0, CODE[act])
+    y = (h @ full.T).to(act).double()                                            # (T, N)
+    ref_qkv, ref_state = ref_conv1d(y[:, :C], conv_w.cpu(), state.cpu(), slots.cpu(), torch.arange(T + 1))
+    out = poisoned((T * N,), act, dev)
+    lib.call("pl_gdn_in_proj", *args, T, K, p(wt), CODE[wdt], 0 if scale is None else p(scale), C, N, p(out),
+             p(conv_w), F32, W, p(state), CODE[act], p(slots))
+    check(out[:T * C].view(T, C), ref_qkv, TOL[act] * 2, "gdn in_proj qkv after the conv")
+    check(out[T * C:].view(T, N - C), y[:, C:], TOL[act] * 2, "gdn in_proj z")
+    check(state, ref_state, TOL[act], "gdn in_proj conv state")
+
+
+def test_norm_linear_refuses_prefill_sizes(lib):
+    x, res, w = rnd(17, 64, device=lib.device), rnd(17, 64, device=lib.device), rnd(64, device=lib.device)
+    wl, out = rnd(8, 64, device=lib.device), poisoned((17, 8), torch.float32, lib.device)
+    with pytest.raises(RuntimeError, match="at most 16 tokens .got 17.: use pl_add_rmsnorm"):
+        lib.call("pl_norm_linear_parts", p(x), p(res), 0, p(w), F32, 1e-6, F32, 17, 64, p(wl), F32, 0, 8, 8, 8, 8,
+                 p(out), F32)
+
+
 def test_launch_counter_and_skip(lib):
     """pl_launch_count counts each kernel an op queues (conv1d: one launch when the batch is one chunk of rows,
     two otherwise); with pl_set_skip_kernels(1) the launches are counted but nothing is written."""
@@ -789,6 +873,11 @@ def _nativeops_cases(pl, act):
                              1e7 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16), r(nb, bs, Hk, Dh),
                              r(nb, bs, Hk, Dh), torch.tensor([48, 49, 50, 80, 81, 16, 17]))),
         ("conv1d", (r(T, C), r(C, W, scale=0.5, dtype=torch.float32), r(4, C, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs)),
+        ("gdn_in_proj", (r(2, 256), pl.Linear(w8, s8), [128, 22], r(128, W, scale=0.5, dtype=torch.float32),   # decode:
+                         r(3, 128, W - 1), torch.tensor([2, 0], dtype=torch.int32),                  # the conv in
+                         torch.tensor([0, 1, 2], dtype=torch.int32))),                               # the epilogue
+        ("gdn_in_proj", (r(T, 256), pl.Linear(w8, s8), [128, 22], r(128, W, scale=0.5, dtype=torch.float32),
+                         r(3, 128, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs)),
         ("gdn_gates", (r(T, Hv, scale=3), r(T, Hv, scale=3), r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
         ("gdn_gates_linear", (r(T, 64), pl.Linear(r(2 * Hv, 64, scale=0.3, dtype=torch.bfloat16), None),
                               r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
@@ -830,3 +919,35 @@ def test_nativeops_match_torchops(act):
         for i, (x_n, x_t) in enumerate(zip(a_n, a_t)):       # in-place state updates (add_rmsnorm returns its
             if isinstance(x_t, torch.Tensor) and x_t.is_floating_point() and name != "add_rmsnorm":   # residual)
                 check(x_n, x_t, tol, f"{name} argument {i} after the call")
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_nativeops_prenorm_matches_torchops(act):
+    """NativeOps.prenorm leaves the residual add + norm to the projections that read its output (pl_norm_linear_*):
+    linear_parts, gdn_gates_linear, mlp and linear of it equal TorchOps' add_rmsnorm followed by the same op, and
+    the new residual stream (written by the first of them) equals TorchOps'. Prefill sizes and fp16 x take
+    add_rmsnorm itself."""
+    pl = _pocketllm()
+    _LIBS.setdefault("cpu", _load("cpu"))
+    nops, tops = pl.NativeOps("cpu"), pl.TorchOps()
+    tol = {torch.float32: 1e-4, torch.float16: 5e-3}[act]
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s, scale=1.0, dtype=torch.float32: rnd(*s, dtype=dtype, scale=scale, gen=g)   # noqa: E731
+    w8 = pl.Linear(*fp8_weight(256, 256, "cpu", gen=g))
+    consumers = [("linear_parts", (w8, [128, 128])),                           # in a layer's order: the first
+                 ("gdn_gates_linear", (pl.Linear(r(24, 256, scale=0.3, dtype=torch.bfloat16), None),   # writes
+                                       r(12, scale=0.5), r(12))),                                    # the residual
+                 ("mlp", (w8, pl.Linear(r(48, 128, scale=0.1, dtype=torch.bfloat16), None), act)),
+                 ("linear", (w8, torch.float32))]
+    for T, x_dtype in [(3, torch.float32), (16, torch.float32), (20, torch.float32), (3, act)]:
+        x, res, w = r(T, 256, scale=2, dtype=x_dtype), r(T, 256, scale=3), r(256, scale=0.2)
+        h_n, res_n = nops.prenorm(x.clone(), res.clone(), w, 1e-6, act)
+        h_t, res_t = tops.prenorm(x, res, w, 1e-6, act)
+        assert isinstance(h_n, pl.Prenormed) == (T <= 16 and x_dtype == torch.float32), (T, x_dtype)
+        for name, args in consumers:
+            out_n, out_t = getattr(nops, name)(h_n, *args), getattr(tops, name)(h_t, *args)
+            outs_n = out_n if isinstance(out_n, tuple) else (out_n,)
+            outs_t = out_t if isinstance(out_t, tuple) else (out_t,)
+            for i, (o_n, o_t) in enumerate(zip(outs_n, outs_t)):
+                check(o_n, o_t, tol * 2, f"prenorm then {name} output {i}, T={T}")
+        check(res_n, res_t, 1e-6, f"the residual stream after prenorm, T={T}")

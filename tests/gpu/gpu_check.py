@@ -313,6 +313,12 @@ def bench(logdir: Path) -> int:
         row("MLP decode: glu + down", f"{I}x{D} x3", B, mlp_bytes, lambda: ops.mlp(x, gate_up, down, act))
         row("MLP 3 launches (fp16 h)", f"{I}x{D} x3", B, mlp_bytes,
             lambda: ops.silu_mul_linear(*ops.linear_parts(x, gate_up, [I, I], torch.float32), down, act))
+        # The same with the layer's residual add + RMSNorm in the glu GEMV's prologue (NativeOps.prenorm): what
+        # a decode layer runs; against the row above it shows the prologue's price.
+        xf, res = torch.randn(B, D, device="cuda"), torch.randn(B, D, device="cuda")          # (B, D) fp32
+        norm_w = torch.rand(D, device="cuda")
+        row("MLP decode, norm prologue", f"{I}x{D} x3", B, mlp_bytes,
+            lambda: ops.mlp(ops.prenorm(xf, res, norm_w, 1e-6, act)[0], gate_up, down, act))
     del gate_up, down
     head = pocketllm.Linear(weight=torch.randn(248320, 5120, device="cuda").to(torch.bfloat16))
     for B in (1, 8):
