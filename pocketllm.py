@@ -6413,7 +6413,9 @@ class _Grammar:
             if isinstance(node, (_Union, _Ref)):
                 parts = [self._entry(o) for o in (node.options if isinstance(node, _Union) else [node.target])]
             else:
-                parts = [None] if node.nullable else [self._frame_firsts(node, d) for d in node.starts()]
+                starts = node.starts()             # a node that may be empty lets its parent's bytes through
+                empty = node.nullable or any(node.can_end(d) for d in starts)
+                parts = [None] if empty else [self._frame_firsts(node, d) for d in starts]
             found = self._entries[node] = None if None in parts else frozenset().union(*parts)
         return found
 
