@@ -5778,7 +5778,6 @@ class _Regex:
 _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
-_CONTINUATIONS = [bytes((b,)) for b in range(0x80, 0xC0)]
 
 
 class _Str(_Node):
