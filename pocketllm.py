@@ -5898,7 +5898,6 @@ class _Regex:
 _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
-_CONTINUATIONS = [bytes((b,)) for b in range(0x80, 0xC0)]
 
 
 class _Str(_Node):
@@ -6533,7 +6532,9 @@ class _Grammar:
             if isinstance(node, (_Union, _Ref)):
                 parts = [self._entry(o) for o in (node.options if isinstance(node, _Union) else [node.target])]
             else:
-                parts = [None] if node.nullable else [self._frame_firsts(node, d) for d in node.starts()]
+                starts = node.starts()             # a node that may be empty lets its parent's bytes through
+                empty = node.nullable or any(node.can_end(d) for d in starts)
+                parts = [None] if empty else [self._frame_firsts(node, d) for d in starts]
             found = self._entries[node] = None if None in parts else frozenset().union(*parts)
         return found
 

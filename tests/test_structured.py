@@ -135,6 +135,46 @@ def test_masks_equal_the_token_by_token_reference(tiny_tokenizer, schema, refs, 
     assert_masks_match_reference(decoder, seed)
 
 
+class JsonishTokenizer:
+    """Single bytes plus the multi-byte tokens where a string's exits live (clean text then '"' or '\\' and
+    what follows, of every length), so that counted strings' exits by suffix are exercised; greedy longest-match
+    encode (any tokenization serves the budget's estimate)."""
+
+    PIECES = [b'"', b'",', b'"}', b'"],', b'":"', b'a"', b'ab"', b'abc",', b'abcd"}', b'abcde"', b'ab\\n', b'a\\"',
+              b'\\"', b'\\u00e9', b'xy"]', b'\xc3\xa9"', b'\xc3\xa9t\xc3\xa9', b'  "', b'"a', b'","', b'12', b'true',
+              b'{"', b'["', b'abcdefgh']
+
+    def __init__(self):
+        self.vocab = [bytes((b,)) for b in range(0x20, 0x7F)] + [b"\n", b"\xc3", b"\xa9"] + self.PIECES + [b""]
+        self.vocab_size, self.eos_token, self.special_ids = len(self.vocab), "<eos>", set()
+
+    def token_bytes(self, i):
+        return self.vocab[i]
+
+    def token_to_id(self, text):
+        return self.vocab_size - 1 if text == "<eos>" else None
+
+    def encode(self, text):
+        data, out = text.encode(), []
+        while data:
+            best = max((t for t in self.vocab if t and data.startswith(t)), key=len, default=data[:1])
+            out.append(best)
+            data = data[len(best):]
+        return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_counted_string_masks_equal_the_token_by_token_reference(seed):
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 4},
+                                               "t": {"type": "string", "minLength": 3},
+                                               "u": {"type": "array", "items": {"type": "string", "maxLength": 1}},
+                                               "v": {"type": "string"}},
+              "required": ["s", "t", "u", "v"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    decoder = P.structured_decoder(JsonishTokenizer(), response_format=fmt, max_tokens=4096)
+    assert_masks_match_reference(decoder, seed, steps=64)
+
+
 @pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
 @pytest.mark.parametrize("choice", ["required", "auto"])
 def test_call_masks_equal_the_token_by_token_reference(tiny_tokenizer, fmt, choice):
