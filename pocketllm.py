@@ -2277,9 +2277,10 @@ def state_slot_bytes(cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> i
 
 def snapshot_slots(opts: EngineOptions, cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> int:
     """How many state snapshots the prefix cache keeps: --prefix-cache-memory MiB of them on each rank (the
-    same count on every rank: each holds its 1/N of every snapshot), by default (-1) one per state slot, so
-    as many conversations as run at once keep their next turn's resume point; none without the prefix cache or
-    without linear-attention layers."""
+    same count on every rank: each holds its 1/N of every snapshot), by default (-1) one per state slot; none
+    without the prefix cache or without linear-attention layers. A chat turn keeps two (the end of its last
+    message and of its generation), so S snapshots keep about S / 2 interleaved conversations resumable
+    (docs/serving.md)."""
     per = state_slot_bytes(cfg, layers, kv_dtype)
     if not opts.prefix_cache or not per:
         return 0
