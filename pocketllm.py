@@ -3903,7 +3903,7 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0,
                          "target_forwards": 0}   # target_forwards: steps in which a sequence emitted tokens
         self.windowed: set[Sequence] = set()     # the sequences verifying drafts this step, until the rollback
-        self.finishing: list[tuple[Sequence, str]] = []   # those of them that finished: released after it
+        self.finishing: list[tuple] = []          # those of them that finished: _end args, run after it
 
     # Thread-safe entry points: they only post to the inbox, which step() drains.
 
@@ -3959,8 +3959,8 @@ class Engine:
         """After the rollback: the sequences that finished inside the window take their end-of-generation
         snapshot from the rolled-back state (the state after their kept tokens) and free what they hold."""
         finishing, self.finishing, self.windowed = self.finishing, [], set()
-        for seq, reason in finishing:
-            self._release(seq, reason)
+        for ending in finishing:
+            self._end(*ending)
 
     def _draft(self, plan: list[Scheduled], kept: list[int]) -> None:
         """The MTP layer over every kept position of the step (its KV, and the first draft), then K - 1 chained
@@ -4163,9 +4163,13 @@ class Engine:
             return
         seq.finished = True
         if seq in self.windowed:             # its GDN state holds the window's drafts until the rollback
-            self.finishing.append((seq, reason))
+            self.finishing.append((seq, reason, stop, error, fatal))
         else:
-            self._release(seq, reason)
+            self._end(seq, reason, stop, error, fatal)
+
+    def _end(self, seq: Sequence, reason: str, stop: int | None, error: str | None, fatal: bool):
+        """Free what a finished sequence holds, then tell its request: whoever sees the end sees it freed."""
+        self._release(seq, reason)
         req = seq.request
         req.finished_choices.add(seq.index)
         req.events.put(EngineEvent(seq.index, [], None, reason, stop, error, fatal))
@@ -4197,8 +4201,8 @@ class Engine:
     def fail_all(self, reason: str):
         """The engine cannot go on: every request, those still in the inbox included, ends with `reason`.
         Called once the engine thread has stopped stepping."""
-        for seq, _ in self.finishing:        # a step that failed inside a window: no snapshot of that state
-            self.scheduler.release(seq)
+        for seq, *_ in self.finishing:       # a step that failed inside a window: no snapshot of that state
+            seq.finished = False             # so the loop below ends it with the failure and frees it
         self.finishing, self.windowed = [], set()
         self._drain_inbox()
         for req in list(self.requests.values()):
