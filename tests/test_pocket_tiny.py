@@ -7,6 +7,8 @@ right function and argument values and types, 18/20 answers that state the resul
 8/10 plain answers without a call; streaming must give the same calls and content as non-streaming. The 20 call
 requests are also sent with tool_choice "none" (the call token banned): 18/20 must come back as text free of call
 markup, which is what verify_openai.py asks of a model too.
+Copying (issue 19): 20 requests naming real cities the corpus never has, 20 naming invented places, and 20 offering
+tool definitions whose names and parameter names the corpus never has: 18/20 right calls in each group.
 Also: pocketllm's greedy tokens equal transformers' on the dequantised FP8 weights, and `python pocketllm.py`
 with no arguments serves pocket-tiny.
 """
@@ -25,7 +27,7 @@ import pytest
 import torch
 
 import pocketllm
-from fixtures.train_pocket_tiny import CALL_MARKUP, TOOLS, eval_cases, load_export, render
+from fixtures.train_pocket_tiny import CALL_MARKUP, COPY_GROUPS, TOOLS, copy_cases, eval_cases, load_export, render
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = ROOT / "models" / "pocket-tiny"
@@ -57,9 +59,9 @@ def openai_messages(messages):
     return out
 
 
-def ask(client, messages, stream, tool_choice="auto"):
+def ask(client, messages, stream, tool_choice="auto", tools=TOOLS):
     """One chat completion -> (content, [(name, arguments dict)]); a stream is accumulated by call index."""
-    kwargs = dict(model="pocket-tiny", messages=openai_messages(messages), tools=TOOLS, temperature=0, max_tokens=120,
+    kwargs = dict(model="pocket-tiny", messages=openai_messages(messages), tools=tools, temperature=0, max_tokens=120,
                   tool_choice=tool_choice)
     if not stream:
         message = client.chat.completions.create(**kwargs).choices[0].message
@@ -103,10 +105,39 @@ def scored(results, kind, right):
                         if not right(case, content, calls)]
 
 
+def right_call(case, content, calls):
+    return calls == [(case["name"], case["arguments"])] and typed_equal(calls[0][1], case["arguments"])
+
+
 def test_held_out_calls_have_the_right_function_and_arguments(results):
-    n, wrong = scored(results, "call", lambda case, content, calls: calls == [(case["name"], case["arguments"])]
-                      and typed_equal(calls[0][1], case["arguments"]))
+    n, wrong = scored(results, "call", right_call)
     assert n - len(wrong) >= 18, f"{n - len(wrong)}/{n} correct calls; wrong: {wrong}"
+
+
+@pytest.fixture(scope="module")
+def copy_results(client):
+    """Issue 19's copying groups, non-streaming, each case with its own tools: [(group, case, (content, calls))]."""
+    cases = [(group, case) for group, group_cases in copy_cases().items() for case in group_cases]
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(lambda job: ask(client, job[1]["messages"], False, tools=job[1]["tools"]), cases))
+    return [(group, case, output) for (group, case), output in zip(cases, outputs)]
+
+
+# The shipped checkpoint predates the copying corpus (0/20 in each group over HTTP, docs/pocket-tiny.md): strict, so
+# the retrained model that passes turns this into a failure until the mark is removed.
+COPYING_NOT_YET_TRAINED = pytest.mark.xfail(strict=True, reason="models/pocket-tiny is not yet retrained on the "
+                                            "copying corpus of tests/fixtures/train_pocket_tiny.py (issue 19, item 8)")
+
+
+@COPYING_NOT_YET_TRAINED
+@pytest.mark.parametrize("group", COPY_GROUPS)
+def test_calls_copy_what_the_user_typed(copy_results, group):
+    """A city the corpus never names, an invented place, a tool whose name and parameter names the corpus never
+    has: the call copies the offered function and parameter names and the asked values (18/20 per group)."""
+    cases = [(case, content, calls) for g, case, (content, calls) in copy_results if g == group]
+    wrong = [(case["messages"][-1]["content"], case["name"], content, calls) for case, content, calls in cases
+             if not right_call(case, content, calls)]
+    assert len(cases) == 20 and len(cases) - len(wrong) >= 18, f"{20 - len(wrong)}/20 right; wrong: {wrong}"
 
 
 def test_answers_from_a_tool_result_state_its_key_fact(results):
