@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 import checkpoints  # noqa: E402
 import pocketllm  # noqa: E402
-from structured import qwen35_tokenizer  # noqa: E402
+from structured import QWEN35_TOKENIZER as TOKENIZER, qwen35_tokenizer  # noqa: E402
 
 SHAPE_0_8B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
@@ -64,7 +64,6 @@ SHAPE_TOKENS = dict(SHAPE_0_8B, hidden_size=64, intermediate_size=128, num_atten
                     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
                     linear_value_head_dim=16)
 TEMPLATE = Path(__file__).resolve().parent / "qwen3_5_chat_template.jinja"
-TOKENIZER = Path(tempfile.gettempdir()) / "pocketllm-bench-qwen3.5-tokenizer"   # where qwen35_tokenizer() keeps it
 
 WORDS = ("the river flows past an old mill where the workers keep ledgers of grain, weather and prices; each "
          "entry names a city, a date and a figure in degrees or tonnes ").split()

