@@ -2,6 +2,7 @@
 1.3x the checkpoint's bytes plus the caches (measured in a fresh process, above its baseline after imports)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,8 +97,12 @@ print(json.dumps({"base": base, "peak": max(peak), "cache": cache, "tokens": out
 
 def peak_rss_probe(path: Path) -> tuple[int, int]:
     """(peak RSS above the baseline while generating, the caches' bytes) from a fresh process."""
+    # glibc raises its mmap threshold each time a large block is freed and then serves blocks up to 32 MB from
+    # heaps it trims only sometimes: with the default, anonymous memory peaked 50-75 MB higher in about one run
+    # in three (timing between the engine's threads decides). A fixed threshold makes the peak the program's own.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     r = subprocess.run([sys.executable, "-c", PROBE, str(path), str(ROOT)], capture_output=True, text=True,
-                       timeout=600)
+                       timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["tokens"] == 4
@@ -107,11 +112,5 @@ def peak_rss_probe(path: Path) -> tuple[int, int]:
 def test_peak_rss_while_generating(tmp_path):
     ckpt_bytes = write_big_fp8(tmp_path / "big")
     assert ckpt_bytes >= 200e6
-    # Up to three fresh processes, the bound on the lowest: since the 2026-12-03 merges about one run in three
-    # peaks 30-75 MB higher than the usual 252 MB (a transient whose cause is not yet found). A copy of the
-    # weights (a full bf16 one is 2x the checkpoint) is there in every run, so it still fails.
-    runs = []
-    while len(runs) < 3 and (not runs or runs[-1] > 1.3 * ckpt_bytes + cache):
-        used, cache = peak_rss_probe(tmp_path / "big")
-        runs.append(used)
-    assert min(runs) <= 1.3 * ckpt_bytes + cache, ([u / 1e6 for u in runs], ckpt_bytes / 1e6, cache / 1e6)
+    used, cache = peak_rss_probe(tmp_path / "big")
+    assert used <= 1.3 * ckpt_bytes + cache, (used / 1e6, ckpt_bytes / 1e6, cache / 1e6)
