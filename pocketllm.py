@@ -5476,8 +5476,7 @@ class ChatOutputParser:
 # -----------------------------------------------------------------------------------------------
 
 _THINK_FORCED_CLOSE = "\n</think>"
-_WS = frozenset(b" \n\t")
-_MAX_WS = 16             # whitespace bytes in a row between JSON tokens (a model that only spaces ends)
+_WS = frozenset(b" \n\t")            # whitespace between JSON tokens: any run of it loops on its state
 _MAX_STACK = 32          # frames; deeper (recursive schemas) only the shortest value is written
 _MAX_NUMBER = 24         # bytes in a JSON number; exponents have at most 2 digits (1e999 is infinity)
 _MAX_NODES = 20000       # compiled nodes per request: a bigger schema is a 400
@@ -5959,8 +5958,8 @@ class _Str(_Node):
         if phase == 0:
             return [((1, count, sub), None)] if b == _QUOTE else []
         if phase == 1:
-            if b == _QUOTE:
-                return [((7, count, sub), None)] if self._may_end(count, sub) else []
+            if b == _QUOTE:                         # closed: what was counted no longer matters (one state)
+                return [((7, 0, None), None)] if self._may_end(count, sub) else []
             if b == _BACKSLASH:                     # no escapes under a pattern or in a key that may be declared
                 room = self.hi is None or count < self.hi
                 return [((2, count, sub), None)] if self.regex is None and not self.exclude and room else []
@@ -6110,8 +6109,9 @@ def _required_from(members, i):
 
 class _Obj(_Node):
     """A JSON object: declared members [(key, value node, required)] in schema order (optional ones may be
-    skipped), then other keys if `extra` (a value node) allows them. Whitespace between tokens.
-    data (phase, i, ws, j): i the next declared member, j the member whose value is being written (-1: extra).
+    skipped), then other keys if `extra` (a value node) allows them. Whitespace between tokens (it leaves the
+    data as it is: a run of it is one state). data (phase, i, j): i the next declared member, j the member whose
+    value is being written (-1: extra).
     Phases: 0 '{', 1 after '{', 2 key, 3 ':', 4 before value, 5 value, 6 after value, 7 after ',', 8 closed."""
 
     nests = True
@@ -6123,7 +6123,7 @@ class _Obj(_Node):
         self._tails: dict[tuple, bytes | None] = {}
 
     def starts(self):
-        return [(0, 0, 0, -1)]
+        return [(0, 0, -1)]
 
     def keys_at(self, i) -> _Node:
         node = self._keys.get(i)
@@ -6138,35 +6138,32 @@ class _Obj(_Node):
         return node
 
     def step(self, data, b):
-        phase, i, ws, j = data
+        phase, i, j = data
         if b in _WS and phase in (1, 3, 4, 6, 7):
-            return [((phase, i, ws + 1, j), None)] if ws < _MAX_WS else []
+            return [(data, None)]
         if phase == 0:
-            return [((1, i, 0, j), None)] if b == 0x7B else []
+            return [((1, i, j), None)] if b == 0x7B else []
         if phase in (1, 7):
             if b == _QUOTE and self.keys_at(i).options:
-                return [((2, i, 0, j), self.keys_at(i))]
-            return [((8, i, 0, j), None)] if b == 0x7D and phase == 1 and not _required_from(self.members, i) else []
+                return [((2, i, j), self.keys_at(i))]
+            return [((8, i, j), None)] if b == 0x7D and phase == 1 and not _required_from(self.members, i) else []
         if phase == 3:
-            return [((4, i, 0, j), None)] if b == 0x3A else []
+            return [((4, i, j), None)] if b == 0x3A else []
         if phase == 4:
-            return [((5, i, 0, j), self.members[j][1] if j >= 0 else self.extra)]
+            return [((5, i, j), self.members[j][1] if j >= 0 else self.extra)]
         if phase == 6:
             if b == 0x2C and (i < len(self.members) or self.extra is not None):
-                return [((7, i, 0, j), None)]
-            return [((8, i, 0, j), None)] if b == 0x7D and not _required_from(self.members, i) else []
+                return [((7, i, j), None)]
+            return [((8, i, j), None)] if b == 0x7D and not _required_from(self.members, i) else []
         return []
 
     def can_end(self, data):
         return data[0] == 8
 
-    def first_key(self, data):
-        return data[0], data[1], data[2] >= _MAX_WS, data[3]
-
     def takes(self, data, entry):
         """As step() takes them, phase by phase."""
-        phase, i, ws, j = data
-        found = set(_WS) if phase in (1, 3, 4, 6, 7) and ws < _MAX_WS else set()
+        phase, i, j = data
+        found = set(_WS) if phase in (1, 3, 4, 6, 7) else set()
         if phase == 0:
             found.add(0x7B)
         elif phase in (1, 7):
@@ -6189,12 +6186,12 @@ class _Obj(_Node):
         return frozenset(found)
 
     def child_done(self, data, child):
-        phase, i, ws, j = data
+        phase, i, j = data
         if phase == 2:
             texts = self._choices.get(id(child[0]))
             j = texts[child[1]] if texts is not None else -1
-            return (3, j + 1 if j >= 0 else i, 0, j)
-        return (6, i, 0, j)
+            return (3, j + 1 if j >= 0 else i, j)
+        return (6, i, j)
 
     def _member_text(self, j) -> bytes | None:
         key, value, _ = self.members[j] if j >= 0 else ("", self.extra, False)
@@ -6220,7 +6217,7 @@ class _Obj(_Node):
         return None if None in texts else b",".join(texts)
 
     def rest(self, data):
-        phase, i, ws, j = data
+        phase, i, j = data
         if phase == 8:
             return b""
         if phase in (0, 1, 7):
@@ -6228,7 +6225,7 @@ class _Obj(_Node):
             return None if tail is None else (b"{" if phase == 0 else b"") + tail + b"}"
         if phase in (3, 4):
             value = (self.members[j][1] if j >= 0 else self.extra).shortest()
-            after = self.rest((6, i, 0, j))
+            after = self.rest((6, i, j))
             return None if value is None or after is None else (b":" if phase == 3 else b"") + value + after
         tail = self._tail(i, False)
         return None if tail is None else (b"," + tail if tail else b"") + b"}"
@@ -6236,7 +6233,8 @@ class _Obj(_Node):
 
 class _Arr(_Node):
     """A JSON array: prefixItems, then `items` (None: none past the prefix), between lo and hi items.
-    data (phase, n, ws): phases 0 '[', 1 after '[', 2 item, 3 after item, 4 after ',', 5 closed."""
+    data (phase, n): phases 0 '[', 1 after '[', 2 item, 3 after item, 4 after ',', 5 closed; whitespace
+    between tokens leaves the data as it is."""
 
     nests = True
 
@@ -6246,35 +6244,32 @@ class _Arr(_Node):
         self.cap = max(lo, len(prefix))       # counts above this are all alike when there is no maximum
 
     def starts(self):
-        return [(0, 0, 0)]
+        return [(0, 0)]
 
     def item(self, n) -> _Node:
         return self.prefix[n] if n < len(self.prefix) else self.items
 
     def step(self, data, b):
-        phase, n, ws = data
+        phase, n = data
         if b in _WS and phase in (1, 3, 4):
-            return [((phase, n, ws + 1), None)] if ws < _MAX_WS else []
+            return [(data, None)]
         if phase == 0:
-            return [((1, n, 0), None)] if b == 0x5B else []
+            return [((1, n), None)] if b == 0x5B else []
         if b == 0x5D and (phase == 1 or phase == 3) and n >= self.lo:
-            return [((5, n, 0), None)]
+            return [((5, n), None)]
         if phase in (1, 4) and (self.hi is None or n < self.hi):
-            return [((2, n, 0), self.item(n))]
+            return [((2, n), self.item(n))]
         if phase == 3 and b == 0x2C and (self.hi is None or n < self.hi):
-            return [((4, n, 0), None)]
+            return [((4, n), None)]
         return []
 
     def can_end(self, data):
         return data[0] == 5
 
-    def first_key(self, data):
-        return data[0], data[1], data[2] >= _MAX_WS
-
     def takes(self, data, entry):
         """As step() takes them, phase by phase."""
-        phase, n, ws = data
-        found = set(_WS) if phase in (1, 3, 4) and ws < _MAX_WS else set()
+        phase, n = data
+        found = set(_WS) if phase in (1, 3, 4) else set()
         room = self.hi is None or n < self.hi
         if phase == 0:
             found.add(0x5B)
@@ -6291,14 +6286,14 @@ class _Arr(_Node):
 
     def child_done(self, data, child):
         n = data[1] + 1
-        return (3, n if self.hi is not None else min(n, self.cap), 0)
+        return (3, n if self.hi is not None else min(n, self.cap))
 
     def _items(self, n, count) -> bytes | None:
         texts = [self.item(k).shortest() for k in range(n, n + count)]
         return None if None in texts else b",".join(texts)
 
     def rest(self, data):
-        phase, n, ws = data
+        phase, n = data
         if phase == 5:
             return b""
         if phase in (0, 1):
@@ -6502,6 +6497,10 @@ class _Grammar:
             found = self._next[key] = frozenset(out) if out else None
         return found
 
+    def loops_on_whitespace(self, state) -> bool:
+        """Every JSON whitespace byte leaves the state as it is (between the tokens of an object or array)."""
+        return all(self.step(state, b) == state for b in _WS)
+
     def viable(self, state) -> frozenset:
         """The bytes that may follow `state` (step(state, b) is not None for exactly these): per stack, its top
         frame's own first bytes (context-free, kept per frame), and its parent's when the frame may end."""
@@ -6679,6 +6678,7 @@ class _TokenFacts:
         self.sorted = [self.blobs[i] for i in self.order]                                         # (N,) bytes
         self._levels: dict[tuple[int, int], dict] = {}
         self.level(0, 0, len(self.sorted))
+        self.ws_only, self.ws_runs = self._whitespace()
         self._dirty = {}
         for dirty in (_JSON_DIRTY, _JSON_DIRTY | {_LT}):                   # the sets every JSON schema uses
             self.dirty(dirty).groups(self)
@@ -6686,6 +6686,26 @@ class _TokenFacts:
         self._costs: dict[bytes, int] = {}
         self._ids: dict[str, list[int]] = {}
         self._grammars: dict = {}
+
+    def _whitespace(self) -> tuple[list[int], dict[int, list[tuple[int, int, int]]]]:
+        """(the tokens that are only JSON whitespace, per byte c the trie nodes whitespace+ c: (depth, lo, hi)).
+        Between JSON tokens a run of whitespace loops on its state, so there these tokens are allowed as a
+        whole and the others are walked from their first other byte, not along every run of whitespace."""
+        ws_only, runs, last = [], {}, None
+        for k, blob in enumerate(self.sorted):
+            m = len(blob) - len(blob.lstrip(b" \n\t"))
+            if not m:
+                continue
+            if m == len(blob):
+                ws_only.append(self.order[k])
+                continue
+            prefix = blob[:m + 1]
+            if prefix != last:
+                runs.setdefault(blob[m], []).append([m + 1, k, k + 1])
+                last = prefix
+            else:
+                runs[blob[m]][-1][2] = k + 1
+        return ws_only, {c: [tuple(r) for r in found] for c, found in runs.items()}
 
     def cost(self, text: bytes) -> int:
         """Tokens `text` takes in the tokenizer's own (canonical) tokenization."""
@@ -6759,6 +6779,13 @@ class _TokenFacts:
                     (node.calls is None or data[1] < node.calls):
                 return self._walk_free(grammar, state, node.firsts, depth, lo, hi, chunks, singles)
         level, viable = self.level(depth, lo, hi), grammar.viable(state)
+        if depth == 0 and grammar.loops_on_whitespace(state):
+            chunks.append(self.ws_only)                          # each leaves the state as it is
+            viable = viable - _WS
+            for b in viable:
+                nxt = grammar.step(state, b)
+                for run_depth, run_lo, run_hi in self.ws_runs.get(b, ()):
+                    self._walk(grammar, nxt, run_depth, run_lo, run_hi, chunks, singles)
         for b in viable if len(viable) < len(level) else level:
             span = level.get(b) if b in viable else None
             nxt = grammar.step(state, b) if span is not None else None
