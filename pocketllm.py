@@ -55,6 +55,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
+import fractions
 import hashlib
 import hmac
 import http.server
@@ -6093,6 +6094,100 @@ class _Num(_Node):
         return self._REST.get(data[0], b"")
 
 
+_DECIMAL = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?")
+_DECIMAL_START = re.compile(rb"-?((0|[1-9][0-9]*)(\.[0-9]*)?)?")      # every prefix of a _DECIMAL
+
+
+def _decimal_text(neg: bool, whole: int, places: int) -> bytes:
+    """The number whole / 10**places written with `places` decimals, e.g. (False, 305, 2) -> b"3.05"."""
+    digits = str(whole).rjust(places + 1, "0")
+    return (b"-" if neg else b"") + (digits if not places else digits[:-places] + "." + digits[-places:]).encode()
+
+
+class _Decimal(_Node):
+    """A JSON number in [lo, hi] (inclusive fractions, None: open), written without an exponent in at most
+    _MAX_NUMBER bytes. data (text, length): a byte is taken only when some number in range still starts
+    with the text (so no dead end and no out-of-range value); the search is exact, in integers: with k more
+    integer digits and m decimals, the numbers a prefix leads to are J / 10**m for J in one integer range."""
+
+    def __init__(self, lo: fractions.Fraction | None, hi: fractions.Fraction | None):
+        self.lo, self.hi = lo, hi
+        self._picks: dict[bytes, bytes | None] = {}
+
+    def starts(self):
+        return [(b"", 0)]
+
+    def step(self, data, b):
+        text = data[0] + bytes((b,))
+        if len(text) > _MAX_NUMBER or not _DECIMAL_START.fullmatch(text) or self._pick(text) is None:
+            return []
+        return [((text, len(text)), None)]
+
+    def can_end(self, data):
+        text = data[0]
+        return bool(_DECIMAL.fullmatch(text)) and self._inside(fractions.Fraction(text.decode()))
+
+    def rest(self, data):
+        return self._pick(data[0])[len(data[0]):]
+
+    def _inside(self, value) -> bool:
+        return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+
+    def _fit(self, low: int, high: int, m: int, neg: bool) -> int | None:
+        """The J in [low, high] nearest zero with J / 10**m (negated if neg) in range, or None."""
+        a, b = (self.hi, self.lo) if neg else (self.lo, self.hi)
+        a = None if a is None else -a if neg else a           # magnitudes: J / 10**m in [a, b]
+        b = None if b is None else -b if neg else b
+        scale = 10 ** m
+        if a is not None and a > 0:
+            low = max(low, math.ceil(a * scale))
+        if b is not None:
+            high = min(high, math.floor(b * scale))
+        return low if low <= high else None
+
+    def _pick(self, text: bytes) -> bytes | None:
+        """The shortest number in range that starts with text (None: none)."""
+        found = self._picks.get(text, ...)
+        if found is ...:
+            found = None
+            if text in (b"", b"-"):
+                picks = [self._pick(text + bytes((d,))) for d in b"0123456789"] + \
+                    ([self._pick(b"-")] if not text else [])
+                picks = [p for p in picks if p is not None]
+                found = min(picks, key=lambda p: (len(p), p)) if picks else None
+            else:
+                for extra, low, high, m, neg in self._shapes(text):
+                    j = self._fit(low, high, m, neg)
+                    if j is not None:
+                        found = _decimal_text(neg, j, m)
+                        break
+            self._picks[text] = found
+        return found
+
+    def _shapes(self, text: bytes):
+        """(bytes added, low J, high J, decimals m, negative) of the numbers that start with text, fewest bytes
+        added first: J / 10**m for J in [low, high]. text holds at least one digit."""
+        neg = text.startswith(b"-")
+        whole, dot, places = text.lstrip(b"-").partition(b".")
+        room = _MAX_NUMBER - len(text)
+        if dot:                                # only more decimals
+            digits, have = int(whole + places), len(places)
+            for e in range(0 if have else 1, room + 1):
+                yield e, digits * 10 ** e, (digits + 1) * 10 ** e - 1, have + e, neg
+            return
+        head = int(whole)
+        for extra in range(room + 1):          # k more integer digits, then (m > 0) a dot and m decimals
+            if extra == 0:
+                yield 0, head, head, 0, neg
+                continue
+            if head:
+                yield extra, head * 10 ** extra, (head + 1) * 10 ** extra - 1, 0, neg
+            for m in range(1, extra):
+                k = extra - 1 - m
+                if not (head == 0 and k):      # after a leading 0 only decimals
+                    yield extra, head * 10 ** (k + m), (head + 1) * 10 ** (k + m) - 1, m, neg
+
+
 def _next_members(members, i):
     """Indexes of the members that may come next from position i: in order, no required one skipped."""
     found = []
@@ -6480,6 +6575,7 @@ class _Grammar:
         self._masks: dict = {}
         self._completions: dict = {}
         self._viable: dict = {}
+        self._loops: dict = {}
         self._firsts: dict = {}
         self._entries: dict = {}
 
@@ -6497,9 +6593,16 @@ class _Grammar:
             found = self._next[key] = frozenset(out) if out else None
         return found
 
-    def loops_on_whitespace(self, state) -> bool:
-        """Every JSON whitespace byte leaves the state as it is (between the tokens of an object or array)."""
-        return all(self.step(state, b) == state for b in _WS)
+    def whitespace_loop(self, state):
+        """The state every JSON whitespace byte takes `state` to, if it is one that whitespace leaves as it is
+        (between the tokens of an object or array; a number or a closed string first ends there); else None."""
+        found = self._loops.get(state, ...)
+        if found is ...:
+            after = {self.step(state, b) for b in _WS}
+            loop = after.pop() if len(after) == 1 else None
+            found = self._loops[state] = loop if loop is not None and all(
+                self.step(loop, b) == loop for b in _WS) else None
+        return found
 
     def viable(self, state) -> frozenset:
         """The bytes that may follow `state` (step(state, b) is not None for exactly these): per stack, its top
@@ -6668,6 +6771,7 @@ class _TokenFacts:
         self.tokenizer, self.eos_ids = tokenizer, sorted(set(eos_ids))
         V = self.vocab = tokenizer.vocab_size
         blobs = [tokenizer.token_bytes(i) for i in range(V)]
+        self.raw_blobs = blobs                                                              # (V,)
         control = {i for i in getattr(tokenizer, "special_ids", ()) if blobs[i].startswith(b"<|")}
         self.blobs = [b"" if i in control or i in self.eos_ids else blob for i, blob in enumerate(blobs)]
         self.by_bytes = {}
@@ -6679,10 +6783,12 @@ class _TokenFacts:
         self._levels: dict[tuple[int, int], dict] = {}
         self.level(0, 0, len(self.sorted))
         self.ws_only, self.ws_runs = self._whitespace()
+        self.whitespace_ids = [i for i, blob in enumerate(self.blobs) if blob and not blob.strip(b" \n\t\r")]
         self._dirty = {}
         for dirty in (_JSON_DIRTY, _JSON_DIRTY | {_LT}):                   # the sets every JSON schema uses
             self.dirty(dirty).groups(self)
         self.dirty(_NON_ASCII)
+        self.dirty(frozenset({_LT}))           # auto mode's prose: every call opener starts with '<'
         self._costs: dict[bytes, int] = {}
         self._ids: dict[str, list[int]] = {}
         self._grammars: dict = {}
@@ -6731,7 +6837,7 @@ class _TokenFacts:
         found = self._ids.get(text)
         if found is None:
             blob = text.encode()
-            found = self._ids[text] = [i for i in range(self.vocab) if self.tokenizer.token_bytes(i) == blob]
+            found = self._ids[text] = [i for i, b in enumerate(self.raw_blobs) if b == blob]
         return found
 
     def ids_mask(self, ids) -> bytearray:
@@ -6779,11 +6885,15 @@ class _TokenFacts:
                     (node.calls is None or data[1] < node.calls):
                 return self._walk_free(grammar, state, node.firsts, depth, lo, hi, chunks, singles)
         level, viable = self.level(depth, lo, hi), grammar.viable(state)
-        if depth == 0 and grammar.loops_on_whitespace(state):
-            chunks.append(self.ws_only)                          # each leaves the state as it is
+        loop = grammar.whitespace_loop(state) if depth == 0 else None
+        if loop is not None:                  # whitespace then b: walked from b, in the state whitespace loops on
+            if loop == state:
+                chunks.append(self.ws_only)
+            else:
+                singles.extend((i, loop) for i in self.ws_only)
             viable = viable - _WS
-            for b in viable:
-                nxt = grammar.step(state, b)
+            for b in grammar.viable(loop) - _WS:
+                nxt = grammar.step(loop, b)
                 for run_depth, run_lo, run_hi in self.ws_runs.get(b, ()):
                     self._walk(grammar, nxt, run_depth, run_lo, run_hi, chunks, singles)
         for b in viable if len(viable) < len(level) else level:
@@ -6932,6 +7042,18 @@ SCHEMA_KEYWORDS = ("type", "properties", "required", "additionalProperties", "it
                    "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "nullable", "minLength",
                    "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _number_bound(value, exclusive: bool, upper: bool) -> fractions.Fraction:
+    """The inclusive bound, exact, that keeps a written number inside `value` once a client parses it: below
+    2**53 the shortest decimal of the float bound (all numbers up to it round to at most the float), an
+    exclusive bound first moved to the next float inside (so no number rounds onto it)."""
+    if isinstance(value, int) and not exclusive:
+        return fractions.Fraction(value)
+    f = float(value)
+    if exclusive:
+        f = math.nextafter(f, -math.inf if upper else math.inf)
+    return fractions.Fraction(repr(f)) if abs(f) < 2 ** 53 else fractions.Fraction(f)
 
 
 class _SchemaCompiler:
@@ -7086,11 +7208,15 @@ class _SchemaCompiler:
                 lo, hi = 0, None
         return _Str(lo, hi, regex, raw=raw, no_lt=self.in_call)
 
-    def _integer(self, schema, path) -> _Node:
+    def _bounds_checked(self, schema, path) -> None:
         for key in _BOUNDS:
             value = schema.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                self.fail(f"{path}.{key}", "must be a number")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or
+                                      not math.isfinite(value)):
+                self.fail(f"{path}.{key}", "must be a finite number")
+
+    def _integer(self, schema, path) -> _Node:
+        self._bounds_checked(schema, path)
         lows = ([math.ceil(schema["minimum"])] if "minimum" in schema else []) + \
             ([math.floor(schema["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in schema else [])
         highs = ([math.floor(schema["maximum"])] if "maximum" in schema else []) + \
@@ -7101,10 +7227,20 @@ class _SchemaCompiler:
         return _Int(lo, hi)
 
     def _number(self, schema, path) -> _Node:
-        for key in _BOUNDS:
-            if key in schema:
-                self.unsupported(f"{path}.{key}", "is enforced for integers only")
-        return _Num()
+        """Bounds as exact fractions that keep the number in range however a client parses it (as a float or
+        an exact integer); a bounded number is written without an exponent (_Decimal)."""
+        self._bounds_checked(schema, path)
+        lows = [_number_bound(schema[k], k == "exclusiveMinimum", False) for k in ("minimum", "exclusiveMinimum")
+                if schema.get(k) is not None]
+        highs = [_number_bound(schema[k], k == "exclusiveMaximum", True) for k in ("maximum", "exclusiveMaximum")
+                 if schema.get(k) is not None]
+        if not lows and not highs:
+            return _Num()
+        node = _Decimal(max(lows, default=None), min(highs, default=None))
+        if node.shortest() is None:
+            self.fail(f"{path}.minimum" if "minimum" in schema else path, "admits no number: the bounds exclude "
+                      f"every value of at most {_MAX_NUMBER} characters")
+        return node
 
     def _boolean(self, schema, path) -> _Node:
         return _Choice([b"true", b"false"])
@@ -7295,12 +7431,15 @@ class StructuredDecoder:
     sampled, as when another constraint emptied it: no constraint from then on), "end". In the grammar a
     token is allowed when the shortest completion after it still fits in max_tokens, so the answer always
     closes within max_tokens. budget=False (auto mode) keeps that only inside calls: prose and reasoning run to
-    max_tokens as without a grammar (cut: finish_reason length), and a call is opened only when it can close."""
+    max_tokens as without a grammar (cut: finish_reason length), and a call is opened only when it can close.
+    min_tokens (a JSON answer only): while fewer tokens exist, a complete value may also be followed by
+    whitespace-only tokens (JSON text allows trailing whitespace; phase "pad": only those, until min_tokens), so
+    the sampler's ban of the end never empties the mask."""
 
     def __init__(self, facts: _TokenFacts, grammar: _Grammar | None, ban: list[int], think: bool, max_tokens: int,
-                 budget: bool = True):
+                 budget: bool = True, min_tokens: int = 0):
         self.facts, self.grammar, self.ban = facts, grammar, ban
-        self.max_tokens, self.budget = max_tokens, budget
+        self.max_tokens, self.budget, self.min_tokens = max_tokens, budget, min_tokens
         self.think = think and grammar is not None
         self.forced = grammar.start_after(_THINK_FORCED_CLOSE) if self.think else None
         self._cursors: dict = {}
@@ -7325,12 +7464,15 @@ class StructuredDecoder:
         if phase == "think":
             tail = (tail + self.facts.tokenizer.token_bytes(token))[-2 * len(_THINK_CLOSE):]
             return ("grammar", self.grammar.start, b"") if _THINK_CLOSE.encode() in tail else ("think", None, tail)
-        if phase == "grammar":
+        if phase in ("grammar", "pad"):
             if token in self.facts.eos_ids:
                 return ("end", None, b"")
             blob = self.facts.blobs[token] if 0 <= token < self.facts.vocab else b""
-            state = self.grammar.advance(state, blob) if blob else None
-            return ("off", None, b"") if state is None else ("grammar", state, b"")
+            after = self.grammar.advance(state, blob) if blob and phase == "grammar" else None
+            if after is None and used < self.min_tokens and self.grammar.accepts(state) and blob and \
+                    not blob.strip(b" \n\t\r"):
+                return ("pad", state, b"")      # whitespace after the complete value, toward min_tokens
+            return ("off", None, b"") if after is None else ("grammar", after, b"")
         return (phase, state, tail)
 
     def cursor(self, ids):
@@ -7362,6 +7504,8 @@ class StructuredDecoder:
                     found[t] = 0
             return phase, found
         left = self.max_tokens - len(ids)
+        if phase == "pad" or len(ids) < self.min_tokens and self.grammar.accepts(state):
+            return self._padded(state, phase == "pad", len(ids) < self.min_tokens)
         found = self.grammar.mask(state)
         if found.most <= left - 1:
             return state, found.bits
@@ -7373,6 +7517,21 @@ class StructuredDecoder:
             return None, bits
         bits = self.grammar.budget_mask(state, left)
         return None, bits if 1 in bits else self.facts.ids_mask(self._closing(state, left))
+
+    def _padded(self, state, padding: bool, grow: bool):
+        """min_tokens at a complete value: before it, the value's own mask and the whitespace-only tokens; once
+        whitespace follows the value (`padding`), only more of it while the answer must `grow`, then the end."""
+        key = ("pad", None if padding else state, padding, grow)
+        found = self._host.get(key)
+        if found is None:
+            if padding:
+                found = self.facts.ids_mask(self.facts.whitespace_ids if grow else self.facts.eos_ids)
+            else:
+                found = bytearray(self.grammar.mask(state).bits)
+                for t in self.facts.whitespace_ids:
+                    found[t] = 1
+            self._host[key] = found
+        return key, found
 
     def _closing(self, state, left: int) -> list[int]:
         """Near the end of the budget: the tokens that start the shortest completion and keep it in budget."""
@@ -7445,7 +7604,8 @@ def _resolve_tool_choice(tool_choice, names: list[str]):
 
 def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: str = "qwen_xml",
                        parallel_tool_calls: bool = True, response_format=None, in_reasoning: bool = False,
-                       max_tokens: int, eos_token_ids=None, ban_calls: bool = True) -> StructuredDecoder | None:
+                       max_tokens: int, eos_token_ids=None, ban_calls: bool = True,
+                       min_tokens: int = 0) -> StructuredDecoder | None:
     """The constraint of a chat request, a SamplingParams.logits_processors entry (None: nothing to enforce).
 
     - response_format json_object / json_schema: the content is one JSON value of the schema (after the
@@ -7456,6 +7616,9 @@ def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: 
       follow that function's schema; parallel_tool_calls=false ends the answer after the first call. With a
       response_format: a call or the JSON value.
     - "none", or no tools: the call token is banned (unless ban_calls is false: /v1/completions).
+    - min_tokens: a JSON answer may end in whitespace until min_tokens tokens exist (the end is banned until
+      then); with calls that must close (tool_choice required / named, parallel_tool_calls false, or auto with
+      a response_format) it is refused (param min_tokens): the answer has no room to grow after its call.
     The call is written in the format named `tool_parser` (a TOOL_FORMATS key). RequestError naming the schema
     path for a schema it cannot take, and (param max_tokens) when the shortest complete answer cannot fit.
     The processor receives each choice's generated ids (not the prompt), as the engine passes."""
@@ -7474,7 +7637,14 @@ def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: 
     ban = facts.ids_of(fmt.call_open) if fmt.call_open and ban_calls else []
     if grammar is None and not ban:
         return None
-    decoder = StructuredDecoder(facts, grammar, ban, think, max_tokens, budget=must_finish)
+    calls = grammar is not None and choice not in ("none",) and bool(names)
+    if min_tokens > 0 and calls and (choice != "auto" or parallel_tool_calls is False or response is not None):
+        raise RequestError(f"'min_tokens' cannot be combined with tool_choice {json.dumps(choice)}"
+                           + (" and parallel_tool_calls false" if choice == "auto" and response is None else "")
+                           + (" and a response_format" if choice == "auto" and response is not None else "")
+                           + ": the answer ends when its call closes", param="min_tokens")
+    decoder = StructuredDecoder(facts, grammar, ban, think, max_tokens, budget=must_finish,
+                                min_tokens=min_tokens if grammar is not None and not calls else 0)
     if grammar is not None and must_finish and max_tokens < decoder.smallest():
         what = "the call tool_choice requires" if choice not in ("none", "auto") else "the JSON response_format requires"
         raise RequestError(f"max_tokens {max_tokens} is too small for {what} (at least {decoder.smallest()} tokens)",
@@ -8300,7 +8470,8 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
         processor = structured_decoder(llm.tokenizer, tools=tools, tool_choice=tool_choice,
                                        tool_parser=template.tool_parser, parallel_tool_calls=values["parallel_tool_calls"],
                                        response_format=values["response_format"], in_reasoning=in_reasoning,
-                                       max_tokens=params.max_tokens, eos_token_ids=llm.eos_token_ids)
+                                       max_tokens=params.max_tokens, eos_token_ids=llm.eos_token_ids,
+                                       min_tokens=params.min_tokens)
     except RequestError as e:
         raise _as_sent(e, values, max_tokens_field) from None
     if processor is not None:
@@ -8326,7 +8497,7 @@ def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Complet
         try:
             params.logits_processors = [*params.logits_processors, structured_decoder(
                 llm.tokenizer, response_format=values["response_format"], max_tokens=params.max_tokens,
-                eos_token_ids=llm.eos_token_ids, ban_calls=False)]
+                eos_token_ids=llm.eos_token_ids, ban_calls=False, min_tokens=params.min_tokens)]
         except RequestError as e:
             raise _as_sent(e, values, max_tokens_field) from None
     return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "text", values["stream"],
@@ -10671,6 +10842,7 @@ class LLM:
         at temperature 1 with every penalty and logprobs, so a server that says healthy has served. Request
         counters are left as they were. Returns what ran; PocketError when it fails."""
         counters = dict(self.engine.counters)
+        _token_facts(self.tokenizer, self.eos_token_ids)     # structured output's vocabulary tables, not in a request
         prompt = [i % self.config.vocab_size for i in range(1, 17)]
         params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95, presence_penalty=0.5,
                                 frequency_penalty=0.5, repetition_penalty=1.1, ignore_eos=True, seed=0, logprobs=1)
