@@ -7056,6 +7056,22 @@ def _number_bound(value, exclusive: bool, upper: bool) -> fractions.Fraction:
     return fractions.Fraction(repr(f)) if abs(f) < 2 ** 53 else fractions.Fraction(f)
 
 
+def _shapes_disjoint(a, b) -> bool:
+    """No JSON value matches both shapes (_SchemaCompiler._shape): their types or finite values exclude each
+    other, or both require a property whose finite values differ."""
+    (types_a, values_a, keys_a), (types_b, values_b, keys_b) = a, b
+    if values_a is not None and values_b is not None:
+        return not values_a & values_b
+    if types_a is not None and types_b is not None:
+        wide = {"number", "integer"}
+        common = types_a & types_b | (wide if wide & types_a and wide & types_b else set())
+        if not common:
+            return True
+        if common != {"object"}:
+            return False
+    return any(name in keys_b and not keys_a[name] & keys_b[name] for name in keys_a)
+
+
 class _SchemaCompiler:
     """One schema (`root`, named `where` in errors) -> grammar nodes. A mistake is a RequestError naming its
     JSON path (`response_format.json_schema.schema.properties.x.type`); a keyword outside SCHEMA_KEYWORDS is
@@ -7099,9 +7115,11 @@ class _SchemaCompiler:
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 shared = {k: v for k, v in schema.items() if k not in (key, "nullable") and k not in SCHEMA_ANNOTATIONS}
-                options = [self.compile(self._merge(shared, self._deref(part, f"{path}.{key}[{k}]")) if shared else part,
-                                        f"{path}.{key}[{k}]")
-                           for k, part in enumerate(self._schemas(schema[key], f"{path}.{key}"))]
+                parts = [self._merge(shared, self._deref(part, f"{path}.{key}[{k}]")) if shared else part
+                         for k, part in enumerate(self._schemas(schema[key], f"{path}.{key}"))]
+                if key == "oneOf":
+                    self._exclusive(parts, f"{path}.oneOf")
+                options = [self.compile(part, f"{path}.{key}[{k}]") for k, part in enumerate(parts)]
                 return _Union(options + ([_Choice([b"null"])] if schema.get("nullable") is True else []))
         types = self._types(schema, path)
         if "enum" in schema or "const" in schema:
@@ -7110,6 +7128,48 @@ class _SchemaCompiler:
             return self.any
         options = [getattr(self, "_" + kind)(schema, path) for kind in types]
         return options[0] if len(options) == 1 else _Union(options)
+
+    def _exclusive(self, parts, path) -> None:
+        """oneOf is decoded as anyOf, which is exact when no value can match two branches: checked here, pair by
+        pair, by type (integer within number) or by a required property whose const/enum values differ (a
+        discriminated union). Branches that may overlap: under strict a 400, else decoded as anyOf."""
+        shapes = [self._shape(self._deref(part, f"{path}[{k}]")) for k, part in enumerate(parts)]
+        for k, l in itertools.combinations(range(len(parts)), 2):
+            if not _shapes_disjoint(shapes[k], shapes[l]):
+                self.unsupported(path, f"has branches {k} and {l} that one value may match (exclusivity is enforced "
+                                       "where branches differ by type or by a const/enum property)")
+                return
+
+    def _shape(self, schema, depth: int = 0):
+        """(types or None: any, finite values or None, {required property: its finite values}) of a schema."""
+        try:
+            schema = self._deref(schema, self.where) if isinstance(schema, dict) and depth <= 8 else True
+        except RequestError:
+            schema = True                                 # a dangling $ref: compile() names its path
+        if not isinstance(schema, dict):
+            return None, None, {}
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list):
+                inner = [self._shape(part, depth + 1) for part in schema[key]]
+                types = None if any(t is None for t, _, _ in inner) else set().union(*(t for t, _, _ in inner))
+                values = None if any(v is None for _, v, _ in inner) else set().union(*(v for _, v, _ in inner))
+                return types, values, {}
+        values = [schema["const"]] if "const" in schema else schema.get("enum")
+        values = {json.dumps(v, sort_keys=True) for v in values} if isinstance(values, list) else None
+        kind = schema.get("type")
+        types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else None
+        if types is None and values is not None:
+            types = {_json_type_name(json.loads(v)) for v in values}
+        if types is not None and schema.get("nullable") is True:
+            types.add("null")
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        keys = {}
+        for name in required:
+            _, found, _ = self._shape(properties.get(name, True), depth + 1)
+            if found is not None:
+                keys[name] = found
+        return types, values, keys
 
     def _schemas(self, value, path) -> list:
         if not isinstance(value, list) or not value:
