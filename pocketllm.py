@@ -6128,7 +6128,8 @@ class _Decimal(_Node):
         return bool(_DECIMAL.fullmatch(text)) and self._inside(fractions.Fraction(text.decode()))
 
     def rest(self, data):
-        return self._pick(data[0])[len(data[0]):]
+        found = self._pick(data[0])
+        return None if found is None else found[len(data[0]):]
 
     def _inside(self, value) -> bool:
         return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
