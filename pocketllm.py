@@ -49,6 +49,7 @@ import argparse
 import ast
 import atexit
 import bisect
+import codecs
 import collections
 import copy
 import ctypes
@@ -5900,6 +5901,7 @@ class _Regex:
         return None
 
 
+_UTF8_LEADS = {0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)}   # RFC 3629
 _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
@@ -5919,17 +5921,26 @@ class _Str(_Node):
         self.exclude = frozenset(exclude)
         self.exclude_prefixes = {e[:k] for e in self.exclude for k in range(len(e) + 1)}
         self.counted = bool(lo) or hi is not None
-        self.ascii = self.counted or regex is not None   # counted characters are whole: no split UTF-8 to count
+        self.ascii = regex is not None                    # a pattern's text is ASCII
+        self.utf8 = self.counted and regex is None and not self.exclude   # sub: the bytes the character owes
         self.nonblank = nonblank and not self.counted and regex is None
         self.plain = regex is None and not self.exclude and not self.counted and not self.nonblank   # content loops
 
     def starts(self):
-        sub = self.regex.start if self.regex else b"" if self.exclude else None
+        sub = self.regex.start if self.regex else b"" if self.exclude else 0 if self.utf8 else None
         return [(1 if self.raw else 0, 0, sub)]
 
     def _content(self, count, sub, b):
         if b >= 0x80 and self.ascii:
             return []
+        if self.utf8:               # well-formed UTF-8 (RFC 3629), so that the count is of characters
+            if sub:
+                owed, low, high = sub
+                return [(1, count, (owed - 1, 0x80, 0xBF) if owed > 1 else 0)] if low <= b <= high else []
+            if b >= 0x80:
+                if not 0xC2 <= b <= 0xF4:
+                    return []
+                sub = _UTF8_LEADS.get(b) or ((1 if b < 0xE0 else 2 if b < 0xF0 else 3), 0x80, 0xBF)
         if _is_continuation(b):
             return [(1, count, sub)]
         if self.nonblank and b not in b" \n\t\r":
@@ -5948,17 +5959,19 @@ class _Str(_Node):
         return [(1, count, sub)]
 
     def _may_end(self, count, sub) -> bool:
-        return count >= self.lo and (count or not self.nonblank) and (self.regex is None or self.regex.accepts(sub)) and \
+        return count >= self.lo and not (self.utf8 and sub) and (count or not self.nonblank) and (self.regex is None or self.regex.accepts(sub)) and \
             not (self.exclude and sub in self.exclude)
 
     def step(self, data, b):
         phase, count, sub = data
         if self.raw:
-            ok = b != _LT and (b >= 0x20 or b in b"\n\t\r")
+            ok = b != _LT and (b >= 0x20 or b in b"\n\t\r") and not (self.utf8 and sub and b < 0x80)
             return [(d, None) for d in self._content(count, sub, b)] if ok else []
         if phase == 0:
             return [((1, count, sub), None)] if b == _QUOTE else []
         if phase == 1:
+            if self.utf8 and sub:                   # inside a character: only its continuation bytes
+                return [(d, None) for d in self._content(count, sub, b)]
             if b == _QUOTE:                         # closed: what was counted no longer matters (one state)
                 return [((7, 0, None), None)] if self._may_end(count, sub) else []
             if b == _BACKSLASH:                     # no escapes under a pattern or in a key that may be declared
@@ -5982,7 +5995,8 @@ class _Str(_Node):
         if self.regex is not None:
             allowed = _JSON_CLEAN if not self.raw else frozenset(range(0x20, 0x80)) - {_LT}
             return self.regex.shortest(sub, [b for b in allowed if b < 0x80]) or b""
-        text = b"a" * max(0, self.lo - count, int(self.nonblank) - count)
+        text = bytes((sub[1],)) + b"\x80" * (sub[0] - 1) if self.utf8 and sub else b""   # the character's end
+        text += b"a" * max(0, self.lo - count, int(self.nonblank) - count)
         return text + b"_" if self.exclude and sub is not None and sub + text in self.exclude else text
 
     def rest(self, data):
@@ -6712,6 +6726,27 @@ _FITS = [bytes(int(v <= limit) for v in range(256)) for limit in range(256)]   #
 _LONG = 253                # a clean ASCII token's length code saturates here (longer ones are checked apart)
 
 
+def _utf8_chars(blob: bytes) -> int | None:
+    """The characters of well-formed UTF-8 (None: not whole characters)."""
+    try:
+        return len(blob.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
+
+
+def _utf8_partial(blob: bytes) -> tuple | None:
+    """For bytes that are whole characters and then the start of one: (characters counted with that one, what
+    it still owes as a _Str's sub); None for anything else."""
+    try:
+        head = codecs.getincrementaldecoder("utf-8")().decode(blob, final=False)
+    except UnicodeDecodeError:
+        return None
+    at = max(k for k in range(len(blob)) if not _is_continuation(blob[k]))
+    owed, low, high = _UTF8_LEADS.get(blob[at]) or ((1 if blob[at] < 0xE0 else 2 if blob[at] < 0xF0 else 3), 0x80, 0xBF)
+    have = len(blob) - at - 1
+    return len(head) + 1, (owed, low, high) if not have else (owed - have, 0x80, 0xBF)
+
+
 class _Dirty:
     """One set of `dirty` bytes (a string cannot hold them as they are: JSON '"', '\\\\' and control bytes;
     raw '<'; an opener's first byte in prose) against the vocabulary, per sorted token: the index of its
@@ -6726,18 +6761,23 @@ class _Dirty:
         self.where = [k for k, at in enumerate(self.lasts) if at >= 0]                  # (D,)
         self.where_lasts = [self.lasts[k] for k in self.where]                          # (D,)
         code = bytearray(b"\xff") * facts.vocab                                         # (V,)
-        self.long = []                                                                  # [(id, length)]
+        self.long = []                                                                  # [(id, characters)]
+        self.partial: dict[tuple, tuple[bytes, list[int]]] = {}   # (characters, owed) -> (a token, ids)
         for k, (i, t) in enumerate(zip(facts.order, facts.sorted)):
             if self.lasts[k] < 0:
-                code[i] = 254 if not t.isascii() else min(len(t), _LONG)
-                if len(t) >= _LONG and t.isascii():
-                    self.long.append((i, len(t)))
+                chars = _utf8_chars(t)
+                code[i] = 254 if chars is None else min(chars, _LONG)
+                if chars is not None and chars >= _LONG:
+                    self.long.append((i, chars))
+                elif chars is None and (key := _utf8_partial(t)) is not None:
+                    self.partial.setdefault(key, (t, []))[1].append(i)
         self.code = bytes(code)
         self._groups = None
         self._fits: dict[int, bytes] = {}
 
     def clean(self, spare: int | None) -> bytes:
-        """(V,) 1 for the tokens without a dirty byte (spare: and ASCII, at most `spare` characters)."""
+        """(V,) 1 for the tokens without a dirty byte (spare: and well-formed UTF-8, whole characters, at most
+        `spare` of them)."""
         limit = 254 if spare is None else min(spare, _LONG - 1)
         found = self._fits.get(limit)
         if found is None:
@@ -6757,7 +6797,8 @@ class _Dirty:
                 if at >= 0 and blob[at] in (_QUOTE, _BACKSLASH):
                     ids, lengths = found.setdefault(blob[at:], ([], []))
                     ids.append(facts.order[k])
-                    lengths.append(at if blob[:at].isascii() else -1)
+                    chars = _utf8_chars(blob[:at])
+                    lengths.append(-1 if chars is None else chars)
             self._groups = [(suffix, ids, lengths) for suffix, (ids, lengths) in sorted(found.items())]
         return self._groups
 
@@ -6880,7 +6921,8 @@ class _TokenFacts:
         if len(state) == 1:
             stack = next(iter(state))
             node, data = stack[-1]
-            if isinstance(node, _Str) and node.regex is None and not node.exclude and data[0] == 1:
+            if isinstance(node, _Str) and node.regex is None and not node.exclude and data[0] == 1 and \
+                    not (node.utf8 and data[2]):
                 return self._walk_string(grammar, state, node, data, depth, lo, hi, chunks, singles)
             if isinstance(node, _Prose) and data[2] == -1 and not data[0] and len(stack) == 2 and \
                     (node.calls is None or data[1] < node.calls):
@@ -6919,18 +6961,33 @@ class _TokenFacts:
 
     def _clean_in(self, d: _Dirty, depth, lo, hi, spare) -> list[int]:
         """The ids in sorted[lo:hi] (below the first level: a small range) with no dirty byte from `depth`
-        on (spare: and ASCII from there, at most `spare` bytes)."""
+        on (spare: and whole characters from there, at most `spare`)."""
         lasts, order = d.lasts, self.order
         if spare is None:
             return [order[k] for k in range(lo, hi) if lasts[k] < depth]
-        wide = self.dirty(_NON_ASCII).lasts
         return [order[k] for k in range(lo, hi)
-                if lasts[k] < depth and wide[k] < depth and len(self.sorted[k]) - depth <= spare]
+                if lasts[k] < depth and (_utf8_chars(self.sorted[k][depth:]) or spare + 1) <= spare]
+
+    def _partials(self, grammar, state, d: _Dirty, depth, lo, hi, spare, singles):
+        """The clean tokens that end inside a character, for a counted string (the grammar checks the bytes):
+        over the vocabulary one run per (characters, owed) group, in a small range token by token."""
+        if depth == 0:
+            for (chars, _), (blob, ids) in d.partial.items():
+                after = grammar.advance(state, blob) if chars <= spare else None
+                if after is not None:
+                    singles.extend((i, after) for i in ids)
+            return
+        for k in range(lo, hi):
+            blob = self.sorted[k]
+            if d.lasts[k] < depth and _utf8_chars(blob[depth:]) is None:
+                after = grammar.advance(state, blob[depth:])
+                if after is not None:
+                    singles.append((self.order[k], after))
 
     def _walk_free(self, grammar, state, dirty, depth, lo, hi, chunks, singles, spare=None, json_string=False):
         """Tokens whose bytes from `depth` on hold nothing in `dirty` keep the state alive (spare: also if they
         fit); the others are run through the grammar one by one (json_string: only those whose first dirty
-        byte is '"' or '\\\\' and whose clean bytes before it fit; a JSON string takes no other)."""
+        byte is '"' or '\\\\'; a JSON string takes no other)."""
         d = self.dirty(dirty)
         if depth == 0:
             chunks.append(d.clean(spare))
@@ -6938,12 +6995,13 @@ class _TokenFacts:
                 chunks.append([i for i, n in d.long if n <= spare])
         else:
             chunks.append(self._clean_in(d, depth, lo, hi, spare))
+        if spare is not None:                      # a counted string: also the tokens that end inside a character
+            self._partials(grammar, state, d, depth, lo, hi, spare, singles)
         for at in self.dirty_in(dirty, depth, lo, hi):
             blob = self.sorted[at]
             if json_string:
                 first = next(p for p in range(depth, len(blob)) if blob[p] in dirty)
-                if blob[first] not in (_QUOTE, _BACKSLASH) or \
-                        spare is not None and (first - depth > spare or not blob[depth:first].isascii()):
+                if blob[first] not in (_QUOTE, _BACKSLASH):
                     continue
             after = grammar.advance(state, blob[depth:])
             if after is not None:
@@ -6985,6 +7043,8 @@ class _TokenFacts:
             if spare >= _LONG:
                 chunks.append([i for i, n in d.long if n <= spare])
         chunks.append(d.clean(spare))
+        if node.utf8:
+            self._partials(grammar, state, d, 0, 0, len(self.sorted), spare, singles)
         least = max(0, node.lo - count) if node.counted else 0      # characters still owed before the quote
         start = grammar.advance(state, b"a" * least) if least <= (1 << 30 if spare is None else spare) else None
         dead = None

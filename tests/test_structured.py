@@ -453,3 +453,28 @@ def test_min_tokens_with_a_call_that_must_close_is_refused(client, llm, extra):
         client.chat.completions.create(model=llm.model_name, messages=USER, max_tokens=40, tools=[SHIP],
                                        extra_body={"min_tokens": 4}, **extra)
     assert e.value.status_code == 400 and e.value.body["param"] == "min_tokens", e.value.body
+
+
+def test_counted_strings_take_any_characters_counted_as_code_points(tiny_tokenizer):
+    """minLength / maxLength count characters (JSON Schema's code points), not bytes, over well-formed UTF-8."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "minLength": 2, "maxLength": 3}}}
+    grammar = P.structured_decoder(tiny_tokenizer, response_format=fmt, max_tokens=4096).grammar
+
+    def complete(text: str | bytes) -> bool:
+        state = grammar.advance(grammar.start, text if isinstance(text, bytes) else json.dumps(text, ensure_ascii=False).encode())
+        return state is not None and grammar.accepts(state)
+    assert complete("éü") and complete("山田太") and complete("a😀") and not complete("山田太郎") and not complete("é")
+    assert not complete(b'"\xa9\xa9"') and not complete(b'"a\xc3"') and not complete(b'"\xe0\x80\x80a"')   # not UTF-8
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_counted_non_ascii_strings_validate(llm, seed):
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 5},
+                                               "t": {"type": "array", "items": {"type": "string", "maxLength": 2}}},
+              "required": ["s", "t"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    decoder = P.structured_decoder(llm.tokenizer, response_format=fmt, max_tokens=64, eos_token_ids=llm.eos_token_ids)
+    out = llm.generate("名前:", max_tokens=64, temperature=1.0, presence_penalty=0.5, seed=seed,
+                       logits_processors=[decoder])
+    assert out["finish_reason"] == "stop", out
+    jsonschema.validate(json.loads(out["text"]), schema)
