@@ -49,12 +49,14 @@ import argparse
 import ast
 import atexit
 import bisect
+import codecs
 import collections
 import copy
 import ctypes
 import dataclasses
 import datetime
 import errno
+import fractions
 import hashlib
 import hmac
 import http.server
@@ -5476,8 +5478,7 @@ class ChatOutputParser:
 # -----------------------------------------------------------------------------------------------
 
 _THINK_FORCED_CLOSE = "\n</think>"
-_WS = frozenset(b" \n\t")
-_MAX_WS = 16             # whitespace bytes in a row between JSON tokens (a model that only spaces ends)
+_WS = frozenset(b" \n\t")            # whitespace between JSON tokens: any run of it loops on its state
 _MAX_STACK = 32          # frames; deeper (recursive schemas) only the shortest value is written
 _MAX_NUMBER = 24         # bytes in a JSON number; exponents have at most 2 digits (1e999 is infinity)
 _MAX_NODES = 20000       # compiled nodes per request: a bigger schema is a 400
@@ -5900,6 +5901,7 @@ class _Regex:
         return None
 
 
+_UTF8_LEADS = {0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)}   # RFC 3629
 _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
@@ -5919,17 +5921,26 @@ class _Str(_Node):
         self.exclude = frozenset(exclude)
         self.exclude_prefixes = {e[:k] for e in self.exclude for k in range(len(e) + 1)}
         self.counted = bool(lo) or hi is not None
-        self.ascii = self.counted or regex is not None   # counted characters are whole: no split UTF-8 to count
+        self.ascii = regex is not None                    # a pattern's text is ASCII
+        self.utf8 = self.counted and regex is None and not self.exclude   # sub: the bytes the character owes
         self.nonblank = nonblank and not self.counted and regex is None
         self.plain = regex is None and not self.exclude and not self.counted and not self.nonblank   # content loops
 
     def starts(self):
-        sub = self.regex.start if self.regex else b"" if self.exclude else None
+        sub = self.regex.start if self.regex else b"" if self.exclude else 0 if self.utf8 else None
         return [(1 if self.raw else 0, 0, sub)]
 
     def _content(self, count, sub, b):
         if b >= 0x80 and self.ascii:
             return []
+        if self.utf8:               # well-formed UTF-8 (RFC 3629), so that the count is of characters
+            if sub:
+                owed, low, high = sub
+                return [(1, count, (owed - 1, 0x80, 0xBF) if owed > 1 else 0)] if low <= b <= high else []
+            if b >= 0x80:
+                if not 0xC2 <= b <= 0xF4:
+                    return []
+                sub = _UTF8_LEADS.get(b) or ((1 if b < 0xE0 else 2 if b < 0xF0 else 3), 0x80, 0xBF)
         if _is_continuation(b):
             return [(1, count, sub)]
         if self.nonblank and b not in b" \n\t\r":
@@ -5948,19 +5959,21 @@ class _Str(_Node):
         return [(1, count, sub)]
 
     def _may_end(self, count, sub) -> bool:
-        return count >= self.lo and (count or not self.nonblank) and (self.regex is None or self.regex.accepts(sub)) and \
+        return count >= self.lo and not (self.utf8 and sub) and (count or not self.nonblank) and (self.regex is None or self.regex.accepts(sub)) and \
             not (self.exclude and sub in self.exclude)
 
     def step(self, data, b):
         phase, count, sub = data
         if self.raw:
-            ok = b != _LT and (b >= 0x20 or b in b"\n\t\r")
+            ok = b != _LT and (b >= 0x20 or b in b"\n\t\r") and not (self.utf8 and sub and b < 0x80)
             return [(d, None) for d in self._content(count, sub, b)] if ok else []
         if phase == 0:
             return [((1, count, sub), None)] if b == _QUOTE else []
         if phase == 1:
-            if b == _QUOTE:
-                return [((7, count, sub), None)] if self._may_end(count, sub) else []
+            if self.utf8 and sub:                   # inside a character: only its continuation bytes
+                return [(d, None) for d in self._content(count, sub, b)]
+            if b == _QUOTE:                         # closed: what was counted no longer matters (one state)
+                return [((7, 0, None), None)] if self._may_end(count, sub) else []
             if b == _BACKSLASH:                     # no escapes under a pattern or in a key that may be declared
                 room = self.hi is None or count < self.hi
                 return [((2, count, sub), None)] if self.regex is None and not self.exclude and room else []
@@ -5982,7 +5995,8 @@ class _Str(_Node):
         if self.regex is not None:
             allowed = _JSON_CLEAN if not self.raw else frozenset(range(0x20, 0x80)) - {_LT}
             return self.regex.shortest(sub, [b for b in allowed if b < 0x80]) or b""
-        text = b"a" * max(0, self.lo - count, int(self.nonblank) - count)
+        text = bytes((sub[1],)) + b"\x80" * (sub[0] - 1) if self.utf8 and sub else b""   # the character's end
+        text += b"a" * max(0, self.lo - count, int(self.nonblank) - count)
         return text + b"_" if self.exclude and sub is not None and sub + text in self.exclude else text
 
     def rest(self, data):
@@ -6094,6 +6108,101 @@ class _Num(_Node):
         return self._REST.get(data[0], b"")
 
 
+_DECIMAL = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?")
+_DECIMAL_START = re.compile(rb"-?((0|[1-9][0-9]*)(\.[0-9]*)?)?")      # every prefix of a _DECIMAL
+
+
+def _decimal_text(neg: bool, whole: int, places: int) -> bytes:
+    """The number whole / 10**places written with `places` decimals, e.g. (False, 305, 2) -> b"3.05"."""
+    digits = str(whole).rjust(places + 1, "0")
+    return (b"-" if neg else b"") + (digits if not places else digits[:-places] + "." + digits[-places:]).encode()
+
+
+class _Decimal(_Node):
+    """A JSON number in [lo, hi] (inclusive fractions, None: open), written without an exponent in at most
+    _MAX_NUMBER bytes. data (text, length): a byte is taken only when some number in range still starts
+    with the text (so no dead end and no out-of-range value); the search is exact, in integers: with k more
+    integer digits and m decimals, the numbers a prefix leads to are J / 10**m for J in one integer range."""
+
+    def __init__(self, lo: fractions.Fraction | None, hi: fractions.Fraction | None):
+        self.lo, self.hi = lo, hi
+        self._picks: dict[bytes, bytes | None] = {}
+
+    def starts(self):
+        return [(b"", 0)]
+
+    def step(self, data, b):
+        text = data[0] + bytes((b,))
+        if len(text) > _MAX_NUMBER or not _DECIMAL_START.fullmatch(text) or self._pick(text) is None:
+            return []
+        return [((text, len(text)), None)]
+
+    def can_end(self, data):
+        text = data[0]
+        return bool(_DECIMAL.fullmatch(text)) and self._inside(fractions.Fraction(text.decode()))
+
+    def rest(self, data):
+        found = self._pick(data[0])
+        return None if found is None else found[len(data[0]):]
+
+    def _inside(self, value) -> bool:
+        return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+
+    def _fit(self, low: int, high: int, m: int, neg: bool) -> int | None:
+        """The J in [low, high] nearest zero with J / 10**m (negated if neg) in range, or None."""
+        a, b = (self.hi, self.lo) if neg else (self.lo, self.hi)
+        a = None if a is None else -a if neg else a           # magnitudes: J / 10**m in [a, b]
+        b = None if b is None else -b if neg else b
+        scale = 10 ** m
+        if a is not None and a > 0:
+            low = max(low, math.ceil(a * scale))
+        if b is not None:
+            high = min(high, math.floor(b * scale))
+        return low if low <= high else None
+
+    def _pick(self, text: bytes) -> bytes | None:
+        """The shortest number in range that starts with text (None: none)."""
+        found = self._picks.get(text, ...)
+        if found is ...:
+            found = None
+            if text in (b"", b"-"):
+                picks = [self._pick(text + bytes((d,))) for d in b"0123456789"] + \
+                    ([self._pick(b"-")] if not text else [])
+                picks = [p for p in picks if p is not None]
+                found = min(picks, key=lambda p: (len(p), p)) if picks else None
+            else:
+                for extra, low, high, m, neg in self._shapes(text):
+                    j = self._fit(low, high, m, neg)
+                    if j is not None:
+                        found = _decimal_text(neg, j, m)
+                        break
+            self._picks[text] = found
+        return found
+
+    def _shapes(self, text: bytes):
+        """(bytes added, low J, high J, decimals m, negative) of the numbers that start with text, fewest bytes
+        added first: J / 10**m for J in [low, high]. text holds at least one digit."""
+        neg = text.startswith(b"-")
+        whole, dot, places = text.lstrip(b"-").partition(b".")
+        room = _MAX_NUMBER - len(text)
+        if dot:                                # only more decimals
+            digits, have = int(whole + places), len(places)
+            for e in range(0 if have else 1, room + 1):
+                yield e, digits * 10 ** e, (digits + 1) * 10 ** e - 1, have + e, neg
+            return
+        head = int(whole)
+        for extra in range(room + 1):          # k more integer digits, then (m > 0) a dot and m decimals
+            if extra == 0:
+                yield 0, head, head, 0, neg
+                continue
+            if head:
+                yield extra, head * 10 ** extra, (head + 1) * 10 ** extra - 1, 0, neg
+            for m in range(1, extra):
+                k = extra - 1 - m
+                if not (head == 0 and k):      # after a leading 0 only decimals
+                    yield extra, head * 10 ** (k + m), (head + 1) * 10 ** (k + m) - 1, m, neg
+
+
 def _next_members(members, i):
     """Indexes of the members that may come next from position i: in order, no required one skipped."""
     found = []
@@ -6110,8 +6219,9 @@ def _required_from(members, i):
 
 class _Obj(_Node):
     """A JSON object: declared members [(key, value node, required)] in schema order (optional ones may be
-    skipped), then other keys if `extra` (a value node) allows them. Whitespace between tokens.
-    data (phase, i, ws, j): i the next declared member, j the member whose value is being written (-1: extra).
+    skipped), then other keys if `extra` (a value node) allows them. Whitespace between tokens (it leaves the
+    data as it is: a run of it is one state). data (phase, i, j): i the next declared member, j the member whose
+    value is being written (-1: extra).
     Phases: 0 '{', 1 after '{', 2 key, 3 ':', 4 before value, 5 value, 6 after value, 7 after ',', 8 closed."""
 
     nests = True
@@ -6123,7 +6233,7 @@ class _Obj(_Node):
         self._tails: dict[tuple, bytes | None] = {}
 
     def starts(self):
-        return [(0, 0, 0, -1)]
+        return [(0, 0, -1)]
 
     def keys_at(self, i) -> _Node:
         node = self._keys.get(i)
@@ -6138,35 +6248,32 @@ class _Obj(_Node):
         return node
 
     def step(self, data, b):
-        phase, i, ws, j = data
+        phase, i, j = data
         if b in _WS and phase in (1, 3, 4, 6, 7):
-            return [((phase, i, ws + 1, j), None)] if ws < _MAX_WS else []
+            return [(data, None)]
         if phase == 0:
-            return [((1, i, 0, j), None)] if b == 0x7B else []
+            return [((1, i, j), None)] if b == 0x7B else []
         if phase in (1, 7):
             if b == _QUOTE and self.keys_at(i).options:
-                return [((2, i, 0, j), self.keys_at(i))]
-            return [((8, i, 0, j), None)] if b == 0x7D and phase == 1 and not _required_from(self.members, i) else []
+                return [((2, i, j), self.keys_at(i))]
+            return [((8, i, j), None)] if b == 0x7D and phase == 1 and not _required_from(self.members, i) else []
         if phase == 3:
-            return [((4, i, 0, j), None)] if b == 0x3A else []
+            return [((4, i, j), None)] if b == 0x3A else []
         if phase == 4:
-            return [((5, i, 0, j), self.members[j][1] if j >= 0 else self.extra)]
+            return [((5, i, j), self.members[j][1] if j >= 0 else self.extra)]
         if phase == 6:
             if b == 0x2C and (i < len(self.members) or self.extra is not None):
-                return [((7, i, 0, j), None)]
-            return [((8, i, 0, j), None)] if b == 0x7D and not _required_from(self.members, i) else []
+                return [((7, i, j), None)]
+            return [((8, i, j), None)] if b == 0x7D and not _required_from(self.members, i) else []
         return []
 
     def can_end(self, data):
         return data[0] == 8
 
-    def first_key(self, data):
-        return data[0], data[1], data[2] >= _MAX_WS, data[3]
-
     def takes(self, data, entry):
         """As step() takes them, phase by phase."""
-        phase, i, ws, j = data
-        found = set(_WS) if phase in (1, 3, 4, 6, 7) and ws < _MAX_WS else set()
+        phase, i, j = data
+        found = set(_WS) if phase in (1, 3, 4, 6, 7) else set()
         if phase == 0:
             found.add(0x7B)
         elif phase in (1, 7):
@@ -6189,12 +6296,12 @@ class _Obj(_Node):
         return frozenset(found)
 
     def child_done(self, data, child):
-        phase, i, ws, j = data
+        phase, i, j = data
         if phase == 2:
             texts = self._choices.get(id(child[0]))
             j = texts[child[1]] if texts is not None else -1
-            return (3, j + 1 if j >= 0 else i, 0, j)
-        return (6, i, 0, j)
+            return (3, j + 1 if j >= 0 else i, j)
+        return (6, i, j)
 
     def _member_text(self, j) -> bytes | None:
         key, value, _ = self.members[j] if j >= 0 else ("", self.extra, False)
@@ -6220,7 +6327,7 @@ class _Obj(_Node):
         return None if None in texts else b",".join(texts)
 
     def rest(self, data):
-        phase, i, ws, j = data
+        phase, i, j = data
         if phase == 8:
             return b""
         if phase in (0, 1, 7):
@@ -6228,7 +6335,7 @@ class _Obj(_Node):
             return None if tail is None else (b"{" if phase == 0 else b"") + tail + b"}"
         if phase in (3, 4):
             value = (self.members[j][1] if j >= 0 else self.extra).shortest()
-            after = self.rest((6, i, 0, j))
+            after = self.rest((6, i, j))
             return None if value is None or after is None else (b":" if phase == 3 else b"") + value + after
         tail = self._tail(i, False)
         return None if tail is None else (b"," + tail if tail else b"") + b"}"
@@ -6236,7 +6343,8 @@ class _Obj(_Node):
 
 class _Arr(_Node):
     """A JSON array: prefixItems, then `items` (None: none past the prefix), between lo and hi items.
-    data (phase, n, ws): phases 0 '[', 1 after '[', 2 item, 3 after item, 4 after ',', 5 closed."""
+    data (phase, n): phases 0 '[', 1 after '[', 2 item, 3 after item, 4 after ',', 5 closed; whitespace
+    between tokens leaves the data as it is."""
 
     nests = True
 
@@ -6246,35 +6354,32 @@ class _Arr(_Node):
         self.cap = max(lo, len(prefix))       # counts above this are all alike when there is no maximum
 
     def starts(self):
-        return [(0, 0, 0)]
+        return [(0, 0)]
 
     def item(self, n) -> _Node:
         return self.prefix[n] if n < len(self.prefix) else self.items
 
     def step(self, data, b):
-        phase, n, ws = data
+        phase, n = data
         if b in _WS and phase in (1, 3, 4):
-            return [((phase, n, ws + 1), None)] if ws < _MAX_WS else []
+            return [(data, None)]
         if phase == 0:
-            return [((1, n, 0), None)] if b == 0x5B else []
+            return [((1, n), None)] if b == 0x5B else []
         if b == 0x5D and (phase == 1 or phase == 3) and n >= self.lo:
-            return [((5, n, 0), None)]
+            return [((5, n), None)]
         if phase in (1, 4) and (self.hi is None or n < self.hi):
-            return [((2, n, 0), self.item(n))]
+            return [((2, n), self.item(n))]
         if phase == 3 and b == 0x2C and (self.hi is None or n < self.hi):
-            return [((4, n, 0), None)]
+            return [((4, n), None)]
         return []
 
     def can_end(self, data):
         return data[0] == 5
 
-    def first_key(self, data):
-        return data[0], data[1], data[2] >= _MAX_WS
-
     def takes(self, data, entry):
         """As step() takes them, phase by phase."""
-        phase, n, ws = data
-        found = set(_WS) if phase in (1, 3, 4) and ws < _MAX_WS else set()
+        phase, n = data
+        found = set(_WS) if phase in (1, 3, 4) else set()
         room = self.hi is None or n < self.hi
         if phase == 0:
             found.add(0x5B)
@@ -6291,14 +6396,14 @@ class _Arr(_Node):
 
     def child_done(self, data, child):
         n = data[1] + 1
-        return (3, n if self.hi is not None else min(n, self.cap), 0)
+        return (3, n if self.hi is not None else min(n, self.cap))
 
     def _items(self, n, count) -> bytes | None:
         texts = [self.item(k).shortest() for k in range(n, n + count)]
         return None if None in texts else b",".join(texts)
 
     def rest(self, data):
-        phase, n, ws = data
+        phase, n = data
         if phase == 5:
             return b""
         if phase in (0, 1):
@@ -6485,6 +6590,7 @@ class _Grammar:
         self._masks: dict = {}
         self._completions: dict = {}
         self._viable: dict = {}
+        self._loops: dict = {}
         self._firsts: dict = {}
         self._entries: dict = {}
 
@@ -6500,6 +6606,17 @@ class _Grammar:
             for stack in state:
                 _feed(stack, b, out)
             found = self._next[key] = frozenset(out) if out else None
+        return found
+
+    def whitespace_loop(self, state):
+        """The state every JSON whitespace byte takes `state` to, if it is one that whitespace leaves as it is
+        (between the tokens of an object or array; a number or a closed string first ends there); else None."""
+        found = self._loops.get(state, ...)
+        if found is ...:
+            after = {self.step(state, b) for b in _WS}
+            loop = after.pop() if len(after) == 1 else None
+            found = self._loops[state] = loop if loop is not None and all(
+                self.step(loop, b) == loop for b in _WS) else None
         return found
 
     def viable(self, state) -> frozenset:
@@ -6609,6 +6726,27 @@ _FITS = [bytes(int(v <= limit) for v in range(256)) for limit in range(256)]   #
 _LONG = 253                # a clean ASCII token's length code saturates here (longer ones are checked apart)
 
 
+def _utf8_chars(blob: bytes) -> int | None:
+    """The characters of well-formed UTF-8 (None: not whole characters)."""
+    try:
+        return len(blob.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
+
+
+def _utf8_partial(blob: bytes) -> tuple | None:
+    """For bytes that are whole characters and then the start of one: (characters counted with that one, what
+    it still owes as a _Str's sub); None for anything else."""
+    try:
+        head = codecs.getincrementaldecoder("utf-8")().decode(blob, final=False)
+    except UnicodeDecodeError:
+        return None
+    at = max(k for k in range(len(blob)) if not _is_continuation(blob[k]))
+    owed, low, high = _UTF8_LEADS.get(blob[at]) or ((1 if blob[at] < 0xE0 else 2 if blob[at] < 0xF0 else 3), 0x80, 0xBF)
+    have = len(blob) - at - 1
+    return len(head) + 1, (owed, low, high) if not have else (owed - have, 0x80, 0xBF)
+
+
 class _Dirty:
     """One set of `dirty` bytes (a string cannot hold them as they are: JSON '"', '\\\\' and control bytes;
     raw '<'; an opener's first byte in prose) against the vocabulary, per sorted token: the index of its
@@ -6623,18 +6761,23 @@ class _Dirty:
         self.where = [k for k, at in enumerate(self.lasts) if at >= 0]                  # (D,)
         self.where_lasts = [self.lasts[k] for k in self.where]                          # (D,)
         code = bytearray(b"\xff") * facts.vocab                                         # (V,)
-        self.long = []                                                                  # [(id, length)]
+        self.long = []                                                                  # [(id, characters)]
+        self.partial: dict[tuple, tuple[bytes, list[int]]] = {}   # (characters, owed) -> (a token, ids)
         for k, (i, t) in enumerate(zip(facts.order, facts.sorted)):
             if self.lasts[k] < 0:
-                code[i] = 254 if not t.isascii() else min(len(t), _LONG)
-                if len(t) >= _LONG and t.isascii():
-                    self.long.append((i, len(t)))
+                chars = _utf8_chars(t)
+                code[i] = 254 if chars is None else min(chars, _LONG)
+                if chars is not None and chars >= _LONG:
+                    self.long.append((i, chars))
+                elif chars is None and (key := _utf8_partial(t)) is not None:
+                    self.partial.setdefault(key, (t, []))[1].append(i)
         self.code = bytes(code)
         self._groups = None
         self._fits: dict[int, bytes] = {}
 
     def clean(self, spare: int | None) -> bytes:
-        """(V,) 1 for the tokens without a dirty byte (spare: and ASCII, at most `spare` characters)."""
+        """(V,) 1 for the tokens without a dirty byte (spare: and well-formed UTF-8, whole characters, at most
+        `spare` of them)."""
         limit = 254 if spare is None else min(spare, _LONG - 1)
         found = self._fits.get(limit)
         if found is None:
@@ -6654,7 +6797,8 @@ class _Dirty:
                 if at >= 0 and blob[at] in (_QUOTE, _BACKSLASH):
                     ids, lengths = found.setdefault(blob[at:], ([], []))
                     ids.append(facts.order[k])
-                    lengths.append(at if blob[:at].isascii() else -1)
+                    chars = _utf8_chars(blob[:at])
+                    lengths.append(-1 if chars is None else chars)
             self._groups = [(suffix, ids, lengths) for suffix, (ids, lengths) in sorted(found.items())]
         return self._groups
 
@@ -6669,6 +6813,7 @@ class _TokenFacts:
         self.tokenizer, self.eos_ids = tokenizer, sorted(set(eos_ids))
         V = self.vocab = tokenizer.vocab_size
         blobs = [tokenizer.token_bytes(i) for i in range(V)]
+        self.raw_blobs = blobs                                                              # (V,)
         control = {i for i in getattr(tokenizer, "special_ids", ()) if blobs[i].startswith(b"<|")}
         self.blobs = [b"" if i in control or i in self.eos_ids else blob for i, blob in enumerate(blobs)]
         self.by_bytes = {}
@@ -6679,13 +6824,36 @@ class _TokenFacts:
         self.sorted = [self.blobs[i] for i in self.order]                                         # (N,) bytes
         self._levels: dict[tuple[int, int], dict] = {}
         self.level(0, 0, len(self.sorted))
+        self.ws_only, self.ws_runs = self._whitespace()
+        self.whitespace_ids = [i for i, blob in enumerate(self.blobs) if blob and not blob.strip(b" \n\t\r")]
         self._dirty = {}
         for dirty in (_JSON_DIRTY, _JSON_DIRTY | {_LT}):                   # the sets every JSON schema uses
             self.dirty(dirty).groups(self)
         self.dirty(_NON_ASCII)
+        self.dirty(frozenset({_LT}))           # auto mode's prose: every call opener starts with '<'
         self._costs: dict[bytes, int] = {}
         self._ids: dict[str, list[int]] = {}
         self._grammars: dict = {}
+
+    def _whitespace(self) -> tuple[list[int], dict[int, list[tuple[int, int, int]]]]:
+        """(the tokens that are only JSON whitespace, per byte c the trie nodes whitespace+ c: (depth, lo, hi)).
+        Between JSON tokens a run of whitespace loops on its state, so there these tokens are allowed as a
+        whole and the others are walked from their first other byte, not along every run of whitespace."""
+        ws_only, runs, last = [], {}, None
+        for k, blob in enumerate(self.sorted):
+            m = len(blob) - len(blob.lstrip(b" \n\t"))
+            if not m:
+                continue
+            if m == len(blob):
+                ws_only.append(self.order[k])
+                continue
+            prefix = blob[:m + 1]
+            if prefix != last:
+                runs.setdefault(blob[m], []).append([m + 1, k, k + 1])
+                last = prefix
+            else:
+                runs[blob[m]][-1][2] = k + 1
+        return ws_only, {c: [tuple(r) for r in found] for c, found in runs.items()}
 
     def cost(self, text: bytes) -> int:
         """Tokens `text` takes in the tokenizer's own (canonical) tokenization."""
@@ -6711,7 +6879,7 @@ class _TokenFacts:
         found = self._ids.get(text)
         if found is None:
             blob = text.encode()
-            found = self._ids[text] = [i for i in range(self.vocab) if self.tokenizer.token_bytes(i) == blob]
+            found = self._ids[text] = [i for i, b in enumerate(self.raw_blobs) if b == blob]
         return found
 
     def ids_mask(self, ids) -> bytearray:
@@ -6753,12 +6921,24 @@ class _TokenFacts:
         if len(state) == 1:
             stack = next(iter(state))
             node, data = stack[-1]
-            if isinstance(node, _Str) and node.regex is None and not node.exclude and data[0] == 1:
+            if isinstance(node, _Str) and node.regex is None and not node.exclude and data[0] == 1 and \
+                    not (node.utf8 and data[2]):
                 return self._walk_string(grammar, state, node, data, depth, lo, hi, chunks, singles)
             if isinstance(node, _Prose) and data[2] == -1 and not data[0] and len(stack) == 2 and \
                     (node.calls is None or data[1] < node.calls):
                 return self._walk_free(grammar, state, node.firsts, depth, lo, hi, chunks, singles)
         level, viable = self.level(depth, lo, hi), grammar.viable(state)
+        loop = grammar.whitespace_loop(state) if depth == 0 else None
+        if loop is not None:                  # whitespace then b: walked from b, in the state whitespace loops on
+            if loop == state:
+                chunks.append(self.ws_only)
+            else:
+                singles.extend((i, loop) for i in self.ws_only)
+            viable = viable - _WS
+            for b in grammar.viable(loop) - _WS:
+                nxt = grammar.step(loop, b)
+                for run_depth, run_lo, run_hi in self.ws_runs.get(b, ()):
+                    self._walk(grammar, nxt, run_depth, run_lo, run_hi, chunks, singles)
         for b in viable if len(viable) < len(level) else level:
             span = level.get(b) if b in viable else None
             nxt = grammar.step(state, b) if span is not None else None
@@ -6781,18 +6961,33 @@ class _TokenFacts:
 
     def _clean_in(self, d: _Dirty, depth, lo, hi, spare) -> list[int]:
         """The ids in sorted[lo:hi] (below the first level: a small range) with no dirty byte from `depth`
-        on (spare: and ASCII from there, at most `spare` bytes)."""
+        on (spare: and whole characters from there, at most `spare`)."""
         lasts, order = d.lasts, self.order
         if spare is None:
             return [order[k] for k in range(lo, hi) if lasts[k] < depth]
-        wide = self.dirty(_NON_ASCII).lasts
         return [order[k] for k in range(lo, hi)
-                if lasts[k] < depth and wide[k] < depth and len(self.sorted[k]) - depth <= spare]
+                if lasts[k] < depth and (_utf8_chars(self.sorted[k][depth:]) or spare + 1) <= spare]
+
+    def _partials(self, grammar, state, d: _Dirty, depth, lo, hi, spare, singles):
+        """The clean tokens that end inside a character, for a counted string (the grammar checks the bytes):
+        over the vocabulary one run per (characters, owed) group, in a small range token by token."""
+        if depth == 0:
+            for (chars, _), (blob, ids) in d.partial.items():
+                after = grammar.advance(state, blob) if chars <= spare else None
+                if after is not None:
+                    singles.extend((i, after) for i in ids)
+            return
+        for k in range(lo, hi):
+            blob = self.sorted[k]
+            if d.lasts[k] < depth and _utf8_chars(blob[depth:]) is None:
+                after = grammar.advance(state, blob[depth:])
+                if after is not None:
+                    singles.append((self.order[k], after))
 
     def _walk_free(self, grammar, state, dirty, depth, lo, hi, chunks, singles, spare=None, json_string=False):
         """Tokens whose bytes from `depth` on hold nothing in `dirty` keep the state alive (spare: also if they
         fit); the others are run through the grammar one by one (json_string: only those whose first dirty
-        byte is '"' or '\\\\' and whose clean bytes before it fit; a JSON string takes no other)."""
+        byte is '"' or '\\\\'; a JSON string takes no other)."""
         d = self.dirty(dirty)
         if depth == 0:
             chunks.append(d.clean(spare))
@@ -6800,12 +6995,13 @@ class _TokenFacts:
                 chunks.append([i for i, n in d.long if n <= spare])
         else:
             chunks.append(self._clean_in(d, depth, lo, hi, spare))
+        if spare is not None:                      # a counted string: also the tokens that end inside a character
+            self._partials(grammar, state, d, depth, lo, hi, spare, singles)
         for at in self.dirty_in(dirty, depth, lo, hi):
             blob = self.sorted[at]
             if json_string:
                 first = next(p for p in range(depth, len(blob)) if blob[p] in dirty)
-                if blob[first] not in (_QUOTE, _BACKSLASH) or \
-                        spare is not None and (first - depth > spare or not blob[depth:first].isascii()):
+                if blob[first] not in (_QUOTE, _BACKSLASH):
                     continue
             after = grammar.advance(state, blob[depth:])
             if after is not None:
@@ -6847,6 +7043,8 @@ class _TokenFacts:
             if spare >= _LONG:
                 chunks.append([i for i, n in d.long if n <= spare])
         chunks.append(d.clean(spare))
+        if node.utf8:
+            self._partials(grammar, state, d, 0, 0, len(self.sorted), spare, singles)
         least = max(0, node.lo - count) if node.counted else 0      # characters still owed before the quote
         start = grammar.advance(state, b"a" * least) if least <= (1 << 30 if spare is None else spare) else None
         dead = None
@@ -6907,6 +7105,34 @@ SCHEMA_KEYWORDS = ("type", "properties", "required", "additionalProperties", "it
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
+def _number_bound(value, exclusive: bool, upper: bool) -> fractions.Fraction:
+    """The inclusive bound, exact, that keeps a written number inside `value` once a client parses it: below
+    2**53 the shortest decimal of the float bound (all numbers up to it round to at most the float), an
+    exclusive bound first moved to the next float inside (so no number rounds onto it)."""
+    if isinstance(value, int) and not exclusive:
+        return fractions.Fraction(value)
+    f = float(value)
+    if exclusive:
+        f = math.nextafter(f, -math.inf if upper else math.inf)
+    return fractions.Fraction(repr(f)) if abs(f) < 2 ** 53 else fractions.Fraction(f)
+
+
+def _shapes_disjoint(a, b) -> bool:
+    """No JSON value matches both shapes (_SchemaCompiler._shape): their types or finite values exclude each
+    other, or both require a property whose finite values differ."""
+    (types_a, values_a, keys_a), (types_b, values_b, keys_b) = a, b
+    if values_a is not None and values_b is not None:
+        return not values_a & values_b
+    if types_a is not None and types_b is not None:
+        wide = {"number", "integer"}
+        common = types_a & types_b | (wide if wide & types_a and wide & types_b else set())
+        if not common:
+            return True
+        if common != {"object"}:
+            return False
+    return any(name in keys_b and not keys_a[name] & keys_b[name] for name in keys_a)
+
+
 class _SchemaCompiler:
     """One schema (`root`, named `where` in errors) -> grammar nodes. A mistake is a RequestError naming its
     JSON path (`response_format.json_schema.schema.properties.x.type`); a keyword outside SCHEMA_KEYWORDS is
@@ -6950,9 +7176,11 @@ class _SchemaCompiler:
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 shared = {k: v for k, v in schema.items() if k not in (key, "nullable") and k not in SCHEMA_ANNOTATIONS}
-                options = [self.compile(self._merge(shared, self._deref(part, f"{path}.{key}[{k}]")) if shared else part,
-                                        f"{path}.{key}[{k}]")
-                           for k, part in enumerate(self._schemas(schema[key], f"{path}.{key}"))]
+                parts = [self._merge(shared, self._deref(part, f"{path}.{key}[{k}]")) if shared else part
+                         for k, part in enumerate(self._schemas(schema[key], f"{path}.{key}"))]
+                if key == "oneOf":
+                    self._exclusive(parts, f"{path}.oneOf")
+                options = [self.compile(part, f"{path}.{key}[{k}]") for k, part in enumerate(parts)]
                 return _Union(options + ([_Choice([b"null"])] if schema.get("nullable") is True else []))
         types = self._types(schema, path)
         if "enum" in schema or "const" in schema:
@@ -6961,6 +7189,48 @@ class _SchemaCompiler:
             return self.any
         options = [getattr(self, "_" + kind)(schema, path) for kind in types]
         return options[0] if len(options) == 1 else _Union(options)
+
+    def _exclusive(self, parts, path) -> None:
+        """oneOf is decoded as anyOf, which is exact when no value can match two branches: checked here, pair by
+        pair, by type (integer within number) or by a required property whose const/enum values differ (a
+        discriminated union). Branches that may overlap: under strict a 400, else decoded as anyOf."""
+        shapes = [self._shape(self._deref(part, f"{path}[{k}]")) for k, part in enumerate(parts)]
+        for k, l in itertools.combinations(range(len(parts)), 2):
+            if not _shapes_disjoint(shapes[k], shapes[l]):
+                self.unsupported(path, f"has branches {k} and {l} that one value may match (exclusivity is enforced "
+                                       "where branches differ by type or by a const/enum property)")
+                return
+
+    def _shape(self, schema, depth: int = 0):
+        """(types or None: any, finite values or None, {required property: its finite values}) of a schema."""
+        try:
+            schema = self._deref(schema, self.where) if isinstance(schema, dict) and depth <= 8 else True
+        except RequestError:
+            schema = True                                 # a dangling $ref: compile() names its path
+        if not isinstance(schema, dict):
+            return None, None, {}
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list):
+                inner = [self._shape(part, depth + 1) for part in schema[key]]
+                types = None if any(t is None for t, _, _ in inner) else set().union(*(t for t, _, _ in inner))
+                values = None if any(v is None for _, v, _ in inner) else set().union(*(v for _, v, _ in inner))
+                return types, values, {}
+        values = [schema["const"]] if "const" in schema else schema.get("enum")
+        values = {json.dumps(v, sort_keys=True) for v in values} if isinstance(values, list) else None
+        kind = schema.get("type")
+        types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else None
+        if types is None and values is not None:
+            types = {_json_type_name(json.loads(v)) for v in values}
+        if types is not None and schema.get("nullable") is True:
+            types.add("null")
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        keys = {}
+        for name in required:
+            _, found, _ = self._shape(properties.get(name, True), depth + 1)
+            if found is not None:
+                keys[name] = found
+        return types, values, keys
 
     def _schemas(self, value, path) -> list:
         if not isinstance(value, list) or not value:
@@ -7059,11 +7329,15 @@ class _SchemaCompiler:
                 lo, hi = 0, None
         return _Str(lo, hi, regex, raw=raw, no_lt=self.in_call)
 
-    def _integer(self, schema, path) -> _Node:
+    def _bounds_checked(self, schema, path) -> None:
         for key in _BOUNDS:
             value = schema.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                self.fail(f"{path}.{key}", "must be a number")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or
+                                      not math.isfinite(value)):
+                self.fail(f"{path}.{key}", "must be a finite number")
+
+    def _integer(self, schema, path) -> _Node:
+        self._bounds_checked(schema, path)
         lows = ([math.ceil(schema["minimum"])] if "minimum" in schema else []) + \
             ([math.floor(schema["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in schema else [])
         highs = ([math.floor(schema["maximum"])] if "maximum" in schema else []) + \
@@ -7074,10 +7348,20 @@ class _SchemaCompiler:
         return _Int(lo, hi)
 
     def _number(self, schema, path) -> _Node:
-        for key in _BOUNDS:
-            if key in schema:
-                self.unsupported(f"{path}.{key}", "is enforced for integers only")
-        return _Num()
+        """Bounds as exact fractions that keep the number in range however a client parses it (as a float or
+        an exact integer); a bounded number is written without an exponent (_Decimal)."""
+        self._bounds_checked(schema, path)
+        lows = [_number_bound(schema[k], k == "exclusiveMinimum", False) for k in ("minimum", "exclusiveMinimum")
+                if schema.get(k) is not None]
+        highs = [_number_bound(schema[k], k == "exclusiveMaximum", True) for k in ("maximum", "exclusiveMaximum")
+                 if schema.get(k) is not None]
+        if not lows and not highs:
+            return _Num()
+        node = _Decimal(max(lows, default=None), min(highs, default=None))
+        if node.shortest() is None:
+            self.fail(f"{path}.minimum" if "minimum" in schema else path, "admits no number: the bounds exclude "
+                      f"every value of at most {_MAX_NUMBER} characters")
+        return node
 
     def _boolean(self, schema, path) -> _Node:
         return _Choice([b"true", b"false"])
@@ -7268,12 +7552,15 @@ class StructuredDecoder:
     sampled, as when another constraint emptied it: no constraint from then on), "end". In the grammar a
     token is allowed when the shortest completion after it still fits in max_tokens, so the answer always
     closes within max_tokens. budget=False (auto mode) keeps that only inside calls: prose and reasoning run to
-    max_tokens as without a grammar (cut: finish_reason length), and a call is opened only when it can close."""
+    max_tokens as without a grammar (cut: finish_reason length), and a call is opened only when it can close.
+    min_tokens (a JSON answer only): while fewer tokens exist, a complete value may also be followed by
+    whitespace-only tokens (JSON text allows trailing whitespace; phase "pad": only those, until min_tokens), so
+    the sampler's ban of the end never empties the mask."""
 
     def __init__(self, facts: _TokenFacts, grammar: _Grammar | None, ban: list[int], think: bool, max_tokens: int,
-                 budget: bool = True):
+                 budget: bool = True, min_tokens: int = 0):
         self.facts, self.grammar, self.ban = facts, grammar, ban
-        self.max_tokens, self.budget = max_tokens, budget
+        self.max_tokens, self.budget, self.min_tokens = max_tokens, budget, min_tokens
         self.think = think and grammar is not None
         self.forced = grammar.start_after(_THINK_FORCED_CLOSE) if self.think else None
         self._cursors: dict = {}
@@ -7298,12 +7585,15 @@ class StructuredDecoder:
         if phase == "think":
             tail = (tail + self.facts.tokenizer.token_bytes(token))[-2 * len(_THINK_CLOSE):]
             return ("grammar", self.grammar.start, b"") if _THINK_CLOSE.encode() in tail else ("think", None, tail)
-        if phase == "grammar":
+        if phase in ("grammar", "pad"):
             if token in self.facts.eos_ids:
                 return ("end", None, b"")
             blob = self.facts.blobs[token] if 0 <= token < self.facts.vocab else b""
-            state = self.grammar.advance(state, blob) if blob else None
-            return ("off", None, b"") if state is None else ("grammar", state, b"")
+            after = self.grammar.advance(state, blob) if blob and phase == "grammar" else None
+            if after is None and used < self.min_tokens and self.grammar.accepts(state) and blob and \
+                    not blob.strip(b" \n\t\r"):
+                return ("pad", state, b"")      # whitespace after the complete value, toward min_tokens
+            return ("off", None, b"") if after is None else ("grammar", after, b"")
         return (phase, state, tail)
 
     def cursor(self, ids):
@@ -7335,6 +7625,8 @@ class StructuredDecoder:
                     found[t] = 0
             return phase, found
         left = self.max_tokens - len(ids)
+        if phase == "pad" or len(ids) < self.min_tokens and self.grammar.accepts(state):
+            return self._padded(state, phase == "pad", len(ids) < self.min_tokens)
         found = self.grammar.mask(state)
         if found.most <= left - 1:
             return state, found.bits
@@ -7346,6 +7638,21 @@ class StructuredDecoder:
             return None, bits
         bits = self.grammar.budget_mask(state, left)
         return None, bits if 1 in bits else self.facts.ids_mask(self._closing(state, left))
+
+    def _padded(self, state, padding: bool, grow: bool):
+        """min_tokens at a complete value: before it, the value's own mask and the whitespace-only tokens; once
+        whitespace follows the value (`padding`), only more of it while the answer must `grow`, then the end."""
+        key = ("pad", None if padding else state, padding, grow)
+        found = self._host.get(key)
+        if found is None:
+            if padding:
+                found = self.facts.ids_mask(self.facts.whitespace_ids if grow else self.facts.eos_ids)
+            else:
+                found = bytearray(self.grammar.mask(state).bits)
+                for t in self.facts.whitespace_ids:
+                    found[t] = 1
+            self._host[key] = found
+        return key, found
 
     def _closing(self, state, left: int) -> list[int]:
         """Near the end of the budget: the tokens that start the shortest completion and keep it in budget."""
@@ -7418,7 +7725,8 @@ def _resolve_tool_choice(tool_choice, names: list[str]):
 
 def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: str = "qwen_xml",
                        parallel_tool_calls: bool = True, response_format=None, in_reasoning: bool = False,
-                       max_tokens: int, eos_token_ids=None, ban_calls: bool = True) -> StructuredDecoder | None:
+                       max_tokens: int, eos_token_ids=None, ban_calls: bool = True,
+                       min_tokens: int = 0) -> StructuredDecoder | None:
     """The constraint of a chat request, a SamplingParams.logits_processors entry (None: nothing to enforce).
 
     - response_format json_object / json_schema: the content is one JSON value of the schema (after the
@@ -7429,6 +7737,9 @@ def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: 
       follow that function's schema; parallel_tool_calls=false ends the answer after the first call. With a
       response_format: a call or the JSON value.
     - "none", or no tools: the call token is banned (unless ban_calls is false: /v1/completions).
+    - min_tokens: a JSON answer may end in whitespace until min_tokens tokens exist (the end is banned until
+      then); with calls that must close (tool_choice required / named, parallel_tool_calls false, or auto with
+      a response_format) it is refused (param min_tokens): the answer has no room to grow after its call.
     The call is written in the format named `tool_parser` (a TOOL_FORMATS key). RequestError naming the schema
     path for a schema it cannot take, and (param max_tokens) when the shortest complete answer cannot fit.
     The processor receives each choice's generated ids (not the prompt), as the engine passes."""
@@ -7447,7 +7758,14 @@ def structured_decoder(tokenizer, *, tools=None, tool_choice=None, tool_parser: 
     ban = facts.ids_of(fmt.call_open) if fmt.call_open and ban_calls else []
     if grammar is None and not ban:
         return None
-    decoder = StructuredDecoder(facts, grammar, ban, think, max_tokens, budget=must_finish)
+    calls = grammar is not None and choice not in ("none",) and bool(names)
+    if min_tokens > 0 and calls and (choice != "auto" or parallel_tool_calls is False or response is not None):
+        raise RequestError(f"'min_tokens' cannot be combined with tool_choice {json.dumps(choice)}"
+                           + (" and parallel_tool_calls false" if choice == "auto" and response is None else "")
+                           + (" and a response_format" if choice == "auto" and response is not None else "")
+                           + ": the answer ends when its call closes", param="min_tokens")
+    decoder = StructuredDecoder(facts, grammar, ban, think, max_tokens, budget=must_finish,
+                                min_tokens=min_tokens if grammar is not None and not calls else 0)
     if grammar is not None and must_finish and max_tokens < decoder.smallest():
         what = "the call tool_choice requires" if choice not in ("none", "auto") else "the JSON response_format requires"
         raise RequestError(f"max_tokens {max_tokens} is too small for {what} (at least {decoder.smallest()} tokens)",
@@ -8273,7 +8591,8 @@ def start_chat_completion(llm, body, metrics: ServerMetrics | None = None) -> Co
         processor = structured_decoder(llm.tokenizer, tools=tools, tool_choice=tool_choice,
                                        tool_parser=template.tool_parser, parallel_tool_calls=values["parallel_tool_calls"],
                                        response_format=values["response_format"], in_reasoning=in_reasoning,
-                                       max_tokens=params.max_tokens, eos_token_ids=llm.eos_token_ids)
+                                       max_tokens=params.max_tokens, eos_token_ids=llm.eos_token_ids,
+                                       min_tokens=params.min_tokens)
     except RequestError as e:
         raise _as_sent(e, values, max_tokens_field) from None
     if processor is not None:
@@ -8299,7 +8618,7 @@ def start_completion(llm, body, metrics: ServerMetrics | None = None) -> Complet
         try:
             params.logits_processors = [*params.logits_processors, structured_decoder(
                 llm.tokenizer, response_format=values["response_format"], max_tokens=params.max_tokens,
-                eos_token_ids=llm.eos_token_ids, ban_calls=False)]
+                eos_token_ids=llm.eos_token_ids, ban_calls=False, min_tokens=params.min_tokens)]
         except RequestError as e:
             raise _as_sent(e, values, max_tokens_field) from None
     return Completion(llm, _submit(llm, prompt_ids, params, values, max_tokens_field), "text", values["stream"],
@@ -10644,6 +10963,7 @@ class LLM:
         at temperature 1 with every penalty and logprobs, so a server that says healthy has served. Request
         counters are left as they were. Returns what ran; PocketError when it fails."""
         counters = dict(self.engine.counters)
+        _token_facts(self.tokenizer, self.eos_token_ids)     # structured output's vocabulary tables, not in a request
         prompt = [i % self.config.vocab_size for i in range(1, 17)]
         params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.95, presence_penalty=0.5,
                                 frequency_penalty=0.5, repetition_penalty=1.1, ignore_eos=True, seed=0, logprobs=1)

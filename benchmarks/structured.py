@@ -169,6 +169,7 @@ def main(argv=None):
     masked = [step(True) * 1e3 for _ in range(30)]
     print(f"decode step (LM head {HIDDEN}x{VOCAB_ROWS} + sampler, fp32, 2 threads): unconstrained "
           f"{statistics.median(plain):.2f} ms, constrained {statistics.median(masked):.2f} ms (medians of 30)")
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":

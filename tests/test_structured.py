@@ -330,7 +330,10 @@ REFUSALS = [
      "response_format.json_schema.schema.properties.x.$ref"),
     (bad({"$ref": "http://example.com/s.json"}), "response_format.json_schema.schema.$ref"),
     (bad({"type": "object", "minProperties": 1}), "response_format.json_schema.schema.minProperties"),
-    (bad({"type": "number", "minimum": 0}), "response_format.json_schema.schema.minimum"),
+    (bad({"type": "number", "multipleOf": 2}), "response_format.json_schema.schema.multipleOf"),
+    (bad({"oneOf": [{"type": "integer"}, {"type": "number"}]}), "response_format.json_schema.schema.oneOf"),
+    (bad({"type": "number", "minimum": 1, "exclusiveMaximum": 1}), "response_format.json_schema.schema.minimum"),
+    (bad({"type": "number", "maximum": "3"}), "response_format.json_schema.schema.maximum"),
     (bad({"type": "string", "pattern": "(?<=a)b"}), "response_format.json_schema.schema.pattern"),
     (bad({"type": "string", "pattern": "([a-z"}, strict=False), "response_format.json_schema.schema.pattern"),
     (bad({"type": "object", "required": "x"}), "response_format.json_schema.schema.required"),
@@ -354,3 +357,124 @@ def test_refusals_name_the_schema_path(client, llm, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=llm.model_name, messages=USER, **{"max_tokens": 8, **extra})
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+# The limits of item 2: bounded numbers, oneOf, min_tokens with a grammar.
+
+BOUNDS = st.tuples(st.one_of(st.none(), st.integers(-50, 50), st.floats(-60, 60, allow_nan=False).map(lambda x: round(x, 3))),
+                   st.one_of(st.none(), st.integers(0, 80), st.floats(-1, 100, allow_nan=False).map(lambda x: round(x, 2))),
+                   st.booleans(), st.booleans())
+
+
+def number_schema(lo, span, lo_exclusive, hi_exclusive):
+    schema = {"type": "number"}
+    if lo is not None:
+        schema["exclusiveMinimum" if lo_exclusive else "minimum"] = lo
+    if span is not None:
+        hi = (lo or 0) + span + (1 if lo_exclusive or hi_exclusive else 0)   # room for a value between
+        schema["exclusiveMaximum" if hi_exclusive else "maximum"] = hi
+    return schema
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(bounds=BOUNDS, seed=st.integers(0, 1000))
+def test_bounded_numbers_validate(llm, bounds, seed):
+    """minimum / maximum / exclusive bounds on `number`: every value the random model writes is in range."""
+    schema = {"type": "object", "properties": {"x": number_schema(*bounds), "xs": {"type": "array", "items":
+              number_schema(*bounds), "minItems": 1, "maxItems": 3}}, "required": ["x", "xs"], "additionalProperties": False}
+    jsonschema.validate(json.loads(decode(llm, schema, max_tokens=96, seed=seed)), schema)
+
+
+@pytest.mark.parametrize("schema", [{"type": "number", "minimum": 0.3, "maximum": 0.3},
+                                    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                                    {"type": "number", "minimum": -2.5, "maximum": -1.25},
+                                    {"type": "number", "exclusiveMaximum": 10, "minimum": 9.99}])
+def test_bounded_number_masks_equal_the_token_by_token_reference(tiny_tokenizer, schema):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "items": schema}}}
+    decoder = P.structured_decoder(tiny_tokenizer, response_format=fmt, max_tokens=4096)
+    for seed in range(3):
+        assert_masks_match_reference(decoder, seed, steps=40)
+
+
+def test_bounds_hold_however_the_value_is_parsed(tiny_tokenizer):
+    """Exact decimals at the bounds: 0.3 is allowed by maximum 0.3 (it parses to the same float), and nothing
+    that parses onto an exclusive bound is (1 - 1e-20 is 1.0 as a float)."""
+    def allowed(schema, text):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        grammar = P.structured_decoder(tiny_tokenizer, response_format=fmt, max_tokens=4096).grammar
+        state = grammar.advance(grammar.start, text)
+        return state is not None and grammar.accepts(state)
+    assert allowed({"type": "number", "maximum": 0.3}, b"0.3") and not allowed({"type": "number", "maximum": 0.3}, b"0.31")
+    assert not allowed({"type": "number", "exclusiveMaximum": 1}, b"0.99999999999999999999")
+    assert allowed({"type": "number", "exclusiveMaximum": 1}, b"0.99") and not allowed({"type": "number", "exclusiveMaximum": 1}, b"1")
+    assert not allowed({"type": "number", "minimum": -1}, b"-1.5") and allowed({"type": "number", "minimum": -1}, b"-0.5")
+
+
+CAT = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 1, "maximum": 9}},
+       "required": ["kind", "lives"], "additionalProperties": False}
+DOG = {"type": "object", "properties": {"kind": {"enum": ["dog", "puppy"]}, "good": {"type": "boolean"}},
+       "required": ["kind"], "additionalProperties": False}
+PETS = {"$defs": {"Cat": CAT, "Dog": DOG}, "type": "object", "additionalProperties": False, "required": ["pets", "id"],
+        "properties": {"pets": {"type": "array", "items": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}},
+                       "id": {"oneOf": [{"type": "string", "maxLength": 4}, {"type": "integer"}, {"type": "null"}]}}}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_of_discriminated_and_by_type_validates(llm, seed):
+    """jsonschema checks oneOf's exclusivity: every answer matches exactly one branch."""
+    jsonschema.validate(json.loads(decode(llm, PETS, max_tokens=96, seed=seed)), PETS)
+
+
+def test_min_tokens_with_a_json_answer(llm):
+    """The end is banned until min_tokens while the grammar still holds: the value, then whitespace."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    for seed in range(3):
+        decoder = P.structured_decoder(llm.tokenizer, response_format=fmt, max_tokens=40, min_tokens=24,
+                                       eos_token_ids=llm.eos_token_ids)
+        out = llm.generate("JSON:", max_tokens=40, min_tokens=24, temperature=1.0, presence_penalty=0.5, seed=seed,
+                           logits_processors=[decoder])
+        assert out["finish_reason"] == "stop" and out["completion_tokens"] >= 24, out
+        jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_min_tokens_through_the_server(client, llm):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": Pet.model_json_schema(), "strict": True}}
+    out = client.chat.completions.create(model=llm.model_name, messages=USER, response_format=fmt, max_tokens=60,
+                                         temperature=1.0, seed=6, extra_body={**NO_THINK, "min_tokens": 40})
+    assert out.usage.completion_tokens >= 40 and out.choices[0].finish_reason == "stop"
+    Pet.model_validate_json(out.choices[0].message.content)
+
+
+@pytest.mark.parametrize("extra", [{"tool_choice": "required"}, {"parallel_tool_calls": False}])
+def test_min_tokens_with_a_call_that_must_close_is_refused(client, llm, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=llm.model_name, messages=USER, max_tokens=40, tools=[SHIP],
+                                       extra_body={"min_tokens": 4}, **extra)
+    assert e.value.status_code == 400 and e.value.body["param"] == "min_tokens", e.value.body
+
+
+def test_counted_strings_take_any_characters_counted_as_code_points(tiny_tokenizer):
+    """minLength / maxLength count characters (JSON Schema's code points), not bytes, over well-formed UTF-8."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "minLength": 2, "maxLength": 3}}}
+    grammar = P.structured_decoder(tiny_tokenizer, response_format=fmt, max_tokens=4096).grammar
+
+    def complete(text: str | bytes) -> bool:
+        state = grammar.advance(grammar.start, text if isinstance(text, bytes) else json.dumps(text, ensure_ascii=False).encode())
+        return state is not None and grammar.accepts(state)
+    assert complete("éü") and complete("山田太") and complete("a😀") and not complete("山田太郎") and not complete("é")
+    assert not complete(b'"\xa9\xa9"') and not complete(b'"a\xc3"') and not complete(b'"\xe0\x80\x80a"')   # not UTF-8
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_counted_non_ascii_strings_validate(llm, seed):
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 5},
+                                               "t": {"type": "array", "items": {"type": "string", "maxLength": 2}}},
+              "required": ["s", "t"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    decoder = P.structured_decoder(llm.tokenizer, response_format=fmt, max_tokens=64, eos_token_ids=llm.eos_token_ids)
+    out = llm.generate("名前:", max_tokens=64, temperature=1.0, presence_penalty=0.5, seed=seed,
+                       logits_processors=[decoder])
+    assert out["finish_reason"] == "stop", out
+    jsonschema.validate(json.loads(out["text"]), schema)
