@@ -939,7 +939,7 @@ class TorchOps:
 #     The CPU test build (libpocketllm_cpu.so) runs the same kernels on host tensors; CI uses it.
 # -----------------------------------------------------------------------------------------------
 
-NATIVE_ABI_VERSION = 5          # must equal PL_ABI_VERSION in csrc/pocketllm.h
+NATIVE_ABI_VERSION = 4          # must equal PL_ABI_VERSION in csrc/pocketllm.h
 NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
 
 GEMV_MAX_TOKENS = 16            # GEMV_MAX_T in csrc/linear.cu: up to this many tokens a linear is a GEMV

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bumped on every incompatible change of the declarations below; pocketllm.py checks it on load. */
-#define PL_ABI_VERSION 5
+#define PL_ABI_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
