@@ -887,6 +887,12 @@ class TorchOps:
         qkv, z = self.linear_parts(x, w, sizes)
         return self.conv1d(qkv, conv_w, conv_state, slot_ids, query_start), z
 
+    def gdn_in_proj_gates(self, x, w: Linear, sizes: list[int], conv_w, conv_state, slot_ids, query_start,
+                          w_ab: Linear, A_log, dt_bias):
+        """gdn_in_proj, and gdn_gates_linear of the same input: GDN's projections (qkv (T, C), z, g, beta)."""
+        qkv, z = self.gdn_in_proj(x, w, sizes, conv_w, conv_state, slot_ids, query_start)
+        return (qkv, z, *self.gdn_gates_linear(x, w_ab, A_log, dt_bias))
+
     def gdn_gates(self, a, b, A_log, dt_bias):
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # (T, Hv) fp32
         return g, torch.sigmoid(b.float())
@@ -911,6 +917,11 @@ class TorchOps:
             q0, q1 = int(query_start[b]), int(query_start[b + 1])
             out[q0:q1], state[s] = prefill_delta_chunked(q[q0:q1], k[q0:q1], vf[q0:q1], g[q0:q1], beta[q0:q1], state[s])
         return out.to(v.dtype)
+
+    def gated_delta_rmsnorm(self, q, k, v, g, beta, state, slot_ids, query_start, z, w, eps):
+        """gated_delta, then gated_rmsnorm of its output with the gate z (T, Hv, Dv): GDN's recurrent part and
+        its output norm."""
+        return self.gated_rmsnorm(self.gated_delta(q, k, v, g, beta, state, slot_ids, query_start), z, w, eps)
 
     def gated_rmsnorm(self, x, z, w, eps):
         xf = x.float()
@@ -1395,6 +1406,30 @@ class NativeOps:
                       self._dt(conv_state), self._p(slot_ids), self._stream(out))
         return out[:T * C].view(T, C), out[T * C:].view(T, N - C)
 
+    def gdn_in_proj_gates(self, x: Prenormed | torch.Tensor, w: Linear, sizes: list[int], conv_w: torch.Tensor,
+                          conv_state: torch.Tensor, slot_ids: torch.Tensor, query_start: torch.Tensor, w_ab: Linear,
+                          A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """gdn_in_proj and gdn_gates_linear in one launch for a decode step of at most 16 sequences
+        (pl_gdn_in_proj_gates: the a|b rows' blocks beside the q|k|v|z ones in one grid), else as two ops."""
+        T = math.prod(x.shape[:-1])
+        if not (0 < T <= GEMV_MAX_TOKENS and T == slot_ids.numel() and len(sizes) == 2):
+            return TorchOps.gdn_in_proj_gates(self, x, w, sizes, conv_w, conv_state, slot_ids, query_start, w_ab,
+                                              A_log, dt_bias)
+        weight, scale = self._weight(w)
+        w_ab, ab_scale = self._weight(w_ab)
+        (N, K), C, Hv = weight.shape, sizes[0], w_ab.shape[0] // 2
+        conv_w, slot_ids = self._as(conv_w).reshape(C, -1), self._as(slot_ids, torch.int32)   # (C, W)
+        A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)
+        if ab_scale:
+            raise PocketError("gdn_in_proj_gates: the a|b weight must be dense")
+        out = torch.empty(T * N, dtype=x.dtype, device=conv_state.device)                   # qkv | z
+        gates = torch.empty(2, T, Hv, dtype=torch.float32, device=conv_state.device)        # [g | beta]
+        self.lib.call("pl_gdn_in_proj_gates", *self._input(x), T, K, self._p(weight), self._dt(weight), scale, C, N,
+                      self._p(out), self._p(conv_w), self._dt(conv_w), conv_w.shape[1], self._p(conv_state),
+                      self._dt(conv_state), self._p(slot_ids), self._p(w_ab), self._dt(w_ab), Hv, self._p(A_log),
+                      self._p(dt_bias), self._p(gates), self._stream(out))
+        return out[:T * C].view(T, C), out[T * C:].view(T, N - C), gates[0], gates[1]
+
     def gdn_gates(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self._as(a), self._as(b, a.dtype)
@@ -1432,6 +1467,23 @@ class NativeOps:
         self.lib.call("pl_gated_delta", self._p(q), self._p(k), self._p(v), self._dt(q), T, Hk, Hv, Dk, Dv,
                       self._p(g), self._p(beta), self._p(state), self._p(slot_ids), self._p(query_start),
                       slot_ids.numel(), self._p(out), self._stream(q))
+        return out
+
+    def gated_delta_rmsnorm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor, query_start: torch.Tensor,
+                            z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """gated_delta and gated_rmsnorm in one launch (pl_gated_delta_rmsnorm: a block holds a head's whole
+        output row), for value heads of at most 128; wider ones take the two ops."""
+        (T, Hk, Dk), (_, Hv, Dv) = q.shape, v.shape
+        if Dv > 128:                                                                 # two launches
+            return TorchOps.gated_delta_rmsnorm(self, q, k, v, g, beta, state, slot_ids, query_start, z, w, eps)
+        q, k, v, z = self._as(q), self._as(k, q.dtype), self._as(v, q.dtype), self._as(z, q.dtype)
+        g, beta, w = self._as(g, torch.float32), self._as(beta, torch.float32), self._as(w)
+        slot_ids, query_start = self._as(slot_ids, torch.int32), self._as(query_start, torch.int32)
+        out = torch.empty_like(v)                                                    # (T, Hv, Dv)
+        self.lib.call("pl_gated_delta_rmsnorm", self._p(q), self._p(k), self._p(v), self._dt(q), T, Hk, Hv, Dk, Dv,
+                      self._p(g), self._p(beta), self._p(state), self._p(slot_ids), self._p(query_start),
+                      slot_ids.numel(), self._p(z), self._p(w), self._dt(w), eps, self._p(out), self._stream(q))
         return out
 
     def gated_rmsnorm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -2123,10 +2175,9 @@ class Model:
         # FP8 [qkv | z] with the conv in its epilogue, except in a speculative verify, which keeps the conv's
         # inputs for rollback; then [a | b] with the gates in its epilogue.
         conv = cache.window is not None or [len(sizes) for _, sizes in groups] != [2, 2]
-        if not conv:
-            qkv, z = ops.gdn_in_proj(x, *groups[0], w.conv1d, cache.conv[L.index], batch.state_slots,
-                                     batch.query_start)                    # (T, C') after the conv, (T, Hv'*Dv)
-            g, beta = ops.gdn_gates_linear(x, groups[1][0], w.A_log, w.dt_bias)   # (T, Hv') fp32 each
+        if not conv:                                                       # (T, C') after the conv, (T, Hv'*Dv)
+            qkv, z, g, beta = ops.gdn_in_proj_gates(x, *groups[0], w.conv1d, cache.conv[L.index], batch.state_slots,
+                                                    batch.query_start, groups[1][0], w.A_log, w.dt_bias)
         elif len(groups) == 2 and len(groups[1][1]) == 2:
             qkv, z = ops.linear_parts(x, *groups[0])
             g, beta = ops.gdn_gates_linear(x, groups[1][0], w.A_log, w.dt_bias)
@@ -2136,14 +2187,15 @@ class Model:
         if cache.window is not None:                                       # speculative verify: keep for rollback
             rows = cache.window.rows
             cache.window.inputs[L.index] = (qkv[rows], g[rows], beta[rows])
-        o = self.delta_rule(L, qkv, g, beta, cache, batch.state_slots, batch.query_start, conv)   # (T, Hv', Dv)
-        o = ops.gated_rmsnorm(o, z.view(T, w.v_heads, Dv), w.norm, cfg.rms_norm_eps).reshape(T, w.v_heads * Dv)
-        return ops.linear(o, w.out_proj, torch.float32)                    # row-parallel: fp32
+        o = self.delta_rule(L, qkv, g, beta, cache, batch.state_slots, batch.query_start, conv,
+                            z.view(T, w.v_heads, Dv))                      # (T, Hv', Dv), gated-normed
+        return ops.linear(o.reshape(T, w.v_heads * Dv), w.out_proj, torch.float32)   # row-parallel: fp32
 
-    def delta_rule(self, L: DecoderLayer, qkv, g, beta, cache: Cache, slots, query_start, conv: bool = True):
+    def delta_rule(self, L: DecoderLayer, qkv, g, beta, cache: Cache, slots, query_start, conv: bool = True,
+                   z=None):
         """The GDN's recurrent part: causal conv over the projected qkv (T, C') (conv=False: done already), then
         the gated delta rule with gates g, beta (T, Hv'); advances the sequences' conv and SSM states. Returns o
-        (T, Hv', Dv)."""
+        (T, Hv', Dv), or with the output gate z (T, Hv', Dv) its gated RMSNorm (the same launch)."""
         ops, cfg, w, T = self.ops, self.cfg, L.mixer, qkv.shape[0]
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         if conv:
@@ -2152,6 +2204,9 @@ class Model:
         q = qkv[:, :nk].reshape(T, w.k_heads, Dk)
         k = qkv[:, nk:2 * nk].reshape(T, w.k_heads, Dk)
         v = qkv[:, 2 * nk:].reshape(T, w.v_heads, Dv)
+        if z is not None:
+            return ops.gated_delta_rmsnorm(q, k, v, g, beta, cache.ssm[L.index], slots, query_start, z, w.norm,
+                                           cfg.rms_norm_eps)
         return ops.gated_delta(q, k, v, g, beta, cache.ssm[L.index], slots, query_start)
 
 

@@ -100,24 +100,41 @@ extern "C" int pl_conv1d(uint64_t x, int32_t act_dtype, int64_t T, int32_t C, ui
   return 0;
 }
 
-// ---- The gated delta rule. One block per (32 value columns, value head, sequence); warp w holds rows
-// w*RPT .. w*RPT+RPT-1 of those 32 columns of S (Dk, Dv) in registers, lane = column. Per token:
+// ---- The gated delta rule. One block per (32 * G value columns, value head, sequence), G column groups of
+// GDN_WARPS warps: warp w of group c holds rows w*RPT .. w*RPT+RPT-1 of columns 32c .. 32c+31 of the block's
+// share of S (Dk, Dv) in registers, lane = column. Per token:
 //   S = exp(g) S;  delta_j = beta (v_j - sum_i S_ij k_i);  S_ij += k_i delta_j;  o_j = sum_i S_ij q_i
-// with the column sums reduced across the warps through shared memory. ---------------------------------------
+// with the column sums reduced across the warps through shared memory. G = 1 for the plain op.
+// NORM (pl_gated_delta_rmsnorm): one block holds a head's whole row of Dv <= 32 * GDN_MAX_CG columns, so it
+// finishes with GDN's gated RMSNorm, out = w * o * rsqrt(mean(o^2) + eps) * silu(z), o rounded to the activation
+// type first (pl_gated_delta's output, pl_gated_rmsnorm's input): the two ops in one launch. -------------------
 
 static const int GDN_WARPS = 8;
 static const int GDN_MAX_DK = 256;
+static const int GDN_MAX_CG = 4;          // column groups of a NORM block: Dv <= 128, 1024 threads
 
-template <typename TA, int RPT>
-__global__ void gated_delta_kernel(const TA* __restrict__ q, const TA* __restrict__ k, const TA* __restrict__ v,
-                                   const float* __restrict__ g, const float* __restrict__ beta,
-                                   float* __restrict__ state, const int32_t* slot_ids, const int32_t* query_start,
-                                   int Hk, int Hv, int Dk, int Dv, TA* __restrict__ out) {
+// The gated RMSNorm's operands (NORM only).
+struct GdnNorm {
+  const void* z = 0;          // (T, Hv, Dv) of the activation type
+  const void* w = 0;          // (Dv,) of wdt
+  int wdt = 0;
+  float eps = 0.f;
+};
+
+template <typename TA, int RPT, bool NORM>
+__global__ void __launch_bounds__(NORM ? 32 * GDN_WARPS * GDN_MAX_CG : 32 * GDN_WARPS)
+gated_delta_kernel(const TA* __restrict__ q, const TA* __restrict__ k, const TA* __restrict__ v,
+                   const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+                   const int32_t* slot_ids, const int32_t* query_start, int Hk, int Hv, int Dk, int Dv,
+                   TA* __restrict__ out, GdnNorm nrm) {
+  const int CG = NORM ? GDN_MAX_CG : 1;
   __shared__ float q_s[GDN_WARPS * RPT], k_s[GDN_WARPS * RPT];   // this token's raw q, k (zero past Dk)
-  __shared__ float red_qk[2][GDN_WARPS];                          // per-warp sums of q^2, k^2
-  __shared__ float red_k[GDN_WARPS][32], red_o[GDN_WARPS][32];    // per-warp column sums of S^T k, S^T q
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int j = blockIdx.x * 32 + lane, h = blockIdx.y, b = blockIdx.z;
+  __shared__ float red_qk[2][GDN_WARPS * CG];                     // per-warp sums of q^2, k^2
+  __shared__ float red_k[CG][GDN_WARPS][32], red_o[CG][GDN_WARPS][32];   // per-warp column sums of S^T k, S^T q
+  __shared__ float red_n[CG];                                     // NORM: per-group sums of o^2
+  int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) % GDN_WARPS, cg = (threadIdx.x >> 5) / GDN_WARPS;
+  int groups = blockDim.x / (32 * GDN_WARPS);                     // G (1 unless NORM)
+  int j = (blockIdx.x * groups + cg) * 32 + lane, h = blockIdx.y, b = blockIdx.z;
   int kh = h / (Hv / Hk);
   bool col = j < Dv;
   float* S_g = state + ((int64_t)slot_ids[b] * Hv + h) * Dk * Dv;
@@ -130,16 +147,18 @@ __global__ void gated_delta_kernel(const TA* __restrict__ q, const TA* __restric
   float q_scale = rsqrtf((float)Dk);
   int64_t t0 = query_start[b], t1 = query_start[b + 1];
   // What one token needs, loaded a token ahead so the loads overlap the previous token's math: thread i < Dk
-  // holds q_i and k_i (blockDim >= GDN_WARPS * RPT >= Dk), column threads v_j; everyone g and beta.
-  struct Tok { float q, k, v, g, beta; };
+  // holds q_i and k_i (blockDim >= GDN_WARPS * RPT >= Dk), column threads v_j (and z_j); everyone g and beta.
+  struct Tok { float q, k, v, z, g, beta; };
   auto fetch = [&](int64_t t, Tok& x) {
     int i = threadIdx.x;
     x.q = i < Dk ? to_f(q[(t * Hk + kh) * Dk + i]) : 0.f;
     x.k = i < Dk ? to_f(k[(t * Hk + kh) * Dk + i]) : 0.f;
     x.v = col ? to_f(v[(t * Hv + h) * Dv + j]) : 0.f;
+    x.z = NORM && col ? to_f(((const TA*)nrm.z)[(t * Hv + h) * Dv + j]) : 0.f;
     x.g = g[t * Hv + h];
     x.beta = beta[t * Hv + h];
   };
+  float nw = NORM && col ? load_any(nrm.w, nrm.wdt, j) : 0.f;
   Tok cur, nxt;
   if (t0 < t1) fetch(t0, cur);
   for (int64_t t = t0; t < t1; t++) {
@@ -147,10 +166,10 @@ __global__ void gated_delta_kernel(const TA* __restrict__ q, const TA* __restric
     // q, k of key head kh to shared memory with their squared norms (the L2 normalisation).
     if (threadIdx.x < GDN_WARPS * RPT) { q_s[threadIdx.x] = cur.q; k_s[threadIdx.x] = cur.k; }
     float sq = warp_sum(cur.q * cur.q), sk = warp_sum(cur.k * cur.k);
-    if (lane == 0) { red_qk[0][warp] = sq; red_qk[1][warp] = sk; }
+    if (lane == 0) { red_qk[0][threadIdx.x >> 5] = sq; red_qk[1][threadIdx.x >> 5] = sk; }
     __syncthreads();
     sq = sk = 0.f;
-    for (int w = 0; w < GDN_WARPS; w++) { sq += red_qk[0][w]; sk += red_qk[1][w]; }
+    for (int w = 0; w < GDN_WARPS * groups; w++) { sq += red_qk[0][w]; sk += red_qk[1][w]; }
     float inv_q = rsqrtf(sq + 1e-6f) * q_scale, inv_k = rsqrtf(sk + 1e-6f);
     // Decay, then this warp's share of S^T k.
     float decay = expf(cur.g), part = 0.f;
@@ -159,10 +178,10 @@ __global__ void gated_delta_kernel(const TA* __restrict__ q, const TA* __restric
       S[rr] *= decay;
       part += S[rr] * k_s[warp * RPT + rr];
     }
-    red_k[warp][lane] = part * inv_k;
+    red_k[cg][warp][lane] = part * inv_k;
     __syncthreads();
     float kS = 0.f;
-    for (int w = 0; w < GDN_WARPS; w++) kS += red_k[w][lane];
+    for (int w = 0; w < GDN_WARPS; w++) kS += red_k[cg][w][lane];
     float delta = cur.beta * (cur.v - kS);
     part = 0.f;
 #pragma unroll
@@ -170,14 +189,27 @@ __global__ void gated_delta_kernel(const TA* __restrict__ q, const TA* __restric
       S[rr] += k_s[warp * RPT + rr] * inv_k * delta;
       part += S[rr] * q_s[warp * RPT + rr];
     }
-    red_o[warp][lane] = part * inv_q;
+    red_o[cg][warp][lane] = part * inv_q;
     __syncthreads();
     // Past the third barrier every thread is done reading this token's q_s, k_s, red_qk and red_k, so the next
-    // token rewrites them at once; red_o only after its second barrier, which warp 0 reaches after this read.
-    if (warp == 0 && col) {
-      float o = 0.f;
-      for (int w = 0; w < GDN_WARPS; w++) o += red_o[w][lane];
-      out[(t * Hv + h) * Dv + j] = from_f<TA>(o);
+    // token rewrites them at once; red_o only after its second barrier, which warp 0 reaches after this read
+    // (NORM: after the fourth barrier below, which every warp reaches after warp 0's read).
+    float o = 0.f;
+    if (warp == 0) {
+      for (int w = 0; w < GDN_WARPS; w++) o += red_o[cg][w][lane];
+      o = col ? to_f(from_f<TA>(o)) : 0.f;
+      if (!NORM && col) out[(t * Hv + h) * Dv + j] = from_f<TA>(o);
+    }
+    if (NORM) {
+      float ss = warp_sum(o * o);          // (zero outside warp 0 of each group)
+      if (warp == 0 && lane == 0) red_n[cg] = ss;
+      __syncthreads();
+      if (warp == 0 && col) {
+        ss = 0.f;
+        for (int c = 0; c < groups; c++) ss += red_n[c];
+        float inv = rsqrtf(ss / Dv + nrm.eps);
+        out[(t * Hv + h) * Dv + j] = from_f<TA>(nw * o * inv * silu_f(cur.z));
+      }
     }
     cur = nxt;
   }
@@ -188,17 +220,20 @@ __global__ void gated_delta_kernel(const TA* __restrict__ q, const TA* __restric
   }
 }
 
-template <typename TA, int RPT>
+template <typename TA, int RPT, bool NORM>
 static void launch_gated_delta(const TA* q, const TA* k, const TA* v, const float* g, const float* beta, float* state,
                                const int32_t* slots, const int32_t* qs, int B, int Hk, int Hv, int Dk, int Dv,
-                               TA* out, uint64_t stream) {
-  PL_LAUNCH((gated_delta_kernel<TA, RPT>), dim3((unsigned)((Dv + 31) / 32), (unsigned)Hv, (unsigned)B),
-            dim3(32 * GDN_WARPS), 0, stream, q, k, v, g, beta, state, slots, qs, Hk, Hv, Dk, Dv, out);
+                               TA* out, const GdnNorm& nrm, uint64_t stream) {
+  int groups = NORM ? (Dv + 31) / 32 : 1;
+  PL_LAUNCH((gated_delta_kernel<TA, RPT, NORM>), dim3((unsigned)((Dv + 32 * groups - 1) / (32 * groups)),
+            (unsigned)Hv, (unsigned)B), dim3(32 * GDN_WARPS * groups), 0, stream, q, k, v, g, beta, state, slots, qs,
+            Hk, Hv, Dk, Dv, out, nrm);
 }
 
-extern "C" int pl_gated_delta(uint64_t q, uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk,
-                              int32_t Hv, int32_t Dk, int32_t Dv, uint64_t g, uint64_t beta, uint64_t state,
-                              uint64_t slot_ids, uint64_t query_start, int32_t B, uint64_t out, uint64_t stream) {
+template <bool NORM>
+static int gated_delta(uint64_t q, uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk, int32_t Hv,
+                       int32_t Dk, int32_t Dv, uint64_t g, uint64_t beta, uint64_t state, uint64_t slot_ids,
+                       uint64_t query_start, int32_t B, uint64_t out, const GdnNorm& nrm, uint64_t stream) {
   PL_REQUIRE(Dk > 0 && Dk <= GDN_MAX_DK, "key head dim must be in 1..256");
   PL_REQUIRE(Hk > 0 && Hv % Hk == 0, "value heads must be a multiple of key heads");
   if (B == 0 || T == 0) return 0;
@@ -209,12 +244,37 @@ extern "C" int pl_gated_delta(uint64_t q, uint64_t k, uint64_t v, int32_t act_dt
     float* st = (float*)state;
     TA* op = (TA*)out;
     // RPT = rows of S per thread = ceil(Dk / GDN_WARPS).
-    if (Dk <= 16) launch_gated_delta<TA, 2>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
-    else if (Dk <= 32) launch_gated_delta<TA, 4>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
-    else if (Dk <= 64) launch_gated_delta<TA, 8>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
-    else if (Dk <= 128) launch_gated_delta<TA, 16>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
-    else launch_gated_delta<TA, 32>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, stream);
+    if (Dk <= 16) launch_gated_delta<TA, 2, NORM>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, nrm, stream);
+    else if (Dk <= 32) launch_gated_delta<TA, 4, NORM>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, nrm, stream);
+    else if (Dk <= 64) launch_gated_delta<TA, 8, NORM>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, nrm, stream);
+    else if (Dk <= 128) launch_gated_delta<TA, 16, NORM>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, nrm, stream);
+    else launch_gated_delta<TA, 32, NORM>(qp, kp, vp, gp, bp, st, sl, qs, B, Hk, Hv, Dk, Dv, op, nrm, stream);
   });
   PL_CHECK_LAUNCH();
   return 0;
+}
+
+extern "C" int pl_gated_delta(uint64_t q, uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk,
+                              int32_t Hv, int32_t Dk, int32_t Dv, uint64_t g, uint64_t beta, uint64_t state,
+                              uint64_t slot_ids, uint64_t query_start, int32_t B, uint64_t out, uint64_t stream) {
+  return gated_delta<false>(q, k, v, act_dtype, T, Hk, Hv, Dk, Dv, g, beta, state, slot_ids, query_start, B, out,
+                            GdnNorm(), stream);
+}
+
+extern "C" int pl_gated_delta_rmsnorm(uint64_t q, uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk,
+                                      int32_t Hv, int32_t Dk, int32_t Dv, uint64_t g, uint64_t beta, uint64_t state,
+                                      uint64_t slot_ids, uint64_t query_start, int32_t B, uint64_t z,
+                                      uint64_t norm_w, int32_t norm_w_dtype, float eps, uint64_t out,
+                                      uint64_t stream) {
+  PL_REQUIRE(Dv > 0 && Dv <= 32 * GDN_MAX_CG, "pl_gated_delta_rmsnorm: value head dim %d must be in 1..%d (use "
+             "pl_gated_delta and pl_gated_rmsnorm)", (int)Dv, 32 * GDN_MAX_CG);
+  PL_REQUIRE(z != 0 && norm_w != 0, "pl_gated_delta_rmsnorm needs z and the norm's weight");
+  PL_REQUIRE(norm_w_dtype >= PL_F32 && norm_w_dtype <= PL_BF16, "norm weight dtype must be fp32, fp16 or bf16");
+  GdnNorm nrm;
+  nrm.z = (const void*)z;
+  nrm.w = (const void*)norm_w;
+  nrm.wdt = norm_w_dtype;
+  nrm.eps = eps;
+  return gated_delta<true>(q, k, v, act_dtype, T, Hk, Hv, Dk, Dv, g, beta, state, slot_ids, query_start, B, out, nrm,
+                           stream);
 }

@@ -146,15 +146,18 @@ __device__ __forceinline__ void dequant16(const uint8_t* p, float* v) {
 // GLU (pl_linear_glu): the weight is [gate (N/2 rows) | up (N/2 rows)] and warp n computes rows n and n + N/2
 // from the same x loads, writing silu(gate) * up as output column n of N/2.
 
+// Each GEMV is a __device__ body taking its block's index bx, run by a thin kernel (bx = blockIdx.x) or by a kernel
+// that runs two GEMVs side by side in one grid (gdn_in_proj_gates_kernel).
 template <typename TA, typename TO, bool VEC, bool GLU = false, bool NORM = false>
-__global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, const uint8_t* w, const float* scale,
-                                int N, OutParts op, TO* out, Prenorm pn) {
+__device__ __forceinline__ void gemv_fp8_body(int bx, const TA* x, const float* rs, int T, int K, const uint8_t* w,
+                                              const float* scale, int N, const OutParts& op, TO* out,
+                                              const Prenorm& pn) {
   const int NR = GLU ? 2 : 1;                         // weight rows per warp
   int rows = GLU ? N / 2 : N;
   __shared__ float inv[GEMV_MAX_T];
   prenorm_prologue<NORM>(pn, T, K, inv);
   int lane = threadIdx.x & 31;
-  int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+  int n = bx * GEMV_WARPS + (threadIdx.x >> 5);
   if (n >= rows) return;                              // whole warps leave together; no block barrier follows
   const uint8_t* wrow[NR];
   const float* srow[NR];
@@ -207,6 +210,12 @@ __global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, cons
   }
 }
 
+template <typename TA, typename TO, bool VEC, bool GLU = false, bool NORM = false>
+__global__ void gemv_fp8_kernel(const TA* x, const float* rs, int T, int K, const uint8_t* w, const float* scale,
+                                int N, OutParts op, TO* out, Prenorm pn) {
+  gemv_fp8_body<TA, TO, VEC, GLU, NORM>(blockIdx.x, x, rs, T, K, w, scale, N, op, out, pn);
+}
+
 // Dense weights (lm_head, GDN in_proj_a/b): the same warp-per-row structure. VEC (K % 8 == 0, aligned rows):
 // each lane converts 8 consecutive weights per step from one 16-byte (bf16/fp16) or two (fp32) loads.
 template <int WDT>
@@ -239,16 +248,17 @@ __device__ __forceinline__ void load8_x(const TA* p, float* v) {
 
 // WPR warps per row (a few output rows, e.g. GDN's in_proj_a|b: 96 rows at TP1, 24 at TP4): a row's K is dealt
 // out to WPR warps in 256-wide chunks, so more loads are in flight instead of one warp's chain of DRAM round
-// trips; the warps' sums meet in shared memory, in warp order. GLU as in gemv_fp8_kernel.
-template <typename TA, typename TO, int WDT, bool VEC, bool GLU = false, int WPR = 1, bool NORM = false>
-__global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, const void* w, int N, OutParts op,
-                                  TO* out, Prenorm pn) {
+// trips; the warps' sums meet in shared memory, in warp order. GLU as in gemv_fp8_kernel. WARPS: the block's.
+template <typename TA, typename TO, int WDT, bool VEC, bool GLU = false, int WPR = 1, bool NORM = false,
+          int WARPS = GEMV_WARPS>
+__device__ __forceinline__ void gemv_dense_body(int bx, const TA* x, const float* rs, int T, int K, const void* w,
+                                                int N, const OutParts& op, TO* out, const Prenorm& pn) {
   const int NR = GLU ? 2 : 1;
   int rows = GLU ? N / 2 : N;
   __shared__ float inv[GEMV_MAX_T];
   prenorm_prologue<NORM>(pn, T, K, inv);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int n = blockIdx.x * (GEMV_WARPS / WPR) + warp / WPR, part = warp % WPR;
+  int n = bx * (WARPS / WPR) + warp / WPR, part = warp % WPR;
   if (WPR == 1 && n >= rows) return;                  // whole warps leave together; no block barrier follows
   bool live = n < rows;
   float acc[NR][GEMV_MAX_T];
@@ -281,7 +291,7 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
       }
     }
   }
-  __shared__ float red[WPR > 1 ? GEMV_WARPS : 1][NR][GEMV_MAX_T];
+  __shared__ float red[WPR > 1 ? WARPS : 1][NR][GEMV_MAX_T];
   if (WPR > 1) {
     for (int t = 0; t < T; t++)
       for (int r = 0; r < NR; r++) {
@@ -309,6 +319,12 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
   }
 }
 
+template <typename TA, typename TO, int WDT, bool VEC, bool GLU = false, int WPR = 1, bool NORM = false>
+__global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, const void* w, int N, OutParts op,
+                                  TO* out, Prenorm pn) {
+  gemv_dense_body<TA, TO, WDT, VEC, GLU, WPR, NORM>(blockIdx.x, x, rs, T, K, w, N, op, out, pn);
+}
+
 // ---- The tensor-core GEMV (fp16 activations, e4m3 weights, K % 16 == 0): the weight is the mma's A operand
 // (16 output rows x 8 k), the tokens its B operand (8 k x 8 tokens; two token tiles for T > 8), so each byte
 // of weight costs two integer operations to widen (pl_e4m3x2_to_half2) and the tensor core does the rest.
@@ -322,15 +338,16 @@ static const int GEMV_MMA_WARPS = 8;
 // GLU (N/2 % 8 == 0): a block takes 8 output columns c0..c0+7, gate rows c0 + g as the A operand's rows g and up
 // rows N/2 + c0 + g as its rows g + 8, so each lane ends up holding gate and up of the same (column, token)s.
 template <int NT, typename TO, bool GLU = false, bool NORM = false>
-__global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K, const uint8_t* w,
-                                const float* scale, int N, OutParts op, TO* out, Prenorm pn) {
+__device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const float* rs, int T, int K,
+                                              const uint8_t* w, const float* scale, int N, const OutParts& op,
+                                              TO* out, const Prenorm& pn) {
   __shared__ float red[GEMV_MMA_WARPS][32][NT * 4];
   __shared__ float inv[GEMV_MAX_T];
   prenorm_prologue<NORM>(pn, T, K, inv);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int g = lane >> 2, t = lane & 3;
   int rows = GLU ? N / 2 : N;
-  int n0 = GLU ? blockIdx.x * 8 : blockIdx.x * 16;            // the block's first output column
+  int n0 = GLU ? bx * 8 : bx * 16;                            // the block's first output column
   int base_b = GLU ? rows + n0 : n0 + 8;                       // the first weight row of A rows 8..15
   int KB = (K + 127) >> 7;
   const float* srow = scale + (int64_t)(n0 >> 7) * KB;
@@ -401,6 +418,12 @@ __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K,
       if (n < rows && tok < T) out[op.at(tok, n)] = from_f<TO>(op.epi<TO>(tok, n, row_scaled(y, rs, tok)));
     }
   }
+}
+
+template <int NT, typename TO, bool GLU = false, bool NORM = false>
+__global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K, const uint8_t* w,
+                                const float* scale, int N, OutParts op, TO* out, Prenorm pn) {
+  gemv_mma_body<NT, TO, GLU, NORM>(blockIdx.x, x, rs, T, K, w, scale, N, op, out, pn);
 }
 
 // ---- The fp32 tiled path: 64x64 output tile per block, K in steps of 32, 256 threads of 4x4 outputs. ----
@@ -789,13 +812,69 @@ extern "C" int pl_norm_linear_gdn_gates(uint64_t x, uint64_t residual, uint64_t 
                 (const float*)A_log, (const float*)dt_bias, &pn);
 }
 
-// ---- GDN's in_proj qkv|z with the causal conv1d of the decode step in its epilogue (OutParts::conv). ------------
+// ---- GDN's in_proj qkv|z with the causal conv1d of the decode step in its epilogue (OutParts::conv), and
+// optionally (pl_gdn_in_proj_gates) the dense a|b projection with the gates in its epilogue in the same launch:
+// blocks [0, main_blocks) run the FP8 q|k|v|z GEMV, the blocks after them the a|b GEMV, one row per block with
+// all the block's warps splitting K (gemv_dense_body with WPR = WARPS). NT: the tensor-core GEMV's token tiles
+// (fp16 activations), 0 for the warp-per-row FP8 GEMV (fp32 activations). ----------------------------------------
 
-extern "C" int pl_gdn_in_proj(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
-                              int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w,
-                              int32_t w_dtype, uint64_t scale, int64_t C, int64_t N, uint64_t out, uint64_t conv_w,
-                              int32_t conv_w_dtype, int32_t W, uint64_t conv_state, int32_t state_dtype,
-                              uint64_t slot_ids, uint64_t stream) {
+template <typename TA, int WDT, int NT, int WARPS, bool NORM>
+__global__ void gdn_in_proj_gates_kernel(const TA* x, int T, int K, const uint8_t* w, const float* scale, int N,
+                                         OutParts op, TA* out, int main_blocks, const void* ab_w, OutParts op_ab,
+                                         float* gates, Prenorm pn) {
+  if ((int)blockIdx.x >= main_blocks)
+    gemv_dense_body<TA, float, WDT, true, false, WARPS, NORM, WARPS>((int)blockIdx.x - main_blocks, x, 0, T, K, ab_w,
+                                                                     op_ab.N, op_ab, gates, pn);
+  else if constexpr (NT == 0)
+    gemv_fp8_body<TA, TA, true, false, NORM>((int)blockIdx.x, x, 0, T, K, w, scale, N, op, out, pn);
+  else
+    gemv_mma_body<NT, TA, false, NORM>((int)blockIdx.x, x, 0, T, K, w, scale, N, op, out, pn);
+}
+
+// The a|b projection's part of pl_gdn_in_proj_gates: its dense weight and the gates' operands.
+struct AbGates {
+  const void* w;              // (2 Hv, K) of wdt
+  int wdt, Hv;
+  const float* A_log;         // (Hv,)
+  const float* dt_bias;       // (Hv,)
+  float* gates;               // (2, T, Hv) fp32: g, then beta
+};
+
+// The one-launch form when it applies (e4m3 q|k|v|z weight, a|b weight in the activation dtype, K % 16 == 0,
+// 16-byte aligned operands); false otherwise (the caller launches the two GEMVs).
+template <typename TA, bool NORM>
+static bool launch_gdn_in_proj_gates(const TA* x, int64_t T, int64_t K, const void* w, int wdt, const float* scale,
+                                     int64_t N, const OutParts& op, TA* out, const AbGates& ab, const Prenorm& pn,
+                                     uint64_t stream) {
+  constexpr int act = sizeof(TA) == 4 ? PL_F32 : PL_F16;
+  if (wdt != PL_E4M3 || ab.wdt != act || K % 16 != 0 || ((uintptr_t)x & 15) || ((uintptr_t)w & 15) ||
+      ((uintptr_t)ab.w & 15))
+    return false;
+  OutParts op_ab{T, ab.Hv, 2 * ab.Hv, 2 * ab.Hv, 2 * ab.Hv, ab.A_log, ab.dt_bias};
+  const uint8_t* w8 = (const uint8_t*)w;
+  int t = (int)T, k = (int)K, n = (int)N;
+  if constexpr (act == PL_F32) {
+    int main_blocks = (int)((N + GEMV_WARPS - 1) / GEMV_WARPS);
+    PL_LAUNCH((gdn_in_proj_gates_kernel<TA, act, 0, GEMV_WARPS, NORM>), dim3((unsigned)(main_blocks + 2 * ab.Hv)),
+              dim3(32 * GEMV_WARPS), 0, stream, x, t, k, w8, scale, n, op, out, main_blocks, ab.w, op_ab, ab.gates, pn);
+  } else {
+    int main_blocks = (int)((N + 15) / 16);
+    dim3 grid((unsigned)(main_blocks + 2 * ab.Hv)), block(32 * GEMV_MMA_WARPS);
+    if (T <= 8)
+      PL_LAUNCH((gdn_in_proj_gates_kernel<TA, act, 1, GEMV_MMA_WARPS, NORM>), grid, block, 0, stream, x, t, k, w8,
+                scale, n, op, out, main_blocks, ab.w, op_ab, ab.gates, pn);
+    else
+      PL_LAUNCH((gdn_in_proj_gates_kernel<TA, act, 2, GEMV_MMA_WARPS, NORM>), grid, block, 0, stream, x, t, k, w8,
+                scale, n, op, out, main_blocks, ab.w, op_ab, ab.gates, pn);
+  }
+  return true;
+}
+
+static int gdn_in_proj(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w, int32_t norm_w_dtype,
+                       float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
+                       uint64_t scale, int64_t C, int64_t N, uint64_t out, uint64_t conv_w, int32_t conv_w_dtype,
+                       int32_t W, uint64_t conv_state, int32_t state_dtype, uint64_t slot_ids, const AbGates* ab,
+                       uint64_t stream) {
   PL_REQUIRE(T >= 0 && T <= GEMV_MAX_T, "pl_gdn_in_proj takes at most %d tokens (got %lld): use pl_linear_parts "
              "and pl_conv1d", GEMV_MAX_T, (long long)T);
   PL_REQUIRE(0 < C && C <= N, "qkv channels %lld: must be in 1..N = %lld", (long long)C, (long long)N);
@@ -803,6 +882,12 @@ extern "C" int pl_gdn_in_proj(uint64_t x, uint64_t residual, uint64_t residual_o
   PL_REQUIRE(conv_w_dtype >= PL_F32 && conv_w_dtype <= PL_BF16, "conv weight dtype must be fp32, fp16 or bf16");
   PL_REQUIRE(state_dtype >= PL_F32 && state_dtype <= PL_BF16, "conv state dtype must be fp32, fp16 or bf16");
   PL_REQUIRE(conv_w != 0 && conv_state != 0 && slot_ids != 0, "the conv needs its weight, state and slots");
+  if (ab) {
+    PL_REQUIRE(ab->w != 0 && ab->wdt >= PL_F32 && ab->wdt <= PL_E4M3, "the a|b weight: a dtype of 0..3 is needed");
+    PL_REQUIRE(ab->wdt != PL_E4M3, "the a|b weight must be dense (fp32, fp16 or bf16)");
+    PL_REQUIRE(ab->Hv > 0 && ab->A_log != 0 && ab->dt_bias != 0 && ab->gates != 0,
+               "GDN gates need Hv > 0, A_log, dt_bias and their output");
+  }
   Prenorm pn;
   if (residual && prenorm_of(pn, x, residual, residual_out, norm_w, norm_w_dtype, eps, T)) return -1;
   if (T == 0) return 0;
@@ -816,9 +901,45 @@ extern "C" int pl_gdn_in_proj(uint64_t x, uint64_t residual, uint64_t residual_o
   op.conv_state = (void*)conv_state;
   op.conv_sdt = state_dtype;
   op.slots = (const int32_t*)slot_ids;
-  PL_DISPATCH_ACT(act_dtype, TA,
-    launch_gemv_of<false, TA, TA>(residual ? (const TA*)0 : (const TA*)x, residual ? &pn : 0, 0, T, K,
-                                  (const void*)w, (int)w_dtype, (const float*)scale, N, op, (TA*)out, stream));
+  bool fused = false;
+  PL_DISPATCH_ACT(act_dtype, TA, {
+    const TA* xp = residual ? (const TA*)0 : (const TA*)x;
+    if (ab && residual)
+      fused = launch_gdn_in_proj_gates<TA, true>(xp, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
+                                                 (TA*)out, *ab, pn, stream);
+    else if (ab)
+      fused = launch_gdn_in_proj_gates<TA, false>(xp, T, K, (const void*)w, (int)w_dtype, (const float*)scale, N, op,
+                                                  (TA*)out, *ab, pn, stream);
+    if (!fused)
+      launch_gemv_of<false, TA, TA>(xp, residual ? &pn : 0, 0, T, K, (const void*)w, (int)w_dtype,
+                                    (const float*)scale, N, op, (TA*)out, stream);
+  });
   PL_CHECK_LAUNCH();
+  if (ab && !fused) {        // the a|b GEMV after it; the q|k|v|z one has written residual_out already
+    const int64_t ends[3] = {ab->Hv, 2 * (int64_t)ab->Hv, 2 * (int64_t)ab->Hv};
+    pn.res_out = 0;
+    return linear(residual ? 0 : x, act_dtype, 0, T, K, (uint64_t)(uintptr_t)ab->w, ab->wdt, 0, 2 * (int64_t)ab->Hv,
+                  ends, (uint64_t)(uintptr_t)ab->gates, PL_F32, stream, ab->A_log, ab->dt_bias, residual ? &pn : 0);
+  }
   return 0;
+}
+
+extern "C" int pl_gdn_in_proj(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
+                              int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w,
+                              int32_t w_dtype, uint64_t scale, int64_t C, int64_t N, uint64_t out, uint64_t conv_w,
+                              int32_t conv_w_dtype, int32_t W, uint64_t conv_state, int32_t state_dtype,
+                              uint64_t slot_ids, uint64_t stream) {
+  return gdn_in_proj(x, residual, residual_out, norm_w, norm_w_dtype, eps, act_dtype, T, K, w, w_dtype, scale, C, N,
+                     out, conv_w, conv_w_dtype, W, conv_state, state_dtype, slot_ids, 0, stream);
+}
+
+extern "C" int pl_gdn_in_proj_gates(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
+                                    int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K,
+                                    uint64_t w, int32_t w_dtype, uint64_t scale, int64_t C, int64_t N, uint64_t out,
+                                    uint64_t conv_w, int32_t conv_w_dtype, int32_t W, uint64_t conv_state,
+                                    int32_t state_dtype, uint64_t slot_ids, uint64_t ab_w, int32_t ab_w_dtype,
+                                    int32_t Hv, uint64_t A_log, uint64_t dt_bias, uint64_t gates, uint64_t stream) {
+  AbGates ab{(const void*)ab_w, ab_w_dtype, Hv, (const float*)A_log, (const float*)dt_bias, (float*)gates};
+  return gdn_in_proj(x, residual, residual_out, norm_w, norm_w_dtype, eps, act_dtype, T, K, w, w_dtype, scale, C, N,
+                     out, conv_w, conv_w_dtype, W, conv_state, state_dtype, slot_ids, &ab, stream);
 }

@@ -146,6 +146,16 @@ int pl_gdn_in_proj(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_
                    float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype, uint64_t scale,
                    int64_t C, int64_t N, uint64_t out, uint64_t conv_w, int32_t conv_w_dtype, int32_t W,
                    uint64_t conv_state, int32_t state_dtype, uint64_t slot_ids, uint64_t stream);
+/* pl_gdn_in_proj and, in the same launch, GDN's dense a|b projection of the same input with the gates in its
+   epilogue (pl_linear_gdn_gates): ab_w (2 Hv, K) of ab_w_dtype (rows [a | b]), A_log and dt_bias (Hv,) fp32, gates
+   (2, T, Hv) fp32 = [g | beta]. One launch for an e4m3 q|k|v|z weight and an a|b weight in the activation dtype
+   (16-byte aligned, K % 16 == 0); otherwise the two GEMVs one after the other. */
+int pl_gdn_in_proj_gates(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w, int32_t norm_w_dtype,
+                         float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype,
+                         uint64_t scale, int64_t C, int64_t N, uint64_t out, uint64_t conv_w, int32_t conv_w_dtype,
+                         int32_t W, uint64_t conv_state, int32_t state_dtype, uint64_t slot_ids, uint64_t ab_w,
+                         int32_t ab_w_dtype, int32_t Hv, uint64_t A_log, uint64_t dt_bias, uint64_t gates,
+                         uint64_t stream);
 /* out (T, I) of out_dtype = silu(g) * u / row_scale[t], g, u (T, I) of in_dtype, in fp32; out_dtype is in_dtype
    or fp16 from fp32 inputs. row_scale: 0 for none, or (T,) fp32 written with the power of two that brings the
    row's largest |value| to at most 2^15 (1 when it already is), so an fp16 out never overflows and keeps its
@@ -206,6 +216,13 @@ int pl_gdn_gates(uint64_t a, uint64_t b, int32_t act_dtype, int64_t T, int32_t H
 int pl_gated_delta(uint64_t q, uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk, int32_t Hv,
                    int32_t Dk, int32_t Dv, uint64_t g, uint64_t beta, uint64_t state, uint64_t slot_ids,
                    uint64_t query_start, int32_t B, uint64_t out, uint64_t stream);
+/* pl_gated_delta then pl_gated_rmsnorm of its output in one launch: out (T, Hv, Dv) act = norm_w * o *
+   rsqrt(mean(o^2) + eps) * silu(z) per (token, head), o the delta rule's output rounded to act; z (T, Hv, Dv) act,
+   norm_w (Dv,) of norm_w_dtype; Dv <= 128. */
+int pl_gated_delta_rmsnorm(uint64_t q, uint64_t k, uint64_t v, int32_t act_dtype, int64_t T, int32_t Hk, int32_t Hv,
+                           int32_t Dk, int32_t Dv, uint64_t g, uint64_t beta, uint64_t state, uint64_t slot_ids,
+                           uint64_t query_start, int32_t B, uint64_t z, uint64_t norm_w, int32_t norm_w_dtype,
+                           float eps, uint64_t out, uint64_t stream);
 /* out (rows, D) act = w * x * rsqrt(mean(x^2) + eps) * silu(z), per row (rows = T * Hv, D = Dv). */
 int pl_gated_rmsnorm(uint64_t x, uint64_t z, uint64_t w, int32_t w_dtype, uint64_t out, int32_t act_dtype,
                      int64_t rows, int32_t D, float eps, uint64_t stream);

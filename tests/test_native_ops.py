@@ -494,6 +494,51 @@ def test_gdn_in_proj(lib, act, wdt, normed):
     check(state, ref_state, TOL[act], "gdn in_proj conv state")
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("ab_dtype", ["act", torch.bfloat16])
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("T", [1, 3, 12])
+def test_gdn_in_proj_gates(lib, act, ab_dtype, normed, T):
+    """pl_gdn_in_proj_gates: pl_gdn_in_proj's outputs and conv states, and GDN's gates of the dense a|b projection
+    of the same input (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)) against the float64 references;
+    one launch when the a|b weight is in the activation dtype, else two (the same results); normed: the residual
+    stream written once."""
+    dev, K, C, N, W, Hv = lib.device, 256, 256, 384, 4, 12
+    wt, scale, full = weight_of(torch.float8_e4m3fn, N, K, dev)
+    wab, _, fab = weight_of(act if ab_dtype == "act" else ab_dtype, 2 * Hv, K, dev)
+    A_log, dt_bias = rnd(Hv, device=dev, scale=0.5), rnd(Hv, device=dev)
+    conv_w, state = rnd(C, W, device=dev, scale=0.5), rnd(16, C, W - 1, dtype=act, device=dev)
+    slots = torch.randperm(16, generator=torch.Generator().manual_seed(T))[:T].int().to(dev)
+    res_out = poisoned((T, K), torch.float32, dev)
+    if normed:
+        x, res, nw, h, r = prenorm_case(act, T, K, dev)
+        args = (p(x), p(res), p(res_out), p(nw), F32, 1e-6, CODE[act])
+    else:
+        x = rnd(T, K, dtype=act, device=dev)
+        h, args = x.double().cpu(), (p(x), 0, 0, 0, 0, 0.0, CODE[act])
+    y = (h @ full.T).to(act).double()                                            # (T, N)
+    ref_qkv, ref_state = ref_conv1d(y[:, :C], conv_w.cpu(), state.cpu(), slots.cpu(), torch.arange(T + 1))
+    ab = h @ fab.T                                                               # (T, 2 Hv)
+    ref_g = -A_log.double().cpu().exp() * F.softplus(ab[:, :Hv] + dt_bias.double().cpu())
+    out, gates = poisoned((T * N,), act, dev), poisoned((2, T, Hv), torch.float32, dev)
+    count = lib.ffi.new("uint64_t*")
+    lib.lib.pl_launch_count(count)
+    before = count[0]
+    lib.call("pl_gdn_in_proj_gates", *args, T, K, p(wt), E4M3, p(scale), C, N, p(out), p(conv_w), F32, W, p(state),
+             CODE[act], p(slots), p(wab), CODE[wab.dtype], Hv, p(A_log), p(dt_bias), p(gates))
+    lib.lib.pl_launch_count(count)
+    assert count[0] - before == (1 if ab_dtype == "act" else 2)
+    check(out[:T * C].view(T, C), ref_qkv, TOL[act] * 2, "gdn in_proj qkv after the conv")
+    check(out[T * C:].view(T, N - C), y[:, C:], TOL[act] * 2, "gdn in_proj z")
+    check(state, ref_state, TOL[act], "gdn in_proj conv state")
+    check(gates[0], ref_g, TOL[act] * 4, "gdn gates g")
+    check(gates[1], torch.sigmoid(ab[:, Hv:]), TOL[act] * 4, "gdn gates beta")
+    if normed:
+        check(res_out, r, 1e-6, "residual_out")
+    else:
+        assert torch.isnan(res_out).all()
+
+
 def test_norm_linear_refuses_prefill_sizes(lib):
     x, res, w = rnd(17, 64, device=lib.device), rnd(17, 64, device=lib.device), rnd(64, device=lib.device)
     wl, out = rnd(8, 64, device=lib.device), poisoned((17, 8), torch.float32, lib.device)
@@ -812,6 +857,45 @@ def test_gated_delta(lib, act, Hk, Hv, Dk, Dv):
         check(state, ref_state, 2e-5 if act == torch.float32 else 2e-3, "gated_delta state")
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", GDN_CASES)
+def test_gated_delta_rmsnorm(lib, act, Hk, Hv, Dk, Dv):
+    """pl_gated_delta_rmsnorm: the delta rule, then the gated RMSNorm of its output (rounded to the activation type,
+    as pl_gated_delta writes it) in one launch, against the float64 references of both; the state as pl_gated_delta
+    leaves it. Prefill rows, then a decode step."""
+    dev = lib.device
+    gen = torch.Generator().manual_seed(2)
+    state = rnd(4, Hv, Dk, Dv, gen=gen, scale=0.1).to(dev)
+    slot_ids = torch.tensor([2, 0], dtype=torch.int32, device=dev)
+    w = rnd(Dv, gen=gen).to(dev)
+    for q_lens in ([4, 3], [1, 1]):
+        query_start = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+        T = sum(q_lens)
+        q, k = rnd(T, Hk, Dk, dtype=act, gen=gen).to(dev), rnd(T, Hk, Dk, dtype=act, gen=gen).to(dev)
+        v, z = rnd(T, Hv, Dv, dtype=act, gen=gen).to(dev), rnd(T, Hv, Dv, dtype=act, gen=gen, scale=2).to(dev)
+        g = (-torch.rand(T, Hv, generator=gen) * 2).to(dev)
+        beta = torch.rand(T, Hv, generator=gen).to(dev)
+        o, ref_state = ref_gated_delta(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), state.cpu(), slot_ids.cpu(),
+                                       query_start.cpu())
+        o = o.to(act).double()                                  # the kernel rounds o where pl_gated_delta writes it
+        ref = w.double().cpu() * o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * F.silu(z.double().cpu())
+        out = poisoned((T, Hv, Dv), act, dev)
+        lib.call("pl_gated_delta_rmsnorm", p(q), p(k), p(v), CODE[act], T, Hk, Hv, Dk, Dv, p(g), p(beta), p(state),
+                 p(slot_ids), p(query_start), 2, p(z), p(w), F32, 1e-6, p(out))
+        check(out, ref, TOL[act] * 2, "gated_delta_rmsnorm out")
+        check(state, ref_state, 2e-5 if act == torch.float32 else 2e-3, "gated_delta_rmsnorm state")
+        state = ref_state.float().to(dev)
+
+
+def test_gated_delta_rmsnorm_refuses_wide_heads(lib):
+    """Dv over 128 does not fit one block: refused with the way out named, nothing written."""
+    dev = lib.device
+    t = torch.zeros(1, 1, 160, device=dev)
+    with pytest.raises(RuntimeError, match="pl_gated_delta and pl_gated_rmsnorm"):
+        lib.call("pl_gated_delta_rmsnorm", p(t), p(t), p(t), F32, 1, 1, 1, 160, 160, p(t), p(t), p(t), p(t), p(t),
+                 1, p(t), p(t), F32, 1e-6, p(t))
+
+
 # ---- The Python binding: pocketllm.NativeOps on the CPU build against pocketllm.TorchOps, op by op. --------
 # (NativeOps allocates its outputs with torch.empty, so poisoning is left to the tests above.)
 
@@ -878,6 +962,15 @@ def _nativeops_cases(pl, act):
                          torch.tensor([0, 1, 2], dtype=torch.int32))),                               # the epilogue
         ("gdn_in_proj", (r(T, 256), pl.Linear(w8, s8), [128, 22], r(128, W, scale=0.5, dtype=torch.float32),
                          r(3, 128, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs)),
+        ("gdn_in_proj_gates", (r(2, 256), pl.Linear(w8, s8), [128, 22], r(128, W, scale=0.5, dtype=torch.float32),
+                               r(3, 128, W - 1), torch.tensor([2, 0], dtype=torch.int32),   # decode: one launch
+                               torch.tensor([0, 1, 2], dtype=torch.int32),
+                               pl.Linear(r(2 * Hv, 256, scale=0.3), None), r(Hv, scale=0.5, dtype=torch.float32),
+                               r(Hv, dtype=torch.float32))),
+        ("gdn_in_proj_gates", (r(T, 256), pl.Linear(w8, s8), [128, 22], r(128, W, scale=0.5, dtype=torch.float32),
+                               r(3, 128, W - 1), torch.tensor([2, 0], dtype=torch.int32), qs,   # prefill: the ops
+                               pl.Linear(r(2 * Hv, 256, scale=0.3, dtype=torch.bfloat16), None),
+                               r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
         ("gdn_gates", (r(T, Hv, scale=3), r(T, Hv, scale=3), r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
         ("gdn_gates_linear", (r(T, 64), pl.Linear(r(2 * Hv, 64, scale=0.3, dtype=torch.bfloat16), None),
                               r(Hv, scale=0.5, dtype=torch.float32), r(Hv, dtype=torch.float32))),
@@ -888,6 +981,14 @@ def _nativeops_cases(pl, act):
                          torch.rand(2, Hv, generator=g), r(3, Hv, Dk, Dv, dtype=torch.float32, scale=0.1),
                          torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32))),
         ("gated_rmsnorm", (r(T, Hv, Dv), r(T, Hv, Dv, scale=2), r(Dv, dtype=torch.float32), 1e-6)),
+        ("gated_delta_rmsnorm", (r(T, Hkg, Dk), r(T, Hkg, Dk), r(T, Hv, Dv), -torch.rand(T, Hv, generator=g),
+                                 torch.rand(T, Hv, generator=g), r(3, Hv, Dk, Dv, dtype=torch.float32, scale=0.1),
+                                 torch.tensor([2, 0], dtype=torch.int32), qs, r(T, Hv, Dv, scale=2),
+                                 r(Dv, dtype=torch.float32), 1e-6)),
+        ("gated_delta_rmsnorm", (r(2, Hkg, Dk), r(2, Hkg, Dk), r(2, Hv, Dv), -torch.rand(2, Hv, generator=g),
+                                 torch.rand(2, Hv, generator=g), r(3, Hv, Dk, Dv, dtype=torch.float32, scale=0.1),
+                                 torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+                                 r(2, Hv, Dv, scale=2), r(Dv, dtype=torch.float32), 1e-6)),
     ]
 
 

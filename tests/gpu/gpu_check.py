@@ -355,6 +355,27 @@ def bench(logdir: Path) -> int:
         nbytes = 2 * B * Hv * Dk * Dv * 4
         row("GDN decode (delta rule)", "48 heads 128x128", B, nbytes,
             lambda: ops.gated_delta(qk, qk, v, g, beta, state, slots, qs))
+        # The same with the gated RMSNorm of its output in the launch (pl_gated_delta_rmsnorm: a block per head's
+        # whole row, 4x fewer and 4x wider blocks): what a decode layer runs.
+        z, norm_w = torch.randn(B, Hv, Dv, device="cuda").to(act), torch.rand(Dv, device="cuda")
+        row("GDN decode + gated norm", "48 heads 128x128", B, nbytes + B * Hv * Dv * 2,
+            lambda: ops.gated_delta_rmsnorm(qk, qk, v, g, beta, state, slots, qs, z, norm_w, 1e-6))
+    # GDN's in_proj at decode (27B TP1 shapes): FP8 q|k|v|z with the conv in its epilogue and the fp16 a|b rows
+    # with the gates, one launch (pl_gdn_in_proj_gates) against the two GEMVs.
+    C, N, D, Hv = 2 * 16 * 128 + 48 * 128, 2 * 16 * 128 + 2 * 48 * 128, 5120, 48
+    qkvz, ab = fp8_linear(N, D), pocketllm.Linear(weight=torch.randn(2 * Hv, D, device="cuda").to(act) * 0.01)
+    conv_w, A_log, dt_bias = torch.rand(C, 4, device="cuda"), torch.rand(Hv, device="cuda"), torch.rand(Hv, device="cuda")
+    in_bytes = N * D + qkvz.scale.numel() * 4 + 2 * Hv * D * 2
+    for B in (1, 8):
+        x = torch.randn(B, D, device="cuda").to(act)
+        conv_state = torch.zeros(B, C, 3, device="cuda").to(act)
+        slots, qs = torch.arange(B, device="cuda", dtype=torch.int32), torch.arange(B + 1, device="cuda", dtype=torch.int32)
+        row("GDN in_proj + gates (1)", f"{N}+{2 * Hv}x{D}", B, in_bytes,
+            lambda: ops.gdn_in_proj_gates(x, qkvz, [C, N - C], conv_w, conv_state, slots, qs, ab, A_log, dt_bias))
+        row("GDN in_proj, gates (2)", f"{N}+{2 * Hv}x{D}", B, in_bytes,
+            lambda: (ops.gdn_in_proj(x, qkvz, [C, N - C], conv_w, conv_state, slots, qs),
+                     ops.gdn_gates_linear(x, ab, A_log, dt_bias)))
+    del qkvz, ab
     save(logdir, "bench", {"copy_GBps": copy, "rows": rows})
     return 0
 
