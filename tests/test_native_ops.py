@@ -638,10 +638,10 @@ def pow2_row_scale_ref(h: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("T,N,K", LINEAR_SHAPES)
 def test_linear_fp32_output_beyond_fp16_range(lib, act, T, N, K):
     """Outputs near 1e6 (fp16 would be inf), each row times its input row scale (powers of two up to 2^8)."""
-    dev = lib.device
-    w, scale = fp8_weight(N, K, dev)
-    scale = scale * 10.0                                                            # weights ~3
-    x = rnd(T, K, dtype=act, device=dev, scale=5000.0)
+    dev, gen = lib.device, torch.Generator().manual_seed(T * 1_000_003 + N * 1009 + K)   # not the test order's
+    w, scale = fp8_weight(N, K, dev, gen)
+    scale = scale * 10.0 + 0.05     # weights ~3-10: (1, 96, 90) is one block, whose scale alone sets the size
+    x = rnd(T, K, dtype=act, device=dev, scale=5000.0, gen=gen)
     rs = (2.0 ** torch.arange(T).remainder(9)).float().to(dev)                      # (T,)
     out = poisoned((T, N), torch.float32, dev)
     lib.call("pl_linear", p(x), CODE[act], p(rs), T, K, p(w), E4M3, p(scale), N, p(out), F32)
