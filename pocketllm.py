@@ -1410,18 +1410,17 @@ class NativeOps:
                           conv_state: torch.Tensor, slot_ids: torch.Tensor, query_start: torch.Tensor, w_ab: Linear,
                           A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """gdn_in_proj and gdn_gates_linear in one launch for a decode step of at most 16 sequences
-        (pl_gdn_in_proj_gates: the a|b rows' blocks beside the q|k|v|z ones in one grid), else as two ops."""
+        (pl_gdn_in_proj_gates: the a|b rows' blocks beside the q|k|v|z ones in one grid; a|b dense), else as two
+        ops."""
         T = math.prod(x.shape[:-1])
-        if not (0 < T <= GEMV_MAX_TOKENS and T == slot_ids.numel() and len(sizes) == 2):
+        if not (0 < T <= GEMV_MAX_TOKENS and T == slot_ids.numel() and len(sizes) == 2 and w_ab.scale is None):
             return TorchOps.gdn_in_proj_gates(self, x, w, sizes, conv_w, conv_state, slot_ids, query_start, w_ab,
                                               A_log, dt_bias)
         weight, scale = self._weight(w)
-        w_ab, ab_scale = self._weight(w_ab)
+        w_ab, _ = self._weight(w_ab)
         (N, K), C, Hv = weight.shape, sizes[0], w_ab.shape[0] // 2
         conv_w, slot_ids = self._as(conv_w).reshape(C, -1), self._as(slot_ids, torch.int32)   # (C, W)
         A_log, dt_bias = self._as(A_log, torch.float32), self._as(dt_bias, torch.float32)
-        if ab_scale:
-            raise PocketError("gdn_in_proj_gates: the a|b weight must be dense")
         out = torch.empty(T * N, dtype=x.dtype, device=conv_state.device)                   # qkv | z
         gates = torch.empty(2, T, Hv, dtype=torch.float32, device=conv_state.device)        # [g | beta]
         self.lib.call("pl_gdn_in_proj_gates", *self._input(x), T, K, self._p(weight), self._dt(weight), scale, C, N,
