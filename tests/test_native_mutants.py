@@ -1,9 +1,12 @@
 """Deliberately broken kernels are caught on the CPU build (issue 10).
 
-Each case copies csrc/ to a temporary directory, breaks csrc/linear.cu by one text substitution, builds the
-CPU library from it (only the mutated file recompiles; the rest comes from the object cache) and runs the
-per-op check: the linear op through NativeOps against a float64 reference, with the fp16/fp32 tolerances of
-tests/test_native_ops.py. The unbroken library passes the same check (the control), every mutant fails it.
+The case copies csrc/ to a temporary directory and rewrites three places of csrc/linear.cu so that each can be
+broken at run time: the original code stays, next to its broken form, chosen by the PL_MUTANT environment variable
+as the kernel runs (unset: the original). One CPU library is built from it (only linear.cu recompiles; the rest
+comes from the object cache: one compile instead of one per mutant, which kept the suite a minute longer), and
+the per-op check runs under each setting: the linear op through NativeOps against a float64 reference, with the
+fp16/fp32 tolerances of tests/test_native_ops.py. The unbroken library and the switchable one with no mutant
+switched on pass the same check (the controls), every mutant fails it.
 
 The three mutations:
 - a removed __syncthreads() after staging the tensor-core GEMM's shared-memory tiles (a race: warps read
@@ -28,46 +31,52 @@ import pocketllm  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}   # max |out - ref| / max |ref|, as in test_native_ops.py
 
+# name: (the original text, found once in csrc/linear.cu; the same with the mutation behind mutant(name); dtype)
 MUTANTS = {
     "missing_syncthreads": (
         "      stage_tiles<FP8, VEC>(x, T, K, w, N, m0, n0, k0, xs, ws);\n      __syncthreads();\n",
-        "      stage_tiles<FP8, VEC>(x, T, K, w, N, m0, n0, k0, xs, ws);\n",
+        "      stage_tiles<FP8, VEC>(x, T, K, w, N, m0, n0, k0, xs, ws);\n"
+        "      if (!pl_mutant(\"missing_syncthreads\")) __syncthreads();\n",
         torch.float16),
     "off_by_one_tile_loop": (
         "for (int k0 = 0; k0 < K; k0 += TK) {",
-        "for (int k0 = 0; k0 + TK < K; k0 += TK) {",
+        "for (int k0 = 0; k0 + (pl_mutant(\"off_by_one_tile_loop\") ? TK : 0) < K; k0 += TK) {",
         torch.float32),
     "wrong_fragment_index": (
         "a[mi][1] = *(const uint32_t*)&xs[wm + mi * 16 + g + 8][ks + 2 * t];",
-        "a[mi][1] = *(const uint32_t*)&xs[wm + mi * 16 + g][ks + 2 * t];",
+        "a[mi][1] = *(const uint32_t*)&xs[wm + mi * 16 + g + (pl_mutant(\"wrong_fragment_index\") ? 0 : 8)]"
+        "[ks + 2 * t];",
         torch.float16),
 }
 
+# Read as the kernel runs (the CPU build's kernels are host code), so one library carries every mutant.
+SWITCH = '''#include <cstdlib>
+#include <cstring>
+static bool pl_mutant(const char* name) { const char* m = getenv("PL_MUTANT"); return m && !strcmp(m, name); }
+'''
 
-def build_variant(tmp: Path, name: str, mutation: tuple[str, str] | None) -> pocketllm.NativeLibrary:
-    """The CPU library from csrc/ with `mutation` (old, new) applied once to linear.cu."""
-    src = tmp / name / "csrc"
+
+def build_switchable(tmp: Path) -> pocketllm.NativeLibrary:
+    """The CPU library from csrc/ with every mutation of MUTANTS behind its PL_MUTANT switch in linear.cu."""
+    src = tmp / "csrc"
     src.mkdir(parents=True)
     for path in (ROOT / "csrc").iterdir():
         if path.suffix in (".cuh", ".h") or path.name in ("linear.cu", "runtime.cu"):   # what pl_linear needs
             shutil.copyfile(path, src / path.name)
-    if mutation:
-        old, new = mutation
-        text = (src / "linear.cu").read_text()
+    text = (src / "linear.cu").read_text()
+    for name, (old, new, _) in MUTANTS.items():
         assert text.count(old) == 1, f"mutation target of {name} not found once in csrc/linear.cu: {old!r}"
-        (src / "linear.cu").write_text(text.replace(old, new))
-    out = builder.build(cpu=True, src_dir=src, out_dir=tmp / name / "build", obj_dir=ROOT / "build" / "obj",
-                        quiet=True)
+        text = text.replace(old, new)
+    (src / "linear.cu").write_text(SWITCH + text)
+    out = builder.build(cpu=True, src_dir=src, out_dir=tmp / "build", obj_dir=ROOT / "build" / "obj", quiet=True)
     return pocketllm.NativeLibrary(out)
 
 
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory) -> dict[str, pocketllm.NativeLibrary]:
-    tmp = tmp_path_factory.mktemp("mutants")
-    libs = {"control": build_variant(tmp, "control", None)}
-    for name, (old, new, _) in MUTANTS.items():
-        libs[name] = build_variant(tmp, name, (old, new))
-    return libs
+def libs(tmp_path_factory) -> dict[str, pocketllm.NativeLibrary]:
+    """"control": the library of csrc/ as it is; "switchable": the one carrying the mutants."""
+    return {"control": pocketllm.NativeLibrary(builder.build(cpu=True, quiet=True)),
+            "switchable": build_switchable(tmp_path_factory.mktemp("mutants"))}
 
 
 def fp8_linear(N: int, K: int, gen: torch.Generator) -> pocketllm.Linear:
@@ -89,26 +98,30 @@ def linear_error(lib: pocketllm.NativeLibrary, act: torch.dtype) -> float:
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def test_control_passes_the_per_op_check(variants):
+def test_controls_pass_the_per_op_check(libs, monkeypatch):
+    monkeypatch.delenv("PL_MUTANT", raising=False)
     for act in (torch.float32, torch.float16):
-        assert linear_error(variants["control"], act) < TOL[act]
+        assert linear_error(libs["control"], act) < TOL[act]
+        assert linear_error(libs["switchable"], act) < TOL[act]
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_each_mutant_is_caught(variants, name):
+def test_each_mutant_is_caught(libs, name, monkeypatch):
+    monkeypatch.setenv("PL_MUTANT", name)
     act = MUTANTS[name][2]
-    err = linear_error(variants[name], act)
+    err = linear_error(libs["switchable"], act)
     assert err > 10 * TOL[act], f"{name}: relative error {err:.2e} slipped under the per-op tolerance"
 
 
-def test_missing_barrier_also_shows_as_a_schedule_difference(variants, monkeypatch):
+def test_missing_barrier_also_shows_as_a_schedule_difference(libs, monkeypatch):
     """Without any reference: the same launch under two fiber schedules disagrees when a barrier is missing."""
-    def run(name, schedule):
+    def run(mutant, schedule):
+        monkeypatch.setenv("PL_MUTANT", mutant)
         monkeypatch.setenv("PL_EMU_SCHEDULE", schedule)
         gen = torch.Generator().manual_seed(3)
         w = fp8_linear(128, 64, gen)
         x = torch.randn(64, 64, generator=gen).half()
-        return pocketllm.NativeOps("cpu", lib=variants[name]).linear(x, w)
+        return pocketllm.NativeOps("cpu", lib=libs["switchable"]).linear(x, w)
 
-    assert torch.equal(run("control", "forward"), run("control", "reverse"))
+    assert torch.equal(run("", "forward"), run("", "reverse"))
     assert not torch.equal(run("missing_syncthreads", "forward"), run("missing_syncthreads", "reverse"))
