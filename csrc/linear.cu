@@ -241,9 +241,28 @@ __device__ __forceinline__ void load8_w(const void* w, int64_t i, float* v) {
   }
 }
 
+// Eight activations as one 16-byte load (two for fp32): at T tokens each weight load meets T activation loads, so
+// scalar ones made the dense GEMV load-issue-bound (on an H200 the bf16 lm_head at 8 tokens: 5.03 ms scalar, 2.20
+// vector). At one token the scalar loads measured faster (1.07 vs 1.89 ms, not understood): load8_x_scalar.
+template <typename TA>
+__device__ __forceinline__ void load8_x_scalar(const TA* p, float* v) {
+  for (int j = 0; j < 8; j++) v[j] = to_f(p[j]);
+}
+
+__device__ __forceinline__ void load8_x(const pl_half* p, float* v) {
+  uint4 u = *(const uint4*)p;
+  const pl_half* h = (const pl_half*)&u;
+  for (int j = 0; j < 8; j++) v[j] = pl_h2f(h[j]);
+}
+
+__device__ __forceinline__ void load8_x(const float* p, float* v) {
+  float4 a = ((const float4*)p)[0], b = ((const float4*)p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
 template <typename TA>
 __device__ __forceinline__ void load8_x(const TA* p, float* v) {
-  for (int j = 0; j < 8; j++) v[j] = to_f(p[j]);
+  load8_x_scalar(p, v);
 }
 
 // WPR warps per row (a few output rows, e.g. GDN's in_proj_a|b: 96 rows at TP1, 24 at TP4): a row's K is dealt
@@ -273,6 +292,8 @@ __device__ __forceinline__ void gemv_dense_body(int bx, const TA* x, const float
         if (t < T) {
           if (NORM)
             for (int i = 0; i < 8; i++) xv[i] = xin<TA, true>(x, pn, inv, t, k0 + i, K);
+          else if (T == 1)
+            load8_x_scalar(x + k0, xv);
           else
             load8_x(x + (int64_t)t * K + k0, xv);
           for (int r = 0; r < NR; r++)
