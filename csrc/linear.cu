@@ -398,10 +398,13 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
   };
   const int step = GEMV_MMA_WARPS * 64;
   float acc[NT][4] = {};
-  Chunk cur, nxt;
+  // Two chunks in flight while one is multiplied (zeros past K): with one, the kernel held 40-50% of an H200's
+  // copy bandwidth (docs/benchmarks.md), about 1 KB per warp outstanding being too little to cover DRAM latency.
+  Chunk cur, nxt, nxt2;
   load(warp * 64, cur);
+  load(warp * 64 + step, nxt);
   for (int c0 = warp * 64; c0 < K; c0 += step) {
-    load(c0 + step, nxt);                  // in flight while this chunk is multiplied (zeros past K)
+    load(c0 + 2 * step, nxt2);
     const uint32_t wa_w[4] = {cur.wa.x, cur.wa.y, cur.wa.z, cur.wa.w}, wb_w[4] = {cur.wb.x, cur.wb.y, cur.wb.z, cur.wb.w};
     float part[NT][4] = {};
 #pragma unroll
@@ -421,6 +424,7 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
     for (int j = 0; j < NT; j++)
       for (int i = 0; i < 4; i++) acc[j][i] += (i < 2 ? sc : sc_b) * part[j][i];
     cur = nxt;
+    nxt = nxt2;
   }
   for (int j = 0; j < NT; j++)
     for (int i = 0; i < 4; i++) red[warp][lane][j * 4 + i] = acc[j][i];
