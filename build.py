@@ -188,7 +188,9 @@ def build(arch: str = DEFAULT_ARCH, cpu: bool = False, src_dir: Path | str = CSR
     found = None if cpu else find_nvcc(nvcc)
     toolkit = "host c++" if cpu else toolkit_version(found) if found else None
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src_dir / "pocketllm.h", out_dir / "pocketllm.h")  # pocketllm.py reads the ABI from here
+    header = out_dir / f"pocketllm.h.{os.getpid()}.tmp"        # pocketllm.py reads the ABI from build/pocketllm.h:
+    shutil.copyfile(src_dir / "pocketllm.h", header)             # replaced whole, never seen half-written by a
+    header.replace(out_dir / "pocketllm.h")                       # test while a background build starts
     built = stamp.read_text().split("\n") if out.exists() and stamp.exists() else []
     if not force and built[:1] == [digest] and (toolkit is None or built[1:2] == [toolkit]):
         return out

@@ -44,6 +44,8 @@ _build = build.build
 def _build_or_skip(*args, cpu: bool = False, **kwargs):
     if cpu and asan_missing():
         pytest.skip(asan_missing())
+    if not cpu:
+        _wait_for_background_build()
     return _build(*args, cpu=cpu, **kwargs)
 
 
@@ -53,6 +55,39 @@ build.build = _build_or_skip
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+# The CUDA build (`python build.py`: sm_75, sm_90 and PTX) is the suite's longest setup, minutes of one core, while
+# the tests keep about one of CI's two cores busy. When a collected test needs it, it starts in the background as
+# collection ends; build.build waits for it, then finds the library up to date (or, if it failed, builds again in
+# the foreground and reports the compiler's error).
+_background: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session):
+    global _background
+    wanted = any("cuda_build" in getattr(item, "fixturenames", ()) for item in session.items)
+    if wanted and build.find_nvcc():
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
+        _background = subprocess.Popen([sys.executable, str(ROOT / "build.py")], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, **group)
+
+
+def _wait_for_background_build():
+    global _background
+    if _background is not None:
+        _background.wait()
+        _background = None
+
+
+def pytest_unconfigure(config):
+    """A run that ends before the build does (a subset, ^C) stops it, compilers included."""
+    if _background is not None and _background.poll() is None:
+        try:
+            os.killpg(_background.pid, 15) if sys.version_info >= (3, 11) else _background.terminate()
+        except ProcessLookupError:
+            pass
+        _background.wait()
 
 
 @pytest.fixture(scope="session")
