@@ -1182,6 +1182,12 @@ class NativeOps:
         self._threads = threading.local()   # threads that made this device current in the library's runtime
         self._cpu_build = self.lib.is_cpu_build
         self._scales: dict[int, tuple] = {}   # id(scale) -> (scale, its fp32 copy): _weight's conversions
+        # Up to how many tokens two decode fusions apply (at most GEMV_MAX_TOKENS). Measured on an H200
+        # (docs/benchmarks.md, tests/gpu/gpu_check.py decode): every block of the next GEMVs recomputing the add +
+        # RMSNorm costs more than its own launch at any batch (batch-8 graphed step 6.90 -> 2.37 ms with both
+        # off), and the fp32-product MLP wins at one token only (its down_proj re-reads fp32 rows per output row).
+        self.prologue_tokens = 0                 # add + RMSNorm computed inside the projections that follow
+        self.glu_tokens = 1                      # the MLP as pl_linear_glu (fp32 product) + down_proj, 2 launches
 
     def launch_count(self) -> int:
         """Kernel launches queued by the library in this process so far (pl_launch_count)."""
@@ -1280,11 +1286,11 @@ class NativeOps:
 
     def prenorm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
                 dtype: torch.dtype | None = None) -> tuple[Prenormed | torch.Tensor, torch.Tensor]:
-        """add_rmsnorm for the projections that follow, run by their GEMVs (no launch of its own) at decode sizes
-        (1..16 tokens) with fp32 x; returns the Prenormed input and the new residual stream (a new tensor, written
-        by the first projection). Other sizes: add_rmsnorm."""
+        """add_rmsnorm for the projections that follow, run by their GEMVs (no launch of its own) up to
+        prologue_tokens tokens with fp32 x; returns the Prenormed input and the new residual stream (a new tensor,
+        written by the first projection). Otherwise add_rmsnorm."""
         T = x.numel() // x.shape[-1]
-        if not (0 < T <= GEMV_MAX_TOKENS and x.dtype == residual.dtype == torch.float32 and x.is_contiguous()):
+        if not (0 < T <= self.prologue_tokens and x.dtype == residual.dtype == torch.float32 and x.is_contiguous()):
             return self.add_rmsnorm(x, residual, w, eps, dtype)
         out = torch.empty_like(residual)                                             # (T, D) fp32
         return Prenormed(x, self._as(residual), out, self._as(w), eps, dtype or x.dtype), out
@@ -1370,11 +1376,11 @@ class NativeOps:
         return self._linear(self._silu_mul(g, u, dtype, row_scale), w, torch.float32, row_scale)
 
     def mlp(self, x: torch.Tensor, gate_up: Linear, down: Linear, dtype: torch.dtype) -> torch.Tensor:
-        """down(silu(x gate^T) * (x up^T)) -> (T, N) fp32. Decode (T <= 16): pl_linear_glu writes the fp32 product
+        """down(silu(x gate^T) * (x up^T)) -> (T, N) fp32. T <= glu_tokens: pl_linear_glu writes the fp32 product
         in one launch (no fp16 intermediate, so no row scale), then down_proj; larger T: gate|up in one launch,
         pl_silu_mul, down_proj (silu_mul_linear)."""
         T = math.prod(x.shape[:-1])
-        if T > GEMV_MAX_TOKENS:
+        if T > self.glu_tokens:
             g, u = self.linear_parts(x, gate_up, [gate_up.shape[0] // 2] * 2, torch.float32)
             return self.silu_mul_linear(g, u, down, dtype)
         weight, scale = self._weight(gate_up)
@@ -10905,13 +10911,25 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return torch.cuda.mem_get_info(device)
 
 
+def device_allocated(device: torch.device) -> int:
+    """Bytes this process's torch tensors hold on a CUDA device (0 elsewhere)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def instance_budget(opts: EngineOptions, free: int, total: int, held: int = 0) -> int:
+    """Bytes this engine may still take on a GPU: gpu_memory_utilization x total is its share of the card, whatever
+    other engines or processes hold (vLLM's per-instance meaning: two engines at 0.4 share one GPU), less the
+    `held` bytes it already has (its weights), and never more than is free."""
+    return min(free, int(opts.gpu_memory_utilization * total) - held)
+
+
 def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int, per_slot: int,
-                     workspace: int) -> tuple[int, int]:
-    """(max_batch_size, num_kv_blocks) for a GPU with `free` bytes left after the weights: pocketllm may hold
-    gpu_memory_utilization x total in all (vLLM's meaning), so the cache gets free - (1 - u) x total minus one
-    step's workspace. Recurrent state (per_slot bytes per sequence) takes at most half of it when
-    --max-batch-size is 0; the KV blocks (per_block bytes each) take the rest when --num-kv-blocks is 0."""
-    budget = free - int((1 - opts.gpu_memory_utilization) * total) - workspace
+                     workspace: int, held: int) -> tuple[int, int]:
+    """(max_batch_size, num_kv_blocks) for a GPU with `free` bytes left after this engine's `held` bytes of
+    weights: the cache gets instance_budget minus one step's workspace. Recurrent state (per_slot bytes per
+    sequence) takes at most half of it when --max-batch-size is 0; the KV blocks (per_block bytes each) take the
+    rest when --num-kv-blocks is 0."""
+    budget = instance_budget(opts, free, total, held) - workspace
     need = -(-opts.max_context // opts.kv_block_size)             # blocks of one sequence of max_context
     if budget < need * per_block + per_slot:
         raise PocketError(
@@ -10932,8 +10950,7 @@ def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int,
 def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch.device], dtype: torch.dtype,
                       kv_dtype: torch.dtype, sized: bool) -> None:
     """Refuse, in one line and before any weight loads, a configuration whose per-rank memory_budget exceeds what
-    a GPU of `devices` may use: its free memory less (1 - --gpu-memory-utilization) of the card, as
-    size_from_memory counts. Free memory is asked of rank 0's device only (this process's); the other ranks'
+    a GPU of `devices` may use: --gpu-memory-utilization of the card, at most what is free (instance_budget). Free memory is asked of rank 0's device only (this process's); the other ranks'
     cards count as wholly free from their properties, since asking them would leave a CUDA context of this
     process on each. A cache sized from memory (`sized`) needs at least one sequence of --max-context;
     otherwise the cache holds --max-batch-size of them (or --num-kv-blocks)."""
@@ -10952,7 +10969,7 @@ def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch
             free, total = torch.cuda.mem_get_info(device)
         else:
             free = total = torch.cuda.get_device_properties(device).total_memory
-        usable = free - int((1 - opts.gpu_memory_utilization) * total)
+        usable = instance_budget(opts, free, total)
         if need["total"] <= usable:
             continue
         more = f"--devices with more than {world} GPUs (--tensor-parallel-size)"
@@ -11066,6 +11083,7 @@ class LLM:
         check_memory_fits(cfg, opts, parse_devices(opts.devices) if opts.devices else [device], self.dtype,
                           kv_dtype, sized)
         self.dead_reason: str | None = None
+        self._allocated_before_load = device_allocated(device)
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
         if opts.devices:
             self.group = start_group(self.ckpt_dir, opts, self.dtype, kv_dtype)
@@ -11130,7 +11148,8 @@ class LLM:
             per_slot += snapshots * state_slot_bytes(cfg, layers, self.kv_dtype)
         else:                                  # a fixed amount, set aside like the workspace
             workspace += snapshots * state_slot_bytes(cfg, layers, self.kv_dtype)
-        batch, blocks = size_from_memory(opts, free, total, per_block, per_slot, workspace)
+        held = device_allocated(self.device) - self._allocated_before_load          # the weights
+        batch, blocks = size_from_memory(opts, free, total, per_block, per_slot, workspace, held)
         _log(opts, f"{free / GiB:.1f} GiB of {total / GiB:.1f} GiB free after the weights; at "
                    f"--gpu-memory-utilization {opts.gpu_memory_utilization:g}: KV cache {blocks} blocks = "
                    f"{blocks * opts.kv_block_size} tokens ({blocks * per_block / GiB:.2f} GiB), {batch} sequences "
@@ -11302,8 +11321,8 @@ ENGINE_FLAG_HELP = {
     "kv_block_size": "tokens per KV-cache block (default: %(default)s)",
     "num_kv_blocks": "KV-cache blocks; 0: on a GPU what --gpu-memory-utilization leaves after the weights, on the "
                      "CPU --max-batch-size sequences of --max-context (default: %(default)s)",
-    "gpu_memory_utilization": "share of the GPU's memory pocketllm may hold: weights, cache and workspace "
-                              "(default: %(default)s)",
+    "gpu_memory_utilization": "share of the GPU's memory this server may hold: weights, cache and workspace, "
+                              "at most what is free; per server, as in vLLM (default: %(default)s)",
     "prefill_token_budget": "tokens per engine step: prefill chunks plus one per decoding sequence "
                             "(default: %(default)s)",
     "prefix_cache": "prefix caching: a prompt that starts like an earlier one resumes from its cached KV blocks and "

@@ -70,7 +70,8 @@ def bench(name: str, ckpt, batches, decode: int, with_oracle: bool) -> list[str]
     for K in range(5):
         kinds = ["mtp"] + (["oracle"] if with_oracle and K else [])
         for kind in kinds:
-            llm = pocketllm.LLM(ckpt, speculative_tokens=K, quiet=True, dtype="float32", max_batch_size=8)
+            llm = pocketllm.LLM(ckpt, speculative_tokens=K, quiet=True, dtype="float32", max_batch_size=8,
+                                gpu_memory_utilization=0.2)                    # one engine per K on a GPU
             llm.generate([5, 6, 7], max_tokens=4, temperature=0)           # warm-up
             for b in batches:
                 prompts = prompts_for(llm, b, ckpt is None)

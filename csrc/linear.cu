@@ -241,9 +241,28 @@ __device__ __forceinline__ void load8_w(const void* w, int64_t i, float* v) {
   }
 }
 
+// Eight activations as one 16-byte load (two for fp32): at T tokens each weight load meets T activation loads, so
+// scalar ones made the dense GEMV load-issue-bound (on an H200 the bf16 lm_head at 8 tokens: 5.03 ms scalar, 2.20
+// vector). At one token the scalar loads measured faster (1.07 vs 1.89 ms, not understood): load8_x_scalar.
+template <typename TA>
+__device__ __forceinline__ void load8_x_scalar(const TA* p, float* v) {
+  for (int j = 0; j < 8; j++) v[j] = to_f(p[j]);
+}
+
+__device__ __forceinline__ void load8_x(const pl_half* p, float* v) {
+  uint4 u = *(const uint4*)p;
+  const pl_half* h = (const pl_half*)&u;
+  for (int j = 0; j < 8; j++) v[j] = pl_h2f(h[j]);
+}
+
+__device__ __forceinline__ void load8_x(const float* p, float* v) {
+  float4 a = ((const float4*)p)[0], b = ((const float4*)p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
 template <typename TA>
 __device__ __forceinline__ void load8_x(const TA* p, float* v) {
-  for (int j = 0; j < 8; j++) v[j] = to_f(p[j]);
+  load8_x_scalar(p, v);
 }
 
 // WPR warps per row (a few output rows, e.g. GDN's in_proj_a|b: 96 rows at TP1, 24 at TP4): a row's K is dealt
@@ -273,6 +292,8 @@ __device__ __forceinline__ void gemv_dense_body(int bx, const TA* x, const float
         if (t < T) {
           if (NORM)
             for (int i = 0; i < 8; i++) xv[i] = xin<TA, true>(x, pn, inv, t, k0 + i, K);
+          else if (T == 1)
+            load8_x_scalar(x + k0, xv);
           else
             load8_x(x + (int64_t)t * K + k0, xv);
           for (int r = 0; r < NR; r++)
@@ -377,10 +398,13 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
   };
   const int step = GEMV_MMA_WARPS * 64;
   float acc[NT][4] = {};
-  Chunk cur, nxt;
+  // Two chunks in flight while one is multiplied (zeros past K): with one, the kernel held 40-50% of an H200's
+  // copy bandwidth (docs/benchmarks.md), about 1 KB per warp outstanding being too little to cover DRAM latency.
+  Chunk cur, nxt, nxt2;
   load(warp * 64, cur);
+  load(warp * 64 + step, nxt);
   for (int c0 = warp * 64; c0 < K; c0 += step) {
-    load(c0 + step, nxt);                  // in flight while this chunk is multiplied (zeros past K)
+    load(c0 + 2 * step, nxt2);
     const uint32_t wa_w[4] = {cur.wa.x, cur.wa.y, cur.wa.z, cur.wa.w}, wb_w[4] = {cur.wb.x, cur.wb.y, cur.wb.z, cur.wb.w};
     float part[NT][4] = {};
 #pragma unroll
@@ -400,6 +424,7 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
     for (int j = 0; j < NT; j++)
       for (int i = 0; i < 4; i++) acc[j][i] += (i < 2 ? sc : sc_b) * part[j][i];
     cur = nxt;
+    nxt = nxt2;
   }
   for (int j = 0; j < NT; j++)
     for (int i = 0; i < 4; i++) red[warp][lane][j * 4 + i] = acc[j][i];

@@ -64,7 +64,9 @@ def _load(device: str) -> Lib:
         # Loaded without LD_PRELOAD of libasan: stack/global/shared-memory checks stay on (see build.py).
         os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=0:verify_asan_link_order=0")
         return Lib(build.build(cpu=True, quiet=True), "cpu")
-    return Lib(build.build(quiet=True), "cuda")
+    # $POCKETLLM_NATIVE_LIB: another build of the library (the GPU check runs an sm_75-only build on newer GPUs).
+    override = os.environ.get("POCKETLLM_NATIVE_LIB")
+    return Lib(Path(override) if override else build.build(quiet=True), "cuda")
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -1026,8 +1028,8 @@ def test_nativeops_match_torchops(act):
 def test_nativeops_prenorm_matches_torchops(act):
     """NativeOps.prenorm leaves the residual add + norm to the projections that read its output (pl_norm_linear_*):
     linear_parts, gdn_gates_linear, mlp and linear of it equal TorchOps' add_rmsnorm followed by the same op, and
-    the new residual stream (written by the first of them) equals TorchOps'. Prefill sizes and fp16 x take
-    add_rmsnorm itself."""
+    the new residual stream (written by the first of them) equals TorchOps'. Prefill sizes, fp16 x and sizes
+    above NativeOps.prologue_tokens take add_rmsnorm itself."""
     pl = _pocketllm()
     _LIBS.setdefault("cpu", _load("cpu"))
     nops, tops = pl.NativeOps("cpu"), pl.TorchOps()
@@ -1040,11 +1042,15 @@ def test_nativeops_prenorm_matches_torchops(act):
                                        r(12, scale=0.5), r(12))),                                    # the residual
                  ("mlp", (w8, pl.Linear(r(48, 128, scale=0.1, dtype=torch.bfloat16), None), act)),
                  ("linear", (w8, torch.float32))]
-    for T, x_dtype in [(3, torch.float32), (16, torch.float32), (20, torch.float32), (3, act)]:
+    # Both settings of the two decode fusions: on up to 16 tokens, and the defaults (prologue off, GLU at T = 1).
+    cases = [(16, 16, T, x_dtype) for T, x_dtype in [(3, torch.float32), (16, torch.float32), (20, torch.float32),
+                                                      (3, act)]] + [(0, 1, 1, torch.float32), (0, 1, 3, torch.float32)]
+    for prologue, glu, T, x_dtype in cases:
+        nops.prologue_tokens, nops.glu_tokens = prologue, glu
         x, res, w = r(T, 256, scale=2, dtype=x_dtype), r(T, 256, scale=3), r(256, scale=0.2)
         h_n, res_n = nops.prenorm(x.clone(), res.clone(), w, 1e-6, act)
         h_t, res_t = tops.prenorm(x, res, w, 1e-6, act)
-        assert isinstance(h_n, pl.Prenormed) == (T <= 16 and x_dtype == torch.float32), (T, x_dtype)
+        assert isinstance(h_n, pl.Prenormed) == (T <= prologue and x_dtype == torch.float32), (T, x_dtype)
         for name, args in consumers:
             out_n, out_t = getattr(nops, name)(h_n, *args), getattr(tops, name)(h_t, *args)
             outs_n = out_n if isinstance(out_n, tuple) else (out_n,)

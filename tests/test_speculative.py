@@ -27,6 +27,7 @@ K = 3
 
 def _llm(path, **kw):
     kw.setdefault("dtype", "float32")
+    kw.setdefault("gpu_memory_utilization", 0.1)   # on a GPU (the GPU check): several engines share the card
     return pl.LLM(path, quiet=True, **kw)
 
 
@@ -329,7 +330,7 @@ def test_window_rows_see_their_drafts_as_generated():
 # ---- The bundled pocket-tiny, with its trained MTP layer -----------------------------------------------------
 
 def test_pocket_tiny_speculates_by_default_and_matches():
-    llm = pl.LLM(quiet=True)
+    llm = pl.LLM(quiet=True, gpu_memory_utilization=0.1)
     if llm.model.mtp is None:
         llm.close()
         pytest.fail("models/pocket-tiny has no MTP layer: run tests/fixtures/train_pocket_tiny.py --mtp-only")
@@ -341,7 +342,7 @@ def test_pocket_tiny_speculates_by_default_and_matches():
     again = llm.chat(messages, tools=tools, max_tokens=80, temperature=0, tool_choice="required")
     stats = llm.stats()
     llm.close()
-    base = pl.LLM(quiet=True, speculative_tokens=0)
+    base = pl.LLM(quiet=True, speculative_tokens=0, gpu_memory_utilization=0.1)
     want = base.chat(messages, tools=tools, max_tokens=80, temperature=0)
     want_again = base.chat(messages, tools=tools, max_tokens=80, temperature=0, tool_choice="required")
     base.close()

@@ -133,28 +133,45 @@ def test_sizing_fills_the_budget_and_no_more():
     per_block, per_slot, ws = 2 << 20, 150 << 20, 3 * GiB        # 27B-like: 2 MiB a block, 150 MiB of state
     free, total = 110 * GiB, 141 * GiB
     opts = _opts(gpu_memory_utilization=0.9)
-    batch, blocks = pocketllm.size_from_memory(opts, free, total, per_block, per_slot, ws)
-    budget = free - int(0.1 * total) - ws
+    batch, blocks = pocketllm.size_from_memory(opts, free, total, per_block, per_slot, ws, total - free)
+    budget = free - int(0.1 * total) - ws                           # alone on the card: its weights are the rest
     assert batch == min(256, budget // 2 // per_slot)
     used = batch * per_slot + blocks * per_block
     assert used <= budget < used + per_block                        # the rest of the budget is under a block
     batch2, blocks2 = pocketllm.size_from_memory(_opts(gpu_memory_utilization=0.5), free, total, per_block,
-                                                 per_slot, ws)
+                                                 per_slot, ws, total - free)
     assert batch2 < batch and blocks2 < blocks
 
 
+def test_two_engines_share_a_gpu_by_their_utilization():
+    """vLLM's per-instance meaning: at 0.4 each, a second engine on the card gets its own 0.4 of it, not what
+    the first one left under a card-wide 0.4."""
+    per_block, total, weights, ws = 2 << 20, 141 * GiB, 20 * GiB, GiB
+    size_blocks = pocketllm.size_from_memory(_opts(gpu_memory_utilization=0.4, max_batch_size=8), total - weights,
+                                             total, per_block, 0, ws, weights)
+    used_by_first = int(0.4 * total)
+    second = pocketllm.size_from_memory(_opts(gpu_memory_utilization=0.4, max_batch_size=8),
+                                        total - used_by_first - weights, total, per_block, 0, ws, weights)
+    assert second == size_blocks and size_blocks[1] == (int(0.4 * total) - weights - ws) // per_block
+    free = total - used_by_first - weights                          # 0.9 + 0.4 > 1: it gets what is free
+    greedy = pocketllm.size_from_memory(_opts(gpu_memory_utilization=0.9, max_batch_size=8), free, total,
+                                        per_block, 0, ws, weights)
+    assert greedy[1] == (free - ws) // per_block
+
+
 def test_sizing_keeps_what_the_user_set():
-    args = (100 * GiB, 141 * GiB, 1 << 20, 1 << 20, GiB)
+    args = (100 * GiB, 141 * GiB, 1 << 20, 1 << 20, GiB, 41 * GiB)
     assert pocketllm.size_from_memory(_opts(max_batch_size=7), *args)[0] == 7
     assert pocketllm.size_from_memory(_opts(num_kv_blocks=1000), *args)[1] == 1000
-    assert pocketllm.size_from_memory(_opts(), 100 * GiB, 141 * GiB, 1 << 20, 0, GiB)[0] == 256   # no state
+    assert pocketllm.size_from_memory(_opts(), 100 * GiB, 141 * GiB, 1 << 20, 0, GiB, 41 * GiB)[0] == 256   # no state
 
 
 def test_sizing_refuses_a_gpu_too_small_for_one_sequence():
     with pytest.raises(pocketllm.PocketError, match="--gpu-memory-utilization 0.9: 5.00 GiB of 80.00 GiB are free"):
-        pocketllm.size_from_memory(_opts(), 5 * GiB, 80 * GiB, 2 << 20, 150 << 20, GiB)
+        pocketllm.size_from_memory(_opts(), 5 * GiB, 80 * GiB, 2 << 20, 150 << 20, GiB, 75 * GiB)
     with pytest.raises(pocketllm.PocketError, match="--max-batch-size 256: its recurrent state"):
-        pocketllm.size_from_memory(_opts(max_batch_size=256), 40 * GiB, 80 * GiB, 2 << 20, 150 << 20, GiB)
+        pocketllm.size_from_memory(_opts(max_batch_size=256), 40 * GiB, 80 * GiB, 2 << 20, 150 << 20, GiB,
+                                   40 * GiB)
 
 
 def test_the_size_matches_the_cache_the_engine_allocates(monkeypatch):
@@ -171,7 +188,7 @@ def test_the_size_matches_the_cache_the_engine_allocates(monkeypatch):
         llm._size_cache()
         opts, per_block, per_slot = llm.options, kv // llm.engine.blocks.total, state // 4
         ws = pocketllm.workspace_bytes(llm.config, opts.prefill_token_budget, 256, 4)
-        budget = 3 * GiB - int(0.1 * 4 * GiB) - ws
+        budget = 3 * GiB - ws                       # min(free, 0.9 x total - 0 held on the CPU) = free
         assert opts.max_batch_size == min(256, budget // 2 // per_slot)
         assert opts.num_kv_blocks == (budget - opts.max_batch_size * per_slot) // per_block
     finally:
@@ -192,7 +209,7 @@ def test_a_memory_sized_engine_starts_and_serves(monkeypatch):
         per_slot = pocketllm.cache_bytes(llm.config, llm.model.layers, 0, 16, 1, torch.float32)
         per_slot *= 2                                 # its state and, by default, one prefix-cache snapshot
         assert llm.engine.snapshots.ssm[0].shape[0] == 256
-        assert llm.engine.blocks.total == (GiB - int((1 - 0.8) * 2 * GiB) - ws - 256 * per_slot) // per_block
+        assert llm.engine.blocks.total == (GiB - ws - 256 * per_slot) // per_block   # min(free, 0.8 x 2 GiB)
         assert llm.generate("Hello", max_tokens=3, temperature=1.0, presence_penalty=0.5)["completion_tokens"] == 3
     finally:
         llm.close()

@@ -13,8 +13,10 @@
 #               with the layouts the CPU execution layer computes
 #   4 ops       tests/test_native_ops.py on cuda: every native op against the reference, poisoned outputs
 #   4b kernels  the fp32-output linears and the row-scaled MLP at the real K (5120, 17408) vs float64
-#   4c ptx_sm75 the linear ops again with CUDA_FORCE_PTX_JIT=1: the sm_75 (Turing) code path from the library's
-#               compute_75 PTX, as far as one newer GPU can run it
+#   4c ptx_sm75 every op again on a build for sm_75 alone (build/sm75/, made here when not carried): on a
+#               newer GPU the driver JIT-compiles its compute_75 PTX, so the Turing code path (mma m16n8k8, no
+#               cp.async) runs, as far as one newer GPU can run it (CUDA_FORCE_PTX_JIT=1 cannot: torch's own
+#               kernels carry no PTX and fail with "no kernel image")
 #   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy; init and step
 #               timeouts abort the communicator (a peer that never joins, a GPU spin ahead of the step)
 #   6 parity    tests/gpu/test_gpu_parity.py: native vs torch, identical greedy tokens for 64 steps
@@ -27,11 +29,13 @@
 #  10 verify    tests/verify_openai.py against pocket-tiny on the GPU, with the published clients
 #  11 bench     kernel bandwidth vs measured copy bandwidth on the 27B decode shapes
 #  12 decode    decode tokens/s at batch 1, 8 and 32 sampled at temperature 1, 27B shapes with 4 layers,
-#               extrapolated to 64 (stated so), eager and as CUDA graphs
+#               extrapolated to 64 (stated so), eager and as CUDA graphs, and with the decode fusions switched
+#               off one by one; then a torch.profiler table of batch-1 steps (LOGDIR/profile.txt)
 #  13 speculative  tests/test_speculative.py on the GPU (LLM's defaults: cuda, native): MTP drafts verified
 #               exactly against unspeculated greedy output, oracle drafts, stop/max_tokens inside windows,
 #               preemption, pocket-tiny's acceptance; then benchmarks/speculative.py's K = 0..4 table
 # Full logs: LOGDIR/<step>.log and LOGDIR/<step>.json; the short table comes last (also LOGDIR/summary.txt).
+# CHECK_BUDGET=SECONDS bounds the whole run (default 450); CHECK_ONLY="STEP ..." runs only the steps named.
 # The device image lacks cffi, openai and langchain-openai: carry their wheels (docs/gpu.md, device README) or
 # the native steps fail at prereqs and verify runs its client checks as NOT RUN.
 # Without a GPU, `python tests/gpu/serve_check.py dry-run LOGDIR` runs steps 7-9 on the CPU (tests/test_gpu_check.py
@@ -51,9 +55,14 @@ START=$(date +%s)
 # within CHECK_BUDGET seconds (default 450, so the device call ends inside 8 minutes): a step gets at most what
 # is left, and a step with under 15 s left is recorded as SKIPPED.
 BUDGET=${CHECK_BUDGET:-450}
+ONLY=${CHECK_ONLY:-}             # e.g. CHECK_ONLY="ops graphs decode": run just these steps (a rerun's short list)
 run() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then
+        printf '%s\tok\tnot selected (CHECK_ONLY)\n' "$name" >> "$LOG/summary.tsv"
+        return 0
+    fi
     local t0=$(date +%s)
     local left=$(( BUDGET - (t0 - START) ))
     if [ $left -lt 15 ]; then
@@ -89,9 +98,15 @@ run library 300 bash -c load_or_rebuild
 run wrappers 120 "$PY" -m pytest -q -x tests/test_emu_layer.py -k cuda -p no:cacheprovider
 run ops 150 "$PY" -m pytest -q tests/test_native_ops.py -k cuda -p no:cacheprovider
 run kernels 90 "$PY" tests/gpu/gpu_check.py kernels "$LOG"
-# The Turing code path on this GPU: the library's compute_75 PTX, JIT-compiled (mma m16n8k8, no cp.async).
-run ptx_sm75 90 env CUDA_FORCE_PTX_JIT=1 "$PY" -m pytest -q -x tests/test_native_ops.py -k "cuda and linear" \
-    -p no:cacheprovider
+# The Turing code path on this GPU: an sm_75-only build, whose compute_75 PTX the driver JIT-compiles.
+sm75_ops() {
+    [ -f build/sm75/libpocketllm.so ] || "$PY" -c "import build; build.build(arch='75', out_dir='build/sm75')" \
+        || return 1
+    POCKETLLM_NATIVE_LIB=build/sm75/libpocketllm.so "$PY" -m pytest -q tests/test_native_ops.py -k cuda \
+        -p no:cacheprovider
+}
+export -f sm75_ops
+run ptx_sm75 150 bash -c sm75_ops
 run nccl 120 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
 run parity 120 "$PY" -m pytest -q tests/gpu/test_gpu_parity.py -p no:cacheprovider
 run graphs 90 "$PY" tests/gpu/gpu_check.py graphs "$LOG"
@@ -101,8 +116,8 @@ GPU_FLAGS=(--max-context 2048)      # --device auto and --backend auto: the star
 run serve_tiny 90 "$PY" tests/gpu/serve_check.py serve "$LOG" serve_tiny -- "${GPU_FLAGS[@]}"
 run serve_synthetic 120 "$PY" tests/gpu/serve_check.py serve "$LOG" serve_synthetic -- "${GPU_FLAGS[@]}" \
     --ckpt "$POCKETLLM_SYNTH" --smoke-layers 4
-grep -h "backend native on cuda:0" "$LOG"/serve_*.server.log >> "$LOG/serve_tiny.log" \
-    || printf 'serve_default_backend\tFAILED(the defaults did not pick native on cuda:0)\t0s\n' >> "$LOG/summary.tsv"
+ls "$LOG"/serve_*.server.log >/dev/null 2>&1 && ! grep -h "backend native on cuda:0" "$LOG"/serve_*.server.log \
+    >> "$LOG/serve_tiny.log" && printf 'serve_default_backend\tFAILED(the defaults did not pick native on cuda:0)\t0s\n' >> "$LOG/summary.tsv"
 run verify 150 "$PY" tests/verify_openai.py --client-python "$PY" --log-dir "$LOG/verify" "${GPU_FLAGS[@]}"
 run bench 90 "$PY" tests/gpu/gpu_check.py bench "$LOG"
 run decode 120 "$PY" tests/gpu/gpu_check.py decode "$LOG"
@@ -113,7 +128,7 @@ run speculative 120 bash -c '"$PY" -m pytest -q -x tests/test_speculative.py -k 
     echo
     echo "== pocketllm GPU check: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null), $(( $(date +%s) - START ))s"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /'
-    column -t -s $'\t' "$LOG/summary.tsv"
+    column -t -s $'\t' "$LOG/summary.tsv" 2>/dev/null || expand -t 24 "$LOG/summary.tsv"
     if [ -f "$LOG/bench.json" ]; then
         "$PY" - "$LOG/bench.json" <<'EOF'
 import json, sys
@@ -127,9 +142,8 @@ EOF
         "$PY" - "$LOG/decode.json" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
-for b in ("batch1_eager", "batch1_graphs", "batch8_eager", "batch8_graphs", "batch32_eager", "batch32_graphs"):
-    if b in d:
-        r = d[b]
+for b, r in d.items():
+    if b.startswith("batch"):
         print(f"decode {b}: {r['step_ms_4_layers']:.2f} ms/step with 4 layers -> ~{r['tok_per_s_est']:.1f} tok/s "
               f"at 64 layers (extrapolated; real-vocab lm_head excluded; {d.get('sampling', 'greedy')})")
 EOF

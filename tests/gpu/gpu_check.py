@@ -308,7 +308,7 @@ def bench(logdir: Path) -> int:
     I, D = 17408, 5120
     gate_up, down = fp8_linear(2 * I, D), fp8_linear(D, I)
     mlp_bytes = 3 * I * D + (gate_up.scale.numel() + down.scale.numel()) * 4
-    for B in (1, 8):
+    for B in (1, 2, 4, 8):
         x = torch.randn(B, D, device="cuda").to(act)
         row("MLP decode: glu + down", f"{I}x{D} x3", B, mlp_bytes, lambda: ops.mlp(x, gate_up, down, act))
         row("MLP 3 launches (fp16 h)", f"{I}x{D} x3", B, mlp_bytes,
@@ -319,6 +319,8 @@ def bench(logdir: Path) -> int:
         norm_w = torch.rand(D, device="cuda")
         row("MLP decode, norm prologue", f"{I}x{D} x3", B, mlp_bytes,
             lambda: ops.mlp(ops.prenorm(xf, res, norm_w, 1e-6, act)[0], gate_up, down, act))
+        row("add_rmsnorm + glu + down", f"{I}x{D} x3", B, mlp_bytes,
+            lambda: ops.mlp(ops.add_rmsnorm(xf, res, norm_w, 1e-6, act)[0], gate_up, down, act))
     del gate_up, down
     head = pocketllm.Linear(weight=torch.randn(248320, 5120, device="cuda").to(torch.bfloat16))
     for B in (1, 8):
@@ -399,12 +401,24 @@ def decode(logdir: Path) -> int:
             path, ref = checkpoints.make_checkpoint(Path(d), "qwen3_5", fp8=True, **shapes)
             del ref
         made = time.time() - t0
-        result = {"checkpoint_s": made, "layers": 4, "extrapolated_to": 64, "sampling": "temperature 1, top_p 0.95"}
+        result = {"checkpoint_s": made, "layers": 4, "extrapolated_to": 64, "sampling": "temperature 1, top_p 0.95",
+                  "speculative_tokens": 0}
+        # No speculation: CUDA graphs replay plain decode steps only (verify windows run eagerly).
         llm = pocketllm.LLM(path, backend="native", device="cuda", dtype="float16", quiet=True,
-                            max_context=1024, max_batch_size=32)
-        prompt = list(range(5, 69))
-        for B, graphs in ((1, False), (1, True), (8, False), (8, True), (32, False), (32, True)):
+                            max_context=1024, max_batch_size=32, speculative_tokens=0, gpu_memory_utilization=0.5)
+        ops, prompt = llm.model.ops, list(range(5, 69))
+        # (batch, graphs, fusion variant): "default" as shipped; "no prologue": add + RMSNorm as its own launch
+        # before the projections; "glu T<=1": the MLP's fused-GLU path at one token only, 3 launches above.
+        variants = {"default": (ops.prologue_tokens, ops.glu_tokens), "no prologue": (0, ops.glu_tokens),
+                    "glu T<=1": (ops.prologue_tokens, 1), "no prologue, glu T<=1": (0, 1)}
+        runs = [(B, g, "default") for B in (1, 8, 32) for g in (False, True)] + \
+            [(B, True, v) for v in list(variants)[1:] for B in (1, 4, 8)]
+        for B, graphs, variant in runs:
             llm.engine.graphs.enabled = graphs
+            if (ops.prologue_tokens, ops.glu_tokens) != variants[variant]:
+                ops.prologue_tokens, ops.glu_tokens = variants[variant]
+                llm.engine.graphs.graphs.clear()                # captured graphs hold the other variant's launches
+                llm.engine.graphs.seen.clear()
             def run(n):
                 streams = [llm.submit(prompt, pocketllm.SamplingParams(max_tokens=n, temperature=1.0, top_p=0.95,
                                                                        seed=i, ignore_eos=True)) for i in range(B)]
@@ -420,14 +434,51 @@ def decode(logdir: Path) -> int:
             step_ms = (long - short) / 24 * 1e3        # per decode step, prefill cancelled out
             # 4 of 64 layers: the per-layer part scales by 16 (the 3:1 GDN:attention pattern is the model's);
             # embedding, sampling and engine overhead are counted 16 times too, so this is a lower bound.
-            how = "graphs" if graphs else "eager"
+            how = ("graphs" if graphs else "eager") + ("" if variant == "default" else f" ({variant})")
             result[f"batch{B}_{how}"] = {"step_ms_4_layers": step_ms, "step_ms_64_layers_est": step_ms * 16,
                                          "tok_per_s_est": B * 1e3 / (step_ms * 16)}
             print(f"batch {B} {how}: {step_ms:.2f} ms per step with 4 layers -> ~{step_ms * 16:.1f} ms with 64 "
                   f"-> ~{B * 1e3 / (step_ms * 16):.1f} tok/s (lm_head of the real vocab not included)", flush=True)
         result["graphs_captured"] = sorted(llm.engine.graphs.graphs)
+        ops.prologue_tokens, ops.glu_tokens = variants["default"]
+        llm.engine.graphs.graphs.clear()
+        llm.engine.graphs.seen.clear()
+        result["profile"] = profile_steps(llm, prompt, logdir)
+        llm.close()
     save(logdir, "decode", result)
     return 0
+
+
+def profile_steps(llm, prompt: list[int], logdir: Path) -> dict:
+    """Where a batch-1 decode step's time goes, eager and graphed: torch.profiler over 24 steps, the top ops by
+    host time and by GPU time written to LOGDIR/profile.txt; returns the step's host and GPU totals."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    import pocketllm
+    out, totals = [], {}
+    for graphs in (False, True):
+        llm.engine.graphs.enabled = graphs
+        params = pocketllm.SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=0, ignore_eos=True)
+        for _ in llm.submit(prompt, params):                   # warm-up (and the bucket's eager step + capture)
+            pass
+        params = pocketllm.SamplingParams(max_tokens=25, temperature=1.0, top_p=0.95, seed=1, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in llm.submit(prompt, params):
+                pass
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        how = "graphs" if graphs else "eager"
+        ka = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in ka) / 25
+        totals[how] = {"wall_ms_per_token": wall * 1e3 / 25, "gpu_ms_per_token": gpu_us / 1e3}
+        out.append(f"==== batch 1, {how}: {wall * 1e3 / 25:.2f} ms wall per token (25 tokens, prefill included), "
+                   f"{gpu_us / 1e3:.3f} ms GPU per token")
+        out.append(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        out.append(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    (logdir / "profile.txt").write_text("\n".join(out))
+    print(json.dumps(totals), flush=True)
+    return totals
 
 
 # ---- CUDA graphs: the decode step replayed from a graph gives the eager step's tokens, greedy and sampled ----
@@ -439,7 +490,7 @@ def graphs(logdir: Path) -> int:
                                                             frequency_penalty=0.3)}
     out, ok = {}, True
     llm = pocketllm.LLM(None, backend="native", device="cuda", dtype="float16", quiet=True, max_context=512,
-                        max_batch_size=8)
+                        max_batch_size=8, speculative_tokens=0)       # graphs replay plain decode steps only
     assert llm.engine.graphs is not None, "no DecodeGraphs on the native CUDA engine"
     for kind, params in kinds.items():
         tokens = {}
