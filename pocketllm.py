@@ -1238,14 +1238,20 @@ class NativeOps:
             return t.to(dtype).contiguous()
         if t.is_contiguous():
             return t
-        if t.dim() < 2 or not t.shape[0] or not t[0].is_contiguous() or t.stride(0) < t[0].numel():
+        shape, stride = t.shape, t.stride()
+        row = 1                                                                      # elements per row
+        for n, st in zip(reversed(shape[1:]), reversed(stride[1:])):
+            if n != 1 and st != row:
+                return t.contiguous()                                                # not rows of one block each
+            row *= n
+        if len(shape) < 2 or not shape[0] or stride[0] < row:
             return t.contiguous()
         if t.is_cuda == self._cpu_build:
             self._p(t)                                                               # raises: wrong device
-        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)                   # (rows, ...) packed
-        row, size = t[0].numel(), t.element_size()
-        self.lib.call("pl_copy_2d", t.data_ptr(), t.stride(0) * size, self._p(out), row * size, t.shape[0],
-                      row * size, self._stream(out))
+        out = torch.empty(shape, dtype=t.dtype, device=t.device)                     # (rows, ...) packed
+        size = t.element_size()
+        self.lib.call("pl_copy_2d", t.data_ptr(), stride[0] * size, self._p(out), row * size, shape[0], row * size,
+                      self._stream(out))
         return out
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -2287,9 +2293,9 @@ class Model:
         if conv:
             qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], slots, query_start)   # (T, C')
         nk = w.k_heads * Dk                                                # views: the ops pack them if strided
-        q = qkv[:, :nk].unflatten(1, (w.k_heads, Dk))                      # (T, Hk', Dk)
-        k = qkv[:, nk:2 * nk].unflatten(1, (w.k_heads, Dk))
-        v = qkv[:, 2 * nk:].unflatten(1, (w.v_heads, Dv))                  # (T, Hv', Dv)
+        q = qkv[:, :nk].view(T, w.k_heads, Dk)                             # (T, Hk', Dk)
+        k = qkv[:, nk:2 * nk].view(T, w.k_heads, Dk)
+        v = qkv[:, 2 * nk:].view(T, w.v_heads, Dv)                         # (T, Hv', Dv)
         if z is not None:
             return ops.gated_delta_rmsnorm(q, k, v, g, beta, cache.ssm[L.index], slots, query_start, z, w.norm,
                                            cfg.rms_norm_eps)
