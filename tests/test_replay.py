@@ -95,7 +95,7 @@ def test_recording_replays_and_refuses_torch_kernels(ops):
 # ---- The engine: replay == eager ----
 
 PROMPTS = [[5, 6, 7, 8], list(range(20, 39)), [100, 3], [7] * 9, [42, 43, 44]]
-SAMPLING = [dict(temperature=1.0, seed=1, max_tokens=14),
+SAMPLING = [dict(temperature=1.0, seed=1, max_tokens=14, logprobs=2),
             dict(temperature=1.0, top_p=0.9, seed=2, max_tokens=11, n=2),
             dict(temperature=0.8, top_k=20, presence_penalty=0.5, frequency_penalty=0.3, seed=3, max_tokens=12),
             dict(temperature=1.0, repetition_penalty=1.2, min_p=0.05, seed=4, max_tokens=5),
@@ -125,32 +125,42 @@ def eager_tokens(llms):
     return generate(llms[1].engine)
 
 
-def generate(engine) -> list[list[list[int]]]:
-    """Every PROMPTS request at once, stepped on this thread until idle: each request's choices' tokens."""
+def generate(engine) -> tuple[list[list[list[int]]], list[float]]:
+    """Every PROMPTS request at once, stepped on this thread until idle: each request's choices' tokens, and the
+    logprobs (chosen and top-2) that the first request asked for, flattened."""
     requests = [pocketllm.Request(f"r{i}", p, pocketllm.SamplingParams(ignore_eos=True, **s), default_seed=i)
                 for i, (p, s) in enumerate(zip(PROMPTS, SAMPLING))]
     for req in requests:
         engine.add(req)
     while engine.has_work():
         engine.step()
-    out = []
+    out, logprobs = [], []
     for req in requests:
         tokens = [[] for _ in range(req.params.n)]
         while not req.events.empty():
             ev = req.events.get()
             assert ev.finish_reason != "error", ev.error
             tokens[ev.index] += ev.token_ids
+            for chosen, top in ev.logprobs or []:
+                logprobs += [chosen] + [lp for _, lp in top]
         out.append(tokens)
     assert engine.blocks.total == len(engine.blocks.free) and engine.slots.total == len(engine.slots.free)
-    return out
+    assert len(logprobs) == 14 * 3
+    return out, logprobs
+
+
+def assert_same(got, want):
+    """Tokens equal; logprobs within fp32 rounding (a padded bucket may split its sums differently)."""
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], rel=1e-4, abs=1e-5)
 
 
 def test_replay_equals_eager(llms, eager_tokens):
     graphs = llms[0].engine.graphs
     assert graphs is not None and not graphs.use_graphs                          # launch lists on the CPU
     got = generate(llms[0].engine)
-    assert got == eager_tokens
-    assert [len(c) for r in got for c in r] == [14, 11, 11, 12, 5, 3]
+    assert_same(got, eager_tokens)
+    assert [len(c) for r in got[0] for c in r] == [14, 11, 11, 12, 5, 3]
     # 6, 5, 4, 3, 2, 1 sequences decoding: buckets 6, 6, 4, 4, 2, 1; each recorded once, then replayed
     assert not graphs.refused and sorted(graphs.steps) == [1, 2, 4, 6], (graphs.refused, list(graphs.steps))
     assert graphs.replayed >= 8
@@ -162,6 +172,6 @@ def test_refused_recording_stays_eager(llms, eager_tokens, monkeypatch):
     monkeypatch.setattr(engine, "graphs", fresh)
     # a torch op in the decode forward: the residual stream's zeros made by torch
     monkeypatch.setattr(engine.model.ops, "zeros", lambda shape, dtype, device: torch.zeros(shape, dtype=dtype))
-    assert generate(engine) == eager_tokens
+    assert_same(generate(engine), eager_tokens)
     assert sorted(fresh.refused) == [1, 2, 4, 6] and not fresh.steps and fresh.replayed == 0
     assert set(fresh.refused.values()) <= {"zeros", "zero_", "fill_"}, fresh.refused
