@@ -3226,8 +3226,8 @@ class DecodeGraphs:
     """The decode forward replayed per batch-size bucket: a pure decode step (one new token per sequence) of B
     sequences is padded to the next bucket, its fields copied into the bucket's static payload in one upload,
     and the bucket's recorded forward replayed: the host's cost of a step is one copy plus either one CUDA graph
-    launch (CUDA, `graphed`) or one cffi call per native launch (launch-list replay, LaunchRecording: the CPU
-    build, or CUDA where graphs are off) instead of a Python call per op. Prefill and mixed steps, speculative
+    launch (CUDA, counted in `graphed`) or one cffi call per native launch (launch-list replay, LaunchRecording:
+    the CPU build; counted in `replayed`) instead of a Python call per op. Prefill and mixed steps, speculative
     verify windows and tensor parallelism run eagerly. Padding rows write only free state slots, whose next owner
     zeroes them.
 
