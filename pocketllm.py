@@ -46,6 +46,7 @@ __version__ = "0.1.0"
 __license__ = "Apache-2.0"
 
 import argparse
+import array
 import ast
 import atexit
 import bisect
@@ -95,6 +96,7 @@ import jinja2.utils
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
 
@@ -290,6 +292,7 @@ class EngineOptions:
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
     seed: int = 0                      # default seed for unseeded requests' generators
     speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
+    enforce_eager: bool = False        # every step op by op: no CUDA graphs, no launch-list replay (vLLM's name)
     quiet: bool = False                # no startup log lines
     collective_timeout: float = 30.0   # tensor parallelism: seconds an all-reduce may wait for its peers
     collective_warmup_timeout: float = 300.0   # the same bound for the group's start and first steps (kernel JIT)
@@ -775,6 +778,9 @@ class TorchOps:
     def embed(self, ids, table, dtype):
         return table[ids].to(dtype)                                      # (T, D)
 
+    def zeros(self, shape, dtype, device):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def rmsnorm(self, x, w, eps):
         xf = x.float()                                                   # zero-centred: weights are stored as (w)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)).to(x.dtype)
@@ -996,12 +1002,18 @@ class NativeLibrary:
             raise PocketError(f"native library {path} has ABI version {version}, this pocketllm.py needs "
                               f"{NATIVE_ABI_VERSION}: rebuild it with `python build.py`")
         self.is_cpu_build = bool(self.lib.pl_is_cpu_build())
+        self.recording = threading.local()   # .calls: the list a LaunchRecording on this thread appends to
 
     def last_error(self) -> str:
         return self.ffi.string(self.lib.pl_last_error()).decode(errors="replace")
 
     def call(self, name: str, *args) -> None:
-        if getattr(self.lib, name)(*args) != 0:
+        """Run pl_<name>(*args); inside a LaunchRecording on this thread, also append (function, args) to it."""
+        fn = getattr(self.lib, name)
+        calls = getattr(self.recording, "calls", None)
+        if calls is not None:
+            calls.append((fn, args))
+        if fn(*args) != 0:
             raise NativeError(f"native library: {self.last_error()}")
 
     def device_count(self) -> int:
@@ -1019,6 +1031,49 @@ class NativeLibrary:
         major, minor = self.ffi.new("int32_t*"), self.ffi.new("int32_t*")
         self.call("pl_device_capability", device, major, minor)
         return int(major[0]), int(minor[0])
+
+
+class LaunchRecording(TorchDispatchMode):
+    """`with LaunchRecording(lib): <forward>` runs the forward and records the native calls this thread makes
+    (NativeLibrary.call), so that replay() re-issues them with the same arguments: a decode step's host cost
+    becomes one cffi call per launch (section 8's DecodeGraphs). The arguments are addresses, so every tensor
+    created inside the recording (outputs, packed temporaries) is kept alive here, and a replay reads the same
+    inputs (a static batch payload refreshed in place) and writes the same outputs. Any torch op that would
+    launch a kernel (anything but views, allocations and metadata) would be skipped by a replay, so it makes
+    the recording `refused` (its name); the forward itself still ran eagerly and its output is correct."""
+    FREE = {"detach", "alias", "_unsafe_view", "split", "split_with_sizes", "unbind", "chunk", "is_contiguous",
+            "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_same_size"}
+
+    def __init__(self, lib: NativeLibrary):
+        super().__init__()
+        self.lib = lib
+        self.calls: list[tuple[Callable, tuple]] = []   # (cffi function, its arguments) in call order
+        self.kept: list = []                            # every op's output inside the recording
+        self.refused: str | None = None                 # the first torch op that launches a kernel
+
+    def __enter__(self):
+        if getattr(self.lib.recording, "calls", None) is not None:
+            raise PocketError("a LaunchRecording is already active on this thread")
+        self.lib.recording.calls = self.calls
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.lib.recording.calls = None
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not (func.is_view or name in self.FREE or name.startswith("empty")) and self.refused is None:
+            self.refused = name
+        self.kept.append(out)
+        return out
+
+    def replay(self) -> None:
+        """Every recorded call again, in order; NativeError on the first that fails."""
+        for fn, args in self.calls:
+            if fn(*args) != 0:
+                raise NativeError(f"native library (replay): {self.lib.last_error()}")
 
 
 _native_libraries: dict[Path, NativeLibrary] = {}
@@ -1126,6 +1181,7 @@ class NativeOps:
         self.lib = lib or load_native(cpu_build=self.device.type == "cpu")
         self._threads = threading.local()   # threads that made this device current in the library's runtime
         self._cpu_build = self.lib.is_cpu_build
+        self._scales: dict[int, tuple] = {}   # id(scale) -> (scale, its fp32 copy): _weight's conversions
         # Up to how many tokens two decode fusions apply (at most GEMV_MAX_TOKENS). Measured on an H200
         # (docs/benchmarks.md, tests/gpu/gpu_check.py decode): every block of the next GEMVs recomputing the add +
         # RMSNorm costs more than its own launch at any batch (batch-8 graphed step 6.90 -> 2.37 ms with both
@@ -1172,13 +1228,36 @@ class NativeOps:
             self._threads.device = index
         return torch._C._cuda_getCurrentRawStream(index)   # torch.cuda.current_stream's handle, ~10x cheaper
 
-    @staticmethod
-    def _as(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _as(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """An input in `dtype` (default: its own), contiguous; itself, checked in two attribute reads, when it
-        already is (the model's tensors always are: no conversion on the hot path)."""
-        if (dtype is None or t.dtype == dtype) and t.is_contiguous():
+        already is (the model's tensors almost always are: no conversion on the hot path). A view whose rows are
+        contiguous but strided (a column slice of a projection's output) is packed by pl_copy_2d, so a decode
+        forward stays native; other conversions are torch's. The caller keeps the result alive until the call
+        that reads it (a temporary's address alone does not)."""
+        if dtype is not None and t.dtype != dtype:
+            return t.to(dtype).contiguous()
+        if t.is_contiguous():
             return t
-        return t.to(dtype or t.dtype).contiguous()
+        shape, stride = t.shape, t.stride()
+        row = 1                                                                      # elements per row
+        for n, st in zip(reversed(shape[1:]), reversed(stride[1:])):
+            if n != 1 and st != row:
+                return t.contiguous()                                                # not rows of one block each
+            row *= n
+        if len(shape) < 2 or not shape[0] or stride[0] < row:
+            return t.contiguous()
+        if t.is_cuda == self._cpu_build:
+            self._p(t)                                                               # raises: wrong device
+        out = torch.empty(shape, dtype=t.dtype, device=t.device)                     # (rows, ...) packed
+        size = t.element_size()
+        self.lib.call("pl_copy_2d", t.data_ptr(), stride[0] * size, self._p(out), row * size, shape[0], row * size,
+                      self._stream(out))
+        return out
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        self.lib.call("pl_zero", self._p(out), out.numel() * out.element_size(), self._stream(out))
+        return out
 
     # ---- The ops ----
 
@@ -1235,7 +1314,11 @@ class NativeOps:
         if tuple(w.block) != (128, 128):
             raise PocketError(f"the native FP8 kernels need 128x128 weight blocks, not {list(w.block)} "
                               f"(use --backend torch)")
-        return self._as(w.weight), self._p(self._as(w.scale, torch.float32))   # scale (ceil(N/128), ceil(K/128))
+        scale = w.scale                                                    # (ceil(N/128), ceil(K/128)) fp32
+        if scale.dtype != torch.float32 or not scale.is_contiguous():     # (load_linear's always are)
+            # converted once and kept: only its address goes to the call, which may come later (a replay)
+            scale = self._scales.setdefault(id(scale), (scale, scale.float().contiguous()))[1]
+        return self._as(w.weight), self._p(scale)
 
     def _input(self, x: Prenormed | torch.Tensor) -> tuple:
         """The GEMV input arguments of pl_gdn_in_proj's form: (x, residual, residual_out, norm_w, its dtype, eps,
@@ -1379,8 +1462,8 @@ class NativeOps:
         if gate is None:
             self.lib.call("pl_attention", *args, self._p(workspace), ws_bytes, self._stream(q))
         else:
-            self.lib.call("pl_attention_gated", *args, self._p(self._as(gate, q.dtype)), self._p(workspace), ws_bytes,
-                          self._stream(q))
+            gate = self._as(gate, q.dtype)                                           # alive until the call
+            self.lib.call("pl_attention_gated", *args, self._p(gate), self._p(workspace), ws_bytes, self._stream(q))
         return out
 
     def conv1d(self, x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, slot_ids: torch.Tensor,
@@ -1703,6 +1786,7 @@ class Batch:
     slot_mapping: torch.Tensor    # (T,) int64, KV-cache slot (block * block_size + offset) of each token
     state_slots: torch.Tensor     # (B,) int32, recurrent-state slot of each sequence
     logit_rows: torch.Tensor      # (R,) int64, rows whose logits are wanted (usually each sequence's last)
+                                  # (a decode batch with R = T: rows 0..T-1 in order, read without a gather)
     fresh_slots: torch.Tensor     # (F,) int64, state slots of sequences starting at position 0: zeroed first
 
     @property
@@ -2058,7 +2142,10 @@ class Model:
     # The forward pass, one named path per mixer; prefill and decode differ only inside the ops.
 
     def forward(self, batch: Batch, cache: Cache) -> torch.Tensor:
-        return self.head(self.hidden(batch, cache)[batch.logit_rows])      # (R, V) fp32
+        h = self.hidden(batch, cache)                                      # (T, D)
+        if not (batch.is_decode and batch.logit_rows.numel() == h.shape[0]):   # decode: every row, in order
+            h = h[batch.logit_rows]                                        # (R, D)
+        return self.head(h)                                                # (R, V) fp32
 
     def hidden(self, batch: Batch, cache: Cache) -> torch.Tensor:
         """The final-normed hidden state of every token (T, D): the lm_head's input, and the MTP layer's."""
@@ -2066,7 +2153,7 @@ class Model:
             for t in itertools.chain(cache.conv.values(), cache.ssm.values()):
                 t[batch.fresh_slots] = 0
         x = self.embed(batch.token_ids)                                    # (T, D)
-        residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        residual = self.ops.zeros(x.shape, torch.float32, x.device)       # (T, D) fp32
         for L, mixer in zip(self.layers, self.mixers):
             x, residual = self.layer(L, mixer, x, residual, batch, cache)
         return self.ops.add_rmsnorm(x, residual, self.norm, self.cfg.rms_norm_eps, self.dtype)[0]   # (T, D)
@@ -2205,10 +2292,10 @@ class Model:
         Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         if conv:
             qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], slots, query_start)   # (T, C')
-        nk = w.k_heads * Dk
-        q = qkv[:, :nk].reshape(T, w.k_heads, Dk)
-        k = qkv[:, nk:2 * nk].reshape(T, w.k_heads, Dk)
-        v = qkv[:, 2 * nk:].reshape(T, w.v_heads, Dv)
+        nk = w.k_heads * Dk                                                # views: the ops pack them if strided
+        q = qkv[:, :nk].view(T, w.k_heads, Dk)                             # (T, Hk', Dk)
+        k = qkv[:, nk:2 * nk].view(T, w.k_heads, Dk)
+        v = qkv[:, 2 * nk:].view(T, w.v_heads, Dv)                         # (T, Hv', Dv)
         if z is not None:
             return ops.gated_delta_rmsnorm(q, k, v, g, beta, cache.ssm[L.index], slots, query_start, z, w.norm,
                                            cfg.rms_norm_eps)
@@ -3103,9 +3190,24 @@ def batch_fields(plan: list[Scheduled], block_size: int, pad_to: int = 0, width:
     return [ids, pos, starts, ctx, tables, slots, state_slots, rows, fresh], width
 
 
-def batch_of(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> Batch:
-    """The Batch whose fields are consecutive pieces of one int64 payload (sizes: each field's length)."""
-    parts = [part.to(dtype) for part, dtype in zip(payload.split(sizes), _BATCH_DTYPES)]
+def pack_fields(fields: list[list[int]]) -> torch.Tensor:
+    """Batch's fields (batch_fields' lists) as one host byte buffer: each field in its dtype (_BATCH_DTYPES),
+    starting on an 8-byte boundary, so one copy moves a step's whole input and batch_view reads it in place."""
+    buf = bytearray()
+    for values, dtype in zip(fields, _BATCH_DTYPES):
+        buf += array.array("q" if dtype == torch.long else "i", values).tobytes()
+        buf += bytes(-len(buf) % 8)
+    return torch.frombuffer(buf, dtype=torch.uint8)                              # (bytes,)
+
+
+def batch_view(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> Batch:
+    """The Batch whose fields are views of pack_fields' buffer (sizes: each field's length): no conversion, so a
+    recorded or captured forward reads the buffer that each step refreshes."""
+    parts, at = [], 0
+    for n, dtype in zip(sizes, _BATCH_DTYPES):
+        nbytes = n * (8 if dtype == torch.long else 4)
+        parts.append(payload[at:at + nbytes].view(dtype))
+        at += nbytes + -nbytes % 8
     parts[4] = parts[4].view(B, width)                                          # block tables (B, width)
     return Batch(*parts)
 
@@ -3114,63 +3216,92 @@ def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
     """Flatten the plan into the tensors the model reads: built on the host, then one copy to the device (from
     pinned memory and without waiting, on a GPU)."""
     fields, width = batch_fields(plan, block_size)
-    payload = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long)
+    payload = pack_fields(fields)
     if torch.device(device).type == "cuda" and torch.cuda.is_available():   # (not on tests' fake CUDA)
         payload = payload.pin_memory()
-    return batch_of(payload.to(device, non_blocking=True), [len(f) for f in fields], len(plan), width)
+    return batch_view(payload.to(device, non_blocking=True), [len(f) for f in fields], len(plan), width)
 
 
 class DecodeGraphs:
-    """The decode forward as CUDA graphs, one per batch-size bucket: a pure decode step (one new token per
-    sequence) of B sequences is padded to the next bucket, its fields copied into the graph's static input in one
-    upload, and the graph replayed: the host's cost of a step is one copy and one launch instead of a Python
-    call per op. Captured on first use of a bucket. CUDA only (native backend, one rank): elsewhere, and for
-    prefill or mixed steps, the engine runs the model eagerly. A bucket's first step runs eagerly too (it loads
-    and warms every kernel of that shape); its second is captured (capture runs nothing) and replayed. Padding
-    rows write only free state slots, whose next owner zeroes them. `enabled = False` switches graphs off (the
-    GPU check measures decode both ways)."""
+    """The decode forward replayed per batch-size bucket: a pure decode step (one new token per sequence) of B
+    sequences is padded to the next bucket, its fields copied into the bucket's static payload in one upload,
+    and the bucket's recorded forward replayed: the host's cost of a step is one copy plus either one CUDA graph
+    launch (CUDA, counted in `graphed`) or one cffi call per native launch (launch-list replay, LaunchRecording:
+    the CPU build; counted in `replayed`) instead of a Python call per op. Prefill and mixed steps, speculative
+    verify windows and tensor parallelism run eagerly. Padding rows write only free state slots, whose next owner
+    zeroes them.
+
+    A bucket's first step records it: with graphs, that step runs eagerly (it loads and warms every kernel of
+    that shape) and the second is captured (capture runs nothing) and replayed; with launch lists, the first
+    step runs eagerly while recording and is itself the result. A recording that met a torch op that launches a
+    kernel is `refused` (bucket -> the op's name) and that bucket stays eager. `enabled = False` (the engine's
+    --enforce-eager) switches both off."""
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
     def __init__(self, model: "Model", cache: Cache, max_batch_size: int, max_context: int, block_size: int):
         self.model, self.cache, self.block_size = model, cache, block_size
-        self.width = -(-max_context // block_size)             # block-table width: every graph reads the same
+        self.width = -(-max_context // block_size)             # block-table width: every bucket reads the same
         self.buckets = [b for b in self.BUCKETS if b < max_batch_size] + [max_batch_size]
-        self.graphs: dict[int, tuple] = {}                      # bucket -> (graph, static payload, logits)
-        self.seen: set[int] = set()                             # buckets run eagerly once
+        self.use_graphs = model.device.type == "cuda" and torch.cuda.is_available()   # else launch lists
+        self.steps: dict[int, tuple] = {}                       # bucket -> (replay(), static payload, logits)
+        self.seen: set[int] = set()                             # graphs: buckets run eagerly once
+        self.refused: dict[int, str] = {}                       # bucket -> the torch op that refused its recording
+        self.replayed = self.graphed = 0                        # steps run from a launch list / a CUDA graph
         self.enabled = True
 
     @staticmethod
     def usable(model: "Model") -> bool:
-        return model.device.type == "cuda" and model.ops.name == "native" and model.shard.world == 1
+        return model.ops.name == "native" and model.shard.world == 1
 
     def run(self, plan: list[Scheduled], free_slots: list[int]) -> torch.Tensor | None:
-        """(B, V) logits of a decode step by graph replay, or None when this step is not one a graph runs:
-        graphs off, a prefill row, more sequences than the largest bucket, or too few free state slots to pad."""
+        """(B, V) logits of a decode step by replay (or by recording it), or None when this step is not one a
+        replay runs: replay off, a prefill row, more sequences than the largest bucket, too few free state slots
+        to pad, a refused bucket, or a bucket's first step with graphs."""
         B = len(plan)
         if not self.enabled or B > self.buckets[-1] or any(p.count != 1 or p.start == 0 for p in plan):
             return None
         bucket = next(b for b in self.buckets if b >= B)
-        if len(free_slots) < bucket - B:
+        if len(free_slots) < bucket - B or bucket in self.refused:
             return None
-        if bucket not in self.seen:
+        if self.use_graphs and bucket not in self.seen:
             self.seen.add(bucket)
             return None
         fields, _ = batch_fields(plan, self.block_size, bucket, self.width, free_slots)
-        host = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long).pin_memory()
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self.capture(host, [len(f) for f in fields], bucket)
-        graph, payload, logits = self.graphs[bucket]
+        host = pack_fields(fields)
+        if bucket not in self.steps:
+            logits = self.record(host, [len(f) for f in fields], bucket)
+            if logits is not None:                              # the launch list's recording ran the step
+                return logits[:B]
+        replay, payload, logits = self.steps[bucket]
+        if self.use_graphs:
+            host = host.pin_memory()
         payload.copy_(host, non_blocking=True)
-        graph.replay()
+        replay()
+        if self.use_graphs:
+            self.graphed += 1
+        else:
+            self.replayed += 1
         return logits[:B]
 
-    def capture(self, host: torch.Tensor, sizes: list[int], bucket: int) -> tuple:
-        """The forward of a `bucket`-row decode step reading the static `payload`, captured (not run)."""
-        payload = host.to(self.model.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):   # other threads may use CUDA
-            logits = self.model.forward(batch_of(payload, sizes, bucket, self.width), self.cache)   # (bucket, V)
-        return graph, payload, logits
+    def record(self, host: torch.Tensor, sizes: list[int], bucket: int) -> torch.Tensor | None:
+        """Graphs: capture the forward of a `bucket`-row decode step reading a static payload (it runs nothing:
+        returns None). Launch lists: run it while recording and return its (bucket, V) logits."""
+        payload = host.to(self.model.device, copy=True)                         # the bucket's static input
+        batch = batch_view(payload, sizes, bucket, self.width)
+        if self.use_graphs:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):   # other threads may use CUDA
+                logits = self.model.forward(batch, self.cache)                 # (bucket, V)
+            self.steps[bucket] = (graph.replay, payload, logits)
+            return None
+        recording = LaunchRecording(self.model.ops.lib)
+        with recording:
+            logits = self.model.forward(batch, self.cache)                     # (bucket, V)
+        if recording.refused:
+            self.refused[bucket] = recording.refused
+        else:
+            self.steps[bucket] = (recording.replay, payload, logits)
+        return logits
 
 
 def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size: int, device) -> Batch:
@@ -3953,7 +4084,7 @@ class Engine:
         self.scheduler = Scheduler(opts, self.blocks, self.slots, self.prefix, self.draft_tokens)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
         self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs) \
-            if run_batch is None and DecodeGraphs.usable(model) else None
+            if run_batch is None and not opts.enforce_eager and DecodeGraphs.usable(model) else None
         self.copy = copy or (lambda caches, src, dst, slots, blocks:      # with tensor parallelism: every rank's
                              copy_cache(caches[src], caches[dst], model.ops, slots, blocks))
         if call is None:                          # RankRunner calls (speculative decoding), here on these caches
@@ -11210,6 +11341,8 @@ ENGINE_FLAG_HELP = {
     "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
     "speculative_tokens": "tokens the checkpoint's MTP layer drafts per sequence and step, verified in the next "
                           "forward (exact: the output is the target model's); 0: off (default: %(default)s)",
+    "enforce_eager": "run every decode step op by op: no CUDA graphs and no launch-list replay of the native "
+                     "backend's decode steps (default: off)",
     "quiet": "no start-up log lines (default: off)",
     "collective_timeout": "tensor parallelism: seconds an all-reduce may wait for the other ranks before the group "
                           "is stopped and the engine reports it (default: %(default)s)",
@@ -11225,7 +11358,6 @@ VLLM_ONLY_FLAGS = {
     "--kv-cache-dtype": "use --kv-dtype (float16, bfloat16 or float32; there is no fp8 KV cache)",
     "--quantization": "drop it: FP8 is read from the checkpoint's quantization_config",
     "--trust-remote-code": "drop it: pocketllm runs no checkpoint code (the chat template runs in a sandbox)",
-    "--enforce-eager": "drop it: pocketllm does not capture CUDA graphs",
     "--pipeline-parallel-size": "there is no pipeline parallelism: use --tensor-parallel-size N or --devices",
     "--data-parallel-size": "there is no data parallelism: run one pocketllm per GPU (--device cuda:N)",
     "--tokenizer": "drop it: the tokenizer is read from the checkpoint directory (--ckpt)",

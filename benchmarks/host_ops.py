@@ -11,6 +11,10 @@ in fp16, and decode forwards of `batch` sequences are run with the library's ski
 (pl_set_skip_kernels): every op checks its arguments, allocates its outputs and counts its launches, and no
 kernel runs, so the time left is the host's: Python, torch allocations and cffi.
 
+A version with LaunchRecording (section 3b) also reports the forward replayed from its recorded launch list
+(what DecodeGraphs runs for a decode bucket off CUDA): host time per native call when every op of the forward is
+native; a forward with a torch op that launches a kernel cannot be recorded ("refused", named).
+
 Counted per forward of n = 1..4 layers, then scaled to the 27B's 64 layers (48 GDN + 16 attention):
   native: kernel launches the library counted (pl_launch_count);
   torch:  torch ops that launch a kernel on a GPU (every aten op but views and allocations, seen through a
@@ -159,10 +163,30 @@ def measure(module, ckpt_path: Path, world: int, layers: int, B: int, reps: int)
                 t0 = time.perf_counter()
                 model.forward(batch, cache)
                 times.append(time.perf_counter() - t0)
+            replay = replayed(module, ops, model, batch, cache, reps)
     finally:
         ops.lib.call = call
         ops.lib.call("pl_set_skip_kernels", 0)
-    return dict(native=native, torch=mode.count, nccl=nccl, calls=calls[0], seconds=statistics.median(times))
+    return dict(native=native, torch=mode.count, nccl=nccl, calls=calls[0], seconds=statistics.median(times),
+                replay=replay)
+
+
+def replayed(module, ops, model, batch, cache, reps: int) -> float | str | None:
+    """Host seconds (median) of replaying the forward's recorded launch list (LaunchRecording, as DecodeGraphs
+    does for a decode bucket); the torch op that refused the recording; None for a version without replay."""
+    if not hasattr(module, "LaunchRecording"):
+        return None
+    recording = module.LaunchRecording(ops.lib)
+    with recording:
+        model.forward(batch, cache)
+    if recording.refused:
+        return recording.refused
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        recording.replay()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def per_token(rows: list[dict]) -> dict:
@@ -201,13 +225,22 @@ def main():
             rows = [measure(module, path, world, n, args.batch, args.reps if n == 4 else 1) for n in range(1, 5)]
             if args.verbose:
                 print(rows)
-            t = per_token([{k: v for k, v in r.items() if k != "seconds"} for r in rows])
+            t = per_token([{k: v for k, v in r.items() if k not in ("seconds", "replay")} for r in rows])
             total = t["native"] + t["torch"] + t["nccl"]
             layer = lambda k: t[f"native/{k}"] + t[f"torch/{k}"] + t[f"nccl/{k}"]  # noqa: E731
             us_per_op = rows[3]["seconds"] * 1e6 / (rows[3]["calls"] + rows[3]["torch"])   # the 4-layer forward
             ms = us_per_op * (t["calls"] + t["torch"]) / 1e3
             print(f"| {world} | {name} | {total} ({t['native']} + {t['torch']} + {t['nccl']}) | {layer('gdn')} | "
                   f"{layer('attn')} | {ms:.2f} | {t['calls']} | {us_per_op:.1f} |", flush=True)
+            replay = rows[3]["replay"]
+            if isinstance(replay, float):                            # every op native: the launch list alone
+                us_per_op = replay * 1e6 / rows[3]["calls"]
+                print(f"| {world} | {name}, replayed | {total} ({t['native']} + {t['torch']} + {t['nccl']}) | "
+                      f"{layer('gdn')} | {layer('attn')} | {us_per_op * t['calls'] / 1e3:.2f} | {t['calls']} | "
+                      f"{us_per_op:.1f} |", flush=True)
+            elif replay is not None:
+                print(f"| {world} | {name}, replayed | refused: the forward runs torch op `{replay}` | | | | | |",
+                      flush=True)
 
 
 if __name__ == "__main__":

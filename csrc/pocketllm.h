@@ -236,6 +236,15 @@ int pl_gated_rmsnorm(uint64_t x, uint64_t z, uint64_t w, int32_t w_dtype, uint64
 int pl_copy_rows(uint64_t src_base, uint64_t dst_base, int64_t row_bytes, uint64_t src_rows, uint64_t dst_rows,
                  int32_t n, uint64_t stream);
 
+/* ---- decode-step plumbing: so a decode forward is native ops only (launch-list replay, CUDA graphs) ---- */
+
+/* bytes bytes at dst set to zero (bytes >= 0). */
+int pl_zero(uint64_t dst, int64_t bytes, uint64_t stream);
+/* A strided 2-D copy: rows of row_bytes bytes, row r read at src + r * src_stride and written at
+   dst + r * dst_stride (strides >= row_bytes; the two regions must not overlap). */
+int pl_copy_2d(uint64_t src, int64_t src_stride, uint64_t dst, int64_t dst_stride, int64_t rows, int64_t row_bytes,
+               uint64_t stream);
+
 /* ---- end ops ---- */
 
 /* ---- cdef end ---- */

@@ -48,7 +48,6 @@ MISTAKES = [
     (["--smoke-layers", "99"], "--smoke-layers must be in [0, 6]"),
     (["--tool-call-parser", "mistral"], "argument --tool-parser/--tool-call-parser: 'mistral' is not a tool-call"),
     (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
-    (["--enforce-eager"], "--enforce-eager is a vLLM flag pocketllm does not have: drop it"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype is a vLLM flag pocketllm does not have: use --kv-dtype"),
     (["--trust-remote-code"], "--trust-remote-code is a vLLM flag"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
@@ -138,6 +137,8 @@ def test_vllm_names_are_aliases():
             options["prefill_token_budget"], options["gpu_memory_utilization"]) == (2048, 4, 32, 256, 0.8)
     assert pocketllm.resolve_dtype(options["dtype"], pocketllm.torch.device("cpu"), "dtype") == pocketllm.torch.float16
     assert pocketllm.resolve_dtype("bf16", pocketllm.torch.device("cpu"), "dtype") == pocketllm.torch.bfloat16
+    assert pocketllm.engine_options(pocketllm.parse_command_line(["--enforce-eager"]))["enforce_eager"] is True
+    assert pocketllm.engine_options(pocketllm.parse_command_line([]))["enforce_eager"] is False
 
 
 def test_tensor_parallel_size_means_the_first_gpus(monkeypatch):

@@ -54,7 +54,7 @@ def clone_cache(cache):
 
 def test_padding_rows_change_nothing_read(native_llm):
     engine = native_llm.engine
-    assert engine.graphs is None                               # graphs are CUDA only; the padding is not
+    assert not engine.graphs.use_graphs                        # graphs are CUDA only (here: launch lists)
     plan = decode_plan(engine, [[5, 6, 7, 8], list(range(20, 39)), [100, 3]])
     free = list(engine.slots.free)
     real_slots = {p.seq.slot for p in plan}
@@ -65,8 +65,7 @@ def test_padding_rows_change_nothing_read(native_llm):
     with torch.no_grad():
         want = engine.model.forward(pocketllm.make_batch(plan, BS, "cpu"), eager_cache)            # (3, V)
         fields, w = pocketllm.batch_fields(plan, BS, pad_to, width, free)
-        payload = torch.tensor([v for f in fields for v in f], dtype=torch.long)
-        batch = pocketllm.batch_of(payload, [len(f) for f in fields], pad_to, w)
+        batch = pocketllm.batch_view(pocketllm.pack_fields(fields), [len(f) for f in fields], pad_to, w)
         got = engine.model.forward(batch, padded_cache)                                            # (6, V)
     assert w == width and batch.block_tables.shape == (pad_to, width) and batch.is_decode
     assert batch.slot_mapping[len(plan):].tolist() == [-1] * (pad_to - len(plan))

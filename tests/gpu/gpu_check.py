@@ -417,7 +417,7 @@ def decode(logdir: Path) -> int:
             llm.engine.graphs.enabled = graphs
             if (ops.prologue_tokens, ops.glu_tokens) != variants[variant]:
                 ops.prologue_tokens, ops.glu_tokens = variants[variant]
-                llm.engine.graphs.graphs.clear()                # captured graphs hold the other variant's launches
+                llm.engine.graphs.steps.clear()                # captured graphs hold the other variant's launches
                 llm.engine.graphs.seen.clear()
             def run(n):
                 streams = [llm.submit(prompt, pocketllm.SamplingParams(max_tokens=n, temperature=1.0, top_p=0.95,
@@ -439,9 +439,9 @@ def decode(logdir: Path) -> int:
                                          "tok_per_s_est": B * 1e3 / (step_ms * 16)}
             print(f"batch {B} {how}: {step_ms:.2f} ms per step with 4 layers -> ~{step_ms * 16:.1f} ms with 64 "
                   f"-> ~{B * 1e3 / (step_ms * 16):.1f} tok/s (lm_head of the real vocab not included)", flush=True)
-        result["graphs_captured"] = sorted(llm.engine.graphs.graphs)
+        result["graphs_captured"] = sorted(llm.engine.graphs.steps)
         ops.prologue_tokens, ops.glu_tokens = variants["default"]
-        llm.engine.graphs.graphs.clear()
+        llm.engine.graphs.steps.clear()
         llm.engine.graphs.seen.clear()
         result["profile"] = profile_steps(llm, prompt, logdir)
         llm.close()
@@ -504,7 +504,7 @@ def graphs(logdir: Path) -> int:
         out[kind] = {"identical": same, "first_difference_seq0": first}
         ok &= same
         print(f"{kind}: graph replay {'==' if same else '!='} eager over 3 x 48 tokens", flush=True)
-    out["buckets_captured"] = sorted(llm.engine.graphs.graphs)
+    out["buckets_captured"] = sorted(llm.engine.graphs.steps)
     ok &= bool(out["buckets_captured"])
     print(f"buckets captured: {out['buckets_captured']}")
     llm.close()
