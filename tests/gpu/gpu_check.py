@@ -302,15 +302,16 @@ def bench(logdir: Path) -> int:
             kernel = f"FP8 GEMV {name}{' f32out' if out == torch.float32 else ''}"
             row(kernel, f"{N}x{K}", B, nbytes, lambda: ops.linear(x, w, out))
         del w
-    # The decode MLP both ways, at the 27B's TP1 shapes: pl_linear_glu + down_proj on the fp32 product (what
-    # decode runs now: 2 launches) against gate|up + pl_silu_mul + down_proj on the row-scaled fp16 product (what
-    # prefill runs: 3 launches). Bytes: the three FP8 weights and their scales.
+    # The decode MLP both ways, at the 27B's TP1 shapes: pl_mlp (gate|up, the SiLU product and down_proj in one
+    # launch, the blocks' partials summed by the last block; what decode runs now) against gate|up + pl_silu_mul +
+    # down_proj on the row-scaled fp16 product (what prefill runs: 3 launches). Bytes: the three FP8 weights and
+    # their scales.
     I, D = 17408, 5120
     gate_up, down = fp8_linear(2 * I, D), fp8_linear(D, I)
     mlp_bytes = 3 * I * D + (gate_up.scale.numel() + down.scale.numel()) * 4
     for B in (1, 8):
         x = torch.randn(B, D, device="cuda").to(act)
-        row("MLP decode: glu + down", f"{I}x{D} x3", B, mlp_bytes, lambda: ops.mlp(x, gate_up, down, act))
+        row("MLP decode: pl_mlp (1 launch)", f"{I}x{D} x3", B, mlp_bytes, lambda: ops.mlp(x, gate_up, down, act))
         row("MLP 3 launches (fp16 h)", f"{I}x{D} x3", B, mlp_bytes,
             lambda: ops.silu_mul_linear(*ops.linear_parts(x, gate_up, [I, I], torch.float32), down, act))
         # The same with the layer's residual add + RMSNorm in the glu GEMV's prologue (NativeOps.prenorm): what
