@@ -809,6 +809,7 @@ extern "C" int pl_norm_linear_glu(uint64_t x, uint64_t residual, uint64_t residu
 // partials in block order (deterministic: the same sum whoever arrives last) into out, then zeroes the counter
 // for the next launch. Blocks walk the chunks starting at different ones, so the sums are spread over blocks.
 static const int MLP_ROWS = 128;
+static const int MLP_WARPS = 8;      // few blocks (ceil(I / 128): 34 at the 27B's TP4), so more loads in flight each
 
 template <typename TA, bool VEC, bool NORM>
 __global__ void mlp_kernel(const TA* x, int T, int K, const uint8_t* gu, const float* gu_scale, int I,
@@ -820,7 +821,7 @@ __global__ void mlp_kernel(const TA* x, int T, int K, const uint8_t* gu, const f
   prenorm_prologue<NORM>(pn, T, K, inv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, b = blockIdx.x;
   const int i0 = b * MLP_ROWS, rows = min(MLP_ROWS, I - i0), kb = (K + 127) >> 7;
-  for (int r = warp; r < rows; r += GEMV_WARPS) {     // whole warps take the same rows
+  for (int r = warp; r < rows; r += MLP_WARPS) {     // whole warps take the same rows
     const int64_t ng = i0 + r, nu = ng + I;
     const uint8_t* wrow[2] = {gu + ng * K, gu + nu * K};
     const float* srow[2] = {gu_scale + (ng >> 7) * kb, gu_scale + (nu >> 7) * kb};
@@ -862,7 +863,7 @@ __global__ void mlp_kernel(const TA* x, int T, int K, const uint8_t* gu, const f
   float* part = ws + b * plane;
   for (int c0 = 0; c0 < chunks; c0++) {
     const int c = (c0 + b) % chunks, n1 = min(D, (c + 1) * MLP_ROWS);
-    for (int n = c * MLP_ROWS + warp; n < n1; n += GEMV_WARPS) {   // warp per output row n of down
+    for (int n = c * MLP_ROWS + warp; n < n1; n += MLP_WARPS) {   // warp per output row n of down
       const uint8_t* wrow = down + (int64_t)n * I + i0;
       float s = down_scale[(int64_t)(n >> 7) * ib + b];
       float acc[GEMV_MAX_T];
@@ -913,7 +914,7 @@ extern "C" int pl_mlp(uint64_t x, uint64_t residual, uint64_t residual_out, uint
   bool vec = K % 16 == 0 && gate_up % 16 == 0;
   unsigned blocks = (unsigned)((I + MLP_ROWS - 1) / MLP_ROWS);
 #define PL_MLP_LAUNCH(TA, V, N)                                                                               \
-  PL_LAUNCH((mlp_kernel<TA, V, N>), dim3(blocks), dim3(GEMV_WARPS * 32), 0, stream, (const TA*)x, (int)T,     \
+  PL_LAUNCH((mlp_kernel<TA, V, N>), dim3(blocks), dim3(MLP_WARPS * 32), 0, stream, (const TA*)x, (int)T,     \
             (int)K, (const uint8_t*)gate_up, (const float*)gate_up_scale, (int)I, (const uint8_t*)down,       \
             (const float*)down_scale, (int)D, (float*)out, (float*)workspace, (unsigned*)counters, pn)
   PL_DISPATCH_ACT(act_dtype, TA,
