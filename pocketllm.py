@@ -781,6 +781,16 @@ class TorchOps:
     def zeros(self, shape, dtype, device):
         return torch.zeros(shape, dtype=dtype, device=device)
 
+    def embed_shard(self, ids, table, lo, dtype):
+        """The vocab-parallel lookup on one rank: table holds rows [lo, lo + V') of the vocabulary; rows of ids
+        outside them are zero."""
+        local = ids - lo                                                 # (T,)
+        own = (local >= 0) & (local < table.shape[0])
+        x = torch.zeros(ids.numel(), table.shape[1], dtype=dtype, device=table.device)   # (T, D)
+        if table.shape[0]:
+            x[own] = table[local[own]].to(dtype)
+        return x
+
     def rmsnorm(self, x, w, eps):
         xf = x.float()                                                   # zero-centred: weights are stored as (w)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)).to(x.dtype)
@@ -950,6 +960,7 @@ class TorchOps:
 NATIVE_ABI_VERSION = 4          # must equal PL_ABI_VERSION in csrc/pocketllm.h
 NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
 
+NATIVE_COUNTERS = 4096          # the last-block counters of pl_mlp and pl_attention_merged (csrc/pocketllm.h)
 GEMV_MAX_TOKENS = 16            # GEMV_MAX_T in csrc/linear.cu: up to this many tokens a linear is a GEMV
 
 # torch dtype -> the library's pl_dtype code.
@@ -1180,6 +1191,7 @@ class NativeOps:
         self.device = torch.device(device or "cuda")
         self.lib = lib or load_native(cpu_build=self.device.type == "cpu")
         self._threads = threading.local()   # threads that made this device current in the library's runtime
+        self._local = threading.local()     # the last-block counters (_counters), per thread
         self._cpu_build = self.lib.is_cpu_build
         self._scales: dict[int, tuple] = {}   # id(scale) -> (scale, its fp32 copy): _weight's conversions
         # Up to how many tokens two decode fusions apply (at most GEMV_MAX_TOKENS). Measured on an H200
@@ -1266,6 +1278,14 @@ class NativeOps:
         (V, D), T = table.shape, ids.numel()
         out = torch.empty(T, D, dtype=dtype, device=table.device)                   # (T, D)
         self.lib.call("pl_embed", self._p(ids), T, self._p(table), self._dt(table), V, D, self._p(out),
+                      self._dt(out), self._stream(out))
+        return out
+
+    def embed_shard(self, ids: torch.Tensor, table: torch.Tensor, lo: int, dtype: torch.dtype) -> torch.Tensor:
+        ids, table = self._as(ids, torch.int64), self._as(table)
+        (V, D), T = table.shape, ids.numel()
+        out = torch.empty(T, D, dtype=dtype, device=table.device)                   # (T, D)
+        self.lib.call("pl_embed_shard", self._p(ids), T, self._p(table), self._dt(table), lo, V, D, self._p(out),
                       self._dt(out), self._stream(out))
         return out
 
@@ -1389,6 +1409,8 @@ class NativeOps:
         if T > self.glu_tokens:
             g, u = self.linear_parts(x, gate_up, [gate_up.shape[0] // 2] * 2, torch.float32)
             return self.silu_mul_linear(g, u, down, dtype)
+        if self._fused_mlp(gate_up, down):
+            return self._mlp_one_launch(x, gate_up, down, T)
         weight, scale = self._weight(gate_up)
         N, K = weight.shape
         normed = isinstance(x, Prenormed)
@@ -1401,6 +1423,35 @@ class NativeOps:
             self.lib.call("pl_linear_glu", self._p(x), self._dt(x), T, K, self._p(weight), self._dt(weight), scale, N,
                           self._p(h), self._stream(x))
         return self._linear(h, down, torch.float32, None)
+
+    @staticmethod
+    def _fused_mlp(gate_up: Linear, down: Linear) -> bool:
+        """pl_mlp's weights: both FP8 with 128x128 blocks, down's K the intermediate size."""
+        return (gate_up.scale is not None and down.scale is not None and tuple(gate_up.block) == (128, 128)
+                and tuple(down.block) == (128, 128) and 2 * down.shape[1] == gate_up.shape[0])
+
+    def _counters(self, device: torch.device) -> torch.Tensor:
+        """The last-block counters of pl_mlp and pl_attention_merged (NATIVE_COUNTERS uint32): zeroed once, left
+        zero by every launch. One buffer per thread (a thread's launches are on one stream at a time), allocated
+        by its first, eager, call: never inside a CUDA graph capture (DecodeGraphs runs each bucket eagerly first),
+        and never replaced, so captured graphs keep a live address."""
+        c = getattr(self._local, "counters", None)
+        if c is None or c.device != device:
+            c = self._local.counters = torch.zeros(NATIVE_COUNTERS, dtype=torch.int32, device=device)
+        return c
+
+    def _mlp_one_launch(self, x: Prenormed | torch.Tensor, gate_up: Linear, down: Linear, T: int) -> torch.Tensor:
+        """pl_mlp: gate|up, the SiLU product and down in one launch (decode sizes, FP8 weights)."""
+        (I2, K), (D, I) = gate_up.shape, down.shape
+        device = x.x.device if isinstance(x, Prenormed) else x.device
+        out = torch.empty(T, D, dtype=torch.float32, device=device)                 # (T, D)
+        ws = torch.empty(-(-I // 128) * T * D, dtype=torch.float32, device=device)  # the blocks' (T, D) partials
+        counters = self._counters(device)
+        wg, sg = self._weight(gate_up)
+        wd, sd = self._weight(down)
+        self.lib.call("pl_mlp", *self._input(x), T, K, self._p(wg), sg, I, self._p(wd), sd, D, self._p(out),
+                      self._p(ws), self._p(counters), self._stream(out))
+        return out
 
     def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x, gate = self._as(x), self._as(gate, x.dtype)
@@ -1446,7 +1497,8 @@ class NativeOps:
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start: torch.Tensor, scale: float,
                   gate: torch.Tensor | None = None) -> torch.Tensor:
-        """Paged attention; with gate, times sigmoid(gate) in the same launch (pl_attention_gated)."""
+        """Paged attention; with gate, times sigmoid(gate), and the split-K merge in the same launch
+        (pl_attention_merged)."""
         if k_cache.dtype != q.dtype:      # the kernel reads the cache in the activation dtype
             raise PocketError(f"the native attention needs the KV cache in the activation dtype ({q.dtype}), "
                               f"not {k_cache.dtype}: leave --kv-dtype at auto")
@@ -1459,11 +1511,10 @@ class NativeOps:
         out = torch.empty_like(q)                                                    # (T, Hq, Dh)
         args = (self._p(q), self._dt(q), T, Hq, Hk, Dh, self._p(k_cache), self._p(v_cache), block_size,
                 self._p(block_tables), max_blocks, self._p(context_lens), self._p(query_start), B, scale, self._p(out))
-        if gate is None:
-            self.lib.call("pl_attention", *args, self._p(workspace), ws_bytes, self._stream(q))
-        else:
-            gate = self._as(gate, q.dtype)                                           # alive until the call
-            self.lib.call("pl_attention_gated", *args, self._p(gate), self._p(workspace), ws_bytes, self._stream(q))
+        gate = None if gate is None else self._as(gate, q.dtype)                     # alive until the call
+        counters = self._counters(q.device)                                         # split-K merged in the launch
+        self.lib.call("pl_attention_merged", *args, 0 if gate is None else self._p(gate), self._p(workspace),
+                      ws_bytes, self._p(counters), self._stream(q))
         return out
 
     def conv1d(self, x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, slot_ids: torch.Tensor,
@@ -2215,14 +2266,8 @@ class Model:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard.world == 1:
             return self.ops.embed(ids, self.embed_tokens, self.dtype)     # (T, D)
-        v0, v1 = self.vocab
-        local = ids - v0                                                   # (T,)
-        own = (local >= 0) & (local < v1 - v0)
-        x = torch.zeros(ids.numel(), self.cfg.hidden_size, dtype=torch.float32, device=ids.device)   # (T, D)
-        if v1 > v0:
-            x = self.ops.embed(torch.where(own, local, 0), self.embed_tokens, torch.float32)
-            x.masked_fill_(~own[:, None], 0.0)
-        return self.all_reduce(x)
+        x = self.ops.embed_shard(ids, self.embed_tokens, self.vocab[0], torch.float32)   # (T, D), zero rows
+        return self.all_reduce(x)                                                       # for others' ids
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         if self.shard.world == 1:

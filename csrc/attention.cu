@@ -4,7 +4,8 @@
 // positions, computes the q.k dots with warp reductions, and keeps a running (max, sum, acc) online softmax per
 // head; the warps merge through shared memory. With several splits (decode, or few rows: flash-decoding) every
 // block writes its normalised partial output and log-sum-exp terms to the workspace and a second kernel merges
-// the splits. Softmax and accumulation in fp32.
+// the splits (pl_attention_merged: the last split of each row to finish merges them, one launch). Softmax and
+// accumulation in fp32.
 #include "ops_common.cuh"
 
 static const int ATT_WARPS = 4;
@@ -77,10 +78,11 @@ __device__ __forceinline__ float gated(float o, const TA* gate, int64_t i) {
 // them), one split. DPL = head dims per lane (Dh <= 32 * DPL); lane l owns dims l*DPL .. l*DPL + DPL - 1.
 // blockIdx.y = kv head * head_chunks + chunk; the chunk holds q heads kvh*G + chunk*GM .. (+GM, < G).
 template <typename TA, int DPL, int GM, bool FULL>
-__global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cache, const int32_t* block_tables,
-                                 int max_blocks, const int32_t* context_lens, const int32_t* query_start, int B,
-                                 int Hq, int Hk, int Dh, int block_size, float scale,
-                                 TA* out, float* ws, const TA* gate) {
+__device__ __forceinline__ void attention_body(const TA* q, const TA* k_cache, const TA* v_cache,
+                                               const int32_t* block_tables, int max_blocks,
+                                               const int32_t* context_lens, const int32_t* query_start, int B,
+                                               int Hq, int Hk, int Dh, int block_size, float scale,
+                                               TA* out, float* ws, const TA* gate) {
   __shared__ float m_x[ATT_WARPS / 2][GM], l_x[ATT_WARPS / 2][GM];
   __shared__ float acc_x[ATT_WARPS / 2][GM][32 * DPL];
   int64_t r = blockIdx.x;
@@ -191,44 +193,76 @@ __global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cac
   }
 }
 
-// Merge of the splits: weights l_s * exp(m_s - max m); empty splits (l = 0) are skipped, their o unwritten.
-template <typename TA>
-__global__ void attention_merge_kernel(const float* ws, int Hq, int Dh, int splits, TA* out, const TA* gate) {
-  int64_t r = blockIdx.x;
-  int h = blockIdx.y;
-  const float* parts = ws + (r * Hq + h) * splits * (int64_t)(Dh + 2);
+// Merge of the splits of (query row, head) `row`: weights l_s * exp(m_s - max m); empty splits (l = 0) are
+// skipped, their o unwritten. The block's threads share the head dims. F: const float, or const volatile float
+// when other blocks of the same launch wrote the partials (past the L1, which is not coherent).
+template <typename TA, typename F>
+__device__ __forceinline__ void merge_splits(F* ws, int64_t row, int Dh, int splits, TA* out, const TA* gate) {
+  F* parts = ws + row * splits * (int64_t)(Dh + 2);
   float M = -INFINITY;
   for (int s = 0; s < splits; s++) M = fmaxf(M, parts[s * (Dh + 2) + Dh]);
   for (int d = threadIdx.x; d < Dh; d += blockDim.x) {
     float o = 0.f, L = 0.f;
     for (int s = 0; s < splits; s++) {
-      const float* p = parts + s * (Dh + 2);
+      F* p = parts + s * (Dh + 2);
       if (p[Dh + 1] > 0.f) {
         float wgt = p[Dh + 1] * expf(p[Dh] - M);
         o += wgt * p[d];
         L += wgt;
       }
     }
-    int64_t i = (r * Hq + h) * Dh + d;
+    int64_t i = row * Dh + d;
     out[i] = from_f<TA>(gated(L > 0.f ? o / L : 0.f, gate, i));   // no visible position: 0
   }
+}
+
+template <typename TA>
+__global__ void attention_merge_kernel(const float* ws, int Hq, int Dh, int splits, TA* out, const TA* gate) {
+  merge_splits<TA, const float>(ws, (int64_t)blockIdx.x * Hq + blockIdx.y, Dh, splits, out, gate);
+}
+
+// The attention launch. With counters (pl_attention_merged) and several splits, the splits of a (row, head
+// group) count themselves in counters[blockIdx.x * gridDim.y + blockIdx.y] once their partials are written, and
+// the last to arrive merges them (merge_splits, so the same sums as the merge kernel) and zeroes the counter:
+// no second launch, no grid barrier.
+template <typename TA, int DPL, int GM, bool FULL>
+__global__ void attention_kernel(const TA* q, const TA* k_cache, const TA* v_cache, const int32_t* block_tables,
+                                 int max_blocks, const int32_t* context_lens, const int32_t* query_start, int B,
+                                 int Hq, int Hk, int Dh, int block_size, float scale,
+                                 TA* out, float* ws, const TA* gate, unsigned* counters) {
+  attention_body<TA, DPL, GM, FULL>(q, k_cache, v_cache, block_tables, max_blocks, context_lens, query_start, B, Hq,
+                                    Hk, Dh, block_size, scale, out, ws, gate);
+  if (gridDim.z == 1 || !counters) return;
+  __shared__ int last;
+  __threadfence();                                    // this split's partials are visible before its count
+  __syncthreads();
+  unsigned* c = counters + (int64_t)blockIdx.x * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) last = atomicAdd(c, 1u) == gridDim.z - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  int G = Hq / Hk, chunks = (G + GM - 1) / GM, chunk = blockIdx.y % chunks;
+  int h0 = (blockIdx.y / chunks) * G + chunk * GM, nh = G - chunk * GM < GM ? G - chunk * GM : GM;
+  for (int i = 0; i < nh; i++)
+    merge_splits<TA, const volatile float>(ws, (int64_t)blockIdx.x * Hq + h0 + i, Dh, gridDim.z, out, gate);
+  if (threadIdx.x == 0) *c = 0;                       // ready for the next launch
 }
 
 template <typename TA, int DPL, int GM>
 static void launch_attention(const TA* q, const TA* kc, const TA* vc, const int32_t* bt, int max_blocks,
                              const int32_t* cl, const int32_t* qs, int B, int64_t T, int Hq, int Hk, int Dh,
                              int block_size, float scale, int splits, TA* out, float* ws, const TA* gate,
-                             uint64_t stream) {
+                             unsigned* counters, uint64_t stream) {
   int chunks = (Hq / Hk + GM - 1) / GM;
   bool full = Dh == 32 * DPL && ((uintptr_t)q & 15) == 0 && ((uintptr_t)kc & 15) == 0 && ((uintptr_t)vc & 15) == 0;
   dim3 grid((unsigned)T, (unsigned)(Hk * chunks), (unsigned)splits), block(32 * ATT_WARPS);
   if (full)
     PL_LAUNCH((attention_kernel<TA, DPL, GM, true>), grid, block, 0, stream, q, kc, vc, bt, max_blocks, cl, qs, B,
-              Hq, Hk, Dh, block_size, scale, out, ws, gate);
+              Hq, Hk, Dh, block_size, scale, out, ws, gate, counters);
   else
     PL_LAUNCH((attention_kernel<TA, DPL, GM, false>), grid, block, 0, stream, q, kc, vc, bt, max_blocks, cl, qs, B,
-              Hq, Hk, Dh, block_size, scale, out, ws, gate);
-  if (splits > 1)
+              Hq, Hk, Dh, block_size, scale, out, ws, gate, counters);
+  if (splits > 1 && !counters)
     PL_LAUNCH(attention_merge_kernel<TA>, dim3((unsigned)T, (unsigned)Hq), dim3(128), 0, stream,
               (const float*)ws, Hq, Dh, splits, out, gate);
 }
@@ -238,23 +272,23 @@ template <typename TA, int DPL>
 static void launch_attention_g(const TA* q, const TA* kc, const TA* vc, const int32_t* bt, int max_blocks,
                                const int32_t* cl, const int32_t* qs, int B, int64_t T, int Hq, int Hk, int Dh,
                                int block_size, float scale, int splits, TA* out, float* ws, const TA* gate,
-                             uint64_t stream) {
+                               unsigned* counters, uint64_t stream) {
   int G = Hq / Hk;
   if (G == 1)
-    launch_attention<TA, DPL, 1>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, stream);
+    launch_attention<TA, DPL, 1>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, counters, stream);
   else if (G == 2)
-    launch_attention<TA, DPL, 2>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, stream);
+    launch_attention<TA, DPL, 2>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, counters, stream);
   else if (G <= 4)
-    launch_attention<TA, DPL, 4>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, stream);
+    launch_attention<TA, DPL, 4>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, counters, stream);
   else
-    launch_attention<TA, DPL, 8>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, stream);
+    launch_attention<TA, DPL, 8>(q, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, out, ws, gate, counters, stream);
 }
 
 static int attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
                      uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
                      int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B,
                      float scale, uint64_t out, uint64_t gate, uint64_t workspace, int64_t workspace_bytes,
-                     uint64_t stream) {
+                     uint64_t stream, uint64_t counters = 0) {
   PL_REQUIRE(Dh > 0 && Dh <= ATT_MAX_DH, "head_dim must be in 1..256");
   PL_REQUIRE(Hk > 0 && Hq % Hk == 0, "q heads must be a multiple of kv heads");
   PL_REQUIRE(block_size > 0 && max_blocks > 0 && B > 0, "block_size, max_blocks and B must be positive");
@@ -269,10 +303,11 @@ static int attention(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32
     TA* op = (TA*)out;
     const TA* gp = (const TA*)gate;
     float* ws = (float*)workspace;
-    if (Dh <= 32) launch_attention_g<TA, 1>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, stream);
-    else if (Dh <= 64) launch_attention_g<TA, 2>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, stream);
-    else if (Dh <= 128) launch_attention_g<TA, 4>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, stream);
-    else launch_attention_g<TA, 8>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, stream);
+    unsigned* cn = (unsigned*)counters;
+    if (Dh <= 32) launch_attention_g<TA, 1>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, cn, stream);
+    else if (Dh <= 64) launch_attention_g<TA, 2>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, cn, stream);
+    else if (Dh <= 128) launch_attention_g<TA, 4>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, cn, stream);
+    else launch_attention_g<TA, 8>(qp, kc, vc, bt, max_blocks, cl, qs, B, T, Hq, Hk, Dh, block_size, scale, splits, op, ws, gp, cn, stream);
   });
   PL_CHECK_LAUNCH();
   return 0;
@@ -295,4 +330,14 @@ extern "C" int pl_attention_gated(uint64_t q, int32_t act_dtype, int64_t T, int3
   PL_REQUIRE(gate != 0, "pl_attention_gated needs the gate");
   return attention(q, act_dtype, T, Hq, Hk, Dh, k_cache, v_cache, block_size, block_tables, max_blocks, context_lens,
                    query_start, B, scale, out, gate, workspace, workspace_bytes, stream);
+}
+
+extern "C" int pl_attention_merged(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
+                                   uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
+                                   int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B,
+                                   float scale, uint64_t out, uint64_t gate, uint64_t workspace,
+                                   int64_t workspace_bytes, uint64_t counters, uint64_t stream) {
+  PL_REQUIRE(counters != 0, "pl_attention_merged needs its counters (%d zeroed uint32)", (int)ATT_SPLIT_WORK);
+  return attention(q, act_dtype, T, Hq, Hk, Dh, k_cache, v_cache, block_size, block_tables, max_blocks, context_lens,
+                   query_start, B, scale, out, gate, workspace, workspace_bytes, stream, counters);
 }

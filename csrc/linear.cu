@@ -825,6 +825,131 @@ extern "C" int pl_norm_linear_glu(uint64_t x, uint64_t residual, uint64_t residu
   return linear_glu(0, &pn, act_dtype, T, K, w, w_dtype, scale, N, out, stream);
 }
 
+// ---- The decode MLP in one launch (pl_mlp): out = down(silu(h gate^T) * (h up^T)), FP8 weights. -------------
+// Block b owns the intermediate rows [128 b, 128 b + 128), one 128-wide scale block of down's K: it computes
+// their silu(gate) * up for every token into shared memory (warp per row, as gemv_fp8_body), then its partial
+// down product, (T, D) fp32 summed over its 128 rows only, into workspace row b. The partials meet without a grid
+// barrier (blocks need not all be resident): D is cut into 128-row chunks, each with a counter; a block bumps a
+// chunk's counter after writing that chunk of its partial, and the block that arrives last sums the chunk's
+// partials in block order (deterministic: the same sum whoever arrives last) into out, then zeroes the counter
+// for the next launch. Blocks walk the chunks starting at different ones, so the sums are spread over blocks.
+static const int MLP_ROWS = 128;
+static const int MLP_WARPS = 8;      // few blocks (ceil(I / 128): 34 at the 27B's TP4), so more loads in flight each
+
+template <typename TA, bool VEC, bool NORM>
+__global__ void mlp_kernel(const TA* x, int T, int K, const uint8_t* gu, const float* gu_scale, int I,
+                           const uint8_t* down, const float* down_scale, int D, float* out, float* ws,
+                           unsigned* counters, Prenorm pn) {
+  __shared__ float inv[GEMV_MAX_T];
+  __shared__ float h[GEMV_MAX_T][MLP_ROWS];           // silu(gate) * up of this block's rows
+  __shared__ int last;
+  prenorm_prologue<NORM>(pn, T, K, inv);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, b = blockIdx.x;
+  const int i0 = b * MLP_ROWS, rows = min(MLP_ROWS, I - i0), kb = (K + 127) >> 7;
+  for (int r = warp; r < rows; r += MLP_WARPS) {     // whole warps take the same rows
+    const int64_t ng = i0 + r, nu = ng + I;
+    const uint8_t* wrow[2] = {gu + ng * K, gu + nu * K};
+    const float* srow[2] = {gu_scale + (ng >> 7) * kb, gu_scale + (nu >> 7) * kb};
+    float acc[2][GEMV_MAX_T];
+    for (int j = 0; j < 2; j++)
+      for (int t = 0; t < GEMV_MAX_T; t++) acc[j][t] = 0.f;
+    if (VEC) {
+      for (int k0 = lane * 16; k0 < K; k0 += 32 * 16) {
+        float wv[2][16], xv[16];
+        for (int j = 0; j < 2; j++) dequant16(wrow[j] + k0, wv[j]);
+#pragma unroll
+        for (int t = 0; t < GEMV_MAX_T; t++) {
+          if (t >= T) break;
+          for (int i = 0; i < 16; i++) xv[i] = xin<TA, NORM>(x, pn, inv, t, k0 + i, K);
+          for (int j = 0; j < 2; j++) {
+            float dot = 0.f;
+            for (int i = 0; i < 16; i++) dot += wv[j][i] * xv[i];
+            acc[j][t] += srow[j][k0 >> 7] * dot;
+          }
+        }
+      }
+    } else {
+      for (int k = lane; k < K; k += 32)
+        for (int j = 0; j < 2; j++) {
+          float wk = e4m3_to_f(wrow[j][k]) * srow[j][k >> 7];
+#pragma unroll
+          for (int t = 0; t < GEMV_MAX_T; t++)
+            if (t < T) acc[j][t] += wk * xin<TA, NORM>(x, pn, inv, t, k, K);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+      float g = warp_sum(acc[0][t]), u = warp_sum(acc[1][t]);
+      if (lane == 0) h[t][r] = silu_f(g) * u;
+    }
+  }
+  __syncthreads();
+  const int chunks = (D + MLP_ROWS - 1) / MLP_ROWS, ib = (I + 127) >> 7;
+  const int64_t plane = (int64_t)T * D;                // one block's partial (T, D)
+  float* part = ws + b * plane;
+  for (int c0 = 0; c0 < chunks; c0++) {
+    const int c = (c0 + b) % chunks, n1 = min(D, (c + 1) * MLP_ROWS);
+    for (int n = c * MLP_ROWS + warp; n < n1; n += MLP_WARPS) {   // warp per output row n of down
+      const uint8_t* wrow = down + (int64_t)n * I + i0;
+      float s = down_scale[(int64_t)(n >> 7) * ib + b];
+      float acc[GEMV_MAX_T];
+      for (int t = 0; t < GEMV_MAX_T; t++) acc[t] = 0.f;
+      for (int i = lane; i < rows; i += 32) {
+        float wv = e4m3_to_f(wrow[i]);
+#pragma unroll
+        for (int t = 0; t < GEMV_MAX_T; t++)
+          if (t < T) acc[t] += wv * h[t][i];
+      }
+      for (int t = 0; t < T; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0) part[(int64_t)t * D + n] = s * v;
+      }
+    }
+    __threadfence();                                   // this chunk of the partial is visible before the count
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[c], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) continue;
+    __threadfence();
+    const volatile float* all = ws;                    // other blocks' partials: past the (incoherent) L1
+    const int w = n1 - c * MLP_ROWS;
+    for (int j = threadIdx.x; j < T * w; j += blockDim.x) {
+      int64_t o = (int64_t)(j / w) * D + c * MLP_ROWS + j % w;
+      float sum = 0.f;
+      for (unsigned q = 0; q < gridDim.x; q++) sum += all[q * plane + o];
+      out[o] = sum;
+    }
+    if (threadIdx.x == 0) counters[c] = 0;             // ready for the next launch
+  }
+}
+
+extern "C" int pl_mlp(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w, int32_t norm_w_dtype,
+                      float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t gate_up, uint64_t gate_up_scale,
+                      int64_t I, uint64_t down, uint64_t down_scale, int64_t D, uint64_t out, uint64_t workspace,
+                      uint64_t counters, uint64_t stream) {
+  Prenorm pn;
+  bool norm = residual != 0;
+  if (norm && prenorm_of(pn, x, residual, residual_out, norm_w, norm_w_dtype, eps, T)) return -1;
+  PL_REQUIRE(x != 0 && out != 0 && workspace != 0 && counters != 0, "pl_mlp needs x, out, workspace, counters");
+  PL_REQUIRE(gate_up_scale != 0 && down_scale != 0, "pl_mlp takes e4m3 weights with their fp32 block scales");
+  PL_REQUIRE(T >= 0 && T <= GEMV_MAX_T, "pl_mlp takes at most %d tokens (got %lld)", GEMV_MAX_T, (long long)T);
+  PL_REQUIRE(K > 0 && K < (1 << 30) && I > 0 && I < (1 << 30) && D > 0 && D < (1 << 30),
+             "pl_mlp shape out of range: K %lld, I %lld, D %lld", (long long)K, (long long)I, (long long)D);
+  PL_REQUIRE((D + MLP_ROWS - 1) / MLP_ROWS <= 4096, "pl_mlp: D %lld needs more than 4096 counters", (long long)D);
+  if (T == 0) return 0;
+  bool vec = K % 16 == 0 && gate_up % 16 == 0;
+  unsigned blocks = (unsigned)((I + MLP_ROWS - 1) / MLP_ROWS);
+#define PL_MLP_LAUNCH(TA, V, N)                                                                               \
+  PL_LAUNCH((mlp_kernel<TA, V, N>), dim3(blocks), dim3(MLP_WARPS * 32), 0, stream, (const TA*)x, (int)T,     \
+            (int)K, (const uint8_t*)gate_up, (const float*)gate_up_scale, (int)I, (const uint8_t*)down,       \
+            (const float*)down_scale, (int)D, (float*)out, (float*)workspace, (unsigned*)counters, pn)
+  PL_DISPATCH_ACT(act_dtype, TA,
+    if (norm) { if (vec) PL_MLP_LAUNCH(TA, true, true); else PL_MLP_LAUNCH(TA, false, true); }
+    else      { if (vec) PL_MLP_LAUNCH(TA, true, false); else PL_MLP_LAUNCH(TA, false, false); });
+#undef PL_MLP_LAUNCH
+  PL_CHECK_LAUNCH();
+  return 0;
+}
+
 extern "C" int pl_norm_linear_gdn_gates(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
                                         int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K,
                                         uint64_t w, int32_t w_dtype, uint64_t scale, int32_t Hv, uint64_t A_log,

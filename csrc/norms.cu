@@ -32,6 +32,29 @@ extern "C" int pl_embed(uint64_t ids, int64_t T, uint64_t table, int32_t table_d
   return 0;
 }
 
+// pl_embed_shard: the rows of a vocab-parallel shard, table rows [lo, lo + V) of the full vocabulary; a row
+// whose id falls outside is zero (another rank holds it, and the all-reduce that follows sums the ranks' rows).
+template <typename TA>
+__global__ void embed_shard_kernel(const int64_t* ids, const void* table, int tdt, int64_t lo, int64_t V, int D,
+                                   TA* out) {
+  int64_t t = blockIdx.x, id = ids[t] - lo;
+  bool own = id >= 0 && id < V;
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    out[t * D + i] = from_f<TA>(own ? load_any(table, tdt, id * D + i) : 0.f);
+}
+
+extern "C" int pl_embed_shard(uint64_t ids, int64_t T, uint64_t table, int32_t table_dtype, int64_t lo, int64_t V,
+                              int32_t D, uint64_t out, int32_t act_dtype, uint64_t stream) {
+  PL_REQUIRE(table_dtype >= PL_F32 && table_dtype <= PL_BF16, "table dtype must be fp32, fp16 or bf16");
+  PL_REQUIRE(V >= 0 && lo >= 0 && D > 0, "embed shard: lo %lld, V %lld, D %d", (long long)lo, (long long)V, (int)D);
+  if (T == 0) return 0;
+  PL_DISPATCH_ACT(act_dtype, TA,
+    PL_LAUNCH(embed_shard_kernel<TA>, dim3((unsigned)T), dim3(ROW_THREADS), 0, stream,
+              (const int64_t*)ids, (const void*)table, (int)table_dtype, lo, V, (int)D, (TA*)out));
+  PL_CHECK_LAUNCH();
+  return 0;
+}
+
 // ---- Zero-centred RMSNorm, optionally fused with the residual add. -----------------------------------------
 // ADD: residual (fp32) += x, then out = rmsnorm(residual). Each thread re-reads only elements it wrote itself,
 // so the second pass needs no barrier; out may alias x.

@@ -90,6 +90,10 @@ int pl_set_skip_kernels(int32_t skip);
 /* out (T, D) act = table[ids] ; ids (T,) int64; an id outside [0, V) yields a NaN row. */
 int pl_embed(uint64_t ids, int64_t T, uint64_t table, int32_t table_dtype, int64_t V, int32_t D,
              uint64_t out, int32_t act_dtype, uint64_t stream);
+/* The vocab-parallel embedding's lookup on one rank: table (V, D) holds rows [lo, lo + V) of the vocabulary; out
+   row t = table[ids[t] - lo] for ids in that range, zeros for the others (V = 0: all zeros). */
+int pl_embed_shard(uint64_t ids, int64_t T, uint64_t table, int32_t table_dtype, int64_t lo, int64_t V, int32_t D,
+                   uint64_t out, int32_t act_dtype, uint64_t stream);
 /* out (T, D) act = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32; out may alias x. */
 int pl_rmsnorm(uint64_t x, uint64_t w, int32_t w_dtype, uint64_t out, int32_t act_dtype, int64_t T,
                int32_t D, float eps, uint64_t stream);
@@ -133,6 +137,14 @@ int pl_norm_linear_parts(uint64_t x, uint64_t residual, uint64_t residual_out, u
 int pl_norm_linear_glu(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w, int32_t norm_w_dtype,
                        float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w, int32_t w_dtype, uint64_t scale,
                        int64_t N, uint64_t out, uint64_t stream);
+/* The decode MLP in one launch (T <= 16): out (T, D) fp32 = down(silu(h gate^T) * (h up^T)), h the input as in
+   pl_gdn_in_proj (x of act_dtype, or with residual != 0 the prenormed fp32 x, residual). gate_up (2 I, K) e4m3 =
+   [gate | up], down (D, I) e4m3, both with 128x128 fp32 block scales. workspace: ceil(I / 128) * T * D fp32
+   (no initial value); counters: ceil(D / 128) <= 4096 uint32, zero before the first call and left zero by each
+   call (one launch at a time per counters buffer). Deterministic: the partials are summed in a fixed order. */
+int pl_mlp(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w, int32_t norm_w_dtype, float eps,
+           int32_t act_dtype, int64_t T, int64_t K, uint64_t gate_up, uint64_t gate_up_scale, int64_t I, uint64_t down,
+           uint64_t down_scale, int64_t D, uint64_t out, uint64_t workspace, uint64_t counters, uint64_t stream);
 int pl_norm_linear_gdn_gates(uint64_t x, uint64_t residual, uint64_t residual_out, uint64_t norm_w,
                              int32_t norm_w_dtype, float eps, int32_t act_dtype, int64_t T, int64_t K, uint64_t w,
                              int32_t w_dtype, uint64_t scale, int32_t Hv, uint64_t A_log, uint64_t dt_bias,
@@ -201,6 +213,14 @@ int pl_attention_gated(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int
                        uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
                        int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B, float scale,
                        uint64_t out, uint64_t gate, uint64_t workspace, int64_t workspace_bytes, uint64_t stream);
+/* pl_attention_gated (gate = 0: pl_attention) in one launch: the last split block of each (row, kv head group)
+   to finish merges the splits itself. counters: 4096 uint32, zero before the first call and left zero by each
+   (one launch at a time per counters buffer; the same buffer may serve pl_mlp). */
+int pl_attention_merged(uint64_t q, int32_t act_dtype, int64_t T, int32_t Hq, int32_t Hk, int32_t Dh,
+                        uint64_t k_cache, uint64_t v_cache, int32_t block_size, uint64_t block_tables,
+                        int32_t max_blocks, uint64_t context_lens, uint64_t query_start, int32_t B, float scale,
+                        uint64_t out, uint64_t gate, uint64_t workspace, int64_t workspace_bytes, uint64_t counters,
+                        uint64_t stream);
 /* Depthwise causal conv1d + SiLU. x (T, C) act; w (C, W) of w_dtype, 2 <= W <= 8; conv_state (S, C, W-1) of
    state_dtype (0/1/2), read and updated at slot slot_ids[b] (int32); query_start (B+1,) int32. out (T, C). */
 int pl_conv1d(uint64_t x, int32_t act_dtype, int64_t T, int32_t C, uint64_t w, int32_t w_dtype, int32_t W,

@@ -541,6 +541,62 @@ def test_gdn_in_proj_gates(lib, act, ab_dtype, normed, T):
         assert torch.isnan(res_out).all()
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("T,I,K,D", [(1, 256, 256, 384), (3, 384, 320, 256), (16, 128, 256, 128),
+                                     (5, 200, 136, 130), (12, 344, 200, 300)])   # ragged I, D; K % 16 != 0
+def test_mlp_one_launch(lib, act, normed, T, I, K, D):
+    """pl_mlp: down(silu(h gate^T) * (h up^T)) in one launch, (T, D) fp32, h the plain or prenormed input; the
+    blocks' partials summed by the last to arrive, in block order: a second launch gives the same bits and the
+    chunk counters are left zero. Ragged I (a partial last block) and D (a partial last chunk)."""
+    dev = lib.device
+    wg, sg, fg = weight_of(torch.float8_e4m3fn, 2 * I, K, dev)
+    wd, sd, fd = weight_of(torch.float8_e4m3fn, D, I, dev)
+    res_out = poisoned((T, K), torch.float32, dev)
+    if normed:
+        x, res, nw, h, r = prenorm_case(act, T, K, dev)
+        args = (p(x), p(res), p(res_out), p(nw), F32, 1e-6, CODE[act])
+    else:
+        x = rnd(T, K, dtype=act, device=dev)
+        h, args = x.double().cpu(), (p(x), 0, 0, 0, 0, 0.0, CODE[act])
+    gu = h @ fg.T                                                                # (T, 2I)
+    ref = (F.silu(gu[:, :I]) * gu[:, I:]) @ fd.T                                 # (T, D)
+    blocks, chunks = -(-I // 128), -(-D // 128)
+    ws = poisoned((blocks * T * D,), torch.float32, dev)
+    counters = torch.zeros(chunks, dtype=torch.int32, device=dev)
+    outs = []
+    for _ in range(2):
+        out = poisoned((T, D), torch.float32, dev)
+        count = lib.ffi.new("uint64_t*")
+        lib.lib.pl_launch_count(count)
+        before = count[0]
+        lib.call("pl_mlp", *args, T, K, p(wg), p(sg), I, p(wd), p(sd), D, p(out), p(ws), p(counters))
+        lib.lib.pl_launch_count(count)
+        assert count[0] - before == 1
+        assert not counters.any()
+        outs.append(out)
+    check(outs[0], ref, TOL[act] * 2, f"mlp T={T} I={I} K={K} D={D}")
+    assert torch.equal(outs[0], outs[1])
+    if normed:
+        check(res_out, r, 1e-6, "residual_out")
+    else:
+        assert torch.isnan(res_out).all()
+
+
+def test_mlp_refuses(lib):
+    dev = lib.device
+    x, wg, sg = rnd(17, 128, device=dev), *fp8_weight(256, 128, dev)
+    wd, sd = fp8_weight(128, 128, dev)
+    out, ws, counters = poisoned((17, 128), torch.float32, dev), poisoned((17 * 128,), torch.float32, dev), \
+        torch.zeros(1, dtype=torch.int32, device=dev)
+    with pytest.raises(RuntimeError, match="at most 16 tokens .got 17."):
+        lib.call("pl_mlp", p(x), 0, 0, 0, 0, 0.0, F32, 17, 128, p(wg), p(sg), 128, p(wd), p(sd), 128, p(out), p(ws),
+                 p(counters))
+    with pytest.raises(RuntimeError, match="e4m3 weights"):
+        lib.call("pl_mlp", p(x), 0, 0, 0, 0, 0.0, F32, 1, 128, p(wg), 0, 128, p(wd), p(sd), 128, p(out), p(ws),
+                 p(counters))
+
+
 def test_norm_linear_refuses_prefill_sizes(lib):
     x, res, w = rnd(17, 64, device=lib.device), rnd(17, 64, device=lib.device), rnd(64, device=lib.device)
     wl, out = rnd(8, 64, device=lib.device), poisoned((17, 8), torch.float32, lib.device)
@@ -706,6 +762,24 @@ def test_add_rmsnorm_of_fp32_input_beyond_fp16(lib):
     check(out, ref_rmsnorm(new_residual, w, 1e-6), 2e-3, "add_rmsnorm fp32 x normed")
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("lo,V", [(0, 40), (40, 37), (77, 0), (100, 28)])   # shards of a 128-row vocabulary
+def test_embed_shard(lib, act, lo, V):
+    """pl_embed_shard: rows of ids in [lo, lo + V) from the shard's table, zeros for the rest (a ragged last shard,
+    an empty one); summed over the shards, the full lookup."""
+    dev = lib.device
+    full = rnd(128, 72, dtype=torch.bfloat16, device=dev)
+    ids = torch.tensor([0, 39, 40, 76, 77, 100, 127, 5, 63], device=dev)
+    out = poisoned((ids.numel(), 72), act, dev)
+    before = launches(lib)
+    lib.call("pl_embed_shard", p(ids), ids.numel(), p(full[lo:lo + V].contiguous()), BF16, lo, V, 72, p(out),
+             CODE[act])
+    assert launches(lib) - before == 1
+    own = ((ids >= lo) & (ids < lo + V)).cpu()
+    want = torch.where(own[:, None], full.double().cpu()[ids.cpu()], 0.0)
+    assert torch.equal(out.double().cpu(), want.to(act).double())
+
+
 # ---- Paged attention: prefill (cached prefix + new rows, varlen) and decode (split-K). --------------------
 
 def attention_case(dev, act, Hq, Hk, Dh, ctx_lens, q_lens, max_blocks, bs=16, seed=0):
@@ -775,6 +849,44 @@ def test_attention_gated(lib, act, case):
              p(qs), B, Dh ** -0.5, p(out), p(gate), p(ws), nbytes)
     want = ref.to(act).double() * torch.sigmoid(gate.double().cpu()).view(T, Hq, Dh)
     check(out, want, TOL[act] * 2, "gated attention")
+
+
+def launches(lib) -> int:
+    count = lib.ffi.new("uint64_t*")
+    lib.lib.pl_launch_count(count)
+    return count[0]
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+def test_attention_merged(lib, act, gated, case):
+    """pl_attention_merged: the split-K merge done by the last split block of each row, one launch, the same bits
+    as pl_attention(_gated)'s two (the same merge code, the same order) and within tolerance of float64; the
+    counters are left zero, so a second call gives the same output."""
+    Hq, Hk, Dh, ctx, ql, mb, split = ATTN_CASES[case]
+    (q, k_cache, v_cache, bt, cl, qs), ref = attention_case(lib.device, act, Hq, Hk, Dh, ctx, ql, mb)
+    T, B = q.shape[0], len(cl)
+    gate = rnd(T, Hq * Dh, dtype=act, device=lib.device, scale=3, gen=torch.Generator().manual_seed(7))
+    nbytes = lib.lib.pl_attention_workspace_bytes(T, Hq, Dh, mb, 16)
+    ws = poisoned((max(nbytes // 4, 1),), torch.float32, lib.device)
+    args = (p(q), CODE[act], T, Hq, Hk, Dh, p(k_cache), p(v_cache), 16, p(bt), mb, p(cl), p(qs), B, Dh ** -0.5)
+    two = poisoned((T, Hq, Dh), act, lib.device)
+    if gated:
+        lib.call("pl_attention_gated", *args, p(two), p(gate), p(ws), nbytes)
+    else:
+        lib.call("pl_attention", *args, p(two), p(ws), nbytes)
+    counters = torch.zeros(4096, dtype=torch.int32, device=lib.device)
+    for _ in range(2):
+        one = poisoned((T, Hq, Dh), act, lib.device)
+        ws.fill_(float("nan"))
+        before = launches(lib)
+        lib.call("pl_attention_merged", *args, p(one), p(gate) if gated else 0, p(ws), nbytes, p(counters))
+        assert launches(lib) - before == 1
+        assert not counters.any()
+        assert torch.equal(one, two)
+    want = ref.to(act).double() * torch.sigmoid(gate.double().cpu()).view(T, Hq, Dh) if gated else ref
+    check(one, want, TOL[act] * 2, "merged attention")
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -920,6 +1032,8 @@ def _nativeops_cases(pl, act):
     qs = torch.tensor([0, 5, 7], dtype=torch.int32)
     return [
         ("embed", (torch.tensor([3, 0, 36, 5, 5, 17, 1]), r(37, D, dtype=torch.bfloat16))),
+        ("embed_shard", (torch.tensor([3, 40, 36, 5, 75, 17, 1]), r(30, D, dtype=torch.bfloat16), 10)),
+        ("embed_shard", (torch.tensor([3, 40]), r(1, D, dtype=torch.bfloat16), 50)),      # no id in the shard
         ("rmsnorm", (r(T, D), r(D, scale=0.2, dtype=torch.float32), 1e-6)),     # norm weights load as fp32
         ("add_rmsnorm", (r(T, D), r(T, D, dtype=torch.float32, scale=3), r(D, scale=0.2, dtype=torch.float32), 1e-6)),
         ("add_rmsnorm", (r(T, D, dtype=torch.float32, scale=1e5), r(T, D, dtype=torch.float32, scale=3),
@@ -936,6 +1050,8 @@ def _nativeops_cases(pl, act):
                  pl.Linear(r(48, 128, scale=0.1, dtype=torch.bfloat16), None), act)),       # decode: pl_linear_glu
         ("mlp", (r(20, 256, scale=40), pl.Linear(*fp8_weight(256, 256, "cpu", gen=g)),
                  pl.Linear(*fp8_weight(96, 128, "cpu", gen=g)), act)),                      # prefill: 3 launches
+        ("mlp", (r(5, 256, scale=40), pl.Linear(*fp8_weight(256, 256, "cpu", gen=g)),
+                 pl.Linear(*fp8_weight(96, 128, "cpu", gen=g)), act)),                      # decode FP8: pl_mlp
         ("linear_parts", (r(3, 256), pl.Linear(w8, s8), [128, 22])),                 # FP8: parts end on blocks
         ("linear_parts", (r(20, 256, scale=300), pl.Linear(w8, s8), [128, 22], torch.float32)),
         ("linear_parts", (r(5, 64), pl.Linear(r(48, 64, scale=0.1, dtype=torch.bfloat16), None), [20, 4, 4, 20])),
@@ -1010,7 +1126,7 @@ def test_nativeops_match_torchops(act):
     tol = {torch.float32: 1e-4, torch.float16: 5e-3}[act]
     for name, args in _nativeops_cases(pl, act):
         a_n, a_t = [_clone(a) for a in args], [_clone(a) for a in args]
-        if name == "embed":
+        if name in ("embed", "embed_shard"):
             a_n.append(act)
             a_t.append(act)
         out_n, out_t = getattr(nops, name)(*a_n), getattr(tops, name)(*a_t)
@@ -1041,6 +1157,7 @@ def test_nativeops_prenorm_matches_torchops(act):
                  ("gdn_gates_linear", (pl.Linear(r(24, 256, scale=0.3, dtype=torch.bfloat16), None),   # writes
                                        r(12, scale=0.5), r(12))),                                    # the residual
                  ("mlp", (w8, pl.Linear(r(48, 128, scale=0.1, dtype=torch.bfloat16), None), act)),
+                 ("mlp", (w8, pl.Linear(*fp8_weight(200, 128, "cpu", gen=g)), act)),      # pl_mlp
                  ("linear", (w8, torch.float32))]
     # Both settings of the two decode fusions: on up to 16 tokens, and the defaults (prologue off, GLU at T = 1).
     cases = [(16, 16, T, x_dtype) for T, x_dtype in [(3, torch.float32), (16, torch.float32), (20, torch.float32),

@@ -302,25 +302,33 @@ def bench(logdir: Path) -> int:
             kernel = f"FP8 GEMV {name}{' f32out' if out == torch.float32 else ''}"
             row(kernel, f"{N}x{K}", B, nbytes, lambda: ops.linear(x, w, out))
         del w
-    # The decode MLP both ways, at the 27B's TP1 shapes: pl_linear_glu + down_proj on the fp32 product (what
-    # decode runs now: 2 launches) against gate|up + pl_silu_mul + down_proj on the row-scaled fp16 product (what
-    # prefill runs: 3 launches). Bytes: the three FP8 weights and their scales.
+    # The decode MLP, at the 27B's TP1 shapes, each path forced through NativeOps' two switches (prologue_tokens,
+    # glu_tokens): pl_mlp (gate|up, the SiLU product and down_proj in one launch, the blocks' partials summed by
+    # the last block) on a plain input, with the layer's add + RMSNorm in its prologue, and after its own
+    # add_rmsnorm launch; against gate|up + pl_silu_mul + down_proj on the row-scaled fp16 product (3 launches,
+    # what prefill runs). Bytes: the three FP8 weights and their scales.
     I, D = 17408, 5120
     gate_up, down = fp8_linear(2 * I, D), fp8_linear(D, I)
     mlp_bytes = 3 * I * D + (gate_up.scale.numel() + down.scale.numel()) * 4
+    shipped = ops.prologue_tokens, ops.glu_tokens
+
+    def switches(prologue: int, glu: int) -> None:
+        ops.prologue_tokens, ops.glu_tokens = prologue, glu
+
     for B in (1, 2, 4, 8):
         x = torch.randn(B, D, device="cuda").to(act)
-        row("MLP decode: glu + down", f"{I}x{D} x3", B, mlp_bytes, lambda: ops.mlp(x, gate_up, down, act))
-        row("MLP 3 launches (fp16 h)", f"{I}x{D} x3", B, mlp_bytes,
-            lambda: ops.silu_mul_linear(*ops.linear_parts(x, gate_up, [I, I], torch.float32), down, act))
-        # The same with the layer's residual add + RMSNorm in the glu GEMV's prologue (NativeOps.prenorm): what
-        # a decode layer runs; against the row above it shows the prologue's price.
         xf, res = torch.randn(B, D, device="cuda"), torch.randn(B, D, device="cuda")          # (B, D) fp32
         norm_w = torch.rand(D, device="cuda")
-        row("MLP decode, norm prologue", f"{I}x{D} x3", B, mlp_bytes,
-            lambda: ops.mlp(ops.prenorm(xf, res, norm_w, 1e-6, act)[0], gate_up, down, act))
-        row("add_rmsnorm + glu + down", f"{I}x{D} x3", B, mlp_bytes,
+        switches(0, 16)
+        row("MLP pl_mlp (1 launch)", f"{I}x{D} x3", B, mlp_bytes, lambda: ops.mlp(x, gate_up, down, act))
+        row("add_rmsnorm + pl_mlp", f"{I}x{D} x3", B, mlp_bytes,
             lambda: ops.mlp(ops.add_rmsnorm(xf, res, norm_w, 1e-6, act)[0], gate_up, down, act))
+        switches(16, 16)
+        row("pl_mlp with norm prologue", f"{I}x{D} x3", B, mlp_bytes,
+            lambda: ops.mlp(ops.prenorm(xf, res, norm_w, 1e-6, act)[0], gate_up, down, act))
+        row("MLP 3 launches (fp16 h)", f"{I}x{D} x3", B, mlp_bytes,
+            lambda: ops.silu_mul_linear(*ops.linear_parts(x, gate_up, [I, I], torch.float32), down, act))
+    switches(*shipped)
     del gate_up, down
     head = pocketllm.Linear(weight=torch.randn(248320, 5120, device="cuda").to(torch.bfloat16))
     for B in (1, 8):
@@ -407,10 +415,11 @@ def decode(logdir: Path) -> int:
         llm = pocketllm.LLM(path, backend="native", device="cuda", dtype="float16", quiet=True,
                             max_context=1024, max_batch_size=32, speculative_tokens=0, gpu_memory_utilization=0.5)
         ops, prompt = llm.model.ops, list(range(5, 69))
-        # (batch, graphs, fusion variant): "default" as shipped; "no prologue": add + RMSNorm as its own launch
-        # before the projections; "glu T<=1": the MLP's fused-GLU path at one token only, 3 launches above.
-        variants = {"default": (ops.prologue_tokens, ops.glu_tokens), "no prologue": (0, ops.glu_tokens),
-                    "glu T<=1": (ops.prologue_tokens, 1), "no prologue, glu T<=1": (0, 1)}
+        # (batch, graphs, fusion variant): "default" as shipped (add + RMSNorm its own launch; pl_mlp at one
+        # token, 3 launches above); "pl_mlp to 16": the one-launch MLP at every decode size; "prologue + pl_mlp
+        # to 16": and the add + RMSNorm inside the projections that follow.
+        variants = {"default": (ops.prologue_tokens, ops.glu_tokens), "pl_mlp to 16": (0, 16),
+                    "prologue + pl_mlp to 16": (16, 16)}
         runs = [(B, g, "default") for B in (1, 8, 32) for g in (False, True)] + \
             [(B, True, v) for v in list(variants)[1:] for B in (1, 4, 8)]
         for B, graphs, variant in runs:
