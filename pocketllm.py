@@ -1194,12 +1194,17 @@ class NativeOps:
         self._local = threading.local()     # the last-block counters (_counters), per thread
         self._cpu_build = self.lib.is_cpu_build
         self._scales: dict[int, tuple] = {}   # id(scale) -> (scale, its fp32 copy): _weight's conversions
-        # Up to how many tokens two decode fusions apply (at most GEMV_MAX_TOKENS). Measured on an H200
-        # (docs/benchmarks.md, tests/gpu/gpu_check.py decode): every block of the next GEMVs recomputing the add +
-        # RMSNorm costs more than its own launch at any batch (batch-8 graphed step 6.90 -> 2.37 ms with both
-        # off), and the fp32-product MLP wins at one token only (its down_proj re-reads fp32 rows per output row).
+        # Which decode fusions run, as measured on an H200 (docs/benchmarks.md, tests/gpu/gpu_check.py bench and
+        # decode; every fused kernel stays tested behind its switch). Token counts are at most GEMV_MAX_TOKENS.
+        # Every block of the next GEMVs recomputing the add + RMSNorm costs more than its own launch at any batch
+        # (batch-8 graphed step 6.90 -> 2.37 ms with the first two off); the fp32-product GLU MLP wins at one
+        # token only (its down_proj re-reads fp32 rows per output row); pl_mlp (34-136 blocks, byte loads in its
+        # down_proj) ran 1.34 ms against 0.17 for the 3-launch MLP at one token; and decode attention with its
+        # split-K merge in the last split block 0.32 ms against 0.06 for the kernel + merge launch.
         self.prologue_tokens = 0                 # add + RMSNorm computed inside the projections that follow
         self.glu_tokens = 1                      # the MLP as pl_linear_glu (fp32 product) + down_proj, 2 launches
+        self.mlp_tokens = 0                      # the MLP as pl_mlp, one launch
+        self.merged_attention = False            # attention's split-K merge inside its launch (pl_attention_merged)
 
     def launch_count(self) -> int:
         """Kernel launches queued by the library in this process so far (pl_launch_count)."""
@@ -1402,15 +1407,15 @@ class NativeOps:
         return self._linear(self._silu_mul(g, u, dtype, row_scale), w, torch.float32, row_scale)
 
     def mlp(self, x: torch.Tensor, gate_up: Linear, down: Linear, dtype: torch.dtype) -> torch.Tensor:
-        """down(silu(x gate^T) * (x up^T)) -> (T, N) fp32. T <= glu_tokens: pl_linear_glu writes the fp32 product
-        in one launch (no fp16 intermediate, so no row scale), then down_proj; larger T: gate|up in one launch,
-        pl_silu_mul, down_proj (silu_mul_linear)."""
+        """down(silu(x gate^T) * (x up^T)) -> (T, N) fp32. T <= mlp_tokens (FP8 weights): pl_mlp, one launch;
+        else T <= glu_tokens: pl_linear_glu writes the fp32 product in one launch (no fp16 intermediate, so no row
+        scale), then down_proj; larger T: gate|up in one launch, pl_silu_mul, down_proj (silu_mul_linear)."""
         T = math.prod(x.shape[:-1])
+        if T <= self.mlp_tokens and self._fused_mlp(gate_up, down):
+            return self._mlp_one_launch(x, gate_up, down, T)
         if T > self.glu_tokens:
             g, u = self.linear_parts(x, gate_up, [gate_up.shape[0] // 2] * 2, torch.float32)
             return self.silu_mul_linear(g, u, down, dtype)
-        if self._fused_mlp(gate_up, down):
-            return self._mlp_one_launch(x, gate_up, down, T)
         weight, scale = self._weight(gate_up)
         N, K = weight.shape
         normed = isinstance(x, Prenormed)
@@ -1497,8 +1502,8 @@ class NativeOps:
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_start: torch.Tensor, scale: float,
                   gate: torch.Tensor | None = None) -> torch.Tensor:
-        """Paged attention; with gate, times sigmoid(gate), and the split-K merge in the same launch
-        (pl_attention_merged)."""
+        """Paged attention; with gate, times sigmoid(gate). The split-K merge is a second launch, or inside the
+        first with merged_attention (pl_attention_merged)."""
         if k_cache.dtype != q.dtype:      # the kernel reads the cache in the activation dtype
             raise PocketError(f"the native attention needs the KV cache in the activation dtype ({q.dtype}), "
                               f"not {k_cache.dtype}: leave --kv-dtype at auto")
@@ -1512,9 +1517,13 @@ class NativeOps:
         args = (self._p(q), self._dt(q), T, Hq, Hk, Dh, self._p(k_cache), self._p(v_cache), block_size,
                 self._p(block_tables), max_blocks, self._p(context_lens), self._p(query_start), B, scale, self._p(out))
         gate = None if gate is None else self._as(gate, q.dtype)                     # alive until the call
-        counters = self._counters(q.device)                                         # split-K merged in the launch
-        self.lib.call("pl_attention_merged", *args, 0 if gate is None else self._p(gate), self._p(workspace),
-                      ws_bytes, self._p(counters), self._stream(q))
+        if self.merged_attention:                                                   # split-K merged in the launch
+            self.lib.call("pl_attention_merged", *args, 0 if gate is None else self._p(gate), self._p(workspace),
+                          ws_bytes, self._p(self._counters(q.device)), self._stream(q))
+        elif gate is None:
+            self.lib.call("pl_attention", *args, self._p(workspace), ws_bytes, self._stream(q))
+        else:
+            self.lib.call("pl_attention_gated", *args, self._p(gate), self._p(workspace), ws_bytes, self._stream(q))
         return out
 
     def conv1d(self, x: torch.Tensor, w: torch.Tensor, conv_state: torch.Tensor, slot_ids: torch.Tensor,

@@ -13,6 +13,7 @@ plus fp16 inputs rounded where the kernel rounds them).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -1119,12 +1120,16 @@ def _clone(a):
 @pytest.mark.parametrize("act", ACTS)
 def test_nativeops_match_torchops(act):
     """Every op through pocketllm.NativeOps (the cffi wrappers) equals pocketllm.TorchOps, including the state
-    each op updates in place (residual, KV cache, conv state, recurrent state)."""
+    each op updates in place (residual, KV cache, conv state, recurrent state), with NativeOps' decode fusions as
+    shipped and all switched on (pl_mlp, pl_linear_glu up to 16 tokens, the merge inside attention's launch)."""
     pl = _pocketllm()
     _LIBS.setdefault("cpu", _load("cpu"))
     nops, tops = pl.NativeOps("cpu"), pl.TorchOps()
     tol = {torch.float32: 1e-4, torch.float16: 5e-3}[act]
-    for name, args in _nativeops_cases(pl, act):
+    fused = pl.NativeOps("cpu")
+    fused.mlp_tokens = fused.glu_tokens = pl.GEMV_MAX_TOKENS
+    fused.merged_attention = True
+    for nops, (name, args) in itertools.product((nops, fused), _nativeops_cases(pl, act)):
         a_n, a_t = [_clone(a) for a in args], [_clone(a) for a in args]
         if name in ("embed", "embed_shard"):
             a_n.append(act)
@@ -1160,10 +1165,13 @@ def test_nativeops_prenorm_matches_torchops(act):
                  ("mlp", (w8, pl.Linear(*fp8_weight(200, 128, "cpu", gen=g)), act)),      # pl_mlp
                  ("linear", (w8, torch.float32))]
     # Both settings of the two decode fusions: on up to 16 tokens, and the defaults (prologue off, GLU at T = 1).
-    cases = [(16, 16, T, x_dtype) for T, x_dtype in [(3, torch.float32), (16, torch.float32), (20, torch.float32),
-                                                      (3, act)]] + [(0, 1, 1, torch.float32), (0, 1, 3, torch.float32)]
-    for prologue, glu, T, x_dtype in cases:
-        nops.prologue_tokens, nops.glu_tokens = prologue, glu
+    # (prologue_tokens, glu_tokens, mlp_tokens, T, x dtype): all on up to 16 tokens (pl_mlp), the GLU path with the
+    # prologue, and the shipped defaults.
+    cases = [(16, 16, 16, T, x_dtype) for T, x_dtype in [(3, torch.float32), (16, torch.float32),
+                                                          (20, torch.float32), (3, act)]] + \
+        [(16, 16, 0, 3, torch.float32), (0, 1, 0, 1, torch.float32), (0, 1, 0, 3, torch.float32)]
+    for prologue, glu, mlp, T, x_dtype in cases:
+        nops.prologue_tokens, nops.glu_tokens, nops.mlp_tokens = prologue, glu, mlp
         x, res, w = r(T, 256, scale=2, dtype=x_dtype), r(T, 256, scale=3), r(256, scale=0.2)
         h_n, res_n = nops.prenorm(x.clone(), res.clone(), w, 1e-6, act)
         h_t, res_t = tops.prenorm(x, res, w, 1e-6, act)

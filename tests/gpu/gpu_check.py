@@ -302,18 +302,18 @@ def bench(logdir: Path) -> int:
             kernel = f"FP8 GEMV {name}{' f32out' if out == torch.float32 else ''}"
             row(kernel, f"{N}x{K}", B, nbytes, lambda: ops.linear(x, w, out))
         del w
-    # The decode MLP, at the 27B's TP1 shapes, each path forced through NativeOps' two switches (prologue_tokens,
-    # glu_tokens): pl_mlp (gate|up, the SiLU product and down_proj in one launch, the blocks' partials summed by
+    # The decode MLP, at the 27B's TP1 shapes, each path forced through NativeOps' switches (prologue_tokens,
+    # glu_tokens, mlp_tokens): pl_mlp (gate|up, the SiLU product and down_proj in one launch, the blocks' partials summed by
     # the last block) on a plain input, with the layer's add + RMSNorm in its prologue, and after its own
     # add_rmsnorm launch; against gate|up + pl_silu_mul + down_proj on the row-scaled fp16 product (3 launches,
     # what prefill runs). Bytes: the three FP8 weights and their scales.
     I, D = 17408, 5120
     gate_up, down = fp8_linear(2 * I, D), fp8_linear(D, I)
     mlp_bytes = 3 * I * D + (gate_up.scale.numel() + down.scale.numel()) * 4
-    shipped = ops.prologue_tokens, ops.glu_tokens
+    shipped = ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens
 
-    def switches(prologue: int, glu: int) -> None:
-        ops.prologue_tokens, ops.glu_tokens = prologue, glu
+    def switches(prologue: int, glu: int, mlp: int = 16) -> None:
+        ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = prologue, glu, mlp
 
     for B in (1, 2, 4, 8):
         x = torch.randn(B, D, device="cuda").to(act)
@@ -328,6 +328,8 @@ def bench(logdir: Path) -> int:
             lambda: ops.mlp(ops.prenorm(xf, res, norm_w, 1e-6, act)[0], gate_up, down, act))
         row("MLP 3 launches (fp16 h)", f"{I}x{D} x3", B, mlp_bytes,
             lambda: ops.silu_mul_linear(*ops.linear_parts(x, gate_up, [I, I], torch.float32), down, act))
+        switches(0, 16, 0)
+        row("MLP glu + down (2 launches)", f"{I}x{D} x3", B, mlp_bytes, lambda: ops.mlp(x, gate_up, down, act))
     switches(*shipped)
     del gate_up, down
     head = pocketllm.Linear(weight=torch.randn(248320, 5120, device="cuda").to(torch.bfloat16))
@@ -350,6 +352,10 @@ def bench(logdir: Path) -> int:
         nbytes = 2 * B * ctx * Hk * Dh * 2 + 2 * B * Hq * Dh * 2
         row("decode attention", f"ctx {ctx}, 24/4 heads", B, nbytes,
             lambda: ops.attention(q, k_cache, v_cache, tables, lens, qs, Dh ** -0.5))
+        ops.merged_attention = True                              # the split-K merge by the last split block
+        row("decode attention, merge inside", f"ctx {ctx}, 24/4 heads", B, nbytes,
+            lambda: ops.attention(q, k_cache, v_cache, tables, lens, qs, Dh ** -0.5))
+        ops.merged_attention = False
         del k_cache, v_cache
 
     # GDN decode: 16 key heads, 48 value heads, 128 x 128 fp32 state per head, read and written every step.
@@ -415,17 +421,17 @@ def decode(logdir: Path) -> int:
         llm = pocketllm.LLM(path, backend="native", device="cuda", dtype="float16", quiet=True,
                             max_context=1024, max_batch_size=32, speculative_tokens=0, gpu_memory_utilization=0.5)
         ops, prompt = llm.model.ops, list(range(5, 69))
-        # (batch, graphs, fusion variant): "default" as shipped (add + RMSNorm its own launch; pl_mlp at one
+        # (batch, graphs, fusion variant): "default" as shipped (add + RMSNorm its own launch; the GLU MLP at one
         # token, 3 launches above); "pl_mlp to 16": the one-launch MLP at every decode size; "prologue + pl_mlp
         # to 16": and the add + RMSNorm inside the projections that follow.
-        variants = {"default": (ops.prologue_tokens, ops.glu_tokens), "pl_mlp to 16": (0, 16),
-                    "prologue + pl_mlp to 16": (16, 16)}
+        variants = {"default": (ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens), "pl_mlp to 16": (0, 16, 16),
+                    "prologue + pl_mlp to 16": (16, 16, 16)}
         runs = [(B, g, "default") for B in (1, 8, 32) for g in (False, True)] + \
             [(B, True, v) for v in list(variants)[1:] for B in (1, 4, 8)]
         for B, graphs, variant in runs:
             llm.engine.graphs.enabled = graphs
-            if (ops.prologue_tokens, ops.glu_tokens) != variants[variant]:
-                ops.prologue_tokens, ops.glu_tokens = variants[variant]
+            if (ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens) != variants[variant]:
+                ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = variants[variant]
                 llm.engine.graphs.steps.clear()                # captured graphs hold the other variant's launches
                 llm.engine.graphs.seen.clear()
             def run(n):
@@ -449,7 +455,7 @@ def decode(logdir: Path) -> int:
             print(f"batch {B} {how}: {step_ms:.2f} ms per step with 4 layers -> ~{step_ms * 16:.1f} ms with 64 "
                   f"-> ~{B * 1e3 / (step_ms * 16):.1f} tok/s (lm_head of the real vocab not included)", flush=True)
         result["graphs_captured"] = sorted(llm.engine.graphs.steps)
-        ops.prologue_tokens, ops.glu_tokens = variants["default"]
+        ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = variants["default"]
         llm.engine.graphs.steps.clear()
         llm.engine.graphs.seen.clear()
         result["profile"] = profile_steps(llm, prompt, logdir)
