@@ -52,6 +52,16 @@ def _build_or_skip(*args, cpu: bool = False, **kwargs):
 build.build = _build_or_skip
 
 
+def native_cpu_ops_or_skip():
+    """pocketllm.NativeOps on the CPU test build, or a skip naming why the build cannot be made here."""
+    import pocketllm
+    try:
+        build.build(cpu=True, quiet=True)
+    except build.BuildError as e:
+        pytest.skip(f"the native CPU test build does not build here: {str(e).splitlines()[0]}")
+    return pocketllm.NativeOps("cpu")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")

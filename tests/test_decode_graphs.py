@@ -11,17 +11,14 @@ import pytest
 import torch
 
 import pocketllm
+from conftest import native_cpu_ops_or_skip
 
 BS = 16
 
 
 @pytest.fixture(scope="module")
 def native_llm():
-    import build
-    try:
-        build.build(cpu=True, quiet=True)
-    except build.BuildError as e:
-        pytest.skip(f"the native CPU test build does not build here: {str(e).splitlines()[0]}")
+    native_cpu_ops_or_skip()
     import os
     os.environ["POCKETLLM_NATIVE_CPU"] = "1"
     try:

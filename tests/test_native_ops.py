@@ -431,6 +431,16 @@ def prenorm_case(act, T, K, dev, gen=None):
     return x, res, w, h, r
 
 
+def gemv_input(act, T, K, dev, res_out, normed):
+    """(h, the input arguments of pl_gdn_in_proj's form, r, the tensors they point to: keep them alive): a plain
+    activation x (h = x), or prenorm_case's normed input h = rmsnorm(res + x), with r = res + x due in res_out."""
+    if normed:
+        x, res, nw, h, r = prenorm_case(act, T, K, dev)
+        return h, (p(x), p(res), p(res_out), p(nw), F32, 1e-6, CODE[act]), r, (x, res, nw)
+    x = rnd(T, K, dtype=act, device=dev)
+    return x.double().cpu(), (p(x), 0, 0, 0, 0, 0.0, CODE[act]), None, (x,)
+
+
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("wdt", [torch.float8_e4m3fn, torch.bfloat16])
 @pytest.mark.parametrize("T,K", [(1, 256), (5, 256), (12, 384), (3, 200)])   # K = 200: the element-wise paths
@@ -513,12 +523,7 @@ def test_gdn_in_proj_gates(lib, act, ab_dtype, normed, T):
     conv_w, state = rnd(C, W, device=dev, scale=0.5), rnd(16, C, W - 1, dtype=act, device=dev)
     slots = torch.randperm(16, generator=torch.Generator().manual_seed(T))[:T].int().to(dev)
     res_out = poisoned((T, K), torch.float32, dev)
-    if normed:
-        x, res, nw, h, r = prenorm_case(act, T, K, dev)
-        args = (p(x), p(res), p(res_out), p(nw), F32, 1e-6, CODE[act])
-    else:
-        x = rnd(T, K, dtype=act, device=dev)
-        h, args = x.double().cpu(), (p(x), 0, 0, 0, 0, 0.0, CODE[act])
+    h, args, r, _inputs = gemv_input(act, T, K, dev, res_out, normed)
     y = (h @ full.T).to(act).double()                                            # (T, N)
     ref_qkv, ref_state = ref_conv1d(y[:, :C], conv_w.cpu(), state.cpu(), slots.cpu(), torch.arange(T + 1))
     ab = h @ fab.T                                                               # (T, 2 Hv)
@@ -554,12 +559,7 @@ def test_mlp_one_launch(lib, act, normed, T, I, K, D):
     wg, sg, fg = weight_of(torch.float8_e4m3fn, 2 * I, K, dev)
     wd, sd, fd = weight_of(torch.float8_e4m3fn, D, I, dev)
     res_out = poisoned((T, K), torch.float32, dev)
-    if normed:
-        x, res, nw, h, r = prenorm_case(act, T, K, dev)
-        args = (p(x), p(res), p(res_out), p(nw), F32, 1e-6, CODE[act])
-    else:
-        x = rnd(T, K, dtype=act, device=dev)
-        h, args = x.double().cpu(), (p(x), 0, 0, 0, 0, 0.0, CODE[act])
+    h, args, r, _inputs = gemv_input(act, T, K, dev, res_out, normed)
     gu = h @ fg.T                                                                # (T, 2I)
     ref = (F.silu(gu[:, :I]) * gu[:, I:]) @ fd.T                                 # (T, D)
     blocks, chunks = -(-I // 128), -(-D // 128)

@@ -15,18 +15,14 @@ import pytest
 import torch
 
 import pocketllm
+from conftest import native_cpu_ops_or_skip
 
 BS = 16
 
 
 @pytest.fixture(scope="module")
 def ops():
-    import build
-    try:
-        build.build(cpu=True, quiet=True)
-    except build.BuildError as e:
-        pytest.skip(f"the native CPU test build does not build here: {str(e).splitlines()[0]}")
-    return pocketllm.NativeOps("cpu")
+    return native_cpu_ops_or_skip()
 
 
 # ---- The ops that keep a decode forward native ----
