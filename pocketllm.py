@@ -1447,7 +1447,7 @@ class NativeOps:
 
     def _mlp_one_launch(self, x: Prenormed | torch.Tensor, gate_up: Linear, down: Linear, T: int) -> torch.Tensor:
         """pl_mlp: gate|up, the SiLU product and down in one launch (decode sizes, FP8 weights)."""
-        (I2, K), (D, I) = gate_up.shape, down.shape
+        K, (D, I) = gate_up.shape[1], down.shape
         device = x.x.device if isinstance(x, Prenormed) else x.device
         out = torch.empty(T, D, dtype=torch.float32, device=device)                 # (T, D)
         ws = torch.empty(-(-I // 128) * T * D, dtype=torch.float32, device=device)  # the blocks' (T, D) partials
@@ -11010,9 +11010,9 @@ def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int,
 def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch.device], dtype: torch.dtype,
                       kv_dtype: torch.dtype, sized: bool) -> None:
     """Refuse, in one line and before any weight loads, a configuration whose per-rank memory_budget exceeds what
-    a GPU of `devices` may use: --gpu-memory-utilization of the card, at most what is free (instance_budget). Free memory is asked of rank 0's device only (this process's); the other ranks'
-    cards count as wholly free from their properties, since asking them would leave a CUDA context of this
-    process on each. A cache sized from memory (`sized`) needs at least one sequence of --max-context;
+    a GPU of `devices` may use: --gpu-memory-utilization of the card, at most what is free (instance_budget).
+    Free memory is asked of rank 0's device only (this process's); the other ranks' cards count as wholly free
+    from their properties, since asking them would leave a CUDA context of this process on each. A cache sized from memory (`sized`) needs at least one sequence of --max-context;
     otherwise the cache holds --max-batch-size of them (or --num-kv-blocks)."""
     world, bs = len(devices), opts.kv_block_size
     batch = opts.max_batch_size or 1

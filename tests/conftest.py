@@ -62,6 +62,18 @@ def native_cpu_ops_or_skip():
     return pocketllm.NativeOps("cpu")
 
 
+def drain(req) -> tuple[list[list[int]], list]:
+    """A finished engine Request's events: each choice's tokens, and every event's logprobs entries in order
+    (an event carrying an error fails the test)."""
+    tokens, logprobs = [[] for _ in range(req.params.n)], []
+    while not req.events.empty():
+        ev = req.events.get()
+        assert ev.finish_reason != "error", ev.error
+        tokens[ev.index] += ev.token_ids
+        logprobs += ev.logprobs or []
+    return tokens, logprobs
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import pocketllm
+from conftest import drain
 
 BS = 16
 REL = 1e-5
@@ -73,11 +74,7 @@ class Observed:
                     self.engine.abort(rid)
         out = []
         for req in requests:
-            tokens = [[] for _ in range(req.params.n)]
-            while not req.events.empty():
-                ev = req.events.get()
-                assert ev.finish_reason != "error", ev.error
-                tokens[ev.index] += ev.token_ids
+            tokens = drain(req)[0]
             out.append(tokens)
             for i, t in enumerate(tokens):
                 self.outputs[(req.id, i)] = req.prompt_ids + t

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pocketllm
-from conftest import native_cpu_ops_or_skip
+from conftest import drain, native_cpu_ops_or_skip
 
 BS = 16
 
@@ -132,13 +132,9 @@ def generate(engine) -> tuple[list[list[list[int]]], list[float]]:
         engine.step()
     out, logprobs = [], []
     for req in requests:
-        tokens = [[] for _ in range(req.params.n)]
-        while not req.events.empty():
-            ev = req.events.get()
-            assert ev.finish_reason != "error", ev.error
-            tokens[ev.index] += ev.token_ids
-            for chosen, top in ev.logprobs or []:
-                logprobs += [chosen] + [lp for _, lp in top]
+        tokens, entries = drain(req)
+        for chosen, top in entries:
+            logprobs += [chosen] + [lp for _, lp in top]
         out.append(tokens)
     assert engine.blocks.total == len(engine.blocks.free) and engine.slots.total == len(engine.slots.free)
     assert len(logprobs) == 14 * 3
