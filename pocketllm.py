@@ -781,6 +781,13 @@ class TorchOps:
     def zeros(self, shape, dtype, device):
         return torch.zeros(shape, dtype=dtype, device=device)
 
+    def contiguous(self, t):
+        return t.contiguous()
+
+    def write_columns(self, dst, src, start):
+        """dst[:, start:start + N] = src (R, N): a rank's columns of the vocab-parallel logits."""
+        dst[:, start:start + src.shape[1]] = src
+
     def embed_shard(self, ids, table, lo, dtype):
         """The vocab-parallel lookup on one rank: table holds rows [lo, lo + V') of the vocabulary; rows of ids
         outside them are zero."""
@@ -1013,7 +1020,7 @@ class NativeLibrary:
             raise PocketError(f"native library {path} has ABI version {version}, this pocketllm.py needs "
                               f"{NATIVE_ABI_VERSION}: rebuild it with `python build.py`")
         self.is_cpu_build = bool(self.lib.pl_is_cpu_build())
-        self.recording = threading.local()   # .calls: the list a LaunchRecording on this thread appends to
+        self.recording = threading.local()   # .calls, .active: the LaunchRecording on this thread
 
     def last_error(self) -> str:
         return self.ffi.string(self.lib.pl_last_error()).decode(errors="replace")
@@ -1051,7 +1058,9 @@ class LaunchRecording(TorchDispatchMode):
     created inside the recording (outputs, packed temporaries) is kept alive here, and a replay reads the same
     inputs (a static batch payload refreshed in place) and writes the same outputs. Any torch op that would
     launch a kernel (anything but views, allocations and metadata) would be skipped by a replay, so it makes
-    the recording `refused` (its name); the forward itself still ran eagerly and its output is correct."""
+    the recording `refused` (its name); the forward itself still ran eagerly and its output is correct. A step
+    that is not a native launch but must run again at each replay (gloo's all-reduce between CPU ranks) is
+    recorded by host()."""
     FREE = {"detach", "alias", "_unsafe_view", "split", "split_with_sizes", "unbind", "chunk", "is_contiguous",
             "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_same_size"}
 
@@ -1061,24 +1070,46 @@ class LaunchRecording(TorchDispatchMode):
         self.calls: list[tuple[Callable, tuple]] = []   # (cffi function, its arguments) in call order
         self.kept: list = []                            # every op's output inside the recording
         self.refused: str | None = None                 # the first torch op that launches a kernel
+        self.hosting = False                            # inside host(): its torch ops are its own
+
+    @staticmethod
+    def active(lib: "NativeLibrary | None") -> "LaunchRecording | None":
+        """The recording on this thread, if any."""
+        return getattr(lib.recording, "active", None) if lib is not None else None
 
     def __enter__(self):
         if getattr(self.lib.recording, "calls", None) is not None:
             raise PocketError("a LaunchRecording is already active on this thread")
-        self.lib.recording.calls = self.calls
+        self.lib.recording.calls, self.lib.recording.active = self.calls, self
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self.lib.recording.calls = None
+        self.lib.recording.calls = self.lib.recording.active = None
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not (func.is_view or name in self.FREE or name.startswith("empty")) and self.refused is None:
+        if not (self.hosting or func.is_view or name in self.FREE or name.startswith("empty")) \
+                and self.refused is None:
             self.refused = name
         self.kept.append(out)
         return out
+
+    def host(self, fn: Callable, x: torch.Tensor) -> torch.Tensor:
+        """fn(x) now and again at every replay, in its place among the launches: x is a recorded tensor, so a
+        replay reads and writes the same memory. Returns x (fn works in place)."""
+        self.hosting = True
+        try:
+            fn(x)
+        finally:
+            self.hosting = False
+
+        def again() -> int:
+            fn(x)
+            return 0
+        self.calls.append((again, ()))
+        return x
 
     def replay(self) -> None:
         """Every recorded call again, in order; NativeError on the first that fails."""
@@ -1275,6 +1306,20 @@ class NativeOps:
         out = torch.empty(shape, dtype=dtype, device=device)
         self.lib.call("pl_zero", self._p(out), out.numel() * out.element_size(), self._stream(out))
         return out
+
+    def contiguous(self, t: torch.Tensor) -> torch.Tensor:
+        """t packed; strided rows (a column slice) by pl_copy_2d, so a recorded decode step stays native."""
+        return self._as(t)
+
+    def write_columns(self, dst: torch.Tensor, src: torch.Tensor, start: int) -> None:
+        """dst[:, start:start + N] = src (R, N), one pl_copy_2d (a recorded decode step stays native)."""
+        src = self._as(src, dst.dtype)
+        (R, N), size = src.shape, dst.element_size()
+        if not (dst.is_contiguous() and dst.dim() == 2 and dst.shape[0] == R and 0 <= start <= dst.shape[1] - N):
+            raise PocketError(f"write_columns: {tuple(src.shape)} at column {start} of {tuple(dst.shape)}")
+        self._p(dst)                                                                 # checks the device
+        self.lib.call("pl_copy_2d", self._p(src), N * size, dst.data_ptr() + start * size, dst.shape[1] * size, R,
+                      N * size, self._stream(dst))
 
     # ---- The ops ----
 
@@ -2282,11 +2327,11 @@ class Model:
         if self.shard.world == 1:
             return self.ops.linear(h, self.lm_head, torch.float32)        # (R, V)
         v0, v1 = self.vocab
-        logits = torch.zeros(h.shape[0], self.cfg.vocab_size, dtype=torch.float32, device=h.device)   # (R, V)
+        logits = self.ops.zeros((h.shape[0], self.cfg.vocab_size), torch.float32, h.device)   # (R, V)
         if not h.shape[0]:                                                 # every rank has the same rows
             return logits
-        if v1 > v0:
-            logits[:, v0:v1] = self.ops.linear(h, self.lm_head, torch.float32)   # (R, V') this rank's columns
+        if v1 > v0:                                                        # (R, V') this rank's columns
+            self.ops.write_columns(logits, self.ops.linear(h, self.lm_head, torch.float32), v0)
         return self.all_reduce(logits)
 
     def project(self, x, w: FusedLinear, dtype=None) -> list[torch.Tensor]:
@@ -2304,8 +2349,8 @@ class Model:
         Dh = cfg.head_dim
         parts = self.project(x, w.qkv)                                     # q | gate | k | v
         if w.gate_interleaved:                                             # per head: [q | gate]
-            qg = parts.pop(0).view(T, w.heads, 2, Dh)
-            parts[:0] = [qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(T, w.heads * Dh)]
+            qg = parts.pop(0).view(T * w.heads, 2, Dh)
+            parts[:0] = [ops.contiguous(qg[:, i]).view(T, w.heads * Dh) for i in (0, 1)]   # q, gate
         q, gate = parts[0].view(T, w.heads, Dh), parts[1] if cfg.gated_attention else None
         k, v = (t.view(T, w.kv_heads, Dh) for t in parts[-2:])
         q = ops.qk_norm_rope_kv(q, k, v, w.q_norm, w.k_norm, cfg.rms_norm_eps, batch.positions, self.inv_freq,
@@ -3281,9 +3326,15 @@ class DecodeGraphs:
     sequences is padded to the next bucket, its fields copied into the bucket's static payload in one upload,
     and the bucket's recorded forward replayed: the host's cost of a step is one copy plus either one CUDA graph
     launch (CUDA, counted in `graphed`) or one cffi call per native launch (launch-list replay, LaunchRecording:
-    the CPU build; counted in `replayed`) instead of a Python call per op. Prefill and mixed steps, speculative
-    verify windows and tensor parallelism run eagerly. Padding rows write only free state slots, whose next owner
-    zeroes them.
+    the CPU build, and every rank under tensor parallelism; counted in `replayed`) instead of a Python call per
+    op. Prefill and mixed steps and speculative verify windows run eagerly. Padding rows write only free state
+    slots, whose next owner zeroes them.
+
+    With tensor parallelism rank 0's DecodeGraphs picks the bucket and packs the payload, and `call` sends it to
+    every rank (RankRunner.decode), where each rank's own DecodeGraphs records and replays its shard's forward
+    with step(); the all-reduces are in every rank's list in the same order (NCCL's are native launches, gloo's
+    between CPU ranks a LaunchRecording.host step). A rank whose recording was refused runs that bucket
+    eagerly from the payload: the same calls, so the collectives still pair up.
 
     A bucket's first step records it: with graphs, that step runs eagerly (it loads and warms every kernel of
     that shape) and the second is captured (capture runs nothing) and replayed; with launch lists, the first
@@ -3292,11 +3343,13 @@ class DecodeGraphs:
     --enforce-eager) switches both off."""
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
-    def __init__(self, model: "Model", cache: Cache, max_batch_size: int, max_context: int, block_size: int):
-        self.model, self.cache, self.block_size = model, cache, block_size
+    def __init__(self, model: "Model", cache: Cache | None, max_batch_size: int, max_context: int, block_size: int,
+                 call: Callable | None = None):
+        self.model, self.cache, self.block_size, self.call = model, cache, block_size, call
         self.width = -(-max_context // block_size)             # block-table width: every bucket reads the same
         self.buckets = [b for b in self.BUCKETS if b < max_batch_size] + [max_batch_size]
-        self.use_graphs = model.device.type == "cuda" and torch.cuda.is_available()   # else launch lists
+        # CUDA graphs on one GPU; launch lists elsewhere and across ranks (NCCL in a captured graph: not yet run)
+        self.use_graphs = model.device.type == "cuda" and torch.cuda.is_available() and model.shard.world == 1
         self.steps: dict[int, tuple] = {}                       # bucket -> (replay(), static payload, logits)
         self.seen: set[int] = set()                             # graphs: buckets run eagerly once
         self.refused: dict[int, str] = {}                       # bucket -> the torch op that refused its recording
@@ -3305,7 +3358,7 @@ class DecodeGraphs:
 
     @staticmethod
     def usable(model: "Model") -> bool:
-        return model.ops.name == "native" and model.shard.world == 1
+        return model.ops.name == "native"
 
     def run(self, plan: list[Scheduled], free_slots: list[int]) -> torch.Tensor | None:
         """(B, V) logits of a decode step by replay (or by recording it), or None when this step is not one a
@@ -3321,11 +3374,21 @@ class DecodeGraphs:
             self.seen.add(bucket)
             return None
         fields, _ = batch_fields(plan, self.block_size, bucket, self.width, free_slots)
-        host = pack_fields(fields)
-        if bucket not in self.steps:
-            logits = self.record(host, [len(f) for f in fields], bucket)
+        host, sizes = pack_fields(fields), [len(f) for f in fields]
+        if self.call is not None:                               # every rank's step(), rank 0's logits
+            return self.call("decode", host, sizes, bucket)[:B]
+        return self.step(host, sizes, bucket)[:B]
+
+    def step(self, host: torch.Tensor, sizes: list[int], bucket: int) -> torch.Tensor:
+        """This rank's (bucket, V) logits of a padded decode step from its packed fields: the bucket's recording
+        replayed, or made by this step; a bucket whose recording was refused runs eagerly from the payload."""
+        if bucket not in self.steps and bucket not in self.refused:
+            logits = self.record(host, sizes, bucket)
             if logits is not None:                              # the launch list's recording ran the step
-                return logits[:B]
+                return logits
+        if bucket in self.refused:
+            batch = batch_view(host.to(self.model.device, copy=True), sizes, bucket, self.width)
+            return self.model.forward(batch, self.cache)
         replay, payload, logits = self.steps[bucket]
         if self.use_graphs:
             host = host.pin_memory()
@@ -3335,7 +3398,7 @@ class DecodeGraphs:
             self.graphed += 1
         else:
             self.replayed += 1
-        return logits[:B]
+        return logits
 
     def record(self, host: torch.Tensor, sizes: list[int], bucket: int) -> torch.Tensor | None:
         """Graphs: capture the forward of a `bucket`-row decode step reading a static payload (it runs nothing:
@@ -3409,7 +3472,7 @@ def _cache_blocks(opts: EngineOptions) -> int:
 ENGINE_CACHE, SCRATCH_CACHE = 0, 1    # which cache a step runs on: the engine's, or logits()'s temporary one
 SNAPSHOT_CACHE = 2                    # the prefix cache's state snapshots (section 5): copied to and from only
 STOP = "stop"                         # the call that ends a worker's loop (not a RankRunner method)
-STEP_CALLS = ("run", "draft")         # the calls whose all-reduces a step waits for (Comm.finish_step)
+STEP_CALLS = ("run", "draft", "decode")   # the calls whose all-reduces a step waits for (Comm.finish_step)
 
 
 class RankRunner:
@@ -3422,6 +3485,7 @@ class RankRunner:
                                                 SNAPSHOT_CACHE: snapshot_cache}
         self.hidden: torch.Tensor | None = None    # (T, D) the last engine step's hidden states (speculation)
         self.drafted: torch.Tensor | None = None   # (R, D) the last MTP pass's outputs at its logit rows
+        self.graphs: DecodeGraphs | None = None     # this rank's recorded decode steps (decode())
 
     @staticmethod
     def is_call(method: str) -> bool:
@@ -3437,6 +3501,24 @@ class RankRunner:
             self.model.open_window(self.caches[which], window)
         self.hidden = self.model.hidden(batch, self.caches[which])          # (T, D)
         return self.model.head(self.hidden[batch.logit_rows])
+
+    def decode(self, host: torch.Tensor, sizes: list[int], bucket: int) -> torch.Tensor:
+        """A padded decode step of `bucket` rows on the engine cache from rank 0's packed fields (DecodeGraphs):
+        this rank's recording of the bucket replayed, or made now. (bucket, V) logits."""
+        if self.graphs is None:
+            o = self.opts
+            self.graphs = DecodeGraphs(self.model, self.caches[ENGINE_CACHE], o.max_batch_size, o.max_context,
+                                       o.kv_block_size)
+        return self.graphs.step(host, sizes, bucket)
+
+    def replay_stats(self) -> list[tuple[int, int, int]]:
+        """Every rank's decode replays as (buckets recorded, buckets refused, steps replayed), gathered to rank 0
+        through the model's all-reduce (as vocab_shards)."""
+        g, m = self.graphs, self.model
+        table = torch.zeros(m.shard.world, 3, dtype=torch.float32, device=self.device)   # (world, 3)
+        if g is not None:
+            table[m.shard.rank] = torch.tensor([len(g.steps), len(g.refused), g.replayed], dtype=torch.float32)
+        return [tuple(int(v) for v in row) for row in m.all_reduce(table).cpu().tolist()]
 
     def rollback(self, kept: list[int]) -> None:
         """After the verify: each window sequence's GDN states after its kept tokens (Model.rollback)."""
@@ -3617,6 +3699,7 @@ class Comm:
 
     def __init__(self, store, rank: int, world: int, device: torch.device, ops, opts: EngineOptions):
         self.opts, self.steps, self.sync = opts, 0, lambda: None
+        self.lib = getattr(ops, "lib", None)                  # a LaunchRecording there records gloo's all-reduce
         self.waiting_for = "connecting to the other ranks"      # what a timeout names
         warmup = datetime.timedelta(seconds=opts.collective_warmup_timeout)
         store.set_timeout(warmup)                   # a peer that never publishes its address
@@ -3653,6 +3736,9 @@ class Comm:
         self.steps += 1
 
     def _torch_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        recording = LaunchRecording.active(self.lib)       # a decode replay on CPU ranks repeats it (section 8)
+        if recording is not None and not recording.hosting:
+            return recording.host(self._torch_all_reduce, x)
         options = dist.AllreduceOptions()
         options.timeout = datetime.timedelta(seconds=self.timeout_s)
         self._bounded(lambda: self.group.allreduce([x], options).wait())
@@ -4137,8 +4223,9 @@ class Engine:
         self.draft_tokens = opts.speculative_tokens if model.mtp is not None else 0   # K (0: no speculation)
         self.scheduler = Scheduler(opts, self.blocks, self.slots, self.prefix, self.draft_tokens)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
-        self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs) \
-            if run_batch is None and not opts.enforce_eager and DecodeGraphs.usable(model) else None
+        self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs,
+                                   None if run_batch is None else call) \
+            if not opts.enforce_eager and DecodeGraphs.usable(model) and (run_batch is None or call) else None
         self.copy = copy or (lambda caches, src, dst, slots, blocks:      # with tensor parallelism: every rank's
                              copy_cache(caches[src], caches[dst], model.ops, slots, blocks))
         if call is None:                          # RankRunner calls (speculative decoding), here on these caches

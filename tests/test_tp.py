@@ -211,6 +211,36 @@ def test_vocab_parallel_on_the_native_backend_cuts_whole_blocks(ckpt_factory, mo
     wait_no_ranks(path, 2)
 
 
+def test_native_decode_replay_across_ranks_equals_eager(ckpt_factory, monkeypatch):
+    """Decode by launch-list replay at TP2 (DecodeGraphs through RankRunner.decode; the all-reduces in every
+    rank's list: gloo's between CPU ranks as host steps): the same tokens as --enforce-eager for seeded
+    temperature-1 sampling with penalties over several batch-size buckets, every rank recording and replaying its
+    own forward (none refused: the vocab-parallel head is native too), and nothing leaked."""
+    use_native_cpu_build(monkeypatch)
+    path = ckpt_factory("qwen3_5", fp8=True, vocab_size=ODD_VOCAB, **FP8_DIMS)[0]
+    options = dict(ENGINE, devices=cpu_ranks(2), backend="native", speculative_tokens=0, prefix_cache=False)
+    replayed, eager = pocketllm.LLM(path, **options), pocketllm.LLM(path, enforce_eager=True, **options)
+    sampling = dict(temperature=1.0, seed=7, max_tokens=9, presence_penalty=0.4, repetition_penalty=1.1,
+                    ignore_eos=True)
+    prompts = PROMPTS + [[3, 1, 4, 1, 5]]
+    try:
+        assert eager.engine.graphs is None and replayed.engine.graphs.call is not None
+        want = generate_together(eager, prompts, **sampling)
+        assert generate_together(replayed, prompts, **sampling) == want
+        assert generate_together(replayed, prompts[:3], **dict(sampling, seed=8, max_tokens=5)) == \
+            generate_together(eager, prompts[:3], **dict(sampling, seed=8, max_tokens=5))
+        stats = replayed.group.call("replay_stats")
+        assert len(stats) == 2 and all(recorded >= 2 and refused == 0 and steps >= 8
+                                       for recorded, refused, steps in stats), stats
+        for llm in (replayed, eager):
+            blocks, slots = llm.engine.blocks, llm.engine.slots
+            assert len(blocks.free) == blocks.total and len(slots.free) == slots.total
+    finally:
+        replayed.group.close()
+        eager.group.close()
+    wait_no_ranks(path, 2)
+
+
 # Refusals and failures while starting.
 
 def test_non_dividing_degree_is_refused(bf16):
