@@ -3344,12 +3344,12 @@ class DecodeGraphs:
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
     def __init__(self, model: "Model", cache: Cache | None, max_batch_size: int, max_context: int, block_size: int,
-                 call: Callable | None = None):
+                 call: Callable | None = None, graphs: bool = True):
         self.model, self.cache, self.block_size, self.call = model, cache, block_size, call
         self.width = -(-max_context // block_size)             # block-table width: every bucket reads the same
         self.buckets = [b for b in self.BUCKETS if b < max_batch_size] + [max_batch_size]
-        # CUDA graphs on one GPU; launch lists elsewhere and across ranks (NCCL in a captured graph: not yet run)
-        self.use_graphs = model.device.type == "cuda" and torch.cuda.is_available() and model.shard.world == 1
+        # CUDA graphs without a rank group; launch lists elsewhere (NCCL inside a captured graph: not yet run)
+        self.use_graphs = graphs and model.device.type == "cuda" and torch.cuda.is_available()
         self.steps: dict[int, tuple] = {}                       # bucket -> (replay(), static payload, logits)
         self.seen: set[int] = set()                             # graphs: buckets run eagerly once
         self.refused: dict[int, str] = {}                       # bucket -> the torch op that refused its recording
@@ -3508,7 +3508,7 @@ class RankRunner:
         if self.graphs is None:
             o = self.opts
             self.graphs = DecodeGraphs(self.model, self.caches[ENGINE_CACHE], o.max_batch_size, o.max_context,
-                                       o.kv_block_size)
+                                       o.kv_block_size, graphs=False)
         return self.graphs.step(host, sizes, bucket)
 
     def replay_stats(self) -> list[tuple[int, int, int]]:
@@ -3737,8 +3737,9 @@ class Comm:
 
     def _torch_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         recording = LaunchRecording.active(self.lib)       # a decode replay on CPU ranks repeats it (section 8)
-        if recording is not None and not recording.hosting:
-            return recording.host(self._torch_all_reduce, x)
+        return self._group_all_reduce(x) if recording is None else recording.host(self._group_all_reduce, x)
+
+    def _group_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         options = dist.AllreduceOptions()
         options.timeout = datetime.timedelta(seconds=self.timeout_s)
         self._bounded(lambda: self.group.allreduce([x], options).wait())
@@ -4223,9 +4224,10 @@ class Engine:
         self.draft_tokens = opts.speculative_tokens if model.mtp is not None else 0   # K (0: no speculation)
         self.scheduler = Scheduler(opts, self.blocks, self.slots, self.prefix, self.draft_tokens)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
+        ranked = run_batch is not None            # a rank group runs the model (with call, its RankRunner calls)
         self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs,
-                                   None if run_batch is None else call) \
-            if not opts.enforce_eager and DecodeGraphs.usable(model) and (run_batch is None or call) else None
+                                   call if ranked else None, graphs=not ranked) \
+            if not opts.enforce_eager and DecodeGraphs.usable(model) else None
         self.copy = copy or (lambda caches, src, dst, slots, blocks:      # with tensor parallelism: every rank's
                              copy_cache(caches[src], caches[dst], model.ops, slots, blocks))
         if call is None:                          # RankRunner calls (speculative decoding), here on these caches
@@ -11099,8 +11101,9 @@ def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch
     """Refuse, in one line and before any weight loads, a configuration whose per-rank memory_budget exceeds what
     a GPU of `devices` may use: --gpu-memory-utilization of the card, at most what is free (instance_budget).
     Free memory is asked of rank 0's device only (this process's); the other ranks' cards count as wholly free
-    from their properties, since asking them would leave a CUDA context of this process on each. A cache sized from memory (`sized`) needs at least one sequence of --max-context;
-    otherwise the cache holds --max-batch-size of them (or --num-kv-blocks)."""
+    from their properties, since asking them would leave a CUDA context of this process on each. A cache sized
+    from memory (`sized`) needs at least one sequence of --max-context; otherwise the cache holds
+    --max-batch-size of them (or --num-kv-blocks)."""
     world, bs = len(devices), opts.kv_block_size
     batch = opts.max_batch_size or 1
     blocks = opts.num_kv_blocks or -(-opts.max_context // bs) * (1 if sized else batch)
