@@ -964,10 +964,11 @@ class TorchOps:
 #     The CPU test build (libpocketllm_cpu.so) runs the same kernels on host tensors; CI uses it.
 # -----------------------------------------------------------------------------------------------
 
-NATIVE_ABI_VERSION = 4          # must equal PL_ABI_VERSION in csrc/pocketllm.h
+NATIVE_ABI_VERSION = 5          # must equal PL_ABI_VERSION in csrc/pocketllm.h
 NATIVE_MIN_CAPABILITY = (7, 5)  # Turing: mma.sync m16n8k8 and ldmatrix
 
 NATIVE_COUNTERS = 4096          # the last-block counters of pl_mlp and pl_attention_merged (csrc/pocketllm.h)
+GEMV_SCRATCH_BYTES = 4 << 20    # the split-K GEMV's partial sums, per thread and device (pl_set_gemv_scratch)
 GEMV_MAX_TOKENS = 16            # GEMV_MAX_T in csrc/linear.cu: up to this many tokens a linear is a GEMV
 
 # torch dtype -> the library's pl_dtype code.
@@ -1211,6 +1212,9 @@ class Prenormed:
         return self.x.shape
 
 
+_GEMV_SCRATCH = threading.local()   # per thread: (id(lib), device) -> the split-K GEMV's (workspace, counters)
+
+
 class NativeOps:
     """The backend op list of TorchOps on the native library: the same methods and signatures. Each method
     passes data pointers, shapes and dtype codes on torch's current stream. Inputs may be strided views (they
@@ -1231,7 +1235,7 @@ class NativeOps:
         # (batch-8 graphed step 6.90 -> 2.37 ms with the first two off); the fp32-product GLU MLP wins at one
         # token only (its down_proj re-reads fp32 rows per output row); pl_mlp (34-136 blocks, byte loads in its
         # down_proj) ran 1.34 ms against 0.17 for the 3-launch MLP at one token; and decode attention with its
-        # split-K merge in the last split block 0.32 ms against 0.06 for the kernel + merge launch.
+        # split-K merge in the last split block 0.086 ms against 0.046 for the kernel + merge launch.
         self.prologue_tokens = 0                 # add + RMSNorm computed inside the projections that follow
         self.glu_tokens = 1                      # the MLP as pl_linear_glu (fp32 product) + down_proj, 2 launches
         self.mlp_tokens = 0                      # the MLP as pl_mlp, one launch
@@ -1267,14 +1271,31 @@ class NativeOps:
 
     def _stream(self, t: torch.Tensor) -> int:
         """torch's current stream on t's device (read each call: a CUDA graph capture changes it), that device
-        made current for the library on this thread."""
+        made current for the library on this thread, with this thread's GEMV scratch there."""
         if not t.is_cuda:
+            if getattr(self._threads, "device", None) is None:
+                self._use_scratch(t.device)
+                self._threads.device = "cpu"
             return 0
         index = t.device.index
         if getattr(self._threads, "device", None) != index:
             self.lib.call("pl_set_device", index)
             self._threads.device = index
+            self._use_scratch(t.device)
         return torch._C._cuda_getCurrentRawStream(index)   # torch.cuda.current_stream's handle, ~10x cheaper
+
+    def _use_scratch(self, device: torch.device) -> None:
+        """Give the library this thread's split-K scratch on `device` (pl_set_gemv_scratch): a zeroed workspace
+        and counters allocated at the thread's first call there (an eager one: DecodeGraphs runs each bucket
+        eagerly before capturing it) and kept for the thread's life, so every NativeOps of the thread, and every
+        graph or launch list recorded from it, points at live memory."""
+        per_thread = _GEMV_SCRATCH.__dict__.setdefault("by", {})
+        key = (id(self.lib), str(device))
+        if key not in per_thread:
+            per_thread[key] = (torch.zeros(GEMV_SCRATCH_BYTES // 4, dtype=torch.float32, device=device),
+                               torch.zeros(NATIVE_COUNTERS, dtype=torch.int32, device=device))
+        ws, counters = per_thread[key]
+        self.lib.call("pl_set_gemv_scratch", ws.data_ptr(), GEMV_SCRATCH_BYTES, counters.data_ptr(), NATIVE_COUNTERS)
 
     def _as(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """An input in `dtype` (default: its own), contiguous; itself, checked in two attribute reads, when it
@@ -2211,7 +2232,9 @@ class Model:
 
     def __init__(self, ckpt: Checkpoint, ops, dtype: torch.dtype, device: torch.device, shard: Shard = Shard(),
                  num_layers: int | None = None, all_reduce: Callable | None = None, progress: bool = True,
-                 mtp: bool = False):
+                 mtp: bool = False, stack: bool | None = None):
+        """stack: stack same-input projections into one weight (fuse_projections); None: everywhere but the
+        torch backend on the CPU (tests of another device's layout pass True)."""
         cfg = self.cfg = ckpt.config
         self.ops, self.dtype, self.device, self.shard = ops, dtype, device, shard
         self.all_reduce = all_reduce or (lambda x: x)
@@ -2228,7 +2251,8 @@ class Model:
         t0 = time.time()
         # On the CPU the torch backend reads FP8 weights in place from the mapped checkpoint: stacking them would
         # copy every projection (twice the checkpoint's bytes resident). Elsewhere the weights are copies anyway.
-        stack = not (torch.device(device).type == "cpu" and ops.name == "torch")
+        if stack is None:
+            stack = not (torch.device(device).type == "cpu" and ops.name == "torch")
         for i in range(n):
             self.layers.append(fuse_projections(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype),
                                                 cfg.head_dim, stack))
@@ -2349,7 +2373,7 @@ class Model:
         Dh = cfg.head_dim
         parts = self.project(x, w.qkv)                                     # q | gate | k | v
         if w.gate_interleaved:                                             # per head: [q | gate]
-            qg = parts.pop(0).view(T * w.heads, 2, Dh)
+            qg = parts.pop(0).reshape(T * w.heads, 2, Dh)                 # a view unless torch's split
             parts[:0] = [ops.contiguous(qg[:, i]).view(T, w.heads * Dh) for i in (0, 1)]   # q, gate
         q, gate = parts[0].view(T, w.heads, Dh), parts[1] if cfg.gated_attention else None
         k, v = (t.view(T, w.kv_heads, Dh) for t in parts[-2:])

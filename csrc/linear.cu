@@ -354,18 +354,33 @@ __global__ void gemv_dense_kernel(const TA* x, const float* rs, int T, int K, co
 // halves 2s, 2s+1 of those: a consistent permutation of k between A and B, so the dot products are unchanged.
 // A 64-wide chunk and the 16 rows lie inside one 128x128 scale block: one scale per chunk. ---------------------
 
-static const int GEMV_MMA_WARPS = 8;
+static const int GEMV_MMA_WARPS = 8;      // warps of a block by default (pl_set_gemv_tuning: 4 or 8)
+static const int GEMV_MAX_SPLIT = 16;
+
+// Split-K of the tensor-core GEMV: gridDim.y blocks share a 16-row tile, each over its own range of whole
+// 64-wide chunks of K. With one block per tile a grid of few tiles leaves SMs idle (down_proj at TP1: 320 tiles
+// for 528 block slots of an H200; gemv_splits says when splitting pays). Each
+// block writes its (16 rows x 8 NT tokens) fp32 sums to ws in the mma's lane layout and counts itself in
+// counters[tile]; the last of the tile's blocks adds the partials in split order (the same sums whichever block
+// arrives last), runs the epilogue and zeroes the counter. ws: gridDim.x * gridDim.y * NT * 128 floats.
+struct SplitK {
+  float* ws = 0;
+  unsigned* counters = 0;
+};
 
 // GLU (N/2 % 8 == 0): a block takes 8 output columns c0..c0+7, gate rows c0 + g as the A operand's rows g and up
 // rows N/2 + c0 + g as its rows g + 8, so each lane ends up holding gate and up of the same (column, token)s.
 template <int NT, typename TO, bool GLU = false, bool NORM = false>
 __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const float* rs, int T, int K,
                                               const uint8_t* w, const float* scale, int N, const OutParts& op,
-                                              TO* out, const Prenorm& pn) {
+                                              TO* out, const Prenorm& pn, const SplitK& sk = SplitK()) {
   __shared__ float red[GEMV_MMA_WARPS][32][NT * 4];
   __shared__ float inv[GEMV_MAX_T];
   prenorm_prologue<NORM>(pn, T, K, inv);
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int ks = gridDim.y, by = blockIdx.y, chunks = (K + 63) >> 6;         // this block's split of K's 64-chunks
+  int kbeg = (int)((int64_t)by * chunks / ks) * 64, kend = (int)((int64_t)(by + 1) * chunks / ks) * 64;
+  kend = kend < K ? kend : K;
   int g = lane >> 2, t = lane & 3;
   int rows = GLU ? N / 2 : N;
   int n0 = GLU ? bx * 8 : bx * 16;                            // the block's first output column
@@ -379,7 +394,7 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
     int k = c0 + 16 * t;
     uint4 z = make_uint4(0, 0, 0, 0);
     c.wa = c.wb = z;
-    if (k < K) {
+    if (k < kend) {
       if (n0 + g < rows) c.wa = *(const uint4*)(w + (int64_t)(n0 + g) * K + k);
       if ((GLU ? n0 + g < rows : base_b + g < N)) c.wb = *(const uint4*)(w + (int64_t)(base_b + g) * K + k);
     }
@@ -387,23 +402,23 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
     for (int j = 0; j < NT; j++) {
       int tok = 8 * j + g;
       c.xa[j] = c.xb[j] = z;
-      if (k < K && tok < T && NORM) {
+      if (k < kend && tok < T && NORM) {
         c.xa[j] = xin8_half(pn, inv, tok, k, K);
         c.xb[j] = xin8_half(pn, inv, tok, k + 8, K);
-      } else if (k < K && tok < T) {
+      } else if (k < kend && tok < T) {
         c.xa[j] = *(const uint4*)(x + (int64_t)tok * K + k);
         c.xb[j] = *(const uint4*)(x + (int64_t)tok * K + k + 8);
       }
     }
   };
-  const int step = GEMV_MMA_WARPS * 64;
+  const int step = warps * 64;
   float acc[NT][4] = {};
   // Two chunks in flight while one is multiplied (zeros past K): with one, the kernel held 40-50% of an H200's
   // copy bandwidth (docs/benchmarks.md), about 1 KB per warp outstanding being too little to cover DRAM latency.
   Chunk cur, nxt, nxt2;
-  load(warp * 64, cur);
-  load(warp * 64 + step, nxt);
-  for (int c0 = warp * 64; c0 < K; c0 += step) {
+  load(kbeg + warp * 64, cur);
+  load(kbeg + warp * 64 + step, nxt);
+  for (int c0 = kbeg + warp * 64; c0 < kend; c0 += step) {
     load(c0 + 2 * step, nxt2);
     const uint32_t wa_w[4] = {cur.wa.x, cur.wa.y, cur.wa.z, cur.wa.w}, wb_w[4] = {cur.wb.x, cur.wb.y, cur.wb.z, cur.wb.w};
     float part[NT][4] = {};
@@ -430,16 +445,35 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
     for (int i = 0; i < 4; i++) red[warp][lane][j * 4 + i] = acc[j][i];
   __syncthreads();
   if (warp != 0) return;
+  float v[NT][4];
+  for (int j = 0; j < NT; j++)
+    for (int i = 0; i < 4; i++) {
+      v[j][i] = 0.f;
+      for (int w2 = 0; w2 < warps; w2++) v[j][i] += red[w2][lane][j * 4 + i];
+    }
+  if (ks > 1) {                                        // split-K: the tile's last block adds every split's sums
+    float* part = sk.ws + ((int64_t)bx * ks + by) * (NT * 128);
+    for (int j = 0; j < NT; j++)
+      for (int i = 0; i < 4; i++) part[(j * 4 + i) * 32 + lane] = v[j][i];
+    __threadfence();                                   // this split's sums are visible before its count
+    unsigned last = 0;
+    if (lane == 0) last = atomicAdd(&sk.counters[bx], 1u) == (unsigned)ks - 1;
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    const volatile float* parts = sk.ws + (int64_t)bx * ks * (NT * 128);   // past the L1 (other blocks wrote it)
+    for (int j = 0; j < NT; j++)
+      for (int i = 0; i < 4; i++) {
+        float sum = 0.f;
+        for (int y = 0; y < ks; y++) sum += parts[y * (NT * 128) + (j * 4 + i) * 32 + lane];
+        v[j][i] = sum;
+      }
+    if (lane == 0) sk.counters[bx] = 0;                // ready for the next launch
+  }
   // d[0..1] = D[g][2t..2t+1], d[2..3] = D[g+8][2t..2t+1]: rows n0+g(+8), tokens 8j+2t(+1).
   for (int j = 0; j < NT; j++) {
-    float v[4];
-    for (int i = 0; i < 4; i++) {
-      v[i] = 0.f;
-      for (int w2 = 0; w2 < GEMV_MMA_WARPS; w2++) v[i] += red[w2][lane][j * 4 + i];
-    }
     for (int i = 0; i < (GLU ? 2 : 4); i++) {
       int n = n0 + g + (i >= 2 ? 8 : 0), tok = 8 * j + 2 * t + (i & 1);
-      float y = GLU ? silu_f(v[i]) * v[i + 2] : v[i];
+      float y = GLU ? silu_f(v[j][i]) * v[j][i + 2] : v[j][i];
       if (n < rows && tok < T) out[op.at(tok, n)] = from_f<TO>(op.epi<TO>(tok, n, row_scaled(y, rs, tok)));
     }
   }
@@ -447,8 +481,8 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
 
 template <int NT, typename TO, bool GLU = false, bool NORM = false>
 __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K, const uint8_t* w,
-                                const float* scale, int N, OutParts op, TO* out, Prenorm pn) {
-  gemv_mma_body<NT, TO, GLU, NORM>(blockIdx.x, x, rs, T, K, w, scale, N, op, out, pn);
+                                const float* scale, int N, OutParts op, TO* out, Prenorm pn, SplitK sk) {
+  gemv_mma_body<NT, TO, GLU, NORM>(blockIdx.x, x, rs, T, K, w, scale, N, op, out, pn, sk);
 }
 
 // ---- The fp32 tiled path: 64x64 output tile per block, K in steps of 32, 256 threads of 4x4 outputs. ----
@@ -629,19 +663,117 @@ static bool launch_gemv_mma(const float*, const float*, int64_t, int64_t, const 
   return false;
 }
 
+// The calling thread's split-K scratch on its current device (pl_set_gemv_scratch), and the tuning switches
+// (pl_set_gemv_tuning: warps per block, 0 = GEMV_MMA_WARPS; splits, 0 = gemv_splits' choice, -1 = none).
+struct GemvScratch {
+  int device = -1;
+  float* ws = 0;
+  int64_t floats = 0;
+  unsigned* counters = 0;
+  int64_t n_counters = 0;
+};
+inline thread_local GemvScratch g_gemv_scratch;
+inline std::atomic<int> g_gemv_warps{0}, g_gemv_splits{0};
+
+static int current_device() {
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess ? device : -1;
+}
+
+// Streaming multiprocessors of `device`, cached (the CPU build's runtime answers as an RTX 2080 Ti: 68).
+static int sm_count(int device) {
+  static std::atomic<int> cached[64];
+  if (device < 0 || device >= 64) return 1;
+  int n = cached[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n < 1) n = 1;
+    cached[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// Splits of K for `tiles` 16-row tiles, as measured on an H200 (docs/benchmarks.md, "Split-K"): more, shorter
+// blocks cost more than a ragged last wave saves (gate|up's 1088 tiles: 42 us unsplit, 48-72 us split 2-8), so
+// only a grid of less than one wave of block slots (resident blocks of `warps` warps: about 32 warps per SM at
+// one token tile, 20 at two) is split, into at most enough splits to fill one wave, each keeping at least 64
+// chunks (K >= 4096) and at most 4: the 27B's down_proj at TP1 (320 tiles, K 17408) 50 -> 44 us; o_proj's
+// K 6144 is not split (19 vs 18 us). 1 without scratch or with NORM's prologue in the kernel (its first block
+// writes the residual stream). Bounded by the scratch's floats and counters.
+static int gemv_splits(int64_t tiles, int64_t K, int nt, int warps, bool norm) {
+  const GemvScratch& sc = g_gemv_scratch;
+  int forced = g_gemv_splits.load(std::memory_order_relaxed);
+  if (norm || forced < 0 || !sc.ws || tiles > sc.n_counters) return 1;
+  int device = current_device();
+  if (device != sc.device) return 1;
+  int64_t chunks = (K + 63) / 64, ks = forced;
+  if (ks == 0) {
+    int64_t slots = (int64_t)sm_count(device) * ((nt == 1 ? 32 : 20) / warps);
+    ks = tiles >= slots ? 1 : (slots + tiles - 1) / tiles;
+    ks = ks < chunks / 64 ? ks : chunks / 64;
+    ks = ks < 4 ? ks : 4;
+  }
+  ks = ks < 1 ? 1 : ks > GEMV_MAX_SPLIT ? GEMV_MAX_SPLIT : ks;
+  ks = ks > chunks ? chunks : ks;
+  while (ks > 1 && tiles * ks * nt * 128 > sc.floats) ks--;
+  return (int)ks;
+}
+
+extern "C" int pl_set_gemv_scratch(uint64_t workspace, int64_t workspace_bytes, uint64_t counters,
+                                   int64_t n_counters) {
+  PL_REQUIRE(workspace_bytes >= 0 && n_counters >= 0, "scratch sizes must not be negative");
+  GemvScratch sc;
+  if (workspace && counters) {
+    sc.device = current_device();
+    sc.ws = (float*)workspace;
+    sc.floats = workspace_bytes / (int64_t)sizeof(float);
+    sc.counters = (unsigned*)counters;
+    sc.n_counters = n_counters;
+  }
+  g_gemv_scratch = sc;
+  return 0;
+}
+
+extern "C" int pl_set_gemv_tuning(int32_t warps, int32_t splits) {
+  PL_REQUIRE(warps == 0 || warps == 4 || warps == 8, "GEMV warps %d: must be 0 (default), 4 or 8", (int)warps);
+  PL_REQUIRE(splits >= -1 && splits <= GEMV_MAX_SPLIT, "GEMV splits %d: must be -1 (none), 0 (auto) or 1..%d",
+             (int)splits, GEMV_MAX_SPLIT);
+  g_gemv_warps.store(warps);
+  g_gemv_splits.store(splits);
+  return 0;
+}
+
+static int gemv_warps() {
+  int w = g_gemv_warps.load(std::memory_order_relaxed);
+  return w ? w : GEMV_MMA_WARPS;
+}
+
+extern "C" int pl_gemv_plan(int64_t T, int64_t K, int64_t N, int32_t glu, int32_t* warps, int32_t* splits) {
+  PL_REQUIRE(warps && splits && T >= 1 && T <= GEMV_MAX_T && K > 0 && N > 0, "pl_gemv_plan: bad arguments");
+  *warps = gemv_warps();
+  *splits = gemv_splits(glu ? N / 2 / 8 : (N + 15) / 16, K, T <= 8 ? 1 : 2, *warps, false);
+  return 0;
+}
+
 template <bool GLU, bool NORM, typename TO>
 static bool launch_gemv_mma(const pl_half* x, const float* rs, int64_t T, int64_t K, const void* w, int wdt,
                             const float* scale, int64_t N, OutParts op, TO* out, const Prenorm& pn, uint64_t stream) {
   if (wdt != PL_E4M3 || K % 16 != 0 || ((uintptr_t)x & 15) != 0 || ((uintptr_t)w & 15) != 0) return false;
   if (GLU && (N / 2) % 8 != 0) return false;
-  dim3 grid((unsigned)(GLU ? N / 2 / 8 : (N + 15) / 16)), block(32 * GEMV_MMA_WARPS);
+  int64_t tiles = GLU ? N / 2 / 8 : (N + 15) / 16;
+  int nt = T <= 8 ? 1 : 2, warps = gemv_warps(), ks = gemv_splits(tiles, K, nt, warps, NORM);
+  SplitK sk;
+  if (ks > 1) {
+    sk.ws = g_gemv_scratch.ws;
+    sk.counters = g_gemv_scratch.counters;
+  }
+  dim3 grid((unsigned)tiles, (unsigned)ks), block(32 * warps);
   const uint8_t* w8 = (const uint8_t*)w;
-  if (T <= 8)
+  if (nt == 1)
     PL_LAUNCH((gemv_mma_kernel<1, TO, GLU, NORM>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N,
-              op, out, pn);
+              op, out, pn, sk);
   else
     PL_LAUNCH((gemv_mma_kernel<2, TO, GLU, NORM>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N,
-              op, out, pn);
+              op, out, pn, sk);
   return true;
 }
 

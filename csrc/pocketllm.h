@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 /* Bumped on every incompatible change of the declarations below; pocketllm.py checks it on load. */
-#define PL_ABI_VERSION 4
+#define PL_ABI_VERSION 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -101,6 +101,15 @@ int pl_rmsnorm(uint64_t x, uint64_t w, int32_t w_dtype, uint64_t out, int32_t ac
    place; out (T, D) act = rmsnorm(residual) as above. */
 int pl_add_rmsnorm(uint64_t x, int32_t x_dtype, uint64_t residual, uint64_t w, int32_t w_dtype, uint64_t out,
                    int32_t act_dtype, int64_t T, int32_t D, float eps, uint64_t stream);
+/* Split-K of the tensor-core GEMV (decode, fp16 activations, e4m3 weights): the calling thread's scratch on its
+   current device, used by its later GEMVs there: workspace (>= tiles * splits * 128 (256 above 8 tokens) fp32) and
+   n_counters uint32 counters, all zero (each launch leaves them zero). Launches on one stream at a time per
+   thread. workspace = 0 forgets it (no split). */
+int pl_set_gemv_scratch(uint64_t workspace, int64_t workspace_bytes, uint64_t counters, int64_t n_counters);
+/* Benchmarking switches of that GEMV, process-wide: warps per block (0 = default 8, or 4, 8) and splits of K
+   (0 = chosen by shape and SM count, -1 = none, 1..16 forced); pl_gemv_plan reports the choice for a shape. */
+int pl_set_gemv_tuning(int32_t warps, int32_t splits);
+int pl_gemv_plan(int64_t T, int64_t K, int64_t N, int32_t glu, int32_t* warps, int32_t* splits);
 /* out (T, N) of out_dtype = x_row_scale[t] * (x (T, K) act @ w^T), w (N, K) of w_dtype; for w_dtype 3, scale
    is the fp32 (ceil(N/128), ceil(K/128)) block-scale tensor, else 0. x_row_scale (T,) fp32, or 0 for none
    (pl_silu_mul's row scales). out_dtype is act_dtype or 0 (fp32: what fp16 activations need where a sum may

@@ -25,10 +25,11 @@ def tiny():
 
 
 def cpu_model(tiny):
-    """pocket-tiny's first two layers (one of each mixer) loaded for real, fp16 activations as on a GPU
-    (loading reads files: outside fake_cuda). Every op runs twice here, fake and real: two layers keep it quick."""
+    """pocket-tiny's first two layers (one of each mixer) loaded for real, fp16 activations and the projections
+    stacked as on a GPU (loading reads files: outside fake_cuda; pocket-tiny's FP8 heads of 32 keep q and gate
+    interleaved, as a GPU loads them). Every op runs twice here, fake and real: two layers keep it quick."""
     return pocketllm.Model(tiny[0], pocketllm.TorchOps(), torch.float16, torch.device("cpu"), num_layers=2,
-                           progress=False)
+                           progress=False, stack=True)
 
 
 def fake_engine(tiny, model, **opts):
@@ -137,6 +138,29 @@ def test_tool_choice_masks_on_fake_cuda(tiny):
     for i in range(2):
         text = tokenizer.decode([t for ev in events if ev.index == i for t in ev.token_ids])
         assert text.startswith("<tool_call>"), text
+
+
+def test_interleaved_q_gate_prefill_on_fake_cuda(tiny, tmp_path):
+    """FP8 attention heads narrower than a scale block (64) keep q_proj's [q | gate] rows interleaved per head
+    inside the stacked q|gate|k|v weight, as a GPU loads it: torch's split of that output is a strided view, and
+    prefill (several rows) must still run (the GPU parity check once failed here); greedy tokens as unstacked."""
+    import checkpoints
+    path, _ = checkpoints.make_checkpoint(tmp_path / "ckpt", "qwen3_5", fp8=True, head_dim=64, num_hidden_layers=2,
+                                          layer_types=["linear_attention", "full_attention"])
+    ckpt = pocketllm.Checkpoint(path)
+    tokens = {}
+    for stack in (True, False):
+        model = pocketllm.Model(ckpt, pocketllm.TorchOps(), torch.float16, torch.device("cpu"), progress=False,
+                                stack=stack)
+        mixer = model.layers[1].mixer
+        assert mixer.gate_interleaved and (len(mixer.qkv.groups) == 1) == stack     # stacked: one weight
+        with fake_cuda() as real:
+            engine = fake_engine((ckpt, None, []), model)
+            req = pocketllm.Request("r", list(range(5, 25)), pocketllm.SamplingParams(max_tokens=4, temperature=0,
+                                                                                      ignore_eos=True), 7)
+            events = run(engine, real, [req])[0]
+        tokens[stack] = sum((ev.token_ids for ev in events), [])
+    assert len(tokens[True]) == 4 and tokens[True] == tokens[False]
 
 
 def test_cache_and_batch_live_on_the_device(tiny):

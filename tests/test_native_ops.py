@@ -13,6 +13,7 @@ plus fp16 inputs rounded where the kernel rounds them).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -546,6 +547,92 @@ def test_gdn_in_proj_gates(lib, act, ab_dtype, normed, T):
     else:
         assert torch.isnan(res_out).all()
 
+
+# ---- Split-K of the tensor-core GEMV: the tests above again with K split across blocks. ----------------------
+
+@contextlib.contextmanager
+def gemv_split(lib, warps: int, splits: int):
+    """This thread's split-K scratch given to the library and the GEMV switches set (warps per block, splits
+    forced or 0 = the library's choice); afterwards every last-block counter must be back at zero."""
+    ws = torch.zeros(1 << 20, device=lib.device)                                   # 4 MiB of partial sums
+    counters = torch.zeros(4096, dtype=torch.int32, device=lib.device)
+    assert lib.lib.pl_set_gemv_scratch(p(ws), ws.numel() * 4, p(counters), counters.numel()) == 0
+    assert lib.lib.pl_set_gemv_tuning(warps, splits) == 0
+    try:
+        yield
+    finally:
+        lib.lib.pl_set_gemv_tuning(0, 0)
+        lib.lib.pl_set_gemv_scratch(0, 0, 0, 0)
+    assert not counters.any(), "a split-K launch left a counter set"
+
+
+def gemv_plan(lib, T: int, K: int, N: int, glu: bool = False) -> tuple[int, int]:
+    warps, splits = lib.ffi.new("int32_t*"), lib.ffi.new("int32_t*")
+    assert lib.lib.pl_gemv_plan(T, K, N, int(glu), warps, splits) == 0, lib.ffi.string(lib.lib.pl_last_error())
+    return warps[0], splits[0]
+
+
+@pytest.mark.parametrize("warps,splits", [(4, 3), (8, 2), (8, 16)])
+def test_gemv_split_k(lib, warps, splits):
+    """Every tensor-core GEMV form (plain, fp32 output with row scales, four parts, GLU, GDN's in_proj with the
+    conv epilogue and its states, one and two token tiles) with K split across blocks, 4 or 8 warps a block:
+    the float64 references hold as unsplit, and the split sums are the same bits launch after launch. Splits
+    beyond K's 64-wide chunks are clamped (K = 144: 3 chunks)."""
+    f16 = torch.float16
+    with gemv_split(lib, warps, splits):
+        for T, N, K in LINEAR_SHAPES[:4]:
+            test_linear_fp8(lib, f16, T, N, K)
+            test_linear_fp32_output_beyond_fp16_range(lib, f16, T, N, K)
+        for T, ends in [(1, (128, 384, 384)), (12, (128, 256, 384))]:
+            test_linear_parts(lib, f16, torch.float8_e4m3fn, T, ends)
+        for T, I, K in [(1, 128, 256), (12, 128, 136), (16, 384, 256)]:
+            test_linear_glu(lib, f16, torch.float8_e4m3fn, T, I, K)
+        test_gdn_in_proj(lib, f16, torch.float8_e4m3fn, False)
+        dev, T, N, K = lib.device, 3, 130, 1024
+        w, scale = fp8_weight(N, K, dev)
+        x = rnd(T, K, dtype=f16, device=dev)
+        outs = [poisoned((T, N), torch.float32, dev) for _ in range(2)]
+        for out in outs:
+            lib.call("pl_linear", p(x), F16, 0, T, K, p(w), E4M3, p(scale), N, p(out), F32)
+        assert torch.equal(outs[0], outs[1])
+        assert gemv_plan(lib, T, K, N) == (warps, splits)
+
+
+def split_rule(tiles: int, chunks: int, sms: int, warps: int) -> int:
+    """pl_gemv_plan's documented choice, restated: a grid under one wave of block slots (32 warps per SM at one
+    token tile) split into enough blocks to fill the wave, at most 4 splits of at least 64 chunks each."""
+    slots = sms * (32 // warps)
+    return 1 if tiles >= slots else max(1, min(-(-slots // tiles), chunks // 64, 4))
+
+
+def test_gemv_split_plan(lib):
+    """The library's split choice by shape and SM count (the CPU build answers as an RTX 2080 Ti, 68 SMs): the
+    27B's down_proj at TP1 (320 tiles, K 17408) as the rule says (split on an H200: 528 slots), gate|up as GLU
+    (2176 tiles), o_proj (K 6144) and a K of 4 chunks not; none without scratch, with too little of it, or when
+    switched off; warps as set."""
+    sms = 68 if lib.device == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count
+    big = dict(T=1, K=17408, N=5120)
+    assert gemv_plan(lib, **big) == (8, 1)                                         # no scratch on this thread
+    with gemv_split(lib, 0, 0):
+        warps, down = gemv_plan(lib, **big)
+        assert warps == 8 and down == split_rule(320, 272, sms, 8)
+        assert gemv_plan(lib, 1, 5120, 2 * 17408, glu=True)[1] == 1                  # gate|up as GLU: 2176 tiles
+        assert gemv_plan(lib, 1, 6144, 5120)[1] == 1                                  # o_proj: 96 chunks
+        assert gemv_plan(lib, 1, 256, 5120)[1] == 1                                   # 4 chunks: nothing to split
+        assert gemv_plan(lib, 1, 17408, 1024)[1] == 4                                 # 64 tiles: 4 splits of 68
+        lib.lib.pl_set_gemv_tuning(0, -1)
+        assert gemv_plan(lib, **big) == (8, 1)
+        lib.lib.pl_set_gemv_tuning(4, 0)
+        assert gemv_plan(lib, **big) == (4, split_rule(320, 272, sms, 4))
+    ws, counters = torch.zeros(1024, device=lib.device), torch.zeros(4096, dtype=torch.int32, device=lib.device)
+    lib.lib.pl_set_gemv_scratch(p(ws), 4096, p(counters), 4096)                      # room for 8 tiles' sums
+    try:
+        assert gemv_plan(lib, **big)[1] == 1
+    finally:
+        lib.lib.pl_set_gemv_scratch(0, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="GEMV warps 6: must be 0"):
+        if lib.lib.pl_set_gemv_tuning(6, 0):
+            raise RuntimeError(lib.ffi.string(lib.lib.pl_last_error()).decode())
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("normed", [False, True])

@@ -119,7 +119,7 @@ run serve_synthetic 120 "$PY" tests/gpu/serve_check.py serve "$LOG" serve_synthe
 ls "$LOG"/serve_*.server.log >/dev/null 2>&1 && ! grep -h "backend native on cuda:0" "$LOG"/serve_*.server.log \
     >> "$LOG/serve_tiny.log" && printf 'serve_default_backend\tFAILED(the defaults did not pick native on cuda:0)\t0s\n' >> "$LOG/summary.tsv"
 run verify 150 "$PY" tests/verify_openai.py --client-python "$PY" --log-dir "$LOG/verify" "${GPU_FLAGS[@]}"
-run bench 90 "$PY" tests/gpu/gpu_check.py bench "$LOG"
+run bench 150 "$PY" tests/gpu/gpu_check.py bench "$LOG"
 run decode 120 "$PY" tests/gpu/gpu_check.py decode "$LOG"
 run speculative 120 bash -c '"$PY" -m pytest -q -x tests/test_speculative.py -k "not tensor_parallel" \
     -p no:cacheprovider && "$PY" benchmarks/speculative.py --decode 64 --threads 8'

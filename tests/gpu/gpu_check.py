@@ -302,6 +302,7 @@ def bench(logdir: Path) -> int:
             kernel = f"FP8 GEMV {name}{' f32out' if out == torch.float32 else ''}"
             row(kernel, f"{N}x{K}", B, nbytes, lambda: ops.linear(x, w, out))
         del w
+    rows += gemv_sweep(ops, copy)
     # The decode MLP, at the 27B's TP1 shapes, each path forced through NativeOps' switches (prologue_tokens,
     # glu_tokens, mlp_tokens): pl_mlp (gate|up, the SiLU product and down_proj in one launch, the blocks' partials summed by
     # the last block) on a plain input, with the layer's add + RMSNorm in its prologue, and after its own
@@ -396,6 +397,51 @@ def bench(logdir: Path) -> int:
     return 0
 
 
+# The tensor-core GEMV's switches (pl_set_gemv_tuning): warps per block and splits of K, -1 = none (the kernel
+# before split-K), 0 = the library's choice by shape and SM count, n = forced. Each shape and batch under each.
+GEMV_CONFIGS = [(8, -1), (8, 0), (8, 2), (8, 4), (4, -1), (4, 2)]
+
+
+def gemv_sweep(ops, copy: float) -> list[dict]:
+    """The 27B's TP1 projections (and gate|up as pl_linear_glu) at batch 1 and 8 under every GEMV_CONFIGS
+    entry; prints one line per shape: ms and % of copy per config, the library's own choice marked."""
+    import torch
+    rows = []
+    shapes = [(name, N, K, False) for name, (N, K) in LINEARS_27B.items()] + [("mlp.gate|up glu", 2 * 17408, 5120, True)]
+    wp, sp = ops.lib.ffi.new("int32_t*"), ops.lib.ffi.new("int32_t*")
+
+    def glu_call(x, weight, scale, h):                    # pl_linear_glu, as NativeOps.mlp runs it at one token
+        ops.lib.call("pl_linear_glu", x.data_ptr(), 1, x.shape[0], x.shape[1], weight.data_ptr(), 3, scale,
+                     weight.shape[0], h.data_ptr(), torch.cuda.current_stream().cuda_stream)
+
+    try:
+        for name, N, K, glu in shapes:
+            w = fp8_linear(N, K)
+            out = torch.float32 if name in FP32_OUT or glu else torch.float16
+            for B in (1, 8):
+                x = torch.randn(B, K, device="cuda").to(torch.float16)
+                nbytes = N * K + w.scale.numel() * 4 + B * K * 2 + B * (N // 2 if glu else N) * out.itemsize
+                weight, scale = ops._weight(w)
+                h = torch.empty(B, N // 2, device="cuda")
+                fn = (lambda: glu_call(x, weight, scale, h)) if glu else (lambda: ops.linear(x, w, out))
+                cells = []
+                for warps, splits in GEMV_CONFIGS:
+                    ops.lib.call("pl_set_gemv_tuning", warps, splits)
+                    ms = median_ms(fn, iters=7)
+                    gbs = nbytes / (ms * 1e-3) / 1e9
+                    ops.lib.call("pl_gemv_plan", B, K, N, int(glu), wp, sp)
+                    rows.append({"kernel": f"GEMV sweep {name}", "shape": f"{N}x{K}", "batch": B, "warps": warps,
+                                 "splits": splits, "chosen_splits": sp[0], "ms": ms, "GB/s": gbs,
+                                 "% of copy": 100 * gbs / copy})
+                    cells.append(f"w{warps}s{splits if splits else f'auto={sp[0]}'} {ms * 1e3:6.1f}us "
+                                 f"{100 * gbs / copy:4.1f}%")
+                print(f"sweep {name:18s} B={B}: " + " | ".join(cells), flush=True)
+            del w
+    finally:
+        ops.lib.call("pl_set_gemv_tuning", 0, 0)
+    return rows
+
+
 # ---- Decode tokens/s: a synthetic checkpoint with the 27B shapes and 4 layers (3 GDN + 1 full attention) ----
 
 def decode(logdir: Path) -> int:
@@ -424,14 +470,20 @@ def decode(logdir: Path) -> int:
         # (batch, graphs, fusion variant): "default" as shipped (add + RMSNorm its own launch; the GLU MLP at one
         # token, 3 launches above); "pl_mlp to 16": the one-launch MLP at every decode size; "prologue + pl_mlp
         # to 16": and the add + RMSNorm inside the projections that follow.
-        variants = {"default": (ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens), "pl_mlp to 16": (0, 16, 16),
-                    "prologue + pl_mlp to 16": (16, 16, 16)}
+        # "no split-K": the tensor-core GEMV one block per 16-row tile (pl_set_gemv_tuning(0, -1)), as before
+        # split-K; "3-launch MLP at 1 token": gate|up, silu_mul, down_proj at batch 1 too (glu_tokens 0).
+        shipped = (ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens)
+        variants = {"default": shipped + (0,), "no split-K": shipped + (-1,),
+                    "3-launch MLP at 1 token": (shipped[0], 0, shipped[2], 0)}
         runs = [(B, g, "default") for B in (1, 8, 32) for g in (False, True)] + \
-            [(B, True, v) for v in list(variants)[1:] for B in (1, 4, 8)]
+            [(B, True, "no split-K") for B in (1, 8, 32)] + [(1, True, "3-launch MLP at 1 token")]
+        current = variants["default"]
         for B, graphs, variant in runs:
             llm.engine.graphs.enabled = graphs
-            if (ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens) != variants[variant]:
-                ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = variants[variant]
+            if current != variants[variant]:
+                current = variants[variant]
+                ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = current[:3]
+                ops.lib.call("pl_set_gemv_tuning", 0, current[3])
                 llm.engine.graphs.steps.clear()                # captured graphs hold the other variant's launches
                 llm.engine.graphs.seen.clear()
             def run(n):
@@ -455,7 +507,8 @@ def decode(logdir: Path) -> int:
             print(f"batch {B} {how}: {step_ms:.2f} ms per step with 4 layers -> ~{step_ms * 16:.1f} ms with 64 "
                   f"-> ~{B * 1e3 / (step_ms * 16):.1f} tok/s (lm_head of the real vocab not included)", flush=True)
         result["graphs_captured"] = sorted(llm.engine.graphs.steps)
-        ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = variants["default"]
+        ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = shipped
+        ops.lib.call("pl_set_gemv_tuning", 0, 0)
         llm.engine.graphs.steps.clear()
         llm.engine.graphs.seen.clear()
         result["profile"] = profile_steps(llm, prompt, logdir)
