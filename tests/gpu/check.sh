@@ -120,7 +120,7 @@ ls "$LOG"/serve_*.server.log >/dev/null 2>&1 && ! grep -h "backend native on cud
     >> "$LOG/serve_tiny.log" && printf 'serve_default_backend\tFAILED(the defaults did not pick native on cuda:0)\t0s\n' >> "$LOG/summary.tsv"
 run verify 150 "$PY" tests/verify_openai.py --client-python "$PY" --log-dir "$LOG/verify" "${GPU_FLAGS[@]}"
 run bench 150 "$PY" tests/gpu/gpu_check.py bench "$LOG"
-run decode 120 "$PY" tests/gpu/gpu_check.py decode "$LOG"
+run decode 200 "$PY" tests/gpu/gpu_check.py decode "$LOG"
 run speculative 120 bash -c '"$PY" -m pytest -q -x tests/test_speculative.py -k "not tensor_parallel" \
     -p no:cacheprovider && "$PY" benchmarks/speculative.py --decode 64 --threads 8'
 
