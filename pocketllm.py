@@ -1289,7 +1289,9 @@ class NativeOps:
         and counters allocated at the thread's first call there (an eager one: DecodeGraphs runs each bucket
         eagerly before capturing it) and kept for the thread's life, so every NativeOps of the thread, and every
         graph or launch list recorded from it, points at live memory."""
-        per_thread = _GEMV_SCRATCH.__dict__.setdefault("by", {})
+        per_thread = getattr(_GEMV_SCRATCH, "by", None)
+        if per_thread is None:
+            per_thread = _GEMV_SCRATCH.by = {}
         key = (id(self.lib), str(device))
         if key not in per_thread:
             per_thread[key] = (torch.zeros(GEMV_SCRATCH_BYTES // 4, dtype=torch.float32, device=device),

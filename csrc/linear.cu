@@ -370,7 +370,7 @@ struct SplitK {
 
 // GLU (N/2 % 8 == 0): a block takes 8 output columns c0..c0+7, gate rows c0 + g as the A operand's rows g and up
 // rows N/2 + c0 + g as its rows g + 8, so each lane ends up holding gate and up of the same (column, token)s.
-template <int NT, typename TO, bool GLU = false, bool NORM = false, int DEPTH = 0>
+template <int NT, typename TO, bool GLU = false, bool NORM = false>
 __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const float* rs, int T, int K,
                                               const uint8_t* w, const float* scale, int N, const OutParts& op,
                                               TO* out, const Prenorm& pn, const SplitK& sk = SplitK()) {
@@ -389,35 +389,38 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
   const float* srow = scale + (int64_t)(n0 >> 7) * KB;
   const float* srow_b = scale + (int64_t)(base_b >> 7) * KB;
   // Registers of one chunk: rows g and g+8 of the weight, and the x slices of token g (+8 for the 2nd tile).
-  // One 64-wide chunk of K: rows g and g+8 of the weight (16 bytes each), the x slices of token g (+8 for the
-  // 2nd tile), zeros past the split's end.
-  uint4 z = make_uint4(0, 0, 0, 0);
-  auto load_w = [&](int c0, uint4& wa, uint4& wb) {
+  struct Chunk { uint4 wa, wb, xa[NT], xb[NT]; };
+  auto load = [&](int c0, Chunk& c) {
     int k = c0 + 16 * t;
-    wa = wb = z;
+    uint4 z = make_uint4(0, 0, 0, 0);
+    c.wa = c.wb = z;
     if (k < kend) {
-      if (n0 + g < rows) wa = *(const uint4*)(w + (int64_t)(n0 + g) * K + k);
-      if ((GLU ? n0 + g < rows : base_b + g < N)) wb = *(const uint4*)(w + (int64_t)(base_b + g) * K + k);
+      if (n0 + g < rows) c.wa = *(const uint4*)(w + (int64_t)(n0 + g) * K + k);
+      if ((GLU ? n0 + g < rows : base_b + g < N)) c.wb = *(const uint4*)(w + (int64_t)(base_b + g) * K + k);
     }
-  };
-  auto load_x = [&](int c0, uint4* xa, uint4* xb) {
-    int k = c0 + 16 * t;
 #pragma unroll
     for (int j = 0; j < NT; j++) {
       int tok = 8 * j + g;
-      xa[j] = xb[j] = z;
+      c.xa[j] = c.xb[j] = z;
       if (k < kend && tok < T && NORM) {
-        xa[j] = xin8_half(pn, inv, tok, k, K);
-        xb[j] = xin8_half(pn, inv, tok, k + 8, K);
+        c.xa[j] = xin8_half(pn, inv, tok, k, K);
+        c.xb[j] = xin8_half(pn, inv, tok, k + 8, K);
       } else if (k < kend && tok < T) {
-        xa[j] = *(const uint4*)(x + (int64_t)tok * K + k);
-        xb[j] = *(const uint4*)(x + (int64_t)tok * K + k + 8);
+        c.xa[j] = *(const uint4*)(x + (int64_t)tok * K + k);
+        c.xb[j] = *(const uint4*)(x + (int64_t)tok * K + k + 8);
       }
     }
   };
+  const int step = warps * 64;
   float acc[NT][4] = {};
-  auto multiply = [&](const uint4& wa, const uint4& wb, const uint4* xa, const uint4* xb, int c0) {
-    const uint32_t wa_w[4] = {wa.x, wa.y, wa.z, wa.w}, wb_w[4] = {wb.x, wb.y, wb.z, wb.w};
+  // Two chunks in flight while one is multiplied (zeros past K): with one, the kernel held 40-50% of an H200's
+  // copy bandwidth (docs/benchmarks.md), about 1 KB per warp outstanding being too little to cover DRAM latency.
+  Chunk cur, nxt, nxt2;
+  load(kbeg + warp * 64, cur);
+  load(kbeg + warp * 64 + step, nxt);
+  for (int c0 = kbeg + warp * 64; c0 < kend; c0 += step) {
+    load(c0 + 2 * step, nxt2);
+    const uint32_t wa_w[4] = {cur.wa.x, cur.wa.y, cur.wa.z, cur.wa.w}, wb_w[4] = {cur.wb.x, cur.wb.y, cur.wb.z, cur.wb.w};
     float part[NT][4] = {};
 #pragma unroll
     for (int s = 0; s < 8; s++) {
@@ -426,7 +429,8 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
                        pl_half2_bits(pl_e4m3x2_to_half2((uint16_t)(wb_w[s >> 1] >> sh)))};
 #pragma unroll
       for (int j = 0; j < NT; j++) {
-        const uint32_t xw[8] = {xa[j].x, xa[j].y, xa[j].z, xa[j].w, xb[j].x, xb[j].y, xb[j].z, xb[j].w};
+        const uint32_t xw[8] = {cur.xa[j].x, cur.xa[j].y, cur.xa[j].z, cur.xa[j].w,
+                                cur.xb[j].x, cur.xb[j].y, cur.xb[j].z, cur.xb[j].w};
         pl_mma_m16n8k8(part[j], a, xw[s], part[j]);
       }
     }
@@ -434,40 +438,8 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
 #pragma unroll
     for (int j = 0; j < NT; j++)
       for (int i = 0; i < 4; i++) acc[j][i] += (i < 2 ? sc : sc_b) * part[j][i];
-  };
-  const int step = warps * 64;
-  if constexpr (DEPTH == 0) {
-    // Two chunks in flight while one is multiplied: with one, the kernel held 40-50% of an H200's copy
-    // bandwidth (docs/benchmarks.md), about 1 KB per warp outstanding being too little to cover DRAM latency.
-    struct Chunk { uint4 wa, wb, xa[NT], xb[NT]; };
-    auto load = [&](int c0, Chunk& c) { load_w(c0, c.wa, c.wb); load_x(c0, c.xa, c.xb); };
-    Chunk cur, nxt, nxt2;
-    load(kbeg + warp * 64, cur);
-    load(kbeg + warp * 64 + step, nxt);
-    for (int c0 = kbeg + warp * 64; c0 < kend; c0 += step) {
-      load(c0 + 2 * step, nxt2);
-      multiply(cur.wa, cur.wb, cur.xa, cur.xb, c0);
-      cur = nxt;
-      nxt = nxt2;
-    }
-  } else {
-    // DEPTH weight chunks in flight, x read when its chunk is multiplied (an L1/L2 hit: every block reads the
-    // same x): the registers of the x slices buy more weight bytes outstanding per warp.
-    uint4 ring_a[DEPTH], ring_b[DEPTH];
-#pragma unroll
-    for (int d = 0; d < DEPTH; d++) load_w(kbeg + warp * 64 + d * step, ring_a[d], ring_b[d]);
-    for (int c0 = kbeg + warp * 64; c0 < kend; c0 += DEPTH * step) {
-#pragma unroll
-      for (int d = 0; d < DEPTH; d++) {
-        int c = c0 + d * step;
-        if (c < kend) {                                   // uniform across the warp
-          uint4 xa[NT], xb[NT];
-          load_x(c, xa, xb);
-          multiply(ring_a[d], ring_b[d], xa, xb, c);
-        }
-        load_w(c + DEPTH * step, ring_a[d], ring_b[d]);
-      }
-    }
+    cur = nxt;
+    nxt = nxt2;
   }
   for (int j = 0; j < NT; j++)
     for (int i = 0; i < 4; i++) red[warp][lane][j * 4 + i] = acc[j][i];
@@ -507,10 +479,10 @@ __device__ __forceinline__ void gemv_mma_body(int bx, const pl_half* x, const fl
   }
 }
 
-template <int NT, typename TO, bool GLU = false, bool NORM = false, int DEPTH = 0>
+template <int NT, typename TO, bool GLU = false, bool NORM = false>
 __global__ void gemv_mma_kernel(const pl_half* x, const float* rs, int T, int K, const uint8_t* w,
                                 const float* scale, int N, OutParts op, TO* out, Prenorm pn, SplitK sk) {
-  gemv_mma_body<NT, TO, GLU, NORM, DEPTH>(blockIdx.x, x, rs, T, K, w, scale, N, op, out, pn, sk);
+  gemv_mma_body<NT, TO, GLU, NORM>(blockIdx.x, x, rs, T, K, w, scale, N, op, out, pn, sk);
 }
 
 // ---- The fp32 tiled path: 64x64 output tile per block, K in steps of 32, 256 threads of 4x4 outputs. ----
@@ -701,7 +673,7 @@ struct GemvScratch {
   int64_t n_counters = 0;
 };
 inline thread_local GemvScratch g_gemv_scratch;
-inline std::atomic<int> g_gemv_warps{0}, g_gemv_splits{0}, g_gemv_depth{0};
+inline std::atomic<int> g_gemv_warps{0}, g_gemv_splits{0};
 
 static int current_device() {
   int device = 0;
@@ -720,7 +692,7 @@ static int sm_count(int device) {
   return n;
 }
 
-// Splits of K for `tiles` 16-row tiles, as measured on an H200 (docs/benchmarks.md, "Split-K"): more, shorter
+// Splits of K for `tiles` 16-row tiles, as measured on an H200 (docs/benchmarks.md, "Fourth run"): more, shorter
 // blocks cost more than a ragged last wave saves (gate|up's 1088 tiles: 42 us unsplit, 48-72 us split 2-8), so
 // only a grid of less than one wave of block slots (resident blocks of `warps` warps: about 32 warps per SM at
 // one token tile, 20 at two) is split, into at most enough splits to fill one wave, each keeping at least 64
@@ -761,14 +733,12 @@ extern "C" int pl_set_gemv_scratch(uint64_t workspace, int64_t workspace_bytes, 
   return 0;
 }
 
-extern "C" int pl_set_gemv_tuning(int32_t warps, int32_t splits, int32_t depth) {
+extern "C" int pl_set_gemv_tuning(int32_t warps, int32_t splits) {
   PL_REQUIRE(warps == 0 || warps == 4 || warps == 8, "GEMV warps %d: must be 0 (default), 4 or 8", (int)warps);
   PL_REQUIRE(splits >= -1 && splits <= GEMV_MAX_SPLIT, "GEMV splits %d: must be -1 (none), 0 (auto) or 1..%d",
              (int)splits, GEMV_MAX_SPLIT);
-  PL_REQUIRE(depth == 0 || depth == 4, "GEMV depth %d: must be 0 (two chunks ahead, x with them) or 4", (int)depth);
   g_gemv_warps.store(warps);
   g_gemv_splits.store(splits);
-  g_gemv_depth.store(depth);
   return 0;
 }
 
@@ -798,16 +768,9 @@ static bool launch_gemv_mma(const pl_half* x, const float* rs, int64_t T, int64_
   }
   dim3 grid((unsigned)tiles, (unsigned)ks), block(32 * warps);
   const uint8_t* w8 = (const uint8_t*)w;
-  bool deep = !NORM && g_gemv_depth.load(std::memory_order_relaxed) == 4;
-  if (nt == 1 && deep)
-    PL_LAUNCH((gemv_mma_kernel<1, TO, GLU, false, 4>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale,
-              (int)N, op, out, pn, sk);
-  else if (nt == 1)
+  if (nt == 1)
     PL_LAUNCH((gemv_mma_kernel<1, TO, GLU, NORM>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N,
               op, out, pn, sk);
-  else if (deep)
-    PL_LAUNCH((gemv_mma_kernel<2, TO, GLU, false, 4>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale,
-              (int)N, op, out, pn, sk);
   else
     PL_LAUNCH((gemv_mma_kernel<2, TO, GLU, NORM>), grid, block, 0, stream, x, rs, (int)T, (int)K, w8, scale, (int)N,
               op, out, pn, sk);

@@ -106,10 +106,9 @@ int pl_add_rmsnorm(uint64_t x, int32_t x_dtype, uint64_t residual, uint64_t w, i
    n_counters uint32 counters, all zero (each launch leaves them zero). Launches on one stream at a time per
    thread. workspace = 0 forgets it (no split). */
 int pl_set_gemv_scratch(uint64_t workspace, int64_t workspace_bytes, uint64_t counters, int64_t n_counters);
-/* Benchmarking switches of that GEMV, process-wide: warps per block (0 = default 8, or 4, 8), splits of K
-   (0 = chosen by shape and SM count, -1 = none, 1..16 forced) and the weight chunks each warp keeps in flight
-   (0 = two ahead with their x slices, 4 = four ahead, x read as needed); pl_gemv_plan reports the split. */
-int pl_set_gemv_tuning(int32_t warps, int32_t splits, int32_t depth);
+/* Benchmarking switches of that GEMV, process-wide: warps per block (0 = default 8, or 4, 8) and splits of K
+   (0 = chosen by shape and SM count, -1 = none, 1..16 forced); pl_gemv_plan reports the choice for a shape. */
+int pl_set_gemv_tuning(int32_t warps, int32_t splits);
 int pl_gemv_plan(int64_t T, int64_t K, int64_t N, int32_t glu, int32_t* warps, int32_t* splits);
 /* out (T, N) of out_dtype = x_row_scale[t] * (x (T, K) act @ w^T), w (N, K) of w_dtype; for w_dtype 3, scale
    is the fp32 (ceil(N/128), ceil(K/128)) block-scale tensor, else 0. x_row_scale (T,) fp32, or 0 for none

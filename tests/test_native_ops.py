@@ -551,17 +551,17 @@ def test_gdn_in_proj_gates(lib, act, ab_dtype, normed, T):
 # ---- Split-K of the tensor-core GEMV: the tests above again with K split across blocks. ----------------------
 
 @contextlib.contextmanager
-def gemv_split(lib, warps: int, splits: int, depth: int = 0):
+def gemv_split(lib, warps: int, splits: int):
     """This thread's split-K scratch given to the library and the GEMV switches set (warps per block, splits
-    forced or 0 = the library's choice, chunks in flight); afterwards every last-block counter must be zero."""
+    forced or 0 = the library's choice); afterwards every last-block counter must be back at zero."""
     ws = torch.zeros(1 << 20, device=lib.device)                                   # 4 MiB of partial sums
     counters = torch.zeros(4096, dtype=torch.int32, device=lib.device)
     assert lib.lib.pl_set_gemv_scratch(p(ws), ws.numel() * 4, p(counters), counters.numel()) == 0
-    assert lib.lib.pl_set_gemv_tuning(warps, splits, depth) == 0
+    assert lib.lib.pl_set_gemv_tuning(warps, splits) == 0
     try:
         yield
     finally:
-        lib.lib.pl_set_gemv_tuning(0, 0, 0)
+        lib.lib.pl_set_gemv_tuning(0, 0)
         lib.lib.pl_set_gemv_scratch(0, 0, 0, 0)
     assert not counters.any(), "a split-K launch left a counter set"
 
@@ -572,14 +572,14 @@ def gemv_plan(lib, T: int, K: int, N: int, glu: bool = False) -> tuple[int, int]
     return warps[0], splits[0]
 
 
-@pytest.mark.parametrize("warps,splits,depth", [(4, 3, 0), (8, 2, 0), (8, 16, 4), (8, -1, 4), (4, 2, 4)])
-def test_gemv_split_k(lib, warps, splits, depth):
+@pytest.mark.parametrize("warps,splits", [(4, 3), (8, 2), (8, 16), (4, 0)])
+def test_gemv_split_k(lib, warps, splits):
     """Every tensor-core GEMV form (plain, fp32 output with row scales, four parts, GLU, GDN's in_proj with the
-    conv epilogue and its states, one and two token tiles) with K split across blocks, 4 or 8 warps a block, two
-    or four weight chunks in flight: the float64 references hold as unsplit, and the split sums are the same
-    bits launch after launch. Splits beyond K's 64-wide chunks are clamped (K = 144: 3 chunks)."""
+    conv epilogue and its states, one and two token tiles) with K split across blocks, 4 or 8 warps a block:
+    the float64 references hold as unsplit, and the split sums are the same bits launch after launch. Splits
+    beyond K's 64-wide chunks are clamped (K = 144: 3 chunks); 0: the library's choice (none at these sizes)."""
     f16 = torch.float16
-    with gemv_split(lib, warps, splits, depth):
+    with gemv_split(lib, warps, splits):
         for T, N, K in LINEAR_SHAPES[:4]:
             test_linear_fp8(lib, f16, T, N, K)
             test_linear_fp32_output_beyond_fp16_range(lib, f16, T, N, K)
@@ -620,9 +620,9 @@ def test_gemv_split_plan(lib):
         assert gemv_plan(lib, 1, 6144, 5120)[1] == 1                                  # o_proj: 96 chunks
         assert gemv_plan(lib, 1, 256, 5120)[1] == 1                                   # 4 chunks: nothing to split
         assert gemv_plan(lib, 1, 17408, 1024)[1] == 4                                 # 64 tiles: 4 splits of 68
-        lib.lib.pl_set_gemv_tuning(0, -1, 0)
+        lib.lib.pl_set_gemv_tuning(0, -1)
         assert gemv_plan(lib, **big) == (8, 1)
-        lib.lib.pl_set_gemv_tuning(4, 0, 0)
+        lib.lib.pl_set_gemv_tuning(4, 0)
         assert gemv_plan(lib, **big) == (4, split_rule(320, 272, sms, 4))
     ws, counters = torch.zeros(1024, device=lib.device), torch.zeros(4096, dtype=torch.int32, device=lib.device)
     lib.lib.pl_set_gemv_scratch(p(ws), 4096, p(counters), 4096)                      # room for 8 tiles' sums
@@ -631,7 +631,7 @@ def test_gemv_split_plan(lib):
     finally:
         lib.lib.pl_set_gemv_scratch(0, 0, 0, 0)
     with pytest.raises(RuntimeError, match="GEMV warps 6: must be 0"):
-        if lib.lib.pl_set_gemv_tuning(6, 0, 0):
+        if lib.lib.pl_set_gemv_tuning(6, 0):
             raise RuntimeError(lib.ffi.string(lib.lib.pl_last_error()).decode())
 
 @pytest.mark.parametrize("act", ACTS)

@@ -397,10 +397,9 @@ def bench(logdir: Path) -> int:
     return 0
 
 
-# The tensor-core GEMV's switches (pl_set_gemv_tuning): warps per block, splits of K (-1 = none, 0 = the
-# library's choice by shape and SM count, n = forced) and weight chunks in flight per warp (0 = two ahead with
-# their x slices, 4 = four ahead, x read as needed). Each shape and batch under each.
-GEMV_CONFIGS = [(8, -1, 0), (8, 0, 0), (8, -1, 4), (8, 0, 4), (4, -1, 4), (4, 0, 4)]
+# The tensor-core GEMV's switches (pl_set_gemv_tuning): warps per block and splits of K (-1 = none, 0 = the
+# library's choice by shape and SM count, n = forced). Each shape and batch under each.
+GEMV_CONFIGS = [(8, -1), (8, 0), (8, 2), (8, 4), (4, -1), (4, 2)]
 
 
 def gemv_sweep(ops, copy: float) -> list[dict]:
@@ -426,20 +425,20 @@ def gemv_sweep(ops, copy: float) -> list[dict]:
                 h = torch.empty(B, N // 2, device="cuda")
                 fn = (lambda: glu_call(x, weight, scale, h)) if glu else (lambda: ops.linear(x, w, out))
                 cells = []
-                for warps, splits, depth in GEMV_CONFIGS:
-                    ops.lib.call("pl_set_gemv_tuning", warps, splits, depth)
+                for warps, splits in GEMV_CONFIGS:
+                    ops.lib.call("pl_set_gemv_tuning", warps, splits)
                     ms = median_ms(fn, iters=7)
                     gbs = nbytes / (ms * 1e-3) / 1e9
                     ops.lib.call("pl_gemv_plan", B, K, N, int(glu), wp, sp)
                     rows.append({"kernel": f"GEMV sweep {name}", "shape": f"{N}x{K}", "batch": B, "warps": warps,
-                                 "splits": splits, "depth": depth, "chosen_splits": sp[0], "ms": ms, "GB/s": gbs,
+                                 "splits": splits, "chosen_splits": sp[0], "ms": ms, "GB/s": gbs,
                                  "% of copy": 100 * gbs / copy})
-                    cells.append(f"w{warps}s{splits if splits else f'auto={sp[0]}'}d{depth} {ms * 1e3:6.1f}us "
+                    cells.append(f"w{warps}s{splits if splits else f'auto={sp[0]}'} {ms * 1e3:6.1f}us "
                                  f"{100 * gbs / copy:4.1f}%")
                 print(f"sweep {name:18s} B={B}: " + " | ".join(cells), flush=True)
             del w
     finally:
-        ops.lib.call("pl_set_gemv_tuning", 0, 0, 0)
+        ops.lib.call("pl_set_gemv_tuning", 0, 0)
     return rows
 
 
@@ -471,22 +470,21 @@ def decode(logdir: Path) -> int:
         # (batch, graphs, fusion variant): "default" as shipped (add + RMSNorm its own launch; the GLU MLP at one
         # token, 3 launches above); "pl_mlp to 16": the one-launch MLP at every decode size; "prologue + pl_mlp
         # to 16": and the add + RMSNorm inside the projections that follow.
-        # "no split-K": the tensor-core GEMV one block per 16-row tile (pl_set_gemv_tuning(0, -1, 0)), as before
-        # split-K; "GEMV depth 4": four weight chunks in flight per warp; "3-launch MLP at 1 token": gate|up,
-        # silu_mul, down_proj at batch 1 too (glu_tokens 0). Each variant: (the three switches, splits, depth).
+        # "no split-K": the tensor-core GEMV one block per 16-row tile (pl_set_gemv_tuning(0, -1)), as before
+        # split-K; "3-launch MLP at 1 token": gate|up, silu_mul, down_proj at batch 1 too (glu_tokens 0). Each
+        # variant: (the three switches, splits).
         shipped = (ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens)
-        variants = {"default": shipped + (0, 0), "no split-K": shipped + (-1, 0), "GEMV depth 4": shipped + (0, 4),
-                    "3-launch MLP at 1 token": (shipped[0], 0, shipped[2], 0, 0)}
+        variants = {"default": shipped + (0,), "no split-K": shipped + (-1,),
+                    "3-launch MLP at 1 token": (shipped[0], 0, shipped[2], 0)}
         runs = [(B, g, "default") for B in (1, 8, 32) for g in (False, True)] + \
-            [(B, True, v) for v in ("no split-K", "GEMV depth 4") for B in (1, 8)] + \
-            [(1, True, "3-launch MLP at 1 token")]
+            [(B, True, "no split-K") for B in (1, 8)] + [(1, True, "3-launch MLP at 1 token")]
         current = variants["default"]
         for B, graphs, variant in runs:
             llm.engine.graphs.enabled = graphs
             if current != variants[variant]:
                 current = variants[variant]
                 ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = current[:3]
-                ops.lib.call("pl_set_gemv_tuning", 0, current[3], current[4])
+                ops.lib.call("pl_set_gemv_tuning", 0, current[3])
                 llm.engine.graphs.steps.clear()                # captured graphs hold the other variant's launches
                 llm.engine.graphs.seen.clear()
             def run(n):
@@ -511,7 +509,7 @@ def decode(logdir: Path) -> int:
                   f"-> ~{B * 1e3 / (step_ms * 16):.1f} tok/s (lm_head of the real vocab not included)", flush=True)
         result["graphs_captured"] = sorted(llm.engine.graphs.steps)
         ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = shipped
-        ops.lib.call("pl_set_gemv_tuning", 0, 0, 0)
+        ops.lib.call("pl_set_gemv_tuning", 0, 0)
         llm.engine.graphs.steps.clear()
         llm.engine.graphs.seen.clear()
         result["profile"] = profile_steps(llm, prompt, logdir)
