@@ -21,7 +21,9 @@ import pocketllm
 from conftest import drain
 
 BS = 16
-REL = 1e-5
+# float32 rounding: the cache changes how a context is split into steps and batches, so the kernels sum in another
+# order; 1.6e-5 relative was seen on one CI machine (1e-5 before). A wrong snapshot changes the logits far more.
+REL = 1e-4
 
 
 def make(path, **opts):
