@@ -6845,9 +6845,11 @@ class _Members(_Node):
 
 class _Prose(_Node):
     """Free text (auto mode) in which each opener (<tool_call>, a bare <function=) starts a call: the node
-    openers[k] is the rest of the call. After max_calls calls only the end may follow.
-    data (partial, calls, opened): the text's tail that may be an opener's start, calls made, and -1 in
-    prose, k after opener k, -2 inside its call."""
+    openers[k] is the rest of the call. Once a call has closed only whitespace, another call or the end may
+    follow (a model steered to another function than the one it was writing would go on with its own call's
+    markup, and that would land in the content); after max_calls calls only the end.
+    data (partial, calls, opened, called): the text's tail that may be an opener's start, calls made, -1 in
+    prose, k after opener k, -2 inside its call; and whether a call has closed."""
 
     nullable = True
 
@@ -6857,28 +6859,32 @@ class _Prose(_Node):
         self.firsts = frozenset(o[0] for o, _ in self.openers)
 
     def starts(self):
-        return [(b"", 0, -1)]
+        return [(b"", 0, -1, False)]
 
     def step(self, data, b):
-        partial, calls, opened = data
+        partial, calls, opened, called = data
         if opened >= 0:
-            return [((b"", calls, -2), self.openers[opened][1])]
+            return [((b"", calls, -2, called), self.openers[opened][1])]
         if opened == -2 or (self.calls is not None and calls >= self.calls):
             return []
         text = partial + bytes((b,))
         for k, (opener, _) in enumerate(self.openers):
             if text.endswith(opener):
-                return [((b"", calls, k), None)]
+                return [((b"", calls, k, called), None)]
+        if called:                           # between calls: whitespace or the next opener's start
+            if text in self.prefixes or (not partial and b in b" \t\r\n"):
+                return [((text if partial or b not in b" \t\r\n" else b"", calls, -1, True), None)]
+            return []
         for cut in range(max(0, len(text) - 32), len(text) + 1):
             if text[cut:] in self.prefixes or cut == len(text):
-                return [((text[cut:], calls, -1), None)]
+                return [((text[cut:], calls, -1, False), None)]
         return []
 
     def can_end(self, data):
-        return data[2] == -1
+        return data[2] == -1 and not (data[3] and data[0])
 
     def child_done(self, data, child):
-        return (b"", data[1] + 1 if self.calls else 0, -1)
+        return (b"", data[1] + 1 if self.calls else 0, -1, True)
 
     def rest(self, data):
         return self.openers[data[2]][1].shortest() if data[2] >= 0 else b""
@@ -7284,7 +7290,7 @@ class _TokenFacts:
             if isinstance(node, _Str) and node.regex is None and not node.exclude and data[0] == 1 and \
                     not (node.utf8 and data[2]):
                 return self._walk_string(grammar, state, node, data, depth, lo, hi, chunks, singles)
-            if isinstance(node, _Prose) and data[2] == -1 and not data[0] and len(stack) == 2 and \
+            if isinstance(node, _Prose) and data[2] == -1 and not data[0] and not data[3] and len(stack) == 2 and \
                     (node.calls is None or data[1] < node.calls):
                 return self._walk_free(grammar, state, node.firsts, depth, lo, hi, chunks, singles)
         level, viable = self.level(depth, lo, hi), grammar.viable(state)

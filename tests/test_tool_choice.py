@@ -266,6 +266,27 @@ def test_parallel_false_stops_after_first_call(tokenizer):
     assert len(parse(tokenizer, unconstrained, False)[0]["tool_calls"]) == 2      # the script really has two
 
 
+def test_auto_after_a_call_only_another_call_or_the_end(tokenizer):
+    """A model steered to another function than the one it was writing goes on with its own call's markup (seen
+    with pocket-tiny: "18\\n</parameter>\\n</function>\\n</tool_call>" in the content); after a call closes, auto
+    mode allows whitespace, another call or the end, so neither that nor prose lands in the content."""
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n</function>\n</tool_call>")
+    for tail in ["\n18\n</parameter>\n</function>\n</tool_call>", "\nThat is all, enjoy Paris."]:
+        script = "Let me look.\n\n" + call + tail
+        unconstrained, _ = parse(tokenizer, scripted(tokenizer, lambda ids, logits: logits, script), False)
+        assert unconstrained["content"].strip() != "Let me look."                # the control: the tail is content
+        processor = P.tool_choice_processor(tokenizer, TOOLS, "auto", "qwen_xml", True, False, 400)
+        message, text = parse(tokenizer, scripted(tokenizer, processor, script), False)
+        assert message["content"] == "Let me look." and text.startswith("Let me look.\n\n" + call), text
+        assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris", "days": 3}]
+        assert text[len("Let me look.\n\n" + call):].strip() == "", text
+    script = "Let me look.\n\n" + call + "\n" + call.replace("Paris", "Rome")      # parallel calls still may follow
+    processor = P.tool_choice_processor(tokenizer, TOOLS, "auto", "qwen_xml", True, False, 400)
+    message, _ = parse(tokenizer, scripted(tokenizer, processor, script), False)
+    assert [json.loads(c["function"]["arguments"])["city"] for c in message["tool_calls"]] == ["Paris", "Rome"]
+
+
 @pytest.mark.parametrize("fmt, script", [
     ("qwen_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nKöln am Rhein\n</parameter>\n<parameter=days>\n"
                  "10\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n</tool_call>"),
