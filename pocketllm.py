@@ -6872,9 +6872,9 @@ class _Prose(_Node):
             if text.endswith(opener):
                 return [((b"", calls, k, called), None)]
         if called:                           # between calls: whitespace or the next opener's start
-            if text in self.prefixes or (not partial and b in b" \t\r\n"):
-                return [((text if partial or b not in b" \t\r\n" else b"", calls, -1, True), None)]
-            return []
+            if text in self.prefixes:
+                return [((text, calls, -1, True), None)]
+            return [((b"", calls, -1, True), None)] if not partial and b in b" \t\r\n" else []
         for cut in range(max(0, len(text) - 32), len(text) + 1):
             if text[cut:] in self.prefixes or cut == len(text):
                 return [((text[cut:], calls, -1, False), None)]
