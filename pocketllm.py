@@ -6848,8 +6848,9 @@ class _Prose(_Node):
     openers[k] is the rest of the call. Once a call has closed only whitespace, another call or the end may
     follow (a model steered to another function than the one it was writing would go on with its own call's
     markup, and that would land in the content); after max_calls calls only the end.
-    data (partial, calls, opened, called): the text's tail that may be an opener's start, calls made, -1 in
-    prose, k after opener k, -2 inside its call; and whether a call has closed."""
+    data (partial, calls, opened): the text's tail that may be an opener's start, calls made (counted up to
+    max_calls, or to 1 without a limit: the first call is what changes the text allowed), and -1 in prose, k after
+    opener k, -2 inside its call."""
 
     nullable = True
 
@@ -6859,32 +6860,32 @@ class _Prose(_Node):
         self.firsts = frozenset(o[0] for o, _ in self.openers)
 
     def starts(self):
-        return [(b"", 0, -1, False)]
+        return [(b"", 0, -1)]
 
     def step(self, data, b):
-        partial, calls, opened, called = data
+        partial, calls, opened = data
         if opened >= 0:
-            return [((b"", calls, -2, called), self.openers[opened][1])]
+            return [((b"", calls, -2), self.openers[opened][1])]
         if opened == -2 or (self.calls is not None and calls >= self.calls):
             return []
         text = partial + bytes((b,))
         for k, (opener, _) in enumerate(self.openers):
             if text.endswith(opener):
-                return [((b"", calls, k, called), None)]
-        if called:                           # between calls: whitespace or the next opener's start
+                return [((b"", calls, k), None)]
+        if calls:                            # between calls: whitespace or the next opener's start
             if text in self.prefixes:
-                return [((text, calls, -1, True), None)]
-            return [((b"", calls, -1, True), None)] if not partial and b in b" \t\r\n" else []
+                return [((text, calls, -1), None)]
+            return [((b"", calls, -1), None)] if not partial and b in b" \t\r\n" else []
         for cut in range(max(0, len(text) - 32), len(text) + 1):
             if text[cut:] in self.prefixes or cut == len(text):
-                return [((text[cut:], calls, -1, False), None)]
+                return [((text[cut:], calls, -1), None)]
         return []
 
     def can_end(self, data):
-        return data[2] == -1 and not (data[3] and data[0])
+        return data[2] == -1 and not (data[1] and data[0])
 
     def child_done(self, data, child):
-        return (b"", data[1] + 1 if self.calls else 0, -1, True)
+        return (b"", min(data[1] + 1, self.calls or 1), -1)
 
     def rest(self, data):
         return self.openers[data[2]][1].shortest() if data[2] >= 0 else b""
@@ -7290,8 +7291,7 @@ class _TokenFacts:
             if isinstance(node, _Str) and node.regex is None and not node.exclude and data[0] == 1 and \
                     not (node.utf8 and data[2]):
                 return self._walk_string(grammar, state, node, data, depth, lo, hi, chunks, singles)
-            if isinstance(node, _Prose) and data[2] == -1 and not data[0] and not data[3] and len(stack) == 2 and \
-                    (node.calls is None or data[1] < node.calls):
+            if isinstance(node, _Prose) and data[2] == -1 and not data[0] and not data[1] and len(stack) == 2:
                 return self._walk_free(grammar, state, node.firsts, depth, lo, hi, chunks, singles)
         level, viable = self.level(depth, lo, hi), grammar.viable(state)
         loop = grammar.whitespace_loop(state) if depth == 0 else None
