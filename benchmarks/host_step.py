@@ -3,7 +3,7 @@ postprocessing, at several batch sizes, for this pocketllm.py and a baseline rev
 
     OMP_NUM_THREADS=1 python benchmarks/host_step.py [--baseline 4fbe869] [--batches 1,16,64] [--steps 40]
 
-Each engine runs pocket-tiny (vocabulary 1131) with the sampling users send ("users": temperature 1, top_p
+Each engine runs the bundled pocket-tiny with the sampling users send ("users": temperature 1, top_p
 0.95, presence 0.5 and frequency 0.3 penalties) or temperature 1 alone ("plain"). "stub" replaces the forward
 by fixed random logits, so the whole step is host work; "real" runs the torch forward and subtracts its time
 (measured around run_batch). The engine is stepped on this thread, every sequence decoding (prefill done

@@ -130,8 +130,8 @@ def test_tool_choice_masks_on_fake_cuda(tiny):
         requests = []
         for choice in ("required", "none"):
             processor = pocketllm.tool_choice_processor(tokenizer, TOOLS, choice, "qwen_xml", False, False,
-                                                        max_tokens=30, eos_token_ids=eos)
-            params = pocketllm.SamplingParams(max_tokens=30, temperature=1.0, seed=1, n=2,
+                                                        max_tokens=64, eos_token_ids=eos)
+            params = pocketllm.SamplingParams(max_tokens=64, temperature=1.0, seed=1, n=2,
                                               logits_processors=[processor])
             requests.append(pocketllm.Request(choice, PROMPTS[0], params, 0))
         events = run(engine, real, requests)[0]

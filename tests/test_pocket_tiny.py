@@ -32,6 +32,9 @@ from fixtures.train_pocket_tiny import CALL_MARKUP, COPY_GROUPS, TOOLS, copy_cas
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = ROOT / "models" / "pocket-tiny"
 CALLS, ANSWERS, CHATS = eval_cases()
+# A call spells its function and parameter names letter by letter (up to ~140 tokens with the reasoning); with
+# fewer tokens left, auto mode's call grammar admits only calls that fit, which can be another tool's.
+MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +64,8 @@ def openai_messages(messages):
 
 def ask(client, messages, stream, tool_choice="auto", tools=TOOLS):
     """One chat completion -> (content, [(name, arguments dict)]); a stream is accumulated by call index."""
-    kwargs = dict(model="pocket-tiny", messages=openai_messages(messages), tools=tools, temperature=0, max_tokens=120,
-                  tool_choice=tool_choice)
+    kwargs = dict(model="pocket-tiny", messages=openai_messages(messages), tools=tools, temperature=0,
+                  max_tokens=MAX_TOKENS, tool_choice=tool_choice)
     if not stream:
         message = client.chat.completions.create(**kwargs).choices[0].message
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
@@ -123,13 +126,6 @@ def copy_results(client):
     return [(group, case, output) for (group, case), output in zip(cases, outputs)]
 
 
-# The shipped checkpoint predates the copying corpus (0/20 in each group over HTTP, docs/pocket-tiny.md): strict, so
-# the retrained model that passes turns this into a failure until the mark is removed.
-COPYING_NOT_YET_TRAINED = pytest.mark.xfail(strict=True, reason="models/pocket-tiny is not yet retrained on the "
-                                            "copying corpus of tests/fixtures/train_pocket_tiny.py (issue 19, item 8)")
-
-
-@COPYING_NOT_YET_TRAINED
 @pytest.mark.parametrize("group", COPY_GROUPS)
 def test_calls_copy_what_the_user_typed(copy_results, group):
     """A city the corpus never names, an invented place, a tool whose name and parameter names the corpus never
@@ -175,7 +171,7 @@ def test_sdk_auto_call_comes_after_the_reasoning_and_out_of_content(client):
     """The model reasons, then calls: the call is in tool_calls with typed arguments, the reasoning only in
     reasoning_content, no markup in content (users' failures 1, 4 and 10)."""
     out = client.chat.completions.create(model="pocket-tiny", messages=WEATHER_ASK, tools=TOOLS, temperature=0,
-                                         max_tokens=120)
+                                         max_tokens=MAX_TOKENS)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     [call] = choice.message.tool_calls
@@ -188,7 +184,7 @@ def test_sdk_auto_call_comes_after_the_reasoning_and_out_of_content(client):
 def test_sdk_stream_sends_reasoning_then_the_call_in_pieces(client):
     """Streaming the same request: reasoning deltas first, then the call's name once and its arguments in
     several fragments (per parameter), adding up to the non-streamed call; no markup anywhere."""
-    kwargs = dict(model="pocket-tiny", messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=120)
+    kwargs = dict(model="pocket-tiny", messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=MAX_TOKENS)
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
     kinds, names, fragments, finish = [], [], [], None
     for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -217,7 +213,7 @@ def test_langchain_agent_loop_with_a_model_that_decides(client):
         return {"amount": amount, "from": from_currency, "to": to_currency, "result": round(amount * 0.87, 2)}
 
     chat = ChatOpenAI(base_url=str(client.base_url), api_key="none", model="pocket-tiny", temperature=0,
-                      max_tokens=120, max_retries=0).bind_tools(TOOLS)
+                      max_tokens=MAX_TOKENS, max_retries=0).bind_tools(TOOLS)
     history = [HumanMessage("Convert 250 USD to EUR.")]
     first = chat.invoke(history)
     assert [(c["name"], c["args"]) for c in first.tool_calls] == \
@@ -231,7 +227,7 @@ def test_langchain_agent_loop_with_a_model_that_decides(client):
 def test_tool_choice_overrides_a_model_that_wants_another_call(client):
     """The model calls get_weather for this request on its own (above); tool_choice none keeps it in text, and a
     named get_time is what comes back instead."""
-    kwargs = dict(model="pocket-tiny", messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=120)
+    kwargs = dict(model="pocket-tiny", messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=MAX_TOKENS)
     none = client.chat.completions.create(tool_choice="none", **kwargs).choices[0]
     assert none.message.tool_calls is None and none.finish_reason == "stop"
     assert not any(mark in (none.message.content or "") for mark in CALL_MARKUP), none.message.content

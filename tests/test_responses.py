@@ -93,7 +93,7 @@ def test_stream_events_build_the_same_response(client):
 def test_tool_round_trip_with_function_call_output(client):
     """Sampled as users send it (temperature 1), the call forced by tool_choice so it is certain."""
     first = client.responses.create(model="pocket-tiny", input=ASK, tools=[WEATHER], tool_choice="required",
-                                    temperature=1.0, max_output_tokens=40, reasoning={"effort": "none"})
+                                    temperature=1.0, max_output_tokens=96, reasoning={"effort": "none"})
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
     arguments = json.loads(calls[0].arguments)
@@ -108,7 +108,7 @@ def test_tool_round_trip_with_function_call_output(client):
 
 def test_previous_response_id_continues_the_stored_conversation(client, server):
     first = client.responses.create(model="pocket-tiny", input=ASK, tools=[WEATHER], tool_choice="required",
-                                    max_output_tokens=40, temperature=0)
+                                    max_output_tokens=96, temperature=0)
     call = next(item for item in first.output if item.type == "function_call")
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "sunny"}'}
     continued = client.responses.create(model="pocket-tiny", previous_response_id=first.id, input=[result],

@@ -113,7 +113,10 @@ def test_idle_connections_meet_the_cap_with_503(server):
 
 
 def test_a_stream_nobody_reads_is_aborted_and_releases_the_engine(server, llm):
-    body = dict(CHAT, stream=True, max_tokens=3000, ignore_eos=True, temperature=1.0)
+    # Every token writes: the special tokens are banned, since ignore_eos alone lets the model emit <|im_end|>
+    # again and again, which streams nothing and so never fills the socket.
+    bans = {str(i): -100 for i in llm.tokenizer.special_ids}
+    body = dict(CHAT, stream=True, max_tokens=3000, ignore_eos=True, temperature=1.0, logit_bias=bans)
     data = json.dumps(body).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -27,7 +27,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 
 def conversation(text: str) -> tuple[list[dict], list[dict]]:
     """The text in every place a request can put it: system, user, assistant call arguments, tool result, tools."""
-    tools = json.loads(json.dumps(TOOL).replace("{}", text.replace("\\", "\\\\").replace("\n", "\\n")))
+    tools = [json.loads(json.dumps(TOOL).replace("{}", text.replace("\\", "\\\\").replace("\n", "\\n")))]
     messages = [
         {"role": "system", "content": "Be brief. " + text},
         {"role": "user", "content": text},

@@ -290,7 +290,7 @@ def test_ragged_fp8_split_matches_tp1(ckpt_factory):
 def test_pocket_tiny_runs_on_two_cpu_ranks():
     """The bundled model's MLP (384 rows: 192 per rank, half a block) and GDN heads (64 rows) split raggedly;
     `--devices cpu,cpu` gives one rank's greedy chat answer, tool call included."""
-    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    messages = [{"role": "user", "content": "What's the weather in Paris for the next 3 days?"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                              "required": ["city"]}}}]
