@@ -96,7 +96,7 @@ def pytest_configure(config):
 #   every test, and the tests that need it (the `cuda_build` fixture) run last. On a clean clone here the suite
 #   took 862 s this way, against ~1,230 s with the CUDA build at normal priority and its tests in file order.
 _background: dict[str, subprocess.Popen] = {}
-_CPU_BUILD_USERS = ("cpu=True", "native_cpu_ops_or_skip", "use_native_cpu_build", "POCKETLLM_NATIVE_CPU")
+_CPU_BUILD_USERS = ("cpu=True", "native_cpu_ops_or_skip", "use_native_cpu_build")   # how a test module asks for it
 
 
 @functools.cache
