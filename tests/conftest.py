@@ -90,7 +90,8 @@ def pytest_configure(config):
 # The two builds start in the background as collection ends, each only if a collected test needs it, so the
 # tests that need neither run meanwhile; build.build waits for its own, then finds the library up to date (or, if
 # that build failed, builds again in the foreground and reports the compiler's error).
-# - The CPU test build (g++ with ASan, ~2.5 minutes of CPU): at normal priority, since tests soon need it.
+# - The CPU test build (g++ with ASan, ~2.5 minutes of CPU): at nice 10, below the tests (the chat page's timing
+#   checks run first) and above the CUDA build, since tests need it within minutes.
 # - The CUDA build (`python build.py`: sm_75, sm_90 and PTX, ~12 minutes of CPU, nearly what all the tests take):
 #   at the lowest priority (nice 19), so it takes only the CPU the tests leave on CI's two cores instead of slowing
 #   every test, and the tests that need it (the `cuda_build` fixture) run last. On a clean clone here the suite
@@ -112,18 +113,18 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=_needs_cuda_build)                       # stable: the CUDA build's tests last, in their order
 
 
-def _start_background_build(kind: str, args: list[str], nice: bool) -> None:
+def _start_background_build(kind: str, args: list[str], nice: int) -> None:
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
-    lowest = ["nice", "-n", "19"] if nice and shutil.which("nice") else []
-    _background[kind] = subprocess.Popen([*lowest, sys.executable, str(ROOT / "build.py"), *args],
+    lower = ["nice", "-n", str(nice)] if shutil.which("nice") else []
+    _background[kind] = subprocess.Popen([*lower, sys.executable, str(ROOT / "build.py"), *args],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **group)
 
 
 def pytest_collection_finish(session):
     if any(_module_needs_cpu_build(str(item.path)) for item in session.items) and not asan_missing():
-        _start_background_build("cpu", ["--cpu"], nice=False)
+        _start_background_build("cpu", ["--cpu"], nice=10)
     if any(_needs_cuda_build(item) for item in session.items) and build.find_nvcc():
-        _start_background_build("cuda", [], nice=True)
+        _start_background_build("cuda", [], nice=19)
 
 
 def _wait_for_background_build(kind: str):
