@@ -95,7 +95,7 @@ def pytest_configure(config):
 # - The CUDA build (`python build.py`: sm_75, sm_90 and PTX, ~12 minutes of CPU, nearly what all the tests take):
 #   at the lowest priority (nice 19), so it takes only the CPU the tests leave on CI's two cores instead of slowing
 #   every test, and the tests that need it (the `cuda_build` fixture) run last. On a clean clone here the suite
-#   took 862 s this way, against ~1,230 s with the CUDA build at normal priority and its tests in file order.
+#   took 862-1,110 s this way (four runs), against ~1,230 s with the CUDA build at normal priority.
 _background: dict[str, subprocess.Popen] = {}
 _CPU_BUILD_USERS = ("cpu=True", "native_cpu_ops_or_skip", "use_native_cpu_build")   # how a test module asks for it
 
