@@ -94,7 +94,7 @@ def pytest_configure(config):
 #   checks run first) and above the CUDA build, since tests need it within minutes.
 # - The CUDA build (`python build.py`: sm_75, sm_90 and PTX, ~12 minutes of CPU, nearly what all the tests take):
 #   at the lowest priority (nice 19), so it takes only the CPU the tests leave on CI's two cores instead of slowing
-#   every test, and the tests that need it (the `cuda_build` fixture) run last. On a clean clone here the suite
+#   every test; the tests that need it (tests/test_with_nvcc.py) sort last by name. On a clean clone here the suite
 #   took 862-1,110 s this way (four runs), against ~1,230 s with the CUDA build at normal priority.
 _background: dict[str, subprocess.Popen] = {}
 _CPU_BUILD_USERS = ("cpu=True", "native_cpu_ops_or_skip", "use_native_cpu_build")   # how a test module asks for it
@@ -103,14 +103,6 @@ _CPU_BUILD_USERS = ("cpu=True", "native_cpu_ops_or_skip", "use_native_cpu_build"
 @functools.cache
 def _module_needs_cpu_build(path: str) -> bool:
     return any(mark in Path(path).read_text() for mark in _CPU_BUILD_USERS)
-
-
-def _needs_cuda_build(item) -> bool:
-    return "cuda_build" in getattr(item, "fixturenames", ())
-
-
-def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=_needs_cuda_build)                       # stable: the CUDA build's tests last, in their order
 
 
 def _start_background_build(kind: str, args: list[str], nice: int) -> None:
@@ -123,7 +115,7 @@ def _start_background_build(kind: str, args: list[str], nice: int) -> None:
 def pytest_collection_finish(session):
     if any(_module_needs_cpu_build(str(item.path)) for item in session.items) and not asan_missing():
         _start_background_build("cpu", ["--cpu"], nice=10)
-    if any(_needs_cuda_build(item) for item in session.items) and build.find_nvcc():
+    if any("cuda_build" in getattr(item, "fixturenames", ()) for item in session.items) and build.find_nvcc():
         _start_background_build("cuda", [], nice=19)
 
 
