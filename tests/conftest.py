@@ -52,8 +52,8 @@ _build = build.build
 def _build_or_skip(*args, cpu: bool = False, **kwargs):
     if cpu and asan_missing():
         pytest.skip(asan_missing())
-    if cpu or not kwargs.get("nvcc"):                        # another nvcc shares nothing with the background one
-        _wait_for_background_build("cpu" if cpu else "cuda")
+    if not cpu and not kwargs.get("nvcc"):                   # another nvcc shares nothing with the background one
+        _wait_for_background_build("cuda")
     return _build(*args, cpu=cpu, **kwargs)
 
 
@@ -87,22 +87,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
 
 
-# The two builds start in the background as collection ends, each only if a collected test needs it, so the
-# tests that need neither run meanwhile; build.build waits for its own, then finds the library up to date (or, if
-# that build failed, builds again in the foreground and reports the compiler's error).
-# - The CPU test build (g++ with ASan, ~2.5 minutes of CPU): at nice 10, below the tests (the chat page's timing
-#   checks run first) and above the CUDA build, since tests need it within minutes.
-# - The CUDA build (`python build.py`: sm_75, sm_90 and PTX, ~12 minutes of CPU, nearly what all the tests take):
-#   at the lowest priority (nice 19), so it takes only the CPU the tests leave on CI's two cores instead of slowing
-#   every test; the tests that need it (tests/test_with_nvcc.py) sort last by name. On a clean clone here the suite
-#   took 862-1,110 s this way (four runs), against ~1,230 s with the CUDA build at normal priority.
+# The CUDA build (`python build.py`: sm_75, sm_90 and PTX, ~12 minutes of CPU, nearly what all the tests take) starts
+# in the background as collection ends when a collected test needs it, at the lowest priority (nice 19), so it takes
+# only the CPU the tests leave on CI's two cores instead of slowing every test; the tests that need it
+# (tests/test_with_nvcc.py) sort last by name. build.build waits for it, then finds the library up to date (or, if
+# it failed, builds again in the foreground and reports the compiler's error). The CPU test build (g++ with ASan,
+# ~2.5 minutes of CPU) is made by the first test that needs it: run in the background beside the chat page's
+# tests, it coincided with their Stop test failing (2 of 4 runs), so it stays in the foreground.
 _background: dict[str, subprocess.Popen] = {}
-_CPU_BUILD_USERS = ("cpu=True", "native_cpu_ops_or_skip", "use_native_cpu_build")   # how a test module asks for it
-
-
-@functools.cache
-def _module_needs_cpu_build(path: str) -> bool:
-    return any(mark in Path(path).read_text() for mark in _CPU_BUILD_USERS)
 
 
 def _start_background_build(kind: str, args: list[str], nice: int) -> None:
@@ -113,8 +105,6 @@ def _start_background_build(kind: str, args: list[str], nice: int) -> None:
 
 
 def pytest_collection_finish(session):
-    if any(_module_needs_cpu_build(str(item.path)) for item in session.items) and not asan_missing():
-        _start_background_build("cpu", ["--cpu"], nice=10)
     if any("cuda_build" in getattr(item, "fixturenames", ()) for item in session.items) and build.find_nvcc():
         _start_background_build("cuda", [], nice=19)
 
