@@ -370,7 +370,10 @@ def _range_text(row: Field) -> str:
 
 
 def read_field(row: Field, value, param: str, vocab_size: int | None = None):
-    """One value checked against its row (absent or null: the row's default)."""
+    """One value checked against its row (absent or null: the row's default; null is refused where the row is
+    required, as for a value inside a map or an array)."""
+    if value is None and row.required:
+        raise RequestError(f"'{param}' must not be null", param=param)
     if value is None:
         return type(row.default)(row.default) if isinstance(row.default, (list, dict)) else row.default
     if row.policy == DEFAULT_ONLY and row.allowed and value not in row.allowed:
@@ -395,33 +398,39 @@ def _token_id(value, param: str, vocab_size: int | None) -> int:
 
 
 def _token_ids(value, param: str, vocab_size: int | None) -> list[int]:
-    """A JSON array of token ids, each in [0, vocab_size)."""
-    return [_token_id(t, param, vocab_size) for t in _check_type(value, list, param)]
+    """A JSON array of token ids, each in [0, vocab_size); a bad one is named by its index."""
+    return [_token_id(t, f"{param}[{i}]", vocab_size) for i, t in enumerate(_check_type(value, list, param))]
 
 
 def _stop_strings(value, param: str, vocab_size: int | None) -> list[str]:
     """A string or an array of at most MAX_STOP non-empty strings -> the list."""
-    stop = [value] if isinstance(value, str) else _check_type(value, list, param)
+    if isinstance(value, str):
+        if not value:
+            raise RequestError(f"'{param}' must not be empty", param=param)
+        return [value]
+    stop = _check_type(value, list, param)
     if len(stop) > MAX_STOP:
         raise RequestError(f"'{param}' holds at most {MAX_STOP} strings, got {len(stop)}", param=param)
-    for s in stop:
-        if not _check_type(s, str, param):
-            raise RequestError(f"'{param}' strings must not be empty", param=param)
+    for i, s in enumerate(stop):
+        if not _check_type(s, str, f"{param}[{i}]"):
+            raise RequestError(f"'{param}[{i}]' must not be empty", param=f"{param}[{i}]")
     return list(stop)
 
 
-LOGIT_BIAS_VALUE = Field(kind="number", lo=-100, hi=100)
+LOGIT_BIAS_VALUE = Field(kind="number", lo=-100, hi=100, required=True)
 
 
 def _logit_bias(value, param: str, vocab_size: int | None) -> dict[int, float]:
-    """{token id (an int, or its decimal string as JSON sends it): bias in [-100, 100]}."""
+    """{token id (an int, or its decimal string as JSON sends it): bias in [-100, 100]}; a bad entry is named by
+    its key (`logit_bias.5`)."""
     out = {}
     for key, bias in value.items():
+        where = f"{param}.{key}"
         if isinstance(key, str) and re.fullmatch(r"\d+", key):
             key = int(key)
         if not isinstance(key, int) or isinstance(key, bool):
-            raise RequestError(f"'{param}' keys must be token ids as strings, got {key!r}", param=param)
-        out[_token_id(key, param, vocab_size)] = read_field(LOGIT_BIAS_VALUE, bias, param)
+            raise RequestError(f"'{param}' keys must be token ids as strings, got {key!r}", param=where)
+        out[_token_id(key, where, vocab_size)] = read_field(LOGIT_BIAS_VALUE, bias, where)
     return out
 
 
@@ -8178,10 +8187,12 @@ def _check_content(content, param: str, role: str) -> None:
     if isinstance(content, str):
         return
     for j, part in enumerate(_check_type(content, list, param)):
-        part = _check_type(part, dict, f"{param}[{j}]")
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise RequestError(f"'{param}[{j}]': only text content parts are supported "
-                               f"(got type {part.get('type')!r})", param=f"{param}[{j}]")
+        where = f"{param}[{j}]"
+        part = _check_type(part, dict, where)
+        if part.get("type") != "text":
+            raise RequestError(f"'{where}': only text content parts are supported (got type {part.get('type')!r})",
+                               param=where)
+        _check_type(part.get("text"), str, f"{where}.text")
 
 
 def _check_tool_calls(calls, param: str) -> None:
@@ -8251,6 +8262,13 @@ def _read_response_format(fmt: dict, param: str, vocab_size: int | None) -> dict
     return fmt
 
 
+def _read_metadata(metadata: dict, param: str, vocab_size: int | None) -> dict:
+    """OpenAI's metadata: string keys to string values (kept nowhere, but checked like any other field)."""
+    for key, value in metadata.items():
+        _check_type(value, str, f"{param}.{key}")
+    return metadata
+
+
 def _read_template_kwargs(kwargs: dict, param: str, vocab_size: int | None) -> dict:
     for key in kwargs:
         if key in RENDER_ARGUMENTS:
@@ -8261,14 +8279,14 @@ def _read_template_kwargs(kwargs: dict, param: str, vocab_size: int | None) -> d
 def _read_prompt(prompt, param: str, vocab_size: int | None) -> str | list[int]:
     """A completions prompt: a string or token ids, alone or as a one-element batch."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+        prompt, param = prompt[0], f"{param}[0]"
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return _token_ids(prompt, param, vocab_size)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise RequestError(f"'{param}' batches of more than one prompt are not supported; send one request each",
                            param=param, code="unsupported_field")
+    if isinstance(prompt, list):                        # token ids: a bad one is named by its index
+        return _token_ids(prompt, param, vocab_size)
     raise RequestError(f"'{param}' must be a string or an array of token ids, got {_json_type(prompt)}", param=param)
 
 
@@ -8368,6 +8386,8 @@ RESPONSE_FORMAT_FIELD = Field(
         "`param: max_tokens`); a schema error is 400 naming its path, e.g. "
         "`response_format.json_schema.schema.properties.x.type`")
 
+METADATA_ROW = {"read": _read_metadata, "schema": {"type": "object", "additionalProperties": {"type": "string"}}}
+
 # Fields of both generating endpoints.
 GENERATION_FIELDS = {
     **_table(model=Field(kind="string", layer="server", default_text="the served model",
@@ -8385,7 +8405,8 @@ GENERATION_FIELDS = {
     **_sampling_rows("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "min_tokens", "ignore_eos"),
     # Accepted with no effect: bookkeeping on OpenAI's side that cannot change the answer.
-    **_table(**{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why="bookkeeping on OpenAI's side")
+    **_table(**{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why="bookkeeping on OpenAI's side",
+                            **(METADATA_ROW if name == "metadata" else {}))
                 for name, kind in (("user", "string"), ("metadata", "object"), ("store", "boolean"),
                                    ("service_tier", "string"), ("prompt_cache_key", "string"),
                                    ("prompt_cache_retention", "string"), ("prompt_cache_options", "object"),
@@ -9344,7 +9365,7 @@ def _messages_output_config(config: dict, param: str, vocab_size: int | None) ->
     _only_keys(config, ("effort", "format"), param)
     out = {}
     if config.get("effort") is not None:
-        if config["effort"] not in MESSAGES_EFFORTS:
+        if _check_type(config["effort"], str, f"{param}.effort") not in MESSAGES_EFFORTS:
             raise RequestError(f"'{param}.effort' must be one of {', '.join(MESSAGES_EFFORTS)}",
                                param=f"{param}.effort")
         out["reasoning_effort"] = MESSAGES_EFFORTS[config["effort"]]
@@ -9358,12 +9379,20 @@ def _messages_output_config(config: dict, param: str, vocab_size: int | None) ->
     return out
 
 
+def _messages_metadata(metadata: dict, param: str, vocab_size: int | None) -> dict:
+    _only_keys(metadata, ("user_id",), param)
+    if metadata.get("user_id") is not None:
+        _check_type(metadata["user_id"], str, f"{param}.user_id")
+    return metadata
+
+
 def _messages_context_management(config: dict, param: str, vocab_size: int | None) -> dict:
     """Only the edits that change nothing: clearing thinking while keeping all of it."""
     _only_keys(config, ("edits",), param)
     for i, edit in enumerate(_check_type(config.get("edits") or [], list, f"{param}.edits")):
         edit = _check_type(edit, dict, f"{param}.edits[{i}]")
-        if not str(edit.get("type")).startswith("clear_thinking_") or edit.get("keep") != "all":
+        _check_type(edit.get("type"), str, f"{param}.edits[{i}].type")
+        if not edit["type"].startswith("clear_thinking_") or edit.get("keep") != "all":
             raise RequestError(f"'{param}.edits[{i}]' is not supported: the context is never edited (only "
                                "clear_thinking with keep \"all\" is accepted)", param=f"{param}.edits[{i}]",
                                code="unsupported_field")
@@ -9557,8 +9586,10 @@ MESSAGES_FIELDS = {
         context_management=Field(kind="object", layer="template", read=_messages_context_management,
                                  why="accepted when its edits change nothing (`clear_thinking_*` with `keep: "
                                      "\"all\"`, as Claude Code sends); any other edit is 400"),
-        metadata=Field(kind="object", layer="server", policy=NO_EFFECT, why="`user_id`: bookkeeping on "
-                                                                            "Anthropic's side"),
+        metadata=Field(kind="object", layer="server", policy=NO_EFFECT, read=_messages_metadata,
+                       schema={"type": "object", "additionalProperties": False,
+                               "properties": {"user_id": {"type": ["string", "null"]}}},
+                       why="`user_id`: bookkeeping on Anthropic's side"),
         **{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why=why) for name, kind, why in (
             ("cache_control", "object", "prompt caching is automatic here"),
             ("diagnostics", "object", "no diagnostics are returned"),

@@ -191,16 +191,21 @@ def test_schema_and_server_agree_on_every_row(server, llm, path):
 
 def test_python_api_validates_through_the_same_rows(llm):
     """LLM.generate's keywords and SamplingParams.validate use the rows the HTTP endpoints use."""
-    for name, value in (("temperature", 2.5), ("top_p", 0), ("top_k", -2), ("min_p", 1.5), ("n", 17),
-                        ("presence_penalty", 3), ("repetition_penalty", 0), ("logprobs", 21), ("seed", 1.5),
-                        ("stop", [""]), ("stop", ["a"] * 17), ("stop_token_ids", [-1]), ("ignore_eos", "yes"),
-                        ("logit_bias", {"abc": 1}), ("logit_bias", {5: 101}), ("temperature", True)):
+    for name, value, param in (
+            ("temperature", 2.5, None), ("top_p", 0, None), ("top_k", -2, None), ("min_p", 1.5, None),
+            ("n", 17, None), ("presence_penalty", 3, None), ("repetition_penalty", 0, None), ("logprobs", 21, None),
+            ("seed", 1.5, None), ("stop", ["", "x"], "stop[0]"), ("stop", ["a"] * 17, None),
+            ("stop", ["x", None], "stop[1]"), ("stop_token_ids", [1, -1], "stop_token_ids[1]"),
+            ("ignore_eos", "yes", None), ("logit_bias", {"abc": 1}, "logit_bias.abc"),
+            ("logit_bias", {5: 101}, "logit_bias.5"), ("logit_bias", {"5": None}, "logit_bias.5"),
+            ("temperature", True, None)):
+        param = param or name
         with pytest.raises(pocketllm.RequestError) as e:
             llm.generate("Hi", max_tokens=2, **{name: value})
-        assert e.value.param == name, (name, value)
+        assert e.value.param == param, (name, value)
         with pytest.raises(pocketllm.RequestError) as e:
             pocketllm.chat_completions(llm, {"messages": USER, "max_tokens": 2, name: value})
-        assert e.value.param == name, (name, value)
+        assert e.value.param == param, (name, value)
     with pytest.raises(pocketllm.RequestError) as e:
         llm.generate("Hi", max_tokens=2, min_tokens=3)
     assert e.value.param == "min_tokens"

@@ -144,6 +144,13 @@ def test_count_tokens_is_the_rendered_prompt(client, server, llm):
     ({"max_tokens": 5000, "messages": ASK}, "max_tokens"),
     ({"max_tokens": 5, "messages": ASK, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
      "context_management.edits[0]"),
+    # A null or a wrong type inside a map or an array is named by its path (issue 47).
+    ({"max_tokens": 5, "messages": ASK, "output_config": {"effort": []}}, "output_config.effort"),
+    ({"max_tokens": 5, "messages": ASK, "metadata": {"user_id": 5}}, "metadata.user_id"),
+    ({"max_tokens": 5, "messages": ASK, "metadata": {"colour": "red"}}, "metadata.colour"),
+    ({"max_tokens": 5, "messages": ASK, "stop_sequences": ["x", None]}, "stop_sequences[1]"),
+    ({"max_tokens": 5, "messages": ASK, "context_management": {"edits": [{"type": None}]}},
+     "context_management.edits[0].type"),
 ])
 def test_errors_in_anthropic_shape(server, body, param):
     status, data = raw(server, "POST", "/v1/messages", {"model": "pocket-tiny", **body}, {"x-api-key": KEY})

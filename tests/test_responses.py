@@ -151,6 +151,9 @@ def test_reasoning_items_carry_the_thinking_when_asked(client):
     ("background", True, "background"),
     ("temprature", 1, "temprature"),
     ("max_output_tokens", 5000, "max_output_tokens"),
+    ("metadata", {"k": None}, "metadata.k"),                   # inside a map or an array: named by its path
+    ("include", ["reasoning.encrypted_content", None], "include[1]"),
+    ("input", [{"role": "user", "content": [{"type": "input_text", "text": None}]}], "input[0].content[0].text"),
 ])
 def test_refusals_name_the_field(client, field, value, param):
     with pytest.raises(openai.BadRequestError) as e:
