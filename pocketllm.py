@@ -9047,7 +9047,8 @@ MESSAGES_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}     
 MESSAGES_THINKING = ("enabled", "adaptive", "disabled")
 MESSAGES_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 MESSAGES_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+ANTHROPIC_CLIENT_CLOSED = 499                # logged and counted when the client hangs up before its answer (nginx's code)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                          404: "not_found_error", 405: "invalid_request_error", 411: "invalid_request_error",
                          413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                          503: "overloaded_error"}
@@ -9997,6 +9998,7 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
 DEFAULT_SOCKET_TIMEOUT = 60.0      # seconds a client may stay silent (idle keep-alive, a slow body or read)
 DEFAULT_MAX_CONNECTIONS = 256      # open connections; one more is answered 503 and closed
 DEFAULT_SEND_BUFFER = 64 * 2 ** 10 # bytes the kernel holds for a client that stops reading (no autotuning to MBs)
+CLIENT_CLOSED = 499                # logged and counted when the client hangs up before its answer (nginx's code)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
                500: "internal_server_error", 503: "service_unavailable"}
@@ -10025,7 +10027,9 @@ def _client_gone(error: Exception) -> bool:
 
 
 class DisconnectWatch:
-    """While a non-streamed request waits on the engine, call on_disconnect if the client closes its socket."""
+    """While a request waits on the engine, call on_disconnect if the client closes its socket. A stream needs
+    it as much as a single answer: between its writes (the queue, a long prefill, tokens that add no text) a
+    closed socket is noticed by nothing else, and a write only fails on the second try after the close."""
 
     def __init__(self, sock: socket.socket, on_disconnect: Callable[[], None]):
         self.sock, self.on_disconnect, self.done = sock, on_disconnect, threading.Event()
@@ -10661,7 +10665,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_OPTIONS(self): self.handle_request("OPTIONS")
 
     def handle_request(self, method: str) -> None:
-        self.endpoint = "other"
+        self.endpoint, self.answered, self.client_left = "other", False, False
         try:
             path = urllib.parse.urlsplit(self.path).path
             raw = self.read_body()
@@ -10671,10 +10675,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.endpoint, match, endpoint = find_route(method, path)
             endpoint(self, match, raw)
         except Exception as e:
-            if _client_gone(e):
+            if _client_gone(e) or self.client_left:
                 self.close_connection = True
+                self.count_client_closed()
                 return
             self.send_error_response(e)
+
+    def count_client_closed(self) -> None:
+        """A client that hung up before its answer: 499 in the log and the metrics, not a server error."""
+        if not self.answered:
+            self.answered = True
+            self.server.metrics.count(self.endpoint, CLIENT_CLOSED)
+            self.log_request(CLIENT_CLOSED)
 
     def read_body(self) -> bytes:
         """The request body, bounded by the server's limit; a body we do not read closes the connection."""
@@ -10712,6 +10724,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     # Answers: JSON, errors, and server-sent events.
 
     def send_bytes(self, status: int, data: bytes, content_type: str, headers: dict | None = None) -> None:
+        self.answered = True
         self.server.metrics.count(self.endpoint, status)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
@@ -10748,16 +10761,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_json(int(code), error_body(int(code), message or explain or "bad request"))
 
     def send_completion(self, completion: Completion | ProtocolTurn, named_events: bool = False) -> None:
-        if completion.stream_mode:
-            self.send_stream(completion.chunks(), named_events)
-            return
-        with DisconnectWatch(self.connection, completion.abort):
+        def client_left() -> None:
+            self.client_left = True
+            completion.abort()
+        with DisconnectWatch(self.connection, client_left):
+            if completion.stream_mode:
+                self.send_stream(completion.chunks(), named_events)
+                return
             response = completion.response()
         self.send_json(200, response)
 
     def send_stream(self, chunks: Iterator[dict], named_events: bool = False) -> None:
         """SSE over chunked transfer encoding, so the connection stays alive for the next request. Named events
         (the Responses and Messages protocols) carry an `event:` line, their type, and end without [DONE]."""
+        self.answered = True
         self.server.metrics.count(self.endpoint, 200)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -10786,6 +10803,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             chunks.close()                        # aborts the request if the client left
 
     def send_event(self, data: dict | str, named: bool = False) -> None:
+        if self.client_left:                      # the DisconnectWatch saw it leave: no one reads this
+            raise ConnectionResetError("the client closed the connection")
         text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
         payload = (b"event: " + data["type"].encode() + b"\n" if named else b"") + b"data: " + text.encode() + b"\n\n"
         # A reader that stops reading fills the socket buffer and blocks this write: after the socket timeout

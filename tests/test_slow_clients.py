@@ -131,3 +131,59 @@ def test_a_stream_nobody_reads_is_aborted_and_releases_the_engine(server, llm):
     assert llm.stats()["generation_tokens_total"] < 3000 + 100
     sock.close()
     assert chat(server)[0] == 200
+
+
+def open_request(server, body) -> socket.socket:
+    """A raw connection that has sent one chat request (and reads nothing yet)."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def test_a_client_that_hangs_up_is_499_not_a_server_error(server, llm, capsys):
+    """curl -m 5 giving up on a long answer: the request is aborted, and the log and /metrics say 499 (client
+    closed request, as nginx logs it), never the 503 that docs/serving.md calls the alarm (issue 47)."""
+    bans = {str(i): -100 for i in llm.tokenizer.special_ids}
+    before = dict(server.metrics.responses)
+    server.log_requests = True
+    try:
+        sock = open_request(server, dict(CHAT, max_tokens=3000, ignore_eos=True, temperature=1.0, logit_bias=bans))
+        assert wait_until(lambda: llm.stats()["running"] == 1, 10)
+        sock.close()
+        assert wait_until(lambda: llm.stats()["running"] == 0, 20), "the abandoned request kept generating"
+        assert wait_until(lambda: server.metrics.responses.get(("/v1/chat/completions", 499), 0) ==
+                          before.get(("/v1/chat/completions", 499), 0) + 1, 5), server.metrics.responses
+    finally:
+        server.log_requests = False
+    assert all(n == before.get(key, 0) for key, n in server.metrics.responses.items() if key[1] >= 500)
+    log = capsys.readouterr().err
+    assert '"POST /v1/chat/completions HTTP/1.1" 499' in log and " 503 " not in log, log
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    status, metrics = resp.status, resp.read().decode()
+    conn.close()
+    assert status == 200 and 'pocketllm_requests_total{endpoint="/v1/chat/completions",status="499"}' in metrics
+
+
+def test_a_stream_waiting_for_text_notices_the_hang_up(server, llm):
+    """The chat page's Stop under load (issue 47): a stream whose tokens add no text (here EOS, again and again,
+    with ignore_eos) writes nothing after its first chunk, so no failed write can tell that the client left. The
+    server watches the socket instead: the request is aborted long before its max tokens."""
+    bias = {str(i): 100 for i in llm.eos_token_ids}
+    before = llm.stats()["generation_tokens_total"]
+    sock = open_request(server, dict(CHAT, stream=True, max_tokens=3000, ignore_eos=True, temperature=0,
+                                     logit_bias=bias))
+    sock.settimeout(10)
+    got = b""
+    while b"data: " not in got:                    # the headers and the role chunk: the stream has started
+        got += sock.recv(65536)
+    assert wait_until(lambda: llm.stats()["running"] == 1, 10)
+    sock.close()
+    assert wait_until(lambda: llm.stats()["running"] == 0, 20)
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["slots_used"] == 0
+    assert stats["generation_tokens_total"] - before < 3000, "the stream ran to its max tokens"
+    assert chat(server)[0] == 200
