@@ -9047,8 +9047,7 @@ MESSAGES_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}     
 MESSAGES_THINKING = ("enabled", "adaptive", "disabled")
 MESSAGES_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 MESSAGES_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-ANTHROPIC_CLIENT_CLOSED = 499                # logged and counted when the client hangs up before its answer (nginx's code)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                          404: "not_found_error", 405: "invalid_request_error", 411: "invalid_request_error",
                          413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                          503: "overloaded_error"}

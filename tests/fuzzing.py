@@ -1,8 +1,9 @@
 """Schema-aware request fuzzing (issue 20 item 2), shared by tests/test_fuzz.py and benchmarks/fuzz.py.
 
 Bodies start from the served `/openapi.json` (hypothesis-jsonschema draws valid bodies from each endpoint's request
-schema), then get nested mutations at any depth (a node replaced by a hostile value, a key removed or added, a node
-wrapped or nested deeply) and are sent as raw bytes, sometimes mangled as text: duplicate keys, invalid UTF-8 and
+schema) or from FULL (every map and array field filled), then get nested mutations at any depth (a node replaced by
+a hostile value, a key removed or added, a node wrapped or nested deeply; a value inside a map or an array replaced
+by a null, a wrong type, a huge or negative number, a lone surrogate or deep nesting) and are sent as raw bytes, sometimes mangled as text: duplicate keys, invalid UTF-8 and
 lone surrogates, truncation, deep nesting. `check_answer` holds what every answer must be: a 2xx, or a 4xx in
 OpenAI's error shape whose `param` names a field of the request; never a 5xx, a dropped connection or a hang.
 """
@@ -53,6 +54,17 @@ HOSTILE = st.one_of(
 )
 
 
+# A null, a wrong type, a huge or negative number, a lone surrogate, deep nesting: what a value inside a map or
+# an array (logit_bias.5, stop[1], messages[0].content[0].text, tools[0].function.parameters...) must be refused
+# as cleanly as a top-level one (issue 47).
+INSIDE = st.one_of(
+    st.sampled_from([None, True, False, "", "x", "\ud800", "a\udfffb", 0, -1, 2 ** 31, 2 ** 64, 2 ** 70, -2 ** 70,
+                     10 ** 400, 0.5, -1e308, 1e308, 5e-324, [], {}, [None], {"": None}, {"5": None}]).map(copy.deepcopy),
+    HOSTILE_SCALAR,
+    st.builds(_deep, st.sampled_from(NESTED), st.sampled_from(["list", "dict"])),
+)
+
+
 def _paths(value, prefix=()):
     """Every node of a JSON value as a key path, the root first."""
     yield prefix
@@ -94,6 +106,31 @@ def mutated(draw, body):
             parent[key] = type(target)() if isinstance(target, (dict, list, str)) else None
         else:
             parent[key] = draw(HOSTILE)
+    return body
+
+
+def _inside_paths(body) -> list[tuple]:
+    """The nodes inside a field's map or array (not the fields themselves): key paths of length 2 or more."""
+    return [path for path in _paths(body) if len(path) >= 2]
+
+
+@st.composite
+def mutated_inside(draw, body):
+    """body with one value inside a map or an array replaced by a hostile one (INSIDE), or one hostile entry added
+    to a map or an array; a body without maps or arrays gets a top-level mutation instead."""
+    body = json.loads(json.dumps(body))
+    paths = _inside_paths(body) if isinstance(body, dict) else []
+    if not paths:
+        return draw(mutated(body))
+    path = draw(st.sampled_from(paths))
+    parent = _node(body, path[:-1])
+    if draw(st.integers(0, 3)) == 0:                                    # an entry added beside it
+        if isinstance(parent, dict):
+            parent[draw(st.one_of(st.sampled_from(["5", "x", "", "type", "\ud800"]), HOSTILE_TEXT))] = draw(INSIDE)
+        else:
+            parent.insert(draw(st.integers(0, len(parent))), draw(INSIDE))
+    else:
+        parent[path[-1]] = draw(INSIDE)
     return body
 
 
@@ -155,6 +192,64 @@ BASES = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}
          "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "Hi"}]}}
 
 
+# Bodies that fill every field of each endpoint that holds a map or an array (valid: each answers 200), the
+# starting points of mutated_inside. Several per endpoint where fields exclude each other.
+_TOOL = {"type": "function", "function": {"name": "f", "description": "d", "strict": False, "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+_MESSAGES = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+             {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+             {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "ok"}]
+_SAMPLING = {"max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 1,
+             "presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1,
+             "logit_bias": {"5": 1.0, "7": -1}, "stop": ["x", "y"], "stop_token_ids": [3, 4], "min_tokens": 1,
+             "ignore_eos": False, "n": 1, "metadata": {"a": "b"}, "user": "u", "store": False}
+FULL = {
+    "/v1/chat/completions": [
+        {"messages": _MESSAGES, **_SAMPLING, "logprobs": True, "top_logprobs": 2, "modalities": ["text"]},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30, "tools": [_TOOL],     # a call fits
+         "tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": True,
+         "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30, "stream": True,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+         "response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
+             "type": "object", "properties": {"a": {"type": "string", "enum": ["x"]}}, "required": ["a"]}}}}],
+    "/v1/completions": [
+        {"prompt": "Hi", **_SAMPLING, "logprobs": 2, "best_of": 1},
+        {"prompt": [[1, 2, 3]], "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}],
+    "/tokenize": [{"messages": _MESSAGES, "tools": [_TOOL], "chat_template_kwargs": {"enable_thinking": True},
+                   "return_token_strs": True}],
+    "/detokenize": [{"tokens": [1, 2, 3]}],
+    "/v1/responses": [
+        {"instructions": "i", "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "ok"}]}],
+         "max_output_tokens": 30, "temperature": 0.5, "top_p": 0.9, "store": False,
+         "tools": [{"type": "function", "name": "f", "parameters": _TOOL["function"]["parameters"]}],
+         "tool_choice": {"type": "function", "name": "f"}, "reasoning": {"effort": "low", "summary": "auto"},
+         "include": ["reasoning.encrypted_content"], "metadata": {"a": "b"}},
+        {"input": "Hi", "max_output_tokens": 30, "stream": True, "text": {"format": {"type": "json_object"}}}],
+    "/v1/messages": [
+        {"max_tokens": 2, "system": [{"type": "text", "text": "s"}], "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                              {"type": "tool_use", "id": "c1", "name": "f", "input": {"x": 1}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "is_error": False,
+                                          "content": [{"type": "text", "text": "ok"}]}]}],
+         "stop_sequences": ["x"], "temperature": 0.5, "top_p": 0.9, "top_k": 5, "metadata": {"user_id": "u"},
+         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}},
+        {"max_tokens": 30, "messages": [{"role": "user", "content": "Hi"}],
+         "tools": [{"name": "f", "description": "d", "input_schema": _TOOL["function"]["parameters"]}],
+         "tool_choice": {"type": "tool", "name": "f", "disable_parallel_tool_use": True}},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+         "thinking": {"type": "enabled", "budget_tokens": 2}, "output_config": {"effort": "low"}}],
+    "/v1/messages/count_tokens": [{"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                                   "system": [{"type": "text", "text": "s"}], "thinking": {"type": "disabled"},
+                                   "tools": [{"name": "f", "input_schema": {"type": "object"}}]}],
+}
+
 def _plausible(schema: dict, base: dict):
     fields = {name: from_schema(prop) for name, prop in schema["properties"].items() if name not in base}
     names = st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True)
@@ -167,7 +262,8 @@ def request_strategy(doc: dict, path: str, max_context: int, generates: bool):
     mutated, capped, encoded."""
     schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
     start = st.one_of(from_schema(schema), _plausible(schema, BASES[path]))
-    body = st.one_of(start, start.flatmap(mutated))
+    full = st.sampled_from(FULL[path])
+    body = st.one_of(start, start.flatmap(mutated), start.flatmap(mutated_inside), full.flatmap(mutated_inside))
     if generates:
         body = body.map(lambda b: cap_generation(b, max_context, path))
     return body.flatmap(raw_text)

@@ -9,6 +9,7 @@ slot and a good request succeeds. The examples are derandomized (the same bodies
 """
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -35,7 +36,16 @@ REGRESSIONS = [
     ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 1, "logit_bias": {"\\ud800": 1}}'),
     ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 1, "stop": ["\\udfff"]}'),
     ("/tokenize", b'{"prompt": "' + "\U0001F600".encode() * 50_000 + b'"}'),
+    ("/v1/chat/completions", json.dumps({**GOOD, "logit_bias": {"5": None}}).encode()),       # issue 47
+    ("/v1/messages", json.dumps({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                                 "output_config": {"effort": []}}).encode()),
 ]
+
+
+# Every value inside a map or an array of the FULL bodies is replaced by each of these (issue 47).
+INSIDE_VALUES = [None, True, "x", -1, 2 ** 70, -1e308, "\ud800", [], {"": None}, fuzzing._deep(300, "list")]
+# Fields whose inner values the protocol layer reads itself: a 400 names the very value (logit_bias.5, stop[1]).
+NAMED_INSIDE = ("logit_bias", "stop", "stop_token_ids", "metadata", "tokens", "include", "stop_sequences")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +96,46 @@ def test_fuzzed_bodies_get_a_clean_answer(server, llm, doc, path):
     assert sum(statuses.values()) >= EXAMPLES[path] // 2, statuses
     assert any(status == 200 for status in statuses), statuses      # the valid half does get answers
     assert any(400 <= status < 500 for status in statuses), statuses
+    assert_clean_afterwards(server, llm)
+
+
+def _spelled(where: tuple) -> str:
+    return "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in where).lstrip(".")
+
+
+def _inside_cases(path: str):
+    """(where, body bytes) for every value inside a map or an array of the endpoint's FULL bodies, each replaced
+    by each of INSIDE_VALUES."""
+    for body in fuzzing.FULL[path]:
+        for where in fuzzing._inside_paths(body):
+            for value in INSIDE_VALUES:
+                mutated = json.loads(json.dumps(body))
+                fuzzing._node(mutated, where[:-1])[where[-1]] = value
+                yield where, json.dumps(mutated).encode()
+
+
+@pytest.mark.parametrize("path", list(EXAMPLES))
+def test_every_value_inside_a_map_or_array_is_checked(server, llm, doc, path):
+    """A null, a wrong type, a huge or negative number, a lone surrogate or deep nesting anywhere inside a field's
+    map or array is a 2xx or a clean 4xx (`"logit_bias": {"5": null}` was a 500); inside the fields that
+    NAMED_INSIDE lists, the 4xx names the value itself."""
+    fields = _fields(doc, path)
+    for body in fuzzing.FULL[path]:                              # the starting points themselves are good
+        status, answer = fuzzing.send(server.port, path, json.dumps(body).encode(), KEY)
+        assert status == 200, (body, answer)
+    cases = list(_inside_cases(path))
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda case: fuzzing.send(server.port, path, case[1], KEY), cases))
+    problems = []
+    for (where, data), (status, answer) in zip(cases, answers):
+        problem = fuzzing.check_answer(path, fields, data, status, answer)
+        if problem is None and status == 400 and where[0] in NAMED_INSIDE:
+            param = json.loads(answer)["error"]["param"]
+            if param != _spelled(where):
+                problem = f"names {param!r}"
+        if problem:
+            problems.append(f"{_spelled(where)} = {data.decode()[:160]}: {problem[:200]}")
+    assert not problems, "\n".join(problems[:20])
     assert_clean_afterwards(server, llm)
 
 
