@@ -173,7 +173,7 @@ def test_invalid_params_and_context_overflow(llm):
         llm.generate(PROMPTS[0], max_tokens=200)
     assert e.value.param == "max_tokens" and "128" in str(e.value) and "200" in str(e.value)
     for bad, param in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(n=0), "n"),
-                       (dict(logprobs=21), "logprobs"), (dict(logit_bias={10**6: 1.0}), "logit_bias")):
+                       (dict(logprobs=21), "logprobs"), (dict(logit_bias={10**6: 1.0}), "logit_bias.1000000")):
         with pytest.raises(pocketllm.RequestError) as e:
             llm.generate(PROMPTS[0], max_tokens=2, **bad)
         assert e.value.param == param
