@@ -290,6 +290,7 @@ class EngineOptions:
     prefix_cache: bool = True          # resume prompts from cached KV blocks and state snapshots (--no-prefix-cache)
     prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: one per state slot
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
+    load_format: str = "auto"          # auto: the safetensors files | dummy: random weights from config.json alone
     seed: int = 0                      # default seed for unseeded requests' generators
     speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
     enforce_eager: bool = False        # every step op by op: no CUDA graphs, no launch-list replay (vLLM's name)
@@ -2228,6 +2229,162 @@ def fuse_projections(layer: DecoderLayer, Dh: int, stack: bool = True) -> Decode
     return dataclasses.replace(layer, mixer=m, mlp=mlp)
 
 
+# --load-format dummy (vLLM's name): the tensors a checkpoint of this config.json would hold, with random values
+# of the exact dtypes, shapes and FP8 block scales, made on the target device when read. Everything that speed
+# and memory depend on is real; only the text is noise (speculative drafts are rejected).
+
+LOAD_FORMATS = ("auto", "dummy")   # auto: the safetensors files; dummy: random weights from config.json alone
+
+
+@dataclass(frozen=True)
+class DummyTensor:
+    """One tensor a checkpoint of this config holds: its stored shape and dtype, and how its values are drawn."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    init: str                  # linear | embedding | scale | norm (zero-centred) | ones_norm | conv | A_log | dt_bias
+
+
+def _stored_dtype(raw: dict) -> torch.dtype:
+    """The unquantised tensors' dtype: config.json's dtype (torch_dtype in older files); bf16 when it says none."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    name = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    dtype = getattr(torch, str(name), None)
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+
+def mtp_layers_in_config(raw: dict) -> int:
+    """config.json's mtp_num_hidden_layers (Qwen3.5's checkpoints ship one MTP layer and say so)."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    return int(text.get("mtp_num_hidden_layers") or 0)
+
+
+def dummy_tensors(cfg: ModelConfig, stored: torch.dtype = torch.bfloat16, mtp: bool = False) -> dict[str, DummyTensor]:
+    """Name -> DummyTensor of every tensor the decoder (and with `mtp` the MTP layer) reads, named as HF names
+    them. A 2-D projection is FP8 with bf16 block scales when the config quantises and modules_to_not_convert
+    does not name it, as the FP8 checkpoints store them; everything else has the stored dtype."""
+    D, I, V, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    out: dict[str, DummyTensor] = {}
+
+    def linear(name: str, n: int, k: int):
+        quant = cfg.quant
+        if quant is None or any(part in name for part in quant.modules_to_not_convert):
+            out[name + ".weight"] = DummyTensor((n, k), stored, "embedding" if "embed" in name else "linear")
+            return
+        bn, bk = quant.block
+        out[name + ".weight"] = DummyTensor((n, k), torch.float8_e4m3fn, "linear")
+        out[name + ".weight_scale_inv"] = DummyTensor((-(-n // bn), -(-k // bk)), torch.bfloat16, "scale")
+
+    def tensor(name: str, shape: tuple[int, ...], init: str):
+        out[name] = DummyTensor(shape, stored, init)
+
+    norm = "norm" if cfg.zero_centred_norm else "ones_norm"
+
+    def layer(p: str, kind: str):
+        tensor(p + "input_layernorm.weight", (D,), norm)
+        tensor(p + "post_attention_layernorm.weight", (D,), norm)
+        linear(p + "mlp.gate_proj", I, D), linear(p + "mlp.up_proj", I, D), linear(p + "mlp.down_proj", D, I)
+        if kind == "full_attention":
+            Hq, Hk = cfg.num_attention_heads, cfg.num_key_value_heads
+            a = p + "self_attn."
+            linear(a + "q_proj", Hq * Dh * (2 if cfg.gated_attention else 1), D)
+            linear(a + "k_proj", Hk * Dh, D), linear(a + "v_proj", Hk * Dh, D), linear(a + "o_proj", D, Hq * Dh)
+            tensor(a + "q_norm.weight", (Dh,), norm), tensor(a + "k_norm.weight", (Dh,), norm)
+        else:
+            Hv, Dv, C, g = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim, p + "linear_attn."
+            linear(g + "in_proj_qkv", C, D), linear(g + "in_proj_z", Hv * Dv, D)
+            linear(g + "in_proj_a", Hv, D), linear(g + "in_proj_b", Hv, D), linear(g + "out_proj", D, Hv * Dv)
+            tensor(g + "conv1d.weight", (C, 1, cfg.linear_conv_kernel_dim), "conv")
+            tensor(g + "A_log", (Hv,), "A_log"), tensor(g + "dt_bias", (Hv,), "dt_bias")
+            tensor(g + "norm.weight", (Dv,), "ones_norm")            # the gated norm is plain x * w everywhere
+
+    p = cfg.weight_prefix
+    linear(p + "embed_tokens", V, D)
+    for i, kind in enumerate(cfg.layer_types):
+        layer(f"{p}layers.{i}.", kind)
+    tensor(p + "norm.weight", (D,), norm)
+    if not cfg.tie_word_embeddings:
+        linear("lm_head", V, D)
+    if mtp and cfg.model_type != "qwen3":
+        linear(MTP_PREFIX + "fc", D, 2 * D)
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            tensor(f"{MTP_PREFIX}{name}.weight", (D,), norm)
+        layer(MTP_PREFIX + "layers.0.", "full_attention")
+    return out
+
+
+def dummy_values(spec: DummyTensor, generator: torch.Generator, device) -> torch.Tensor:
+    """Random values for one tensor, drawn on `device`: weights ~ N(0, 0.02) after their block scale (FP8 values
+    span about +-200 of e4m3's +-448, scales about 1e-4), decays and biases in the ranges trained models have."""
+    kind, shape = spec.init, spec.shape
+    draw = lambda: torch.randn(shape, generator=generator, device=device, dtype=torch.float32)  # noqa: E731
+    unit = lambda: torch.rand(shape, generator=generator, device=device, dtype=torch.float32)   # noqa: E731
+    if kind == "linear" and spec.dtype == torch.float8_e4m3fn:
+        values = (draw() * 64).clamp_(-448, 448)
+    elif kind in ("linear", "embedding"):
+        values = draw() * 0.02
+    elif kind == "scale":
+        values = (0.5 + unit()) * (0.02 / 64)
+    elif kind == "norm":
+        values = draw() * 0.02                                   # zero-centred: x * (1 + w)
+    elif kind == "ones_norm":
+        values = 1 + draw() * 0.02
+    elif kind == "conv":
+        values = draw() * 0.2
+    elif kind == "A_log":
+        values = torch.log(1 + 15 * unit())                      # decays exp(A_log) in [1, 16]
+    else:                                                        # dt_bias
+        values = 1 + draw() * 0.1
+    return values.to(spec.dtype)
+
+
+class _DummySlice:
+    """What safetensors' get_slice returns, for a generated tensor: its shape, and indexing that draws the
+    whole tensor once (so every rank's slice is a slice of the same tensor) and returns a copy of the part."""
+
+    def __init__(self, spec: DummyTensor, seed: int, device):
+        self.spec, self.seed, self.device, self.full = spec, seed, device, None
+
+    def get_shape(self) -> list[int]:
+        return list(self.spec.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if self.full is None:
+            g = torch.Generator(device=self.device).manual_seed(self.seed)
+            self.full = dummy_values(self.spec, g, self.device)
+        part = self.full[index]
+        return part if part.numel() == self.full.numel() else part.clone()   # a view would keep all of it
+
+
+class DummyCheckpoint(Checkpoint):
+    """--load-format dummy: a checkpoint directory read for its config.json alone; every tensor dummy_tensors
+    lists is drawn on `device` when the loader reads it (seeded by --seed and its name; nothing is written or
+    copied from the host). Set `device` before loading a model (the rank's device)."""
+
+    def __init__(self, path: str | os.PathLike, device="cpu", seed: int = 0):
+        self.device, self.seed = torch.device(device), seed
+        super().__init__(path)
+
+    def _find_tensors(self) -> dict[str, DummyTensor]:
+        stored = _stored_dtype(self.raw_config)
+        return dummy_tensors(self.config, stored, mtp=mtp_layers_in_config(self.raw_config) > 0)
+
+    def _slice(self, name: str) -> _DummySlice:
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.path}: missing tensor '{name}' (--load-format dummy makes only the tensors "
+                                  f"a {self.config.model_type} checkpoint of this config.json holds)")
+        seed = (self.seed * 1_000_003 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")) % 2 ** 63
+        return _DummySlice(self.weight_map[name], seed, self.device)
+
+
+def open_checkpoint(path: str | os.PathLike, load_format: str = "auto", device="cpu", seed: int = 0) -> Checkpoint:
+    """The checkpoint a --load-format reads: auto, the safetensors files; dummy, random weights from config.json."""
+    if load_format not in LOAD_FORMATS:
+        raise PocketError(f"--load-format must be one of {', '.join(LOAD_FORMATS)} (got {load_format!r})")
+    if load_format == "dummy":
+        return DummyCheckpoint(path, device, seed)
+    return Checkpoint(path)
+
+
 class Model:
     """The decoder: embedding, layers, final norm, lm_head. forward(batch) -> logits of batch.logit_rows.
     With tensor parallelism each rank holds a shard and `all_reduce` sums the row-parallel outputs."""
@@ -3789,7 +3946,7 @@ class Comm:
 
 def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: int, world: int, all_reduce,
                      quiet: bool) -> Model:
-    ckpt = Checkpoint(ckpt_dir)
+    ckpt = open_checkpoint(ckpt_dir, opts.load_format, device, opts.seed)
     try:
         shard = Shard(rank, world, whole_blocks=ops.name == "native")
         return Model(ckpt, ops, dtype, device, shard=shard, num_layers=opts.smoke_layers or None,
@@ -4673,17 +4830,31 @@ class ControlTokens:
 _BYTE_DECODER = _byte_decoder()
 
 
-class Tokenizer:
-    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a checkpoint."""
+def byte_level_tokenizer_json() -> str:
+    """The built-in tokenizer of --load-format dummy on a directory without tokenizer.json: byte-level, one token
+    per byte (id = the byte's value), then <|endoftext|>, <|im_start|>, <|im_end|> as 256-258; larger ids are
+    the model's and decode to nothing."""
+    import tokenizers
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: b for c, b in _BYTE_DECODER.items()}, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return tok.to_str()
 
-    def __init__(self, ckpt_dir: str | os.PathLike):
+
+class Tokenizer:
+    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a checkpoint; with `builtin` and no
+    tokenizer.json, the byte-level byte_level_tokenizer_json (--load-format dummy)."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike, builtin: bool = False):
         import tokenizers
         path = Path(ckpt_dir) / "tokenizer.json"
-        if not path.exists():
+        if not path.exists() and not builtin:
             raise CheckpointError(f"{path}: file not found")
         try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
-            spec = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8") if path.exists() else byte_level_tokenizer_json()
+            self._tok = tokenizers.Tokenizer.from_str(text)
+            spec = json.loads(text)
         except Exception as e:
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         cfg = _read_json(Path(ckpt_dir) / "tokenizer_config.json", required=False) or {}
@@ -4696,7 +4867,7 @@ class Tokenizer:
         self.special_ids = {i for i, t in added.items() if t.special}
         self._added = {i: t.content for i, t in added.items()}
         self.control_tokens = ControlTokens([added[i].content for i in sorted(self.special_ids)])
-        self._plain = tokenizers.Tokenizer.from_file(str(path))        # spells control tokens as text
+        self._plain = tokenizers.Tokenizer.from_str(text)              # spells control tokens as text
         self._plain.encode_special_tokens = True
         self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -11246,9 +11417,9 @@ class LLM:
         self.options = opts = EngineOptions(**options)
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
         self.model_name = self.ckpt_dir.resolve().name
-        ckpt = Checkpoint(self.ckpt_dir)
+        ckpt = open_checkpoint(self.ckpt_dir, opts.load_format, seed=opts.seed)
         self.config = cfg = ckpt.config
-        self.tokenizer = Tokenizer(self.ckpt_dir)
+        self.tokenizer = Tokenizer(self.ckpt_dir, builtin=opts.load_format == "dummy")
         _check_options(opts, cfg)
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
         # Every device, backend and dtype choice is checked here, before a single weight loads.
@@ -11277,6 +11448,7 @@ class LLM:
         else:
             _log(opts, placement.describe())
             ops = NativeOps(device) if placement.backend == "native" else TorchOps()
+            ckpt.device = device                   # where --load-format dummy draws the weights
             self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None,
                                progress=not opts.quiet, mtp=opts.speculative_tokens > 0)
             run_batch = None
@@ -11514,6 +11686,10 @@ ENGINE_FLAG_HELP = {
                            "one snapshot per state slot (--max-batch-size) (default: %(default)s)",
     "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
                     "(default: %(default)s)",
+    "load_format": "auto (the checkpoint's safetensors files) or dummy (vLLM's name): random weights of the exact "
+                   "dtypes, shapes and FP8 block scales the checkpoint would hold, made on the device from "
+                   "config.json alone (+ its tokenizer, else a built-in byte-level one), seeded by --seed: for "
+                   "benchmarks without the download (default: %(default)s)",
     "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
     "speculative_tokens": "tokens the checkpoint's MTP layer drafts per sequence and step, verified in the next "
                           "forward (exact: the output is the target model's); 0: off (default: %(default)s)",
@@ -11539,7 +11715,6 @@ VLLM_ONLY_FLAGS = {
     "--tokenizer": "drop it: the tokenizer is read from the checkpoint directory (--ckpt)",
     "--download-dir": "pocketllm loads a local directory: download the checkpoint, then --ckpt DIR",
     "--revision": "pocketllm loads a local directory: download the revision, then --ckpt DIR",
-    "--load-format": "drop it: pocketllm reads safetensors",
     "--reasoning-parser": "drop it: <think> blocks become reasoning_content without a parser flag",
     "--swap-space": "there is no CPU swap: lower --max-batch-size or --max-context",
     "--cpu-offload-gb": "there is no offloading: use more GPUs (--tensor-parallel-size)",
