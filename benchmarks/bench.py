@@ -186,7 +186,8 @@ def ttft_ms(llm, n: int, repeats: int = 2) -> float:
 
 
 def decode_run(llm, batch: int, tokens: int, seed: int, prompt_len: int = 64) -> tuple[float, int, int]:
-    """batch sequences of `tokens` output tokens each, together: (seconds, target forwards, tokens generated)."""
+    """batch sequences of `tokens` output tokens each, together: (seconds, sampled positions of the target model
+    (one per sequence and step: the engine's target_forwards), tokens generated)."""
     before = llm.stats()
     sync(llm)
     t0 = time.perf_counter()
@@ -204,13 +205,14 @@ def decode_run(llm, batch: int, tokens: int, seed: int, prompt_len: int = 64) ->
 
 def decode_rates(llm, batch: int, decode: int) -> dict:
     """Decode at `batch`: a short and a long run, their difference (prefill and the first steps cancel out).
-    Returns ms per step (one target forward), output tokens/s and TPOT (ms per token per sequence)."""
+    Returns ms per engine step (every sequence one target forward), output tokens/s, TPOT (ms per token per
+    sequence) and tokens per sequence and step."""
     decode_run(llm, batch, 4, seed=7)                                  # warm-up (CUDA graphs capture this size)
     t_short, f_short, n_short = decode_run(llm, batch, 8, seed=100)
     t_long, f_long, n_long = decode_run(llm, batch, 8 + decode, seed=200)
-    seconds, steps, tokens = t_long - t_short, max(f_long - f_short, 1), max(n_long - n_short, 1)
-    return {"step_ms": seconds * 1e3 / steps, "tok_s": tokens / seconds, "tpot_ms": seconds * 1e3 * batch / tokens,
-            "tokens_per_step": tokens / steps / batch}
+    seconds, forwards, tokens = t_long - t_short, max(f_long - f_short, 1), max(n_long - n_short, 1)
+    return {"step_ms": seconds * 1e3 * batch / forwards, "tok_s": tokens / seconds,
+            "tpot_ms": seconds * 1e3 * batch / tokens, "tokens_per_step": tokens / forwards}
 
 
 def profile_steps(llm, tokens: int = 16) -> dict:
