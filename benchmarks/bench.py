@@ -139,19 +139,17 @@ TINY = ROOT / "models" / "pocket-tiny"
 ACCEPTANCE = (0.6, 0.8)        # per-draft acceptance rates the speculative speed-up is stated at
 
 
-def qwen35_27b_config(world: int = 1) -> dict:
+def qwen35_27b_config() -> dict:
     """Qwen3.5-27B FP8's config.json (docs/qwen-facts.md sections 2-4): pocket-tiny's (same family, FP8, one MTP
-    layer) with the 27B's shapes. world > 1: one tensor-parallel rank's shapes (heads, MLP rows and vocabulary
-    divided by world; every split on 128 boundaries), served by one device."""
+    layer) with the 27B's shapes."""
     raw = json.loads((TINY / "config.json").read_text())
-    text = raw["text_config"]
     layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 16
-    text.update(vocab_size=248320 // world, hidden_size=5120, intermediate_size=17408 // world,
-                num_hidden_layers=64, num_attention_heads=24 // world, num_key_value_heads=4 // world, head_dim=256,
-                linear_num_key_heads=16 // world, linear_num_value_heads=48 // world, linear_key_head_dim=128,
-                linear_value_head_dim=128, layer_types=layer_types, full_attention_interval=4,
-                max_position_embeddings=262144, eos_token_id=248046, pad_token_id=248044, mtp_num_hidden_layers=1)
-    text["rope_parameters"].update(rope_theta=10000000.0, mrope_section=[11, 11, 10])
+    raw["text_config"].update(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, layer_types=layer_types, full_attention_interval=4,
+        max_position_embeddings=262144, eos_token_id=248046, pad_token_id=248044, mtp_num_hidden_layers=1)
+    raw["text_config"]["rope_parameters"].update(rope_theta=10000000.0, mrope_section=[11, 11, 10])
     gdn = [f"model.language_model.layers.{i}.linear_attn.{m}" for i, t in enumerate(layer_types)
            if t == "linear_attention" for m in ("conv1d", "in_proj_b", "in_proj_a")]
     raw["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.language_model.embed_tokens"] + gdn + \
@@ -159,11 +157,25 @@ def qwen35_27b_config(world: int = 1) -> dict:
     return raw
 
 
+def rank_shapes(raw: dict, world: int) -> dict:
+    """The config of one tensor-parallel rank's shapes at degree `world`: attention, GDN heads, MLP rows and the
+    vocabulary (vocab-parallel embedding and lm_head) divided by world, the hidden size whole (section 8b's
+    split). One device runs it as a whole model: a rank's compute and memory, without the all-reduces."""
+    raw = json.loads(json.dumps(raw))
+    text = raw.get("text_config", raw)
+    for key in ("vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "linear_num_key_heads", "linear_num_value_heads"):
+        if key in text:
+            assert text[key] % world == 0, f"{key} {text[key]} does not split {world} ways"
+            text[key] //= world
+    return raw
+
+
 def write_config(path: Path, name: str):
     """--make-config 27b | 27b-tp4: DIR/config.json (and nothing else: --load-format dummy makes the weights)."""
     path.mkdir(parents=True, exist_ok=True)
-    world = {"27b": 1, "27b-tp4": 4}[name]
-    (path / "config.json").write_text(json.dumps(qwen35_27b_config(world), indent=1) + "\n")
+    raw = rank_shapes(qwen35_27b_config(), {"27b": 1, "27b-tp4": 4}[name])
+    (path / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
 
 
 def sync(llm):
@@ -171,7 +183,7 @@ def sync(llm):
         torch.cuda.synchronize(llm.device)
 
 
-def ttft_ms(llm, n: int, repeats: int = 2) -> float:
+def ttft_ms(llm, n: int, repeats: int) -> float:
     """Best-of-N time to first token of an n-token prompt (fresh ids each time: no prefix-cache hit)."""
     best = float("inf")
     for r in range(repeats):
@@ -227,9 +239,12 @@ def profile_steps(llm, tokens: int = 16) -> dict:
             "gpu_ms_per_step": None if gpu_us is None else gpu_us / 1e3 / steps}
 
 
-def weight_bytes(model) -> int:
-    total = model.embed_tokens.numel() * model.embed_tokens.element_size()
-    for part in model.layers + [model.mtp] + [model.lm_head]:
+def weight_bytes(model, embedding: bool = True, mtp: bool = True) -> int:
+    """Bytes of the model's weights (FP8 scales included); without the embedding and the MTP layer, what a plain
+    decode step reads at batch 1 (the embedding reads one row per token)."""
+    total = model.embed_tokens.numel() * model.embed_tokens.element_size() if embedding else 0
+    total += model.norm.numel() * model.norm.element_size()
+    for part in model.layers + [model.mtp if mtp else None] + [model.lm_head]:
         items = [("", part)] if isinstance(part, pocketllm.Linear) else pocketllm.named_weights(part) if part else []
         for _, w in items:
             for t in ([w.weight, w.scale] if isinstance(w, pocketllm.Linear) else [w]):
@@ -258,11 +273,13 @@ def measure(args, speculative_tokens: int) -> dict:
     try:
         out = {"load_s": time.perf_counter() - t0, "speculative_tokens": speculative_tokens if llm.model.mtp else 0,
                "weights_mb": weight_bytes(llm.model) / 2 ** 20, "device": str(llm.device),
+               "decode_bytes_per_step": weight_bytes(llm.model, embedding=False, mtp=False),
                "backend": llm.placement.backend}
         out["batch1"] = decode_rates(llm, 1, args.decode)
         for b in batches:
-            out[f"batch{b}"] = decode_rates(llm, b, args.decode)
-        out["ttft_ms"] = {n: ttft_ms(llm, n) for n in ttft_lens}
+            if b != 1:
+                out[f"batch{b}"] = decode_rates(llm, b, args.decode)
+        out["ttft_ms"] = {n: ttft_ms(llm, n, args.ttft_repeats) for n in ttft_lens}
         out["profile"] = profile_steps(llm)
         stats = llm.stats()
         out["accepted"] = stats["accepted_tokens_total"] / max(stats["draft_tokens_total"], 1)
@@ -286,13 +303,13 @@ def report(args) -> dict:
     if args.make_config:
         write_config(Path(args.ckpt), args.make_config)
     off = measure(args, 0)
-    on = measure(args, args.speculative_tokens)
+    on = measure(args, args.speculative_tokens) if args.speculative_tokens else None
     result = {"checkpoint": str(args.ckpt), "load_format": args.load_format, "off": off, "on": on,
               "machine": machine()}
-    k = on["speculative_tokens"]
+    k = on["speculative_tokens"] if on else 0
     if k:
         result["speculative"] = {}
-        for b in ["batch1"] + [f"batch{x}" for x in args.report_batches.split(",")]:
+        for b in (b for b in off if b.startswith("batch")):
             cost = on[b]["step_ms"] / off[b]["step_ms"]
             result["speculative"][b] = {"step_cost": cost, **{f"speedup_at_{a}": implied_speedup(cost, k, a)
                                                                for a in ACCEPTANCE}}
@@ -308,22 +325,26 @@ def machine() -> str:
 
 
 def report_table(result: dict) -> str:
-    """The report as a markdown table (docs/benchmarks.md)."""
-    off, on = result["off"], result["on"]
-    k = on["speculative_tokens"]
+    """The report as a markdown table (docs/benchmarks.md); one column when speculation was not measured."""
+    off, on = result["off"], result["on"] or {}
+    k = on.get("speculative_tokens", 0)
     fmt = lambda v, unit="": "n/a" if v is None else f"{v:.1f}{unit}" if v >= 10 else f"{v:.2f}{unit}"  # noqa: E731
-    rows = [("TPOT, batch 1 (ms)", off["batch1"]["tpot_ms"], on["batch1"]["tpot_ms"])]
-    rows += [(f"TTFT, {n}-token prompt (ms)", off["ttft_ms"][n], on["ttft_ms"][n]) for n in off["ttft_ms"]]
-    rows += [(f"output tokens/s, batch {b[5:]}", off[b]["tok_s"], on[b]["tok_s"])
-             for b in off if b.startswith("batch") and b != "batch1"]
-    rows += [("wall time per decode step, batch 1 (ms)", off["profile"]["wall_ms_per_step"],
-              on["profile"]["wall_ms_per_step"]),
-             ("GPU time per decode step, batch 1 (ms)", off["profile"]["gpu_ms_per_step"],
-              on["profile"]["gpu_ms_per_step"]),
-             ("weights (MiB)", off["weights_mb"], on["weights_mb"]),
-             ("peak memory (MiB)", off["peak_memory_mb"], on["peak_memory_mb"])]
-    lines = [f"| figure | speculation off | on (K = {k}, drafts accepted {100 * on['accepted']:.0f}%) |",
-             "|---|---|---|"] + [f"| {name} | {fmt(a)} | {fmt(b)} |" for name, a, b in rows]
+
+    def get(d: dict, *path):
+        for key in path:
+            d = d[key]
+        return d
+    rows = [("TPOT, batch 1 (ms)", ("batch1", "tpot_ms"))]
+    rows += [(f"TTFT, {n}-token prompt (ms)", ("ttft_ms", n)) for n in off["ttft_ms"]]
+    rows += [(f"output tokens/s, batch {b[5:]}", (b, "tok_s")) for b in off if b.startswith("batch") and b != "batch1"]
+    rows += [("wall time per decode step, batch 1 (ms)", ("profile", "wall_ms_per_step")),
+             ("GPU time per decode step, batch 1 (ms)", ("profile", "gpu_ms_per_step")),
+             ("weights (MiB)", ("weights_mb",)), ("peak memory (MiB)", ("peak_memory_mb",))]
+    head = f"| figure | speculation off | on (K = {k}, drafts accepted {100 * on['accepted']:.0f}%) |" if on else \
+        "| figure | speculation off |"
+    lines = [head, "|---|---|" + ("---|" if on else "")]
+    lines += [f"| {name} | {fmt(get(off, *path))} |" + (f" {fmt(get(on, *path))} |" if on else "")
+              for name, path in rows]
     if result.get("speculative"):
         lines += ["", "| batch | speculative step / plain step | " +
                   " | ".join(f"implied speed-up at acceptance {a}" for a in ACCEPTANCE) + " |",
@@ -354,7 +375,9 @@ def main():
     report_args.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     report_args.add_argument("--dtype", default="auto")
     report_args.add_argument("--seed", type=int, default=0)
-    report_args.add_argument("--speculative-tokens", type=int, default=2, help="K when speculation is on")
+    report_args.add_argument("--speculative-tokens", type=int, default=2, help="K when speculation is on; 0: "
+                             "measure with speculation off only")
+    report_args.add_argument("--ttft-repeats", type=int, default=2, help="TTFT is the best of this many prompts")
     report_args.add_argument("--report-batches", default="8,32", help="batch sizes of the output tokens/s rows")
     report_args.add_argument("--ttft-lens", default="1024,8192", help="prompt lengths of the TTFT rows")
     report_args.add_argument("--json", help="also write the report's figures to this file")
