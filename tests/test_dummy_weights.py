@@ -191,3 +191,48 @@ def test_the_flag_is_checked_before_anything_loads_and_is_no_longer_refused_as_v
 def test_without_dummy_a_config_only_directory_is_refused_naming_the_files(tmp_path):
     with pytest.raises(pocketllm.CheckpointError, match="no \\*.safetensors files"):
         pocketllm.LLM(config_only(TINY, tmp_path / "tiny"), device="cpu", quiet=True)
+
+
+def bench_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench
+    return bench
+
+
+def test_the_27b_config_alone_holds_the_27b_s_bytes_at_tp1_and_per_tp4_rank(tmp_path):
+    """benchmarks/bench.py --make-config: Qwen3.5-27B FP8 read per decoded token 26.9 GB at TP1 and 6.73 GB per rank
+    at TP4 (docs/qwen-facts.md section 5), with section 4's per-rank shapes, all from the dummy's tensor table."""
+    bench = bench_module()
+    sizes = {}
+    for name in ("27b", "27b-tp4"):
+        bench.write_config(tmp_path / name, name)
+        table = pocketllm.DummyCheckpoint(tmp_path / name).weight_map
+        sizes[name] = sum(torch.tensor([], dtype=t.dtype).element_size() * torch.Size(t.shape).numel()
+                          for n, t in table.items() if "embed_tokens" not in n and not n.startswith("mtp."))
+        assert "mtp.layers.0.self_attn.q_proj.weight" in table and len(table) == 1273
+    assert round(sizes["27b"] / 1e9, 1) == 26.9 and round(sizes["27b-tp4"] / 1e9, 2) == 6.73
+    rank = pocketllm.DummyCheckpoint(tmp_path / "27b-tp4").weight_map
+    layer = "model.language_model.layers."
+    want = {"0.mlp.gate_proj.weight": (4352, 5120), "0.mlp.down_proj.weight": (5120, 4352),
+            "3.self_attn.q_proj.weight": (3072, 5120), "3.self_attn.k_proj.weight": (256, 5120),
+            "3.self_attn.o_proj.weight": (5120, 1536), "0.linear_attn.in_proj_qkv.weight": (512 + 512 + 1536, 5120),
+            "0.linear_attn.in_proj_z.weight": (1536, 5120), "0.linear_attn.out_proj.weight": (5120, 1536),
+            "0.linear_attn.A_log": (12,), "0.mlp.gate_proj.weight_scale_inv": (34, 40)}
+    assert {k: rank[layer + k].shape for k in want} == want
+    assert rank["lm_head.weight"].shape == (62080, 5120) and rank["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_a_rank_s_shapes_config_loads_as_that_rank_s_shard(tmp_path):
+    """bench.rank_shapes(config, 2) served whole holds the weights rank 0 of 2 loads from the real checkpoint, each
+    of the same shape and dtype (vocab-parallel embedding and lm_head included): what the TP4-rank step of the GPU
+    check runs. (pocket-tiny's 192-row halves are not whole 128-row blocks, so the shard's scale grid is finer
+    than a whole model's; the 27B's splits are all whole blocks, see the test above.)"""
+    bench = bench_module()
+    d = tmp_path / "rank"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(bench.rank_shapes(json.loads((TINY / "config.json").read_text()), 2)))
+    load = lambda ckpt, shard: pocketllm.Model(ckpt, pocketllm.TorchOps(), torch.float32,  # noqa: E731
+                                               torch.device("cpu"), shard=shard, progress=False, mtp=True, stack=True)
+    weights = lambda model: {n: w[:2] for n, w in model_weights(model).items()}   # noqa: E731  (shape, dtype)
+    want = weights(load(pocketllm.Checkpoint(TINY), pocketllm.Shard(0, 2)))
+    assert weights(load(pocketllm.DummyCheckpoint(d), pocketllm.Shard())) == want
