@@ -11430,6 +11430,9 @@ class LLM:
         if ckpt_dir is None:
             _log(opts, f"no --ckpt given: serving the bundled pocket-tiny model ({self.ckpt_dir})")
         self.generation_defaults = generation_defaults(ckpt, generation_config, opts)   # name -> value
+        if opts.load_format == "dummy":
+            _log(opts, f"--load-format dummy: random weights from {self.ckpt_dir / 'config.json'} (seed {opts.seed}), "
+                       f"drawn on each device; the text is noise and speculative drafts are rejected")
         sized = memory_sized(device, opts)
         if not sized:
             opts.max_batch_size = opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE

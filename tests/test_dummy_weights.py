@@ -141,12 +141,13 @@ def test_llm_serves_a_config_only_directory_with_the_real_memory_line(tmp_path, 
     real = pocketllm.LLM(TINY, device="cpu", max_context=256, max_batch_size=2)
     real.close()
     want = memory_line(capsys.readouterr().err)
-    llm = pocketllm.LLM(config_only(TINY, tmp_path / "tiny"), device="cpu", max_context=256, max_batch_size=2,
-                        load_format="dummy")
+    directory = config_only(TINY, tmp_path / "tiny")
+    llm = pocketllm.LLM(directory, device="cpu", max_context=256, max_batch_size=2, load_format="dummy")
     try:
+        assert [p.name for p in directory.iterdir()] == ["config.json"]          # nothing written beside it
         err = capsys.readouterr().err
         assert memory_line(err) == want
-        assert "the MTP layer drafts 2 tokens" in err
+        assert "the MTP layer drafts 2 tokens" in err and "--load-format dummy: random weights from" in err
         assert llm.tokenizer.encode("hi") == [104, 105]                  # byte-level: one id per byte
         out = llm.generate("Hello", max_tokens=6, temperature=0, ignore_eos=True)
         assert out["completion_tokens"] == 6
