@@ -2314,14 +2314,18 @@ def dummy_tensors(cfg: ModelConfig, stored: torch.dtype = torch.bfloat16, mtp: b
 
 def dummy_values(spec: DummyTensor, generator: torch.Generator, device) -> torch.Tensor:
     """Random values for one tensor, drawn on `device`: weights ~ N(0, 0.02) after their block scale (FP8 values
-    span about +-200 of e4m3's +-448, scales about 1e-4), decays and biases in the ranges trained models have."""
+    span about +-200 of e4m3's +-448, scales about 1e-4), decays and biases in the ranges trained models have.
+    Weights are drawn in 16 bits (an FP8 weight in bf16), so a rank's transient copy of a whole lm_head is no
+    larger than the stored tensor."""
     kind, shape = spec.init, spec.shape
-    draw = lambda: torch.randn(shape, generator=generator, device=device, dtype=torch.float32)  # noqa: E731
+    big = kind in ("linear", "embedding")
+    work = (torch.bfloat16 if spec.dtype == torch.float8_e4m3fn else spec.dtype) if big else torch.float32
+    draw = lambda: torch.randn(shape, generator=generator, device=device, dtype=work)  # noqa: E731
     unit = lambda: torch.rand(shape, generator=generator, device=device, dtype=torch.float32)   # noqa: E731
     if kind == "linear" and spec.dtype == torch.float8_e4m3fn:
-        values = (draw() * 64).clamp_(-448, 448)
+        values = draw().mul_(64).clamp_(-448, 448)                # in place: one 16-bit copy at a time
     elif kind in ("linear", "embedding"):
-        values = draw() * 0.02
+        values = draw().mul_(0.02)
     elif kind == "scale":
         values = (0.5 + unit()) * (0.02 / 64)
     elif kind == "norm":
