@@ -2261,13 +2261,15 @@ def mtp_layers_in_config(raw: dict) -> int:
 def dummy_tensors(cfg: ModelConfig, stored: torch.dtype = torch.bfloat16, mtp: bool = False) -> dict[str, DummyTensor]:
     """Name -> DummyTensor of every tensor the decoder (and with `mtp` the MTP layer) reads, named as HF names
     them. A 2-D projection is FP8 with bf16 block scales when the config quantises and modules_to_not_convert
-    does not name it, as the FP8 checkpoints store them; everything else has the stored dtype."""
+    does not name it, as the FP8 checkpoints store them; everything else has the stored dtype, the embedding and
+    lm_head too (Qwen's FP8 checkpoints keep both in bf16 whether the list names them or not)."""
     D, I, V, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     out: dict[str, DummyTensor] = {}
 
     def linear(name: str, n: int, k: int):
         quant = cfg.quant
-        if quant is None or any(part in name for part in quant.modules_to_not_convert):
+        if quant is None or name.endswith(("embed_tokens", "lm_head")) or \
+                any(part in name for part in quant.modules_to_not_convert):
             out[name + ".weight"] = DummyTensor((n, k), stored, "embedding" if "embed" in name else "linear")
             return
         bn, bk = quant.block
@@ -2314,7 +2316,7 @@ def dummy_tensors(cfg: ModelConfig, stored: torch.dtype = torch.bfloat16, mtp: b
 
 def dummy_values(spec: DummyTensor, generator: torch.Generator, device) -> torch.Tensor:
     """Random values for one tensor, drawn on `device`: weights ~ N(0, 0.02) after their block scale (FP8 values
-    span about +-200 of e4m3's +-448, scales about 1e-4), decays and biases in the ranges trained models have.
+    span about +-200 of e4m3's +-448, scales about 3e-4), decays and biases in the ranges trained models have.
     Weights are drawn in 16 bits (an FP8 weight in bf16), so a rank's transient copy of a whole lm_head is no
     larger than the stored tensor."""
     kind, shape = spec.init, spec.shape

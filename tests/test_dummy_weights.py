@@ -237,3 +237,19 @@ def test_a_rank_s_shapes_config_loads_as_that_rank_s_shard(tmp_path):
     weights = lambda model: {n: w[:2] for n, w in model_weights(model).items()}   # noqa: E731  (shape, dtype)
     want = weights(load(pocketllm.Checkpoint(TINY), pocketllm.Shard(0, 2)))
     assert weights(load(pocketllm.DummyCheckpoint(d), pocketllm.Shard())) == want
+
+
+def test_an_fp8_config_that_excludes_nothing_keeps_the_embedding_and_lm_head_in_bf16(tmp_path):
+    """Without modules_to_not_convert the projections are FP8 and the embedding and lm_head bf16, as in Qwen's FP8
+    checkpoints (the loader refuses an FP8 embedding), and the model serves."""
+    raw = dict(checkpoints.text_config("qwen3", 400), model_type="qwen3",
+               quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    table = pocketllm.DummyCheckpoint(tmp_path).weight_map
+    assert table["model.embed_tokens.weight"].dtype == table["lm_head.weight"].dtype == torch.bfloat16
+    assert table["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    llm = pocketllm.LLM(tmp_path, load_format="dummy", device="cpu", quiet=True, max_context=64, max_batch_size=1)
+    try:
+        assert llm.generate([1, 2, 3], max_tokens=3, temperature=0)["completion_tokens"] == 3
+    finally:
+        llm.close()
