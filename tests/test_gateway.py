@@ -74,14 +74,15 @@ def wait_for(url, timeout):
 
 
 def gateway_config(ports, path: Path) -> Path:
-    """LiteLLM's proxy config: one model name, one deployment per replica, retries on another replica for a
-    refused request, a replica that failed cooled down for the rest of the test."""
+    """docs/serving.md's LiteLLM config: one model name, one deployment per replica, retries on another replica
+    for a refused request, a replica that failed cooled down for the rest of the test."""
     lines = ["model_list:"]
     for port in ports:
         lines += ["  - model_name: pocket-tiny", "    litellm_params:", "      model: openai/pocket-tiny",
                   f"      api_base: http://127.0.0.1:{port}/v1", "      api_key: none"]
     lines += ["router_settings:", "  routing_strategy: simple-shuffle", "  num_retries: 3", "  retry_after: 0",
-              "  allowed_fails: 1", "  cooldown_time: 60", "litellm_settings:", "  request_timeout: 120"]
+              "  allowed_fails: 1", "  cooldown_time: 60", '  optional_pre_call_checks: ["session_affinity"]',
+              "litellm_settings:", "  request_timeout: 120"]
     path.write_text("\n".join(lines) + "\n")
     return path
 
