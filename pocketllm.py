@@ -10089,12 +10089,15 @@ def _json_body(raw: bytes) -> dict:
 
 
 def _health(handler, match, raw) -> None:
-    """Readiness: 200 while new requests are welcome; 503 once the engine has died (its error) or while the
-    server drains (a load balancer stops sending here at once)."""
-    _check_alive(handler.server.llm)
-    if handler.server.draining or handler.server.llm.draining:
-        handler.close_connection = True
-        handler.send_json(503, {"status": "draining"}, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+    """Readiness: 200 while new requests are welcome; 503 while the weights load or the warm-up runs, once the
+    engine has died (its error), or while the server drains (a load balancer stops sending here at once)."""
+    server = handler.server
+    _check_alive(server.llm)
+    status = server.phase if server.phase != "ready" else "draining" if server.draining or server.llm.draining \
+        else "ok"
+    if status != "ok":
+        handler.close_connection = status == "draining"
+        handler.send_json(503, {"status": status}, {"Retry-After": str(RETRY_AFTER_SECONDS)})
         return
     handler.send_json(200, {"status": "ok"})
 
@@ -10554,7 +10557,8 @@ def _chat_page_url(host: str, port: int) -> str:
 # /openapi.json: every route, and every request field from the endpoints' tables (section 12).
 
 PUBLIC_PATHS = ("/", "/health", "/live")   # no API key: the chat page loads without it (then sends it), and probes
-DRAIN_EXEMPT = ("/health", "/live", "/metrics")   # still answered while draining; every other path is 503
+PROBE_PATHS = ("/health", "/live")               # answered from the moment the port opens, before the weights load
+DRAIN_EXEMPT = PROBE_PATHS + ("/metrics",)        # still answered while draining; every other path is 503
 REQUEST_TABLES = {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLETION_FIELDS,
                   "/v1/responses": RESPONSES_FIELDS, "/v1/messages": MESSAGES_FIELDS,
                   "/v1/messages/count_tokens": MESSAGES_COUNT_FIELDS,
@@ -10687,6 +10691,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if path not in PUBLIC_PATHS:
                 self.check_auth()
             self.endpoint, match, endpoint = find_route(method, path)
+            if self.server.phase != "ready" and path not in PROBE_PATHS:
+                raise RequestError(f"the server is starting ({self.server.phase}); retry shortly", status=503,
+                                   code="loading")
             if path in DRAIN_EXEMPT:
                 endpoint(self, match, raw)
             else:
@@ -10759,7 +10766,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if status == 405:
             allowed = [m for m, pattern, _, _ in ROUTE_PATTERNS if pattern.match(path)]
             headers["Allow"] = ", ".join(allowed)
-        if status == 503 and code == "draining":      # a gateway retries it on another replica
+        if status == 503 and code in ("draining", "loading"):     # a gateway retries it on another replica
             headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
             self.close_connection = True
         try:
@@ -10887,6 +10894,7 @@ class PocketServer(http.server.ThreadingHTTPServer):
         self.deadlines = Deadlines(socket_timeout)
         self.responses = ResponseStore()           # /v1/responses stored with store: true
         self.drain_timeout, self.draining, self.in_flight = drain_timeout, False, 0
+        self.phase = "ready" if llm is not None else "loading"   # then "warming up" (run_server), then "ready"
         self.idle = threading.Condition(self.count_lock)   # notified when in_flight drops to 0
 
     # Draining (SIGTERM, or drain()): /health says 503 at once, new requests are 503 with Retry-After, the ones
@@ -10976,18 +10984,24 @@ class PocketServer(http.server.ThreadingHTTPServer):
     def start(self) -> "PocketServer":
         """Serve on a background thread."""
         self.serving = True
-        threading.Thread(target=self.serve_forever, name="pocketllm-http", daemon=True).start()
+        self.serving_thread = threading.Thread(target=self.serve_forever, name="pocketllm-http", daemon=True)
+        self.serving_thread.start()
         return self
 
     def run(self) -> None:
-        """Serve on this thread until Ctrl-C, or until SIGTERM has drained the requests in flight."""
-        self.serving = True
+        """Serve on this thread (or wait for the serving thread start() began) until Ctrl-C, or until SIGTERM has
+        drained the requests in flight."""
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if in_main else None
         try:
-            self.serve_forever()
+            if self.serving:
+                while self.serving_thread.is_alive():
+                    self.serving_thread.join(0.5)
+            else:
+                self.serving = True
+                self.serve_forever()
         except KeyboardInterrupt:
-            pass
+            super().shutdown()                    # the serving thread's loop; at once when it is this thread's
         finally:
             self.serving = False
             if in_main:
@@ -11063,8 +11077,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "stops at once (default: %(default)g)")
 
 
-def run_server(llm, args: argparse.Namespace) -> int:
-    """Apply the server flags to llm, print the address, serve until interrupted; the exit code."""
+def open_server(args: argparse.Namespace) -> PocketServer:
+    """The server for the command line, listening before the weights load: the probes answer at once (/health
+    503 {"status": "loading"}), every other path 503 until run_server has warmed the engine up."""
+    return PocketServer(None, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
+                        max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
+                        max_connections=args.max_connections, drain_timeout=args.drain_timeout).start()
+
+
+def run_server(llm, args: argparse.Namespace, server: PocketServer | None = None) -> int:
+    """Apply the server flags to llm, warm it up, print the address, serve until interrupted; the exit code.
+    server: open_server's, listening since before llm loaded."""
     if args.served_model_name:
         llm.model_name = args.served_model_name
     if args.chat_template:           # main() has read it already, before the weights loaded
@@ -11072,10 +11095,10 @@ def run_server(llm, args: argparse.Namespace) -> int:
             if isinstance(args.chat_template, str) else args.chat_template
     if args.tool_parser:
         _chat_template(llm).tool_parser = args.tool_parser
+    server = server or open_server(args)
+    server.llm, server.phase = llm, "warming up"
     _log(llm.options, llm.warm_up())
-    server = PocketServer(llm, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
-                          max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
-                          max_connections=args.max_connections, drain_timeout=args.drain_timeout)
+    server.phase = "ready"
     print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
     print(f"pocketllm: chat page at {_chat_page_url(args.host, server.port)}", flush=True)
     server.run()
@@ -11806,8 +11829,9 @@ def main(argv: list[str] | None = None) -> int:
         check_server_args(args)
         if args.chat_template:       # read and compiled now, not after minutes of loading
             args.chat_template = load_chat_template(Tokenizer(args.ckpt or DEFAULT_CKPT), args.chat_template)
+        server = open_server(args)   # the probes answer while the weights load
         llm = LLM(args.ckpt, **options)
-        return run_server(llm, args)
+        return run_server(llm, args, server)
     except PocketError as e:
         print(f"pocketllm: error: {e}", file=sys.stderr)
         return 2

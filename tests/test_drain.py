@@ -1,4 +1,4 @@
-"""Graceful drain (issue 52): SIGTERM to `python pocketllm.py` stops admitting, lets the requests in flight finish
+"""Graceful drain and probes (issue 52): SIGTERM to `python pocketllm.py` stops admitting, lets the requests in flight finish
 (streams included) within --drain-timeout, then exits 0; a second SIGTERM stops at once. Readiness (/health) and
 liveness (/live) as Kubernetes probes read them; LLM.close(drain=True) for embedding users.
 
@@ -9,6 +9,7 @@ are raw http.client connections, so a refused request is seen exactly as a load 
 import http.client
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +34,12 @@ def start_cli(*flags):
         proc.kill()
         pytest.fail(f"the server did not start: {line} {proc.stderr.read()}")
     return proc, int(line.strip().rsplit(":", 1)[1])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def call(port, method, path, body=None, timeout=120):
@@ -219,3 +226,46 @@ def test_probes_after_an_engine_fault(llm):
     finally:
         llm.dead_reason = None
         server.shutdown()
+
+
+def test_while_loading_the_probes_answer_and_everything_else_is_503():
+    """The CLI listens before the weights load (open_server): /health 503 loading, /live 200, the rest 503."""
+    args = pocketllm.parse_command_line(["--port", "0"])
+    server = pocketllm.open_server(args)
+    try:
+        status, headers, body = call(server.port, "GET", "/health")
+        assert (status, json.loads(body), headers["retry-after"]) == (503, {"status": "loading"}, "1")
+        assert call(server.port, "GET", "/live")[:1] == (200,)
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/metrics")):
+            status, headers, body = call(server.port, method, path, {} if method == "POST" else None)
+            assert status == 503 and headers["retry-after"] == "1", body
+            assert json.loads(body)["error"]["code"] == "loading"
+        server.phase = "warming up"
+        assert json.loads(call(server.port, "GET", "/health")[2]) == {"status": "warming up"}
+    finally:
+        server.shutdown()
+
+
+def test_the_cli_answers_probes_before_it_is_ready():
+    """Polled from the start, /health says 503 (loading or warming up) or 200, never anything else, and the
+    address line comes once it says 200."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pocketllm.py"), "--port", str(port), "--device", "cpu",
+                             "--max-context", "512"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            cwd=ROOT)
+    try:
+        seen = []
+        while not seen or seen[-1] != (200, {"status": "ok"}):
+            try:
+                status, _, body = call(port, "GET", "/health", timeout=10)
+                seen.append((status, json.loads(body)))
+            except ConnectionRefusedError:
+                assert proc.poll() is None
+                time.sleep(0.02)
+        assert all(s in ((503, {"status": "loading"}), (503, {"status": "warming up"})) for s in seen[:-1]), seen
+        assert "serving 'pocket-tiny'" in proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
