@@ -10564,10 +10564,10 @@ REQUEST_TABLES = {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLE
                   "/v1/messages/count_tokens": MESSAGES_COUNT_FIELDS,
                   "/tokenize": TOKENIZE_FIELDS, "/detokenize": DETOKENIZE_FIELDS}
 ROUTE_SUMMARIES = {"/": "the chat page: one self-contained HTML document (no auth)",
-                   "/health": "readiness: 200 while the server takes requests; 503 while it drains, or naming the "
-                              "cause once the engine has died (no auth)",
-                   "/live": "liveness: 200 while the process can serve, draining included; 503 once the engine has "
-                            "died (no auth)",
+                   "/health": "readiness: 200 while the server takes requests; 503 while it loads, warms up or "
+                              "drains, or naming the cause once the engine has died (no auth)",
+                   "/live": "liveness: 200 while the process can serve, loading and draining included; 503 once "
+                            "the engine has died (no auth)",
                    "/v1/models": "the served model's card, as a list", "/v1/models/{model}": "the model card",
                    "/v1/chat/completions": "an OpenAI chat completion, or its SSE chunks with stream: true",
                    "/v1/completions": "an OpenAI text completion, or its SSE chunks with stream: true",

@@ -130,20 +130,22 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones_with_503():
     assert "draining: 6 request(s) in flight" in log and "drained, stopping" in log, log[-2000:]
 
 
-def send_cut_short(port):
-    """A long request that the server stops before it ends: its connection closes without an answer."""
-    try:
-        call(port, "POST", "/v1/chat/completions", chat("Tell me everything", max_tokens=480))
-    except OSError:
-        pass
+def start_a_long_request(port):
+    """A long request that the server stops before it ends (its connection closes without an answer); returns
+    once the engine runs it."""
+    def send():
+        try:
+            call(port, "POST", "/v1/chat/completions", chat("Tell me everything", max_tokens=480))
+        except OSError:
+            pass
+    threading.Thread(target=send, daemon=True).start()
+    wait_until(lambda: running(port) == 1)
 
 
 def test_a_second_sigterm_stops_at_once():
     proc, port = start_cli("--drain-timeout", "600")
     try:
-        flight = threading.Thread(target=send_cut_short, args=(port,), daemon=True)
-        flight.start()
-        wait_until(lambda: running(port) == 1)
+        start_a_long_request(port)
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: call(port, "GET", "/health")[0] == 503, timeout=10)
         proc.send_signal(signal.SIGTERM)
@@ -156,9 +158,7 @@ def test_a_second_sigterm_stops_at_once():
 def test_drain_timeout_bounds_the_wait():
     proc, port = start_cli("--drain-timeout", "0.5")
     try:
-        flight = threading.Thread(target=send_cut_short, args=(port,), daemon=True)
-        flight.start()
-        wait_until(lambda: running(port) == 1)
+        start_a_long_request(port)
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
