@@ -36,7 +36,7 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
         12b the Responses and Messages protocols: each body translated into a chat body, the chat stream
         shaped into their items, blocks and events; the response store.
     13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
-        chat page at /.
+        chat page at /; probes (/health readiness, /live liveness), the drain on SIGTERM, X-Prefix-Hash.
     14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
 """
 
