@@ -36,7 +36,7 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
         12b the Responses and Messages protocols: each body translated into a chat body, the chat stream
         shaped into their items, blocks and events; the response store.
     13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
-        chat page at /.
+        chat page at /; probes (/health readiness, /live liveness), the drain on SIGTERM, X-Prefix-Hash.
     14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
 """
 
@@ -52,6 +52,7 @@ import atexit
 import bisect
 import codecs
 import collections
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -10143,6 +10144,10 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
 DEFAULT_SOCKET_TIMEOUT = 60.0      # seconds a client may stay silent (idle keep-alive, a slow body or read)
 DEFAULT_MAX_CONNECTIONS = 256      # open connections; one more is answered 503 and closed
 DEFAULT_SEND_BUFFER = 64 * 2 ** 10 # bytes the kernel holds for a client that stops reading (no autotuning to MBs)
+DEFAULT_DRAIN_TIMEOUT = 30.0       # seconds a SIGTERM lets the requests in flight finish before the process exits
+RETRY_AFTER_SECONDS = 1            # the Retry-After of a 503 that another replica (or this one, soon) can answer
+PREFIX_HASH_HEADER = "X-Prefix-Hash"   # on every completion: the routing key of its prompt's first blocks
+PREFIX_HASH_BLOCKS = 16            # full KV blocks the routing key covers (256 tokens at the default block size)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
                500: "internal_server_error", 503: "service_unavailable"}
@@ -10197,6 +10202,32 @@ class DisconnectWatch:
             return
 
 
+def prefix_hash(llm, prompt_ids: list[int]) -> str | None:
+    """The routing key of a prompt: the prefix cache's key (section 5) of its first PREFIX_HASH_BLOCKS full
+    blocks, or of all its tokens when it is shorter than one block; 32 hex digits. Replicas of one model compute
+    the same key, so a gateway hashing on it sends prompts that start alike, a conversation's turns among them,
+    to the replica that cached their start. None with the prefix cache off.
+
+    >>> llm = LLM()
+    >>> prefix_hash(llm, list(range(1, 300))) == prefix_hash(llm, list(range(1, 257)) + [7, 7])   # 16 blocks of 16
+    True
+    """
+    cache = llm.engine.prefix
+    if cache is None:
+        return None
+    blocks = min(PREFIX_HASH_BLOCKS, len(prompt_ids) // cache.block_size)
+    if not blocks:
+        return cache.key(cache.root, prompt_ids).hex()
+    return cache.block_keys(prompt_ids[:blocks * cache.block_size], [])[-1].hex()
+
+
+def prefix_hash_header(llm, completion) -> dict:
+    """{PREFIX_HASH_HEADER: key} for a submitted completion (a ProtocolTurn wraps one); {} without a key."""
+    inner = getattr(completion, "completion", completion)
+    key = prefix_hash(llm, inner.stream.request.prompt_ids)
+    return {PREFIX_HASH_HEADER: key} if key else {}
+
+
 # The endpoints. Each takes the handler, the path match and the raw body, and sends one response.
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -10235,8 +10266,24 @@ def _json_body(raw: bytes) -> dict:
 
 
 def _health(handler, match, raw) -> None:
-    _check_alive(handler.server.llm)
+    """Readiness: 200 while new requests are welcome; 503 while the weights load or the warm-up runs, once the
+    engine has died (its error), or while the server drains (a load balancer stops sending here at once)."""
+    server = handler.server
+    _check_alive(server.llm)
+    status = server.phase if server.phase != "ready" else "draining" if server.draining or server.llm.draining \
+        else "ok"
+    if status != "ok":
+        handler.close_connection = status == "draining"
+        handler.send_json(503, {"status": status}, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return
     handler.send_json(200, {"status": "ok"})
+
+
+def _live(handler, match, raw) -> None:
+    """Liveness: 200 while this process can still serve anything, draining included; 503 once the engine has
+    died, which only a restart mends."""
+    _check_alive(handler.server.llm)
+    handler.send_json(200, {"status": "alive"})
 
 
 def _model_card(server) -> dict:
@@ -10686,13 +10733,18 @@ def _chat_page_url(host: str, port: int) -> str:
 
 # /openapi.json: every route, and every request field from the endpoints' tables (section 12).
 
-PUBLIC_PATHS = ("/", "/health")   # no API key: the chat page loads without it (then sends it), and health checks
+PUBLIC_PATHS = ("/", "/health", "/live")   # no API key: the chat page loads without it (then sends it), and probes
+PROBE_PATHS = ("/health", "/live")               # answered from the moment the port opens, before the weights load
+DRAIN_EXEMPT = PROBE_PATHS + ("/metrics",)        # still answered while draining; every other path is 503
 REQUEST_TABLES = {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLETION_FIELDS,
                   "/v1/responses": RESPONSES_FIELDS, "/v1/messages": MESSAGES_FIELDS,
                   "/v1/messages/count_tokens": MESSAGES_COUNT_FIELDS,
                   "/tokenize": TOKENIZE_FIELDS, "/detokenize": DETOKENIZE_FIELDS}
 ROUTE_SUMMARIES = {"/": "the chat page: one self-contained HTML document (no auth)",
-                   "/health": "200 while the engine runs; 503 naming the cause once it has died (no auth)",
+                   "/health": "readiness: 200 while the server takes requests; 503 while it loads, warms up or "
+                              "drains, or naming the cause once the engine has died (no auth)",
+                   "/live": "liveness: 200 while the process can serve, loading and draining included; 503 once "
+                            "the engine has died (no auth)",
                    "/v1/models": "the served model's card, as a list", "/v1/models/{model}": "the model card",
                    "/v1/chat/completions": "an OpenAI chat completion, or its SSE chunks with stream: true",
                    "/v1/completions": "an OpenAI text completion, or its SSE chunks with stream: true",
@@ -10743,6 +10795,7 @@ def _openapi(handler, match, raw) -> None:
 ROUTES = [
     ("GET", "/", _chat_page),
     ("GET", "/health", _health),
+    ("GET", "/live", _live),
     ("GET", "/v1/models", _models),
     ("GET", "/v1/models/{model}", _model),
     ("POST", "/v1/chat/completions", _chat),
@@ -10815,12 +10868,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if path not in PUBLIC_PATHS:
                 self.check_auth()
             self.endpoint, match, endpoint = find_route(method, path)
-            endpoint(self, match, raw)
+            if self.server.phase != "ready" and path not in PROBE_PATHS:
+                raise RequestError(f"the server is starting ({self.server.phase}); retry shortly", status=503,
+                                   code="loading")
+            if path in DRAIN_EXEMPT:
+                endpoint(self, match, raw)
+            else:
+                with self.server.admission():
+                    endpoint(self, match, raw)
         except Exception as e:
             if _client_gone(e):
                 self.close_connection = True
                 return
             self.send_error_response(e)
+        if self.server.draining:                # the client's next request goes to a replica that stays
+            self.close_connection = True
 
     def read_body(self) -> bytes:
         """The request body, bounded by the server's limit; a body we do not read closes the connection."""
@@ -10875,12 +10937,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def send_error_response(self, error: Exception) -> None:
         status, body = translate_error(error)
-        path, headers = urllib.parse.urlsplit(self.path).path, {}
+        path, headers, code = urllib.parse.urlsplit(self.path).path, {}, body["error"]["code"]
         if path.startswith("/v1/messages"):
             body = anthropic_error(status, body["error"])
         if status == 405:
             allowed = [m for m, pattern, _, _ in ROUTE_PATTERNS if pattern.match(path)]
             headers["Allow"] = ", ".join(allowed)
+        if status == 503 and code in ("draining", "loading"):     # a gateway retries it on another replica
+            headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+            self.close_connection = True
         try:
             self.send_json(status, body, headers)
         except Exception as e:             # the client left while we answered
@@ -10894,14 +10959,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_json(int(code), error_body(int(code), message or explain or "bad request"))
 
     def send_completion(self, completion: Completion | ProtocolTurn, named_events: bool = False) -> None:
+        headers = prefix_hash_header(self.server.llm, completion)
         if completion.stream_mode:
-            self.send_stream(completion.chunks(), named_events)
+            self.send_stream(completion.chunks(), named_events, headers)
             return
         with DisconnectWatch(self.connection, completion.abort):
             response = completion.response()
-        self.send_json(200, response)
+        self.send_json(200, response, headers)
 
-    def send_stream(self, chunks: Iterator[dict], named_events: bool = False) -> None:
+    def send_stream(self, chunks: Iterator[dict], named_events: bool = False, headers: dict | None = None) -> None:
         """SSE over chunked transfer encoding, so the connection stays alive for the next request. Named events
         (the Responses and Messages protocols) carry an `event:` line, their type, and end without [DONE]."""
         self.server.metrics.count(self.endpoint, 200)
@@ -10909,6 +10975,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         try:
             while True:
@@ -10988,7 +11056,7 @@ class PocketServer(http.server.ThreadingHTTPServer):
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
                  log_requests: bool = True, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER):
+                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT):
         if ":" in host:
             self.address_family = socket.AF_INET6
         try:
@@ -11002,6 +11070,57 @@ class PocketServer(http.server.ThreadingHTTPServer):
         self.send_buffer_bytes = send_buffer_bytes
         self.deadlines = Deadlines(socket_timeout)
         self.responses = ResponseStore()           # /v1/responses stored with store: true
+        self.drain_timeout, self.draining, self.in_flight = drain_timeout, False, 0
+        self.phase = "ready" if llm is not None else "loading"   # then "warming up" (run_server), then "ready"
+        self.idle = threading.Condition(self.count_lock)   # notified when in_flight drops to 0
+
+    # Draining (SIGTERM, or drain()): /health says 503 at once, new requests are 503 with Retry-After, the ones
+    # admitted before finish (streams included), and then the server stops.
+
+    @contextlib.contextmanager
+    def admission(self):
+        """Count a request in flight while it is answered; 503 (code draining) once the server drains."""
+        with self.count_lock:
+            if self.draining:
+                raise RequestError("the server is shutting down and takes no new requests; retry (another "
+                                   "replica)", status=503, code="draining")
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self.count_lock:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self.idle.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Stop admitting requests and wait up to timeout seconds (default: drain_timeout) for those in flight;
+        True if they all finished. The server keeps answering (503) until shutdown()."""
+        deadline = time.monotonic() + (self.drain_timeout if timeout is None else timeout)
+        with self.count_lock:
+            self.draining = True
+            while self.in_flight and (left := deadline - time.monotonic()) > 0:
+                self.idle.wait(left)
+            return not self.in_flight
+
+    def _drain_and_stop(self) -> None:
+        if self.log_requests:
+            sys.stderr.write(f"pocketllm: draining: {self.in_flight} request(s) in flight, up to "
+                             f"{self.drain_timeout:g} s\n")
+        done = self.drain()
+        if self.log_requests:
+            sys.stderr.write("pocketllm: drained, stopping\n" if done else
+                             f"pocketllm: --drain-timeout passed with {self.in_flight} request(s) in flight; "
+                             "stopping\n")
+        super().shutdown()                        # ends serve_forever on the main thread
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """The first SIGTERM drains on a thread of its own (a signal handler must not block); a second one, like
+        Ctrl-C, stops at once."""
+        if self.draining:
+            raise KeyboardInterrupt
+        self.draining = True
+        threading.Thread(target=self._drain_and_stop, name="pocketllm-drain", daemon=True).start()
 
     # At most max_connections at once: one more is answered 503 on a short-lived thread and closed, so a
     # client opening hundreds of idle connections cannot starve the others of threads and sockets.
@@ -11042,18 +11161,24 @@ class PocketServer(http.server.ThreadingHTTPServer):
     def start(self) -> "PocketServer":
         """Serve on a background thread."""
         self.serving = True
-        threading.Thread(target=self.serve_forever, name="pocketllm-http", daemon=True).start()
+        self.serving_thread = threading.Thread(target=self.serve_forever, name="pocketllm-http", daemon=True)
+        self.serving_thread.start()
         return self
 
     def run(self) -> None:
-        """Serve on this thread until Ctrl-C or SIGTERM."""
-        self.serving = True
+        """Serve on this thread (or wait for the serving thread start() began) until Ctrl-C, or until SIGTERM has
+        drained the requests in flight."""
         in_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main else None
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if in_main else None
         try:
-            self.serve_forever()
+            if self.serving:
+                while self.serving_thread.is_alive():
+                    self.serving_thread.join(0.5)
+            else:
+                self.serving = True
+                self.serve_forever()
         except KeyboardInterrupt:
-            pass
+            super().shutdown()                    # the serving thread's loop; at once when it is this thread's
         finally:
             self.serving = False
             if in_main:
@@ -11123,10 +11248,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "stay silent on a kept-alive connection (default: %(default)g)")
     group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help="open connections at most; one more is answered 503 (default: %(default)s)")
+    group.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT, metavar="SECONDS",
+                       help="on SIGTERM: /health says 503, new requests are 503 with Retry-After, and the ones in "
+                            "flight get this long to finish before the process exits 0; a second SIGTERM or Ctrl-C "
+                            "stops at once (default: %(default)g)")
 
 
-def run_server(llm, args: argparse.Namespace) -> int:
-    """Apply the server flags to llm, print the address, serve until interrupted; the exit code."""
+def open_server(args: argparse.Namespace) -> PocketServer:
+    """The server for the command line, listening before the weights load: the probes answer at once (/health
+    503 {"status": "loading"}), every other path 503 until run_server has warmed the engine up."""
+    return PocketServer(None, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
+                        max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
+                        max_connections=args.max_connections, drain_timeout=args.drain_timeout).start()
+
+
+def run_server(llm, args: argparse.Namespace, server: PocketServer | None = None) -> int:
+    """Apply the server flags to llm, warm it up, print the address, serve until interrupted; the exit code.
+    server: open_server's, listening since before llm loaded."""
     if args.served_model_name:
         llm.model_name = args.served_model_name
     if args.chat_template:           # main() has read it already, before the weights loaded
@@ -11134,10 +11272,10 @@ def run_server(llm, args: argparse.Namespace) -> int:
             if isinstance(args.chat_template, str) else args.chat_template
     if args.tool_parser:
         _chat_template(llm).tool_parser = args.tool_parser
+    server = server or open_server(args)
+    server.llm, server.phase = llm, "warming up"
     _log(llm.options, llm.warm_up())
-    server = PocketServer(llm, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
-                          max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
-                          max_connections=args.max_connections)
+    server.phase = "ready"
     print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
     print(f"pocketllm: chat page at {_chat_page_url(args.host, server.port)}", flush=True)
     server.run()
@@ -11491,6 +11629,7 @@ class LLM:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing = False
+        self.draining = False                  # close(drain=True) has begun: submissions are refused (503)
         self._ids = itertools.count()
         # A daemon thread still running at interpreter exit is killed inside torch code, which aborts the
         # process ("terminate called without an active exception"): stop it before that.
@@ -11583,6 +11722,9 @@ class LLM:
         with self._life:                       # a request added here is failed by _fail_all if need be
             if self.dead_reason or self._closing:
                 raise PocketError(f"the engine failed: {self.dead_reason or 'the engine was closed'}")
+            if self.draining:
+                raise RequestError("the engine is draining before it closes and takes no new requests; retry "
+                                   "(another replica)", status=503, code="draining")
             req = Request(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
                           default_seed=self._seeds.getrandbits(62))
             req.snapshot_at = snapshot_at if snapshot_at and 0 < snapshot_at < len(prompt_ids) else None
@@ -11596,13 +11738,18 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def close(self):
+    def close(self, drain: bool = False, timeout: float = DEFAULT_DRAIN_TIMEOUT) -> bool:
         """Stop the engine thread (requests still running end with an error) and the tensor-parallel ranks, if
-        any. Runs at interpreter exit too; later calls do nothing."""
+        any. drain=True first refuses new submissions (RequestError, 503 code draining) and lets the requests
+        queued and running finish, for up to `timeout` seconds. Runs at interpreter exit too; later calls do
+        nothing. Returns False if a request was still running when the engine stopped."""
+        if drain:
+            self._drain(timeout)
         with self._life:
             if self._closing:
-                return
+                return True
             self._closing = True
+            cut = self.engine.has_work()
         atexit.unregister(self.close)
         self.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -11610,6 +11757,15 @@ class LLM:
         self._fail_all("the engine was closed")
         if self.group is not None:
             self.group.close()
+        return not cut
+
+    def _drain(self, timeout: float) -> None:
+        """Refuse new submissions; wait until the engine holds no request, or until timeout seconds pass."""
+        with self._life:
+            self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.engine.has_work() and not self.dead_reason and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     # The OpenAI surface (sections 12-13): exactly what the HTTP endpoints send.
 
@@ -11819,6 +11975,8 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise PocketError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
     if not args.socket_timeout > 0:
         raise PocketError(f"--socket-timeout must be > 0 (got {args.socket_timeout:g})")
+    if not args.drain_timeout >= 0:
+        raise PocketError(f"--drain-timeout must be >= 0 seconds (got {args.drain_timeout:g})")
 
 
 def command_line_parser() -> CommandLineParser:
@@ -11855,8 +12013,9 @@ def main(argv: list[str] | None = None) -> int:
         check_server_args(args)
         if args.chat_template:       # read and compiled now, not after minutes of loading
             args.chat_template = load_chat_template(Tokenizer(args.ckpt or DEFAULT_CKPT), args.chat_template)
+        server = open_server(args)   # the probes answer while the weights load
         llm = LLM(args.ckpt, **options)
-        return run_server(llm, args)
+        return run_server(llm, args, server)
     except PocketError as e:
         print(f"pocketllm: error: {e}", file=sys.stderr)
         return 2
