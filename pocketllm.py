@@ -535,6 +535,15 @@ class Linear:
         return Linear(self.weight.to(device), self.scale.to(device), self.block)
 
 
+class MissingTensorError(CheckpointError):
+    """A tensor the loader asks for is not in the checkpoint (`name`): an optional part (the MTP layer) is then
+    left out, anything else refused."""
+
+    def __init__(self, path: Path, name: str, why: str = ""):
+        super().__init__(f"{path}: missing tensor '{name}'{why}")
+        self.name = name
+
+
 def _read_json(path: Path, required: bool) -> dict | None:
     if not path.exists():
         if required:
@@ -592,7 +601,7 @@ class Checkpoint:
 
     def _slice(self, name: str):
         if name not in self.weight_map:
-            raise CheckpointError(f"{self.path}: missing tensor '{name}'")
+            raise MissingTensorError(self.path, name)
         return self._open(self.weight_map[name]).get_slice(name)
 
     def shape(self, name: str) -> list[int]:
@@ -669,7 +678,7 @@ def load_linear(ckpt: Checkpoint, prefix: str, shape: tuple[int, int], rows: Ran
     bn, bk = quant.block
     want = [-(-shape[0] // bn), -(-shape[1] // bk)]
     if not ckpt.has(sname):
-        raise CheckpointError(f"{ckpt.path}: missing tensor '{sname}' (FP8 weight '{name}' needs its block scales)")
+        raise MissingTensorError(ckpt.path, sname, f" (FP8 weight '{name}' needs its block scales)")
     if ckpt.shape(sname) != want:
         raise CheckpointError(f"tensor '{sname}' has shape {ckpt.shape(sname)}, expected {want} "
                               f"(one scale per {bn}x{bk} block of {list(shape)})")
@@ -2131,7 +2140,8 @@ MTP_PREFIX = "mtp."
 
 
 def has_mtp(ckpt: Checkpoint) -> bool:
-    return ckpt.config.model_type != "qwen3" and ckpt.has(MTP_PREFIX + "fc.weight")
+    """Whether the checkpoint holds MTP tensors (all of them or not: Model loads them, or says which is missing)."""
+    return ckpt.config.model_type != "qwen3" and any(name.startswith(MTP_PREFIX) for name in ckpt.weight_map)
 
 
 def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, shard: Shard) -> MTPWeights:
@@ -2261,9 +2271,14 @@ class Model:
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
         self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
-        # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer).
-        self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype) \
-            if mtp and n == cfg.num_hidden_layers and has_mtp(ckpt) else None
+        # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer). An
+        # incomplete one is left out (no speculation): mtp_missing names the first tensor it lacks.
+        self.mtp, self.mtp_missing = None, None
+        if mtp and n == cfg.num_hidden_layers and has_mtp(ckpt):
+            try:
+                self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype)
+            except MissingTensorError as e:
+                self.mtp_missing = e.name
         if self.mtp is not None:
             self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim, stack))
         self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
@@ -11283,8 +11298,10 @@ class LLM:
         if opts.speculative_tokens and self.model.mtp is not None:
             _log(opts, f"speculative decoding: the MTP layer drafts {opts.speculative_tokens} tokens per step")
         elif opts.speculative_tokens:
-            _log(opts, "speculative decoding off: " + ("--smoke-layers runs part of the model" if has_mtp(ckpt)
-                                                       else "the checkpoint has no MTP layer (mtp.* tensors)"))
+            _log(opts, "speculative decoding off: " + (
+                f"the checkpoint's MTP layer is incomplete (missing tensor '{self.model.mtp_missing}')"
+                if self.model.mtp_missing else "--smoke-layers runs part of the model" if has_mtp(ckpt)
+                else "the checkpoint has no MTP layer (mtp.* tensors)"))
         ckpt.close()
         if sized:
             self._size_cache()
