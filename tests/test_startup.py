@@ -265,7 +265,8 @@ def weights(budget: dict) -> int:
 def test_budget_of_the_27b_on_one_and_four_gpus():
     cfg = config_27b()
     opts = pocketllm.EngineOptions(max_context=8192, max_batch_size=8)
-    one, four = pocketllm.memory_budget(cfg, opts, 1), pocketllm.memory_budget(cfg, opts, 4)
+    one = pocketllm.memory_budget(cfg, opts, 1)
+    four = pocketllm.memory_budget(cfg, opts, 4)
     assert 26 * GiB < weights(one) < 31 * GiB                      # 27B params: ~25 GB FP8 layers + 5 GB bf16 embeddings
     assert weights(four) < weights(one) / 2                        # layers split
     # embedding and lm_head vocab-parallel: 248320 / 4 rows x 5120 x 2 bytes each
