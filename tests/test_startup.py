@@ -232,6 +232,24 @@ def test_budget_kv_and_state_equal_the_allocated_cache():
         llm.close()
 
 
+def test_one_block_count_and_one_snapshot_count():
+    """The engine's cache and the config budget count KV blocks (kv_cache_blocks) and prefix-cache snapshots
+    (snapshot_count) with the same two helpers, which the memory check uses too."""
+    llm = pocketllm.LLM(TINY, quiet=True, max_context=200, max_batch_size=3, prefix_cache_memory=1)
+    try:
+        opts, cfg = llm.options, llm.config
+        assert llm.engine.blocks.total == pocketllm.kv_cache_blocks(opts) == 3 * 13
+        slot = pocketllm.state_slot_bytes(cfg, llm.model.layers, torch.float32)
+        snapshots = pocketllm.snapshot_count(opts, slot)
+        assert llm.engine.prefix.slots_total == snapshots == (1 << 20) // slot
+        b = pocketllm.memory_budget(cfg, opts, kv_bytes=4, act_bytes=4, mtp_layers=1)
+        assert b["prefix_cache"] == snapshots * slot and b["recurrent_state"] == 3 * slot
+        with pytest.raises(pocketllm.PocketError, match="--num-kv-blocks 12 x --kv-block-size 16 cannot hold one"):
+            pocketllm.kv_cache_blocks(pocketllm.EngineOptions(max_context=200, num_kv_blocks=12))
+    finally:
+        llm.close()
+
+
 def test_budget_weights_match_the_checkpoint_files():
     cfg = pocketllm.Checkpoint(TINY).config
     stored = 0
