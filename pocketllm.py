@@ -537,6 +537,15 @@ class Linear:
         return Linear(self.weight.to(device), self.scale.to(device), self.block)
 
 
+class MissingTensorError(CheckpointError):
+    """A tensor the loader asks for is not in the checkpoint (`name`): an optional part (the MTP layer) is then
+    left out, anything else refused."""
+
+    def __init__(self, path: Path, name: str, why: str = ""):
+        super().__init__(f"{path}: missing tensor '{name}'{why}")
+        self.name = name
+
+
 def _read_json(path: Path, required: bool) -> dict | None:
     if not path.exists():
         if required:
@@ -594,7 +603,7 @@ class Checkpoint:
 
     def _slice(self, name: str):
         if name not in self.weight_map:
-            raise CheckpointError(f"{self.path}: missing tensor '{name}'")
+            raise MissingTensorError(self.path, name)
         return self._open(self.weight_map[name]).get_slice(name)
 
     def shape(self, name: str) -> list[int]:
@@ -671,7 +680,7 @@ def load_linear(ckpt: Checkpoint, prefix: str, shape: tuple[int, int], rows: Ran
     bn, bk = quant.block
     want = [-(-shape[0] // bn), -(-shape[1] // bk)]
     if not ckpt.has(sname):
-        raise CheckpointError(f"{ckpt.path}: missing tensor '{sname}' (FP8 weight '{name}' needs its block scales)")
+        raise MissingTensorError(ckpt.path, sname, f" (FP8 weight '{name}' needs its block scales)")
     if ckpt.shape(sname) != want:
         raise CheckpointError(f"tensor '{sname}' has shape {ckpt.shape(sname)}, expected {want} "
                               f"(one scale per {bn}x{bk} block of {list(shape)})")
@@ -2133,7 +2142,8 @@ MTP_PREFIX = "mtp."
 
 
 def has_mtp(ckpt: Checkpoint) -> bool:
-    return ckpt.config.model_type != "qwen3" and ckpt.has(MTP_PREFIX + "fc.weight")
+    """Whether the checkpoint holds MTP tensors (all of them or not: Model loads them, or says which is missing)."""
+    return ckpt.config.model_type != "qwen3" and any(name.startswith(MTP_PREFIX) for name in ckpt.weight_map)
 
 
 def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, shard: Shard) -> MTPWeights:
@@ -2425,9 +2435,14 @@ class Model:
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
         self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
-        # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer).
-        self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype) \
-            if mtp and n == cfg.num_hidden_layers and has_mtp(ckpt) else None
+        # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer). An
+        # incomplete one is left out (no speculation): mtp_missing names the first tensor it lacks.
+        self.mtp, self.mtp_missing = None, None
+        if mtp and n == cfg.num_hidden_layers and has_mtp(ckpt):
+            try:
+                self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype)
+            except MissingTensorError as e:
+                self.mtp_missing = e.name
         if self.mtp is not None:
             self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim, stack))
         self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
@@ -2689,6 +2704,34 @@ class SlotPool:
         return self.total - len(self.free)
 
 
+def sequence_blocks(opts: EngineOptions) -> int:
+    """KV blocks of one sequence of --max-context tokens."""
+    return -(-opts.max_context // opts.kv_block_size)
+
+
+def kv_cache_blocks(opts: EngineOptions) -> int:
+    """The KV blocks of the engine cache, the same count on every rank: --num-kv-blocks, else --max-batch-size
+    sequences of --max-context. PocketError when they cannot hold one sequence."""
+    blocks = opts.num_kv_blocks or opts.max_batch_size * sequence_blocks(opts)
+    if blocks * opts.kv_block_size < opts.max_context:
+        raise PocketError(f"--num-kv-blocks {blocks} x --kv-block-size {opts.kv_block_size} cannot hold one sequence "
+                          f"of --max-context {opts.max_context} tokens")
+    return blocks
+
+
+def snapshot_count(opts: EngineOptions, slot_bytes: int) -> int:
+    """How many state snapshots the prefix cache keeps, each the size of one recurrent-state slot (slot_bytes):
+    --prefix-cache-memory MiB of them on each rank (the same count on every rank: each holds its 1/N of every
+    snapshot), by default (-1) one per state slot; none without the prefix cache or without linear-attention
+    layers (slot_bytes 0). A chat turn keeps two (the end of its last message and of its generation), so S
+    snapshots keep about S / 2 interleaved conversations resumable (docs/serving.md)."""
+    if not opts.prefix_cache or not slot_bytes:
+        return 0
+    if opts.prefix_cache_memory < 0:
+        return opts.max_batch_size
+    return opts.prefix_cache_memory * (1 << 20) // slot_bytes
+
+
 def allocate_cache(cfg: ModelConfig, layers: list, num_blocks: int, block_size: int, num_slots: int,
                    kv_dtype: torch.dtype, device) -> Cache:
     """KV tensors for full-attention layers and state tensors for linear-attention layers (this rank's heads)."""
@@ -2714,17 +2757,8 @@ def state_slot_bytes(cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> i
 
 
 def snapshot_slots(opts: EngineOptions, cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> int:
-    """How many state snapshots the prefix cache keeps: --prefix-cache-memory MiB of them on each rank (the
-    same count on every rank: each holds its 1/N of every snapshot), by default (-1) one per state slot; none
-    without the prefix cache or without linear-attention layers. A chat turn keeps two (the end of its last
-    message and of its generation), so S snapshots keep about S / 2 interleaved conversations resumable
-    (docs/serving.md)."""
-    per = state_slot_bytes(cfg, layers, kv_dtype)
-    if not opts.prefix_cache or not per:
-        return 0
-    if opts.prefix_cache_memory < 0:
-        return opts.max_batch_size
-    return opts.prefix_cache_memory * (1 << 20) // per
+    """snapshot_count of these layers' state slots on this rank."""
+    return snapshot_count(opts, state_slot_bytes(cfg, layers, kv_dtype))
 
 
 def copy_cache(src: Cache, dst: Cache, ops, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
@@ -3647,11 +3681,6 @@ def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size:
 
 
 
-def _cache_blocks(opts: EngineOptions) -> int:
-    """The KV blocks of the engine cache: the same count on every rank (see Engine.__init__)."""
-    return opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // opts.kv_block_size)
-
-
 # Cross-rank work is a method call. Rank 0 calls `group.call("run", batch, ENGINE_CACHE)`: the method's name
 # and arguments go to every worker over its control connection, then rank 0 runs the same RankRunner method on
 # its own shard. Workers run calls as they arrive and calls are serialised on rank 0, so every rank runs the
@@ -4279,10 +4308,7 @@ class RankGroup:
 
 def start_group(ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: torch.dtype) -> RankGroup:
     """Start every rank of --devices and return once all have loaded their shard (rank 0 is this process)."""
-    bs = opts.kv_block_size
-    if _cache_blocks(opts) * bs < opts.max_context:     # Engine.__init__'s check, before any worker starts
-        raise PocketError(f"--num-kv-blocks {_cache_blocks(opts)} x --kv-block-size {bs} cannot hold one "
-                          f"sequence of --max-context {opts.max_context} tokens")
+    kv_cache_blocks(opts)                       # Engine.__init__'s check, before any worker starts
     group = RankGroup(ckpt_dir, opts, dtype, kv_dtype)
     try:
         group.start(ckpt_dir)
@@ -4320,7 +4346,7 @@ def run_rank_worker(spec_json: str) -> int:
         model = _load_rank_model(spec["ckpt"], opts, ops, dtype, device, rank, world,
                                  lambda x: comm[0].all_reduce(x), quiet=True)
         runner = RankRunner(model, opts, kv_dtype, device,
-                            allocate_cache(model.cfg, model.cache_layers, _cache_blocks(opts), opts.kv_block_size,
+                            allocate_cache(model.cfg, model.cache_layers, kv_cache_blocks(opts), opts.kv_block_size,
                                            opts.max_batch_size, kv_dtype, device),
                             allocate_cache(model.cfg, model.layers, 0, opts.kv_block_size,
                                            snapshot_slots(opts, model.cfg, model.layers, kv_dtype), kv_dtype, device))
@@ -4396,11 +4422,7 @@ class Engine:
     def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
                  run_batch: Callable | None = None, copy: Callable | None = None, call: Callable | None = None):
         self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
-        bs = opts.kv_block_size
-        num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
-        if num_blocks * bs < opts.max_context:
-            raise PocketError(f"--num-kv-blocks {num_blocks} x --kv-block-size {bs} cannot hold one sequence of "
-                              f"--max-context {opts.max_context} tokens")
+        bs, num_blocks = opts.kv_block_size, kv_cache_blocks(opts)
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
         self.cache = allocate_cache(model.cfg, model.cache_layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
                                     model.device)
@@ -11301,6 +11323,8 @@ MAX_SIZED_BATCH_SIZE = 256             # the most sequences memory sizing picks 
 # allocate_cache cannot disagree; memory_budget estimates every part from config.json alone (docs/serving.md).
 
 GiB = 1 << 30
+# The opt-in to a --max-context past config.json's max_position_embeddings (vLLM: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1).
+ALLOW_LONG_CONTEXT = "POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 def cache_bytes(cfg: ModelConfig, layers: list, num_blocks: int, block_size: int, num_slots: int,
@@ -11357,32 +11381,32 @@ def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
     return layer_bytes(cfg, world) + vocab_bytes(cfg, world) * (1 if cfg.tie_word_embeddings else 2)
 
 
-def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, max_batch_size: int = 16,
-                  num_kv_blocks: int = 0, kv_block_size: int = 16, prefill_token_budget: int = 512,
-                  kv_bytes: int = 2, act_bytes: int = 2, prefix_cache_memory: int = -1,
+def memory_budget(cfg: ModelConfig, opts: EngineOptions, world: int = 1, *, kv_bytes: int = 2, act_bytes: int = 2,
                   mtp_layers: int = 0) -> dict[str, int]:
-    """Bytes per GPU (rank) of each part: the layers' weights, the embedding and lm_head slices (each rank
-    loads both, also when tied), KV cache, recurrent state, the prefix cache's state snapshots (as
-    --prefix-cache-memory: -1 one per sequence, else MiB; 0 with the cache off), workspace, and their total.
-    num_kv_blocks 0 means max_batch_size sequences of max_context. Heads and vocabulary split `world` ways (at
+    """Bytes per GPU (rank) of each part under the engine options `opts`: the layers' weights, the embedding and
+    lm_head slices (each rank loads both, also when tied), KV cache (kv_cache_blocks), recurrent state (one slot
+    per sequence of --max-batch-size; 0, sized from memory on a GPU, counts as the CPU's 16), the prefix cache's
+    state snapshots (snapshot_count), workspace, and their total. Heads and vocabulary split `world` ways (at
     least one head each). mtp_layers: MTP draft layers whose KV shares the blocks (their weights not counted).
 
     >>> cfg = ModelConfig("qwen3", 1000, 64, 128, 2, 4, 2, 16, 1e-6, False, ["full_attention"] * 2, 1e4, 16,
     ...                   4096, False, False)
-    >>> memory_budget(cfg, max_context=64, max_batch_size=1)["kv_cache"]   # 2 layers x K,V x 64 x 2 heads x 16 x 2 B
+    >>> memory_budget(cfg, EngineOptions(max_context=64, max_batch_size=1))["kv_cache"]
+    16384
+    >>> 2 * 2 * 64 * 2 * 16 * 2                   # 2 layers x K,V x 64 tokens x 2 heads x 16 x 2 bytes
     16384
     """
-    blocks = num_kv_blocks or max_batch_size * -(-max_context // kv_block_size)
+    opts = dataclasses.replace(opts, max_batch_size=opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE)
     kv_heads = max(1, cfg.num_key_value_heads // world)
     v_heads, conv_dim = max(1, cfg.linear_num_value_heads // world), cfg.linear_conv_dim // world
-    kv = (cfg.num_full_layers + mtp_layers) * 2 * blocks * kv_block_size * kv_heads * cfg.head_dim * kv_bytes
+    tokens = kv_cache_blocks(opts) * opts.kv_block_size
+    kv = (cfg.num_full_layers + mtp_layers) * 2 * tokens * kv_heads * cfg.head_dim * kv_bytes
     per_slot = cfg.num_linear_layers * (v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
                                         + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
-    snapshots = max_batch_size if prefix_cache_memory < 0 else prefix_cache_memory * (1 << 20) // max(per_slot, 1)
     parts = {"layers": layer_bytes(cfg, world), "embedding": vocab_bytes(cfg, world),
-             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": max_batch_size * per_slot,
-             "prefix_cache": snapshots * per_slot,
-             "workspace": workspace_bytes(cfg, prefill_token_budget, max_batch_size, act_bytes)}
+             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": opts.max_batch_size * per_slot,
+             "prefix_cache": snapshot_count(opts, per_slot) * per_slot,
+             "workspace": workspace_bytes(cfg, opts.prefill_token_budget, opts.max_batch_size, act_bytes)}
     return {**parts, "total": sum(parts.values())}
 
 
@@ -11426,7 +11450,7 @@ def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int,
     sequence) takes at most half of it when --max-batch-size is 0; the KV blocks (per_block bytes each) take the
     rest when --num-kv-blocks is 0."""
     budget = instance_budget(opts, free, total, held) - workspace
-    need = -(-opts.max_context // opts.kv_block_size)             # blocks of one sequence of max_context
+    need = sequence_blocks(opts)
     if budget < need * per_block + per_slot:
         raise PocketError(
             f"--gpu-memory-utilization {opts.gpu_memory_utilization:g}: {free / GiB:.2f} GiB of {total / GiB:.2f} GiB "
@@ -11443,22 +11467,60 @@ def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int,
     return batch, int(blocks)
 
 
+def host_memory() -> int | None:
+    """Bytes of RAM a process can still take without swapping: MemAvailable of /proc/meminfo (Linux), else the
+    free pages sysconf counts; None where neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def memory_fix(opts: EngineOptions, need: dict[str, int], sized: bool) -> str:
+    """The flags that size the largest of the cache's parts and the workspace in `need` (memory_budget), and
+    their values: what to lower when they do not fit."""
+    batch = f"--max-batch-size/--max-num-seqs (now {opts.max_batch_size or 1})"
+    part = max(("kv_cache", "recurrent_state", "prefix_cache", "workspace"), key=need.get)
+    if part == "kv_cache":
+        return (f"lower --num-kv-blocks (now {opts.num_kv_blocks})" if opts.num_kv_blocks else
+                f"lower --max-context/--max-model-len (now {opts.max_context})" + ("" if sized else f" or {batch}"))
+    if part == "prefix_cache" and opts.prefix_cache_memory >= 0:
+        return f"lower --prefix-cache-memory (now {opts.prefix_cache_memory} MiB)"
+    if part == "workspace":
+        return f"lower --prefill-token-budget/--max-num-batched-tokens (now {opts.prefill_token_budget})"
+    return f"lower {batch}"                         # its state slots, and by default one snapshot each
+
+
 def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch.device], dtype: torch.dtype,
-                      kv_dtype: torch.dtype, sized: bool) -> None:
+                      kv_dtype: torch.dtype, sized: bool, mtp_layers: int = 0) -> None:
     """Refuse, in one line and before any weight loads, a configuration whose per-rank memory_budget exceeds what
-    a GPU of `devices` may use: --gpu-memory-utilization of the card, at most what is free (instance_budget).
-    Free memory is asked of rank 0's device only (this process's); the other ranks' cards count as wholly free
-    from their properties, since asking them would leave a CUDA context of this process on each. A cache sized
-    from memory (`sized`) needs at least one sequence of --max-context; otherwise the cache holds
-    --max-batch-size of them (or --num-kv-blocks)."""
-    world, bs = len(devices), opts.kv_block_size
-    batch = opts.max_batch_size or 1
-    blocks = opts.num_kv_blocks or -(-opts.max_context // bs) * (1 if sized else batch)
-    need = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=batch, num_kv_blocks=blocks,
-                         kv_block_size=bs, prefill_token_budget=opts.prefill_token_budget,
-                         kv_bytes=kv_dtype.itemsize, act_bytes=dtype.itemsize,
-                         prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0)
+    its devices may use. A GPU: --gpu-memory-utilization of the card, at most what is free (instance_budget), for
+    the whole budget. Free memory is asked of rank 0's device only (this process's); the other ranks' cards count
+    as wholly free from their properties, since asking them would leave a CUDA context of this process on each.
+    The CPU: what the machine has available (host_memory) for every CPU rank's cache and workspace (the weights
+    are read from the mapped checkpoint files, whose pages the kernel counts as available). A cache sized from
+    memory (`sized`) needs at least one sequence of --max-context; otherwise the cache holds --max-batch-size of
+    them (or --num-kv-blocks)."""
+    world = len(devices)
+    sizes = dataclasses.replace(opts, max_batch_size=opts.max_batch_size or 1,
+                                num_kv_blocks=opts.num_kv_blocks or (sequence_blocks(opts) if sized else 0))
+    need = memory_budget(cfg, sizes, world, kv_bytes=kv_dtype.itemsize, act_bytes=dtype.itemsize,
+                         mtp_layers=mtp_layers)
     weights = need["layers"] + need["embedding"] + need["lm_head"]
+    cpu_ranks = sum(device.type == "cpu" for device in devices)
+    available = host_memory() if cpu_ranks else None
+    if available is not None and cpu_ranks * (need["total"] - weights) > available:
+        parts = {name: need[name] for name in ("kv_cache", "recurrent_state", "prefix_cache", "workspace")}
+        raise PocketError(f"the CPU has {format_bytes(available)} available (MemAvailable), but {cpu_ranks} rank(s) "
+                          f"need {format_bytes(need['total'] - weights)} each besides the weights "
+                          f"({format_budget(parts)}); {memory_fix(opts, need, sized)}")
     for device in devices:
         if device.type != "cuda":
             continue
@@ -11471,8 +11533,7 @@ def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch
             continue
         more = f"--devices with more than {world} GPUs (--tensor-parallel-size)"
         fix = (f"the weights alone ({format_bytes(weights)}) do not fit: use {more}" if weights > usable else
-               f"lower --max-context/--max-model-len (now {opts.max_context})" +
-               ("" if sized else f" or --max-batch-size/--max-num-seqs (now {batch})") + f", or use {more}")
+               f"{memory_fix(opts, need, sized)}, or use {more}")
         raise PocketError(f"{device} can use {format_bytes(max(usable, 0))} ({format_bytes(free)} free of "
                           f"{format_bytes(total)} at --gpu-memory-utilization {opts.gpu_memory_utilization:g}), "
                           f"but {world} rank(s) need {format_bytes(need['total'])} each "
@@ -11483,6 +11544,10 @@ def _check_options(opts: EngineOptions, cfg: ModelConfig):
     for name in ("max_context", "kv_block_size", "prefill_token_budget"):
         if getattr(opts, name) < 1:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.max_context > cfg.max_position_embeddings and os.environ.get(ALLOW_LONG_CONTEXT) != "1":
+        raise PocketError(f"--max-context/--max-model-len {opts.max_context} is beyond the model's "
+                          f"max_position_embeddings ({cfg.max_position_embeddings}, config.json): positions past it "
+                          f"were never trained; {ALLOW_LONG_CONTEXT}=1 in the environment allows it")
     if opts.prefix_cache_memory < -1:
         raise PocketError("--prefix-cache-memory must be >= 0 MiB, or -1 (one snapshot per state slot)")
     for name in ("max_batch_size", "num_kv_blocks"):
@@ -11580,8 +11645,9 @@ class LLM:
         sized = memory_sized(device, opts)
         if not sized:
             opts.max_batch_size = opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+        full = (opts.smoke_layers or cfg.num_hidden_layers) == cfg.num_hidden_layers   # the MTP layer reads the last
         check_memory_fits(cfg, opts, parse_devices(opts.devices) if opts.devices else [device], self.dtype,
-                          kv_dtype, sized)
+                          kv_dtype, sized, mtp_layers=int(opts.speculative_tokens > 0 and full and has_mtp(ckpt)))
         self.dead_reason: str | None = None
         self._allocated_before_load = device_allocated(device)
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
@@ -11602,8 +11668,10 @@ class LLM:
         if opts.speculative_tokens and self.model.mtp is not None:
             _log(opts, f"speculative decoding: the MTP layer drafts {opts.speculative_tokens} tokens per step")
         elif opts.speculative_tokens:
-            _log(opts, "speculative decoding off: " + ("--smoke-layers runs part of the model" if has_mtp(ckpt)
-                                                       else "the checkpoint has no MTP layer (mtp.* tensors)"))
+            _log(opts, "speculative decoding off: " + (
+                f"the checkpoint's MTP layer is incomplete (missing tensor '{self.model.mtp_missing}')"
+                if self.model.mtp_missing else "--smoke-layers runs part of the model" if has_mtp(ckpt)
+                else "the checkpoint has no MTP layer (mtp.* tensors)"))
         ckpt.close()
         if sized:
             self._size_cache()
@@ -11615,11 +11683,7 @@ class LLM:
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
         world = len(parse_devices(opts.devices)) if opts.devices else 1
-        budget = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=opts.max_batch_size,
-                               num_kv_blocks=self.engine.blocks.total, kv_block_size=opts.kv_block_size,
-                               prefill_token_budget=opts.prefill_token_budget, kv_bytes=kv_dtype.itemsize,
-                               act_bytes=self.dtype.itemsize,
-                               prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0,
+        budget = memory_budget(cfg, opts, world, kv_bytes=kv_dtype.itemsize, act_bytes=self.dtype.itemsize,
                                mtp_layers=len(self.model.cache_layers) - len(self.model.layers))
         _log(opts, f"memory per {'rank' if world > 1 else 'device'} (config estimate, docs/serving.md): "
                    f"{format_budget(budget)}")
