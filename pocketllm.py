@@ -36,7 +36,7 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
         12b the Responses and Messages protocols: each body translated into a chat body, the chat stream
         shaped into their items, blocks and events; the response store.
     13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
-        chat page at /.
+        chat page at /; probes (/health readiness, /live liveness), the drain on SIGTERM, X-Prefix-Hash.
     14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
 """
 
@@ -52,6 +52,7 @@ import atexit
 import bisect
 import codecs
 import collections
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -290,6 +291,7 @@ class EngineOptions:
     prefix_cache: bool = True          # resume prompts from cached KV blocks and state snapshots (--no-prefix-cache)
     prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: one per state slot
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
+    load_format: str = "auto"          # auto: the safetensors files | dummy: random weights from config.json alone
     seed: int = 0                      # default seed for unseeded requests' generators
     speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
     enforce_eager: bool = False        # every step op by op: no CUDA graphs, no launch-list replay (vLLM's name)
@@ -544,6 +546,15 @@ class Linear:
         return Linear(self.weight.to(device), self.scale.to(device), self.block)
 
 
+class MissingTensorError(CheckpointError):
+    """A tensor the loader asks for is not in the checkpoint (`name`): an optional part (the MTP layer) is then
+    left out, anything else refused."""
+
+    def __init__(self, path: Path, name: str, why: str = ""):
+        super().__init__(f"{path}: missing tensor '{name}'{why}")
+        self.name = name
+
+
 def _read_json(path: Path, required: bool) -> dict | None:
     if not path.exists():
         if required:
@@ -601,7 +612,7 @@ class Checkpoint:
 
     def _slice(self, name: str):
         if name not in self.weight_map:
-            raise CheckpointError(f"{self.path}: missing tensor '{name}'")
+            raise MissingTensorError(self.path, name)
         return self._open(self.weight_map[name]).get_slice(name)
 
     def shape(self, name: str) -> list[int]:
@@ -678,7 +689,7 @@ def load_linear(ckpt: Checkpoint, prefix: str, shape: tuple[int, int], rows: Ran
     bn, bk = quant.block
     want = [-(-shape[0] // bn), -(-shape[1] // bk)]
     if not ckpt.has(sname):
-        raise CheckpointError(f"{ckpt.path}: missing tensor '{sname}' (FP8 weight '{name}' needs its block scales)")
+        raise MissingTensorError(ckpt.path, sname, f" (FP8 weight '{name}' needs its block scales)")
     if ckpt.shape(sname) != want:
         raise CheckpointError(f"tensor '{sname}' has shape {ckpt.shape(sname)}, expected {want} "
                               f"(one scale per {bn}x{bk} block of {list(shape)})")
@@ -2140,7 +2151,8 @@ MTP_PREFIX = "mtp."
 
 
 def has_mtp(ckpt: Checkpoint) -> bool:
-    return ckpt.config.model_type != "qwen3" and ckpt.has(MTP_PREFIX + "fc.weight")
+    """Whether the checkpoint holds MTP tensors (all of them or not: Model loads them, or says which is missing)."""
+    return ckpt.config.model_type != "qwen3" and any(name.startswith(MTP_PREFIX) for name in ckpt.weight_map)
 
 
 def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, shard: Shard) -> MTPWeights:
@@ -2237,6 +2249,168 @@ def fuse_projections(layer: DecoderLayer, Dh: int, stack: bool = True) -> Decode
     return dataclasses.replace(layer, mixer=m, mlp=mlp)
 
 
+# --load-format dummy (vLLM's name): the tensors a checkpoint of this config.json would hold, with random values
+# of the exact dtypes, shapes and FP8 block scales, made on the target device when read. Everything that speed
+# and memory depend on is real; only the text is noise (speculative drafts are rejected).
+
+LOAD_FORMATS = ("auto", "dummy")   # auto: the safetensors files; dummy: random weights from config.json alone
+
+
+@dataclass(frozen=True)
+class DummyTensor:
+    """One tensor a checkpoint of this config holds: its stored shape and dtype, and how its values are drawn."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    init: str                  # linear | embedding | scale | norm (zero-centred) | ones_norm | conv | A_log | dt_bias
+
+
+def _stored_dtype(raw: dict) -> torch.dtype:
+    """The unquantised tensors' dtype: config.json's dtype (torch_dtype in older files); bf16 when it says none."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    name = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    dtype = getattr(torch, str(name), None)
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+
+def mtp_layers_in_config(raw: dict) -> int:
+    """config.json's mtp_num_hidden_layers (Qwen3.5's checkpoints ship one MTP layer and say so)."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    return int(text.get("mtp_num_hidden_layers") or 0)
+
+
+def dummy_tensors(cfg: ModelConfig, stored: torch.dtype = torch.bfloat16, mtp: bool = False) -> dict[str, DummyTensor]:
+    """Name -> DummyTensor of every tensor the decoder (and with `mtp` the MTP layer) reads, named as HF names
+    them. A 2-D projection is FP8 with bf16 block scales when the config quantises and modules_to_not_convert
+    does not name it, as the FP8 checkpoints store them; everything else has the stored dtype, the embedding and
+    lm_head too (Qwen's FP8 checkpoints keep both in bf16 whether the list names them or not)."""
+    D, I, V, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    out: dict[str, DummyTensor] = {}
+
+    def linear(name: str, n: int, k: int):
+        quant = cfg.quant
+        if quant is None or name.endswith(("embed_tokens", "lm_head")) or \
+                any(part in name for part in quant.modules_to_not_convert):
+            out[name + ".weight"] = DummyTensor((n, k), stored, "embedding" if "embed" in name else "linear")
+            return
+        bn, bk = quant.block
+        out[name + ".weight"] = DummyTensor((n, k), torch.float8_e4m3fn, "linear")
+        out[name + ".weight_scale_inv"] = DummyTensor((-(-n // bn), -(-k // bk)), torch.bfloat16, "scale")
+
+    def tensor(name: str, shape: tuple[int, ...], init: str):
+        out[name] = DummyTensor(shape, stored, init)
+
+    norm = "norm" if cfg.zero_centred_norm else "ones_norm"
+
+    def layer(p: str, kind: str):
+        tensor(p + "input_layernorm.weight", (D,), norm)
+        tensor(p + "post_attention_layernorm.weight", (D,), norm)
+        linear(p + "mlp.gate_proj", I, D), linear(p + "mlp.up_proj", I, D), linear(p + "mlp.down_proj", D, I)
+        if kind == "full_attention":
+            Hq, Hk = cfg.num_attention_heads, cfg.num_key_value_heads
+            a = p + "self_attn."
+            linear(a + "q_proj", Hq * Dh * (2 if cfg.gated_attention else 1), D)
+            linear(a + "k_proj", Hk * Dh, D), linear(a + "v_proj", Hk * Dh, D), linear(a + "o_proj", D, Hq * Dh)
+            tensor(a + "q_norm.weight", (Dh,), norm), tensor(a + "k_norm.weight", (Dh,), norm)
+        else:
+            Hv, Dv, C, g = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim, p + "linear_attn."
+            linear(g + "in_proj_qkv", C, D), linear(g + "in_proj_z", Hv * Dv, D)
+            linear(g + "in_proj_a", Hv, D), linear(g + "in_proj_b", Hv, D), linear(g + "out_proj", D, Hv * Dv)
+            tensor(g + "conv1d.weight", (C, 1, cfg.linear_conv_kernel_dim), "conv")
+            tensor(g + "A_log", (Hv,), "A_log"), tensor(g + "dt_bias", (Hv,), "dt_bias")
+            tensor(g + "norm.weight", (Dv,), "ones_norm")            # the gated norm is plain x * w everywhere
+
+    p = cfg.weight_prefix
+    linear(p + "embed_tokens", V, D)
+    for i, kind in enumerate(cfg.layer_types):
+        layer(f"{p}layers.{i}.", kind)
+    tensor(p + "norm.weight", (D,), norm)
+    if not cfg.tie_word_embeddings:
+        linear("lm_head", V, D)
+    if mtp and cfg.model_type != "qwen3":
+        linear(MTP_PREFIX + "fc", D, 2 * D)
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            tensor(f"{MTP_PREFIX}{name}.weight", (D,), norm)
+        layer(MTP_PREFIX + "layers.0.", "full_attention")
+    return out
+
+
+def dummy_values(spec: DummyTensor, generator: torch.Generator, device) -> torch.Tensor:
+    """Random values for one tensor, drawn on `device`: weights ~ N(0, 0.02) after their block scale (FP8 values
+    span about +-200 of e4m3's +-448, scales about 3e-4), decays and biases in the ranges trained models have.
+    Weights are drawn in 16 bits (an FP8 weight in bf16), so a rank's transient copy of a whole lm_head is no
+    larger than the stored tensor."""
+    kind, shape = spec.init, spec.shape
+    big = kind in ("linear", "embedding")
+    work = (torch.bfloat16 if spec.dtype == torch.float8_e4m3fn else spec.dtype) if big else torch.float32
+    draw = lambda: torch.randn(shape, generator=generator, device=device, dtype=work)  # noqa: E731
+    unit = lambda: torch.rand(shape, generator=generator, device=device, dtype=torch.float32)   # noqa: E731
+    if kind == "linear" and spec.dtype == torch.float8_e4m3fn:
+        values = draw().mul_(64).clamp_(-448, 448)                # in place: one 16-bit copy at a time
+    elif kind in ("linear", "embedding"):
+        values = draw().mul_(0.02)
+    elif kind == "scale":
+        values = (0.5 + unit()) * (0.02 / 64)
+    elif kind == "norm":
+        values = draw() * 0.02                                   # zero-centred: x * (1 + w)
+    elif kind == "ones_norm":
+        values = 1 + draw() * 0.02
+    elif kind == "conv":
+        values = draw() * 0.2
+    elif kind == "A_log":
+        values = torch.log(1 + 15 * unit())                      # decays exp(A_log) in [1, 16]
+    else:                                                        # dt_bias
+        values = 1 + draw() * 0.1
+    return values.to(spec.dtype)
+
+
+class _DummySlice:
+    """What safetensors' get_slice returns, for a generated tensor: its shape, and indexing that draws the
+    whole tensor once (so every rank's slice is a slice of the same tensor) and returns a copy of the part."""
+
+    def __init__(self, spec: DummyTensor, seed: int, device):
+        self.spec, self.seed, self.device, self.full = spec, seed, device, None
+
+    def get_shape(self) -> list[int]:
+        return list(self.spec.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if self.full is None:
+            g = torch.Generator(device=self.device).manual_seed(self.seed)
+            self.full = dummy_values(self.spec, g, self.device)
+        part = self.full[index]
+        return part if part.numel() == self.full.numel() else part.clone()   # a view would keep all of it
+
+
+class DummyCheckpoint(Checkpoint):
+    """--load-format dummy: a checkpoint directory read for its config.json alone; every tensor dummy_tensors
+    lists is drawn on `device` when the loader reads it (seeded by --seed and its name; nothing is written or
+    copied from the host). Set `device` before loading a model (the rank's device)."""
+
+    def __init__(self, path: str | os.PathLike, device="cpu", seed: int = 0):
+        self.device, self.seed = torch.device(device), seed
+        super().__init__(path)
+
+    def _find_tensors(self) -> dict[str, DummyTensor]:
+        stored = _stored_dtype(self.raw_config)
+        return dummy_tensors(self.config, stored, mtp=mtp_layers_in_config(self.raw_config) > 0)
+
+    def _slice(self, name: str) -> _DummySlice:
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.path}: missing tensor '{name}' (--load-format dummy makes only the tensors "
+                                  f"a {self.config.model_type} checkpoint of this config.json holds)")
+        seed = (self.seed * 1_000_003 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")) % 2 ** 63
+        return _DummySlice(self.weight_map[name], seed, self.device)
+
+
+def open_checkpoint(path: str | os.PathLike, load_format: str = "auto", device="cpu", seed: int = 0) -> Checkpoint:
+    """The checkpoint a --load-format reads: auto, the safetensors files; dummy, random weights from config.json."""
+    if load_format not in LOAD_FORMATS:
+        raise PocketError(f"--load-format must be one of {', '.join(LOAD_FORMATS)} (got {load_format!r})")
+    if load_format == "dummy":
+        return DummyCheckpoint(path, device, seed)
+    return Checkpoint(path)
+
+
 class Model:
     """The decoder: embedding, layers, final norm, lm_head. forward(batch) -> logits of batch.logit_rows.
     With tensor parallelism each rank holds a shard and `all_reduce` sums the row-parallel outputs."""
@@ -2270,9 +2444,14 @@ class Model:
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
         self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
-        # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer).
-        self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype) \
-            if mtp and n == cfg.num_hidden_layers and has_mtp(ckpt) else None
+        # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer). An
+        # incomplete one is left out (no speculation): mtp_missing names the first tensor it lacks.
+        self.mtp, self.mtp_missing = None, None
+        if mtp and n == cfg.num_hidden_layers and has_mtp(ckpt):
+            try:
+                self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype)
+            except MissingTensorError as e:
+                self.mtp_missing = e.name
         if self.mtp is not None:
             self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim, stack))
         self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
@@ -2534,6 +2713,34 @@ class SlotPool:
         return self.total - len(self.free)
 
 
+def sequence_blocks(opts: EngineOptions) -> int:
+    """KV blocks of one sequence of --max-context tokens."""
+    return -(-opts.max_context // opts.kv_block_size)
+
+
+def kv_cache_blocks(opts: EngineOptions) -> int:
+    """The KV blocks of the engine cache, the same count on every rank: --num-kv-blocks, else --max-batch-size
+    sequences of --max-context. PocketError when they cannot hold one sequence."""
+    blocks = opts.num_kv_blocks or opts.max_batch_size * sequence_blocks(opts)
+    if blocks * opts.kv_block_size < opts.max_context:
+        raise PocketError(f"--num-kv-blocks {blocks} x --kv-block-size {opts.kv_block_size} cannot hold one sequence "
+                          f"of --max-context {opts.max_context} tokens")
+    return blocks
+
+
+def snapshot_count(opts: EngineOptions, slot_bytes: int) -> int:
+    """How many state snapshots the prefix cache keeps, each the size of one recurrent-state slot (slot_bytes):
+    --prefix-cache-memory MiB of them on each rank (the same count on every rank: each holds its 1/N of every
+    snapshot), by default (-1) one per state slot; none without the prefix cache or without linear-attention
+    layers (slot_bytes 0). A chat turn keeps two (the end of its last message and of its generation), so S
+    snapshots keep about S / 2 interleaved conversations resumable (docs/serving.md)."""
+    if not opts.prefix_cache or not slot_bytes:
+        return 0
+    if opts.prefix_cache_memory < 0:
+        return opts.max_batch_size
+    return opts.prefix_cache_memory * (1 << 20) // slot_bytes
+
+
 def allocate_cache(cfg: ModelConfig, layers: list, num_blocks: int, block_size: int, num_slots: int,
                    kv_dtype: torch.dtype, device) -> Cache:
     """KV tensors for full-attention layers and state tensors for linear-attention layers (this rank's heads)."""
@@ -2559,17 +2766,8 @@ def state_slot_bytes(cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> i
 
 
 def snapshot_slots(opts: EngineOptions, cfg: ModelConfig, layers: list, kv_dtype: torch.dtype) -> int:
-    """How many state snapshots the prefix cache keeps: --prefix-cache-memory MiB of them on each rank (the
-    same count on every rank: each holds its 1/N of every snapshot), by default (-1) one per state slot; none
-    without the prefix cache or without linear-attention layers. A chat turn keeps two (the end of its last
-    message and of its generation), so S snapshots keep about S / 2 interleaved conversations resumable
-    (docs/serving.md)."""
-    per = state_slot_bytes(cfg, layers, kv_dtype)
-    if not opts.prefix_cache or not per:
-        return 0
-    if opts.prefix_cache_memory < 0:
-        return opts.max_batch_size
-    return opts.prefix_cache_memory * (1 << 20) // per
+    """snapshot_count of these layers' state slots on this rank."""
+    return snapshot_count(opts, state_slot_bytes(cfg, layers, kv_dtype))
 
 
 def copy_cache(src: Cache, dst: Cache, ops, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
@@ -3492,11 +3690,6 @@ def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size:
 
 
 
-def _cache_blocks(opts: EngineOptions) -> int:
-    """The KV blocks of the engine cache: the same count on every rank (see Engine.__init__)."""
-    return opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // opts.kv_block_size)
-
-
 # Cross-rank work is a method call. Rank 0 calls `group.call("run", batch, ENGINE_CACHE)`: the method's name
 # and arguments go to every worker over its control connection, then rank 0 runs the same RankRunner method on
 # its own shard. Workers run calls as they arrive and calls are serialised on rank 0, so every rank runs the
@@ -3798,7 +3991,7 @@ class Comm:
 
 def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: int, world: int, all_reduce,
                      quiet: bool) -> Model:
-    ckpt = Checkpoint(ckpt_dir)
+    ckpt = open_checkpoint(ckpt_dir, opts.load_format, device, opts.seed)
     try:
         shard = Shard(rank, world, whole_blocks=ops.name == "native")
         return Model(ckpt, ops, dtype, device, shard=shard, num_layers=opts.smoke_layers or None,
@@ -4124,10 +4317,7 @@ class RankGroup:
 
 def start_group(ckpt_dir, opts: EngineOptions, dtype: torch.dtype, kv_dtype: torch.dtype) -> RankGroup:
     """Start every rank of --devices and return once all have loaded their shard (rank 0 is this process)."""
-    bs = opts.kv_block_size
-    if _cache_blocks(opts) * bs < opts.max_context:     # Engine.__init__'s check, before any worker starts
-        raise PocketError(f"--num-kv-blocks {_cache_blocks(opts)} x --kv-block-size {bs} cannot hold one "
-                          f"sequence of --max-context {opts.max_context} tokens")
+    kv_cache_blocks(opts)                       # Engine.__init__'s check, before any worker starts
     group = RankGroup(ckpt_dir, opts, dtype, kv_dtype)
     try:
         group.start(ckpt_dir)
@@ -4165,7 +4355,7 @@ def run_rank_worker(spec_json: str) -> int:
         model = _load_rank_model(spec["ckpt"], opts, ops, dtype, device, rank, world,
                                  lambda x: comm[0].all_reduce(x), quiet=True)
         runner = RankRunner(model, opts, kv_dtype, device,
-                            allocate_cache(model.cfg, model.cache_layers, _cache_blocks(opts), opts.kv_block_size,
+                            allocate_cache(model.cfg, model.cache_layers, kv_cache_blocks(opts), opts.kv_block_size,
                                            opts.max_batch_size, kv_dtype, device),
                             allocate_cache(model.cfg, model.layers, 0, opts.kv_block_size,
                                            snapshot_slots(opts, model.cfg, model.layers, kv_dtype), kv_dtype, device))
@@ -4241,11 +4431,7 @@ class Engine:
     def __init__(self, model: Model, opts: EngineOptions, eos_ids: list[int], kv_dtype: torch.dtype,
                  run_batch: Callable | None = None, copy: Callable | None = None, call: Callable | None = None):
         self.model, self.opts, self.eos_ids = model, opts, list(eos_ids)
-        bs = opts.kv_block_size
-        num_blocks = opts.num_kv_blocks or opts.max_batch_size * -(-opts.max_context // bs)
-        if num_blocks * bs < opts.max_context:
-            raise PocketError(f"--num-kv-blocks {num_blocks} x --kv-block-size {bs} cannot hold one sequence of "
-                              f"--max-context {opts.max_context} tokens")
+        bs, num_blocks = opts.kv_block_size, kv_cache_blocks(opts)
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
         self.cache = allocate_cache(model.cfg, model.cache_layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
                                     model.device)
@@ -4682,17 +4868,31 @@ class ControlTokens:
 _BYTE_DECODER = _byte_decoder()
 
 
-class Tokenizer:
-    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a checkpoint."""
+def byte_level_tokenizer_json() -> str:
+    """The built-in tokenizer of --load-format dummy on a directory without tokenizer.json: byte-level, one token
+    per byte (id = the byte's value), then <|endoftext|>, <|im_start|>, <|im_end|> as 256-258; larger ids are
+    the model's and decode to nothing."""
+    import tokenizers
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: b for c, b in _BYTE_DECODER.items()}, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return tok.to_str()
 
-    def __init__(self, ckpt_dir: str | os.PathLike):
+
+class Tokenizer:
+    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a checkpoint; with `builtin` and no
+    tokenizer.json, the byte-level byte_level_tokenizer_json (--load-format dummy)."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike, builtin: bool = False):
         import tokenizers
         path = Path(ckpt_dir) / "tokenizer.json"
-        if not path.exists():
+        if not path.exists() and not builtin:
             raise CheckpointError(f"{path}: file not found")
         try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
-            spec = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8") if path.exists() else byte_level_tokenizer_json()
+            self._tok = tokenizers.Tokenizer.from_str(text)
+            spec = json.loads(text)
         except Exception as e:
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
         cfg = _read_json(Path(ckpt_dir) / "tokenizer_config.json", required=False) or {}
@@ -4705,7 +4905,7 @@ class Tokenizer:
         self.special_ids = {i for i, t in added.items() if t.special}
         self._added = {i: t.content for i, t in added.items()}
         self.control_tokens = ControlTokens([added[i].content for i in sorted(self.special_ids)])
-        self._plain = tokenizers.Tokenizer.from_file(str(path))        # spells control tokens as text
+        self._plain = tokenizers.Tokenizer.from_str(text)              # spells control tokens as text
         self._plain.encode_special_tokens = True
         self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -9997,6 +10197,10 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
 DEFAULT_SOCKET_TIMEOUT = 60.0      # seconds a client may stay silent (idle keep-alive, a slow body or read)
 DEFAULT_MAX_CONNECTIONS = 256      # open connections; one more is answered 503 and closed
 DEFAULT_SEND_BUFFER = 64 * 2 ** 10 # bytes the kernel holds for a client that stops reading (no autotuning to MBs)
+DEFAULT_DRAIN_TIMEOUT = 30.0       # seconds a SIGTERM lets the requests in flight finish before the process exits
+RETRY_AFTER_SECONDS = 1            # the Retry-After of a 503 that another replica (or this one, soon) can answer
+PREFIX_HASH_HEADER = "X-Prefix-Hash"   # on every completion: the routing key of its prompt's first blocks
+PREFIX_HASH_BLOCKS = 16            # full KV blocks the routing key covers (256 tokens at the default block size)
 CLIENT_CLOSED = 499                # logged and counted when the client hangs up before its answer (nginx's code)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
@@ -10054,6 +10258,32 @@ class DisconnectWatch:
             return
 
 
+def prefix_hash(llm, prompt_ids: list[int]) -> str | None:
+    """The routing key of a prompt: the prefix cache's key (section 5) of its first PREFIX_HASH_BLOCKS full
+    blocks, or of all its tokens when it is shorter than one block; 32 hex digits. Replicas of one model compute
+    the same key, so a gateway hashing on it sends prompts that start alike, a conversation's turns among them,
+    to the replica that cached their start. None with the prefix cache off.
+
+    >>> llm = LLM()
+    >>> prefix_hash(llm, list(range(1, 300))) == prefix_hash(llm, list(range(1, 257)) + [7, 7])   # 16 blocks of 16
+    True
+    """
+    cache = llm.engine.prefix
+    if cache is None:
+        return None
+    blocks = min(PREFIX_HASH_BLOCKS, len(prompt_ids) // cache.block_size)
+    if not blocks:
+        return cache.key(cache.root, prompt_ids).hex()
+    return cache.block_keys(prompt_ids[:blocks * cache.block_size], [])[-1].hex()
+
+
+def prefix_hash_header(llm, completion) -> dict:
+    """{PREFIX_HASH_HEADER: key} for a submitted completion (a ProtocolTurn wraps one); {} without a key."""
+    inner = getattr(completion, "completion", completion)
+    key = prefix_hash(llm, inner.stream.request.prompt_ids)
+    return {PREFIX_HASH_HEADER: key} if key else {}
+
+
 # The endpoints. Each takes the handler, the path match and the raw body, and sends one response.
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -10092,8 +10322,24 @@ def _json_body(raw: bytes) -> dict:
 
 
 def _health(handler, match, raw) -> None:
-    _check_alive(handler.server.llm)
+    """Readiness: 200 while new requests are welcome; 503 while the weights load or the warm-up runs, once the
+    engine has died (its error), or while the server drains (a load balancer stops sending here at once)."""
+    server = handler.server
+    _check_alive(server.llm)
+    status = server.phase if server.phase != "ready" else "draining" if server.draining or server.llm.draining \
+        else "ok"
+    if status != "ok":
+        handler.close_connection = status == "draining"
+        handler.send_json(503, {"status": status}, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return
     handler.send_json(200, {"status": "ok"})
+
+
+def _live(handler, match, raw) -> None:
+    """Liveness: 200 while this process can still serve anything, draining included; 503 once the engine has
+    died, which only a restart mends."""
+    _check_alive(handler.server.llm)
+    handler.send_json(200, {"status": "alive"})
 
 
 def _model_card(server) -> dict:
@@ -10543,13 +10789,18 @@ def _chat_page_url(host: str, port: int) -> str:
 
 # /openapi.json: every route, and every request field from the endpoints' tables (section 12).
 
-PUBLIC_PATHS = ("/", "/health")   # no API key: the chat page loads without it (then sends it), and health checks
+PUBLIC_PATHS = ("/", "/health", "/live")   # no API key: the chat page loads without it (then sends it), and probes
+PROBE_PATHS = ("/health", "/live")               # answered from the moment the port opens, before the weights load
+DRAIN_EXEMPT = PROBE_PATHS + ("/metrics",)        # still answered while draining; every other path is 503
 REQUEST_TABLES = {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLETION_FIELDS,
                   "/v1/responses": RESPONSES_FIELDS, "/v1/messages": MESSAGES_FIELDS,
                   "/v1/messages/count_tokens": MESSAGES_COUNT_FIELDS,
                   "/tokenize": TOKENIZE_FIELDS, "/detokenize": DETOKENIZE_FIELDS}
 ROUTE_SUMMARIES = {"/": "the chat page: one self-contained HTML document (no auth)",
-                   "/health": "200 while the engine runs; 503 naming the cause once it has died (no auth)",
+                   "/health": "readiness: 200 while the server takes requests; 503 while it loads, warms up or "
+                              "drains, or naming the cause once the engine has died (no auth)",
+                   "/live": "liveness: 200 while the process can serve, loading and draining included; 503 once "
+                            "the engine has died (no auth)",
                    "/v1/models": "the served model's card, as a list", "/v1/models/{model}": "the model card",
                    "/v1/chat/completions": "an OpenAI chat completion, or its SSE chunks with stream: true",
                    "/v1/completions": "an OpenAI text completion, or its SSE chunks with stream: true",
@@ -10600,6 +10851,7 @@ def _openapi(handler, match, raw) -> None:
 ROUTES = [
     ("GET", "/", _chat_page),
     ("GET", "/health", _health),
+    ("GET", "/live", _live),
     ("GET", "/v1/models", _models),
     ("GET", "/v1/models/{model}", _model),
     ("POST", "/v1/chat/completions", _chat),
@@ -10672,13 +10924,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if path not in PUBLIC_PATHS:
                 self.check_auth()
             self.endpoint, match, endpoint = find_route(method, path)
-            endpoint(self, match, raw)
+            if self.server.phase != "ready" and path not in PROBE_PATHS:
+                raise RequestError(f"the server is starting ({self.server.phase}); retry shortly", status=503,
+                                   code="loading")
+            if path in DRAIN_EXEMPT:
+                endpoint(self, match, raw)
+            else:
+                with self.server.admission():
+                    endpoint(self, match, raw)
         except Exception as e:
             if _client_gone(e) or self.client_left:
                 self.close_connection = True
                 self.count_client_closed()
                 return
             self.send_error_response(e)
+        if self.server.draining:                # the client's next request goes to a replica that stays
+            self.close_connection = True
 
     def count_client_closed(self) -> None:
         """A client that hung up before its answer: 499 in the log and the metrics, not a server error."""
@@ -10741,12 +11002,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def send_error_response(self, error: Exception) -> None:
         status, body = translate_error(error)
-        path, headers = urllib.parse.urlsplit(self.path).path, {}
+        path, headers, code = urllib.parse.urlsplit(self.path).path, {}, body["error"]["code"]
         if path.startswith("/v1/messages"):
             body = anthropic_error(status, body["error"])
         if status == 405:
             allowed = [m for m, pattern, _, _ in ROUTE_PATTERNS if pattern.match(path)]
             headers["Allow"] = ", ".join(allowed)
+        if status == 503 and code in ("draining", "loading"):     # a gateway retries it on another replica
+            headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+            self.close_connection = True
         try:
             self.send_json(status, body, headers)
         except Exception as e:             # the client left while we answered
@@ -10760,17 +11024,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_json(int(code), error_body(int(code), message or explain or "bad request"))
 
     def send_completion(self, completion: Completion | ProtocolTurn, named_events: bool = False) -> None:
+        headers = prefix_hash_header(self.server.llm, completion)
+
         def client_left() -> None:
             self.client_left = True
             completion.abort()
         with DisconnectWatch(self.connection, client_left):
             if completion.stream_mode:
-                self.send_stream(completion.chunks(), named_events)
+                self.send_stream(completion.chunks(), named_events, headers)
                 return
             response = completion.response()
-        self.send_json(200, response)
+        self.send_json(200, response, headers)
 
-    def send_stream(self, chunks: Iterator[dict], named_events: bool = False) -> None:
+    def send_stream(self, chunks: Iterator[dict], named_events: bool = False, headers: dict | None = None) -> None:
         """SSE over chunked transfer encoding, so the connection stays alive for the next request. Named events
         (the Responses and Messages protocols) carry an `event:` line, their type, and end without [DONE]."""
         self.answered = True
@@ -10779,6 +11045,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         try:
             while True:
@@ -10860,7 +11128,7 @@ class PocketServer(http.server.ThreadingHTTPServer):
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
                  log_requests: bool = True, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER):
+                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT):
         if ":" in host:
             self.address_family = socket.AF_INET6
         try:
@@ -10874,6 +11142,57 @@ class PocketServer(http.server.ThreadingHTTPServer):
         self.send_buffer_bytes = send_buffer_bytes
         self.deadlines = Deadlines(socket_timeout)
         self.responses = ResponseStore()           # /v1/responses stored with store: true
+        self.drain_timeout, self.draining, self.in_flight = drain_timeout, False, 0
+        self.phase = "ready" if llm is not None else "loading"   # then "warming up" (run_server), then "ready"
+        self.idle = threading.Condition(self.count_lock)   # notified when in_flight drops to 0
+
+    # Draining (SIGTERM, or drain()): /health says 503 at once, new requests are 503 with Retry-After, the ones
+    # admitted before finish (streams included), and then the server stops.
+
+    @contextlib.contextmanager
+    def admission(self):
+        """Count a request in flight while it is answered; 503 (code draining) once the server drains."""
+        with self.count_lock:
+            if self.draining:
+                raise RequestError("the server is shutting down and takes no new requests; retry (another "
+                                   "replica)", status=503, code="draining")
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self.count_lock:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self.idle.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Stop admitting requests and wait up to timeout seconds (default: drain_timeout) for those in flight;
+        True if they all finished. The server keeps answering (503) until shutdown()."""
+        deadline = time.monotonic() + (self.drain_timeout if timeout is None else timeout)
+        with self.count_lock:
+            self.draining = True
+            while self.in_flight and (left := deadline - time.monotonic()) > 0:
+                self.idle.wait(left)
+            return not self.in_flight
+
+    def _drain_and_stop(self) -> None:
+        if self.log_requests:
+            sys.stderr.write(f"pocketllm: draining: {self.in_flight} request(s) in flight, up to "
+                             f"{self.drain_timeout:g} s\n")
+        done = self.drain()
+        if self.log_requests:
+            sys.stderr.write("pocketllm: drained, stopping\n" if done else
+                             f"pocketllm: --drain-timeout passed with {self.in_flight} request(s) in flight; "
+                             "stopping\n")
+        super().shutdown()                        # ends serve_forever on the main thread
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """The first SIGTERM drains on a thread of its own (a signal handler must not block); a second one, like
+        Ctrl-C, stops at once."""
+        if self.draining:
+            raise KeyboardInterrupt
+        self.draining = True
+        threading.Thread(target=self._drain_and_stop, name="pocketllm-drain", daemon=True).start()
 
     # At most max_connections at once: one more is answered 503 on a short-lived thread and closed, so a
     # client opening hundreds of idle connections cannot starve the others of threads and sockets.
@@ -10914,18 +11233,24 @@ class PocketServer(http.server.ThreadingHTTPServer):
     def start(self) -> "PocketServer":
         """Serve on a background thread."""
         self.serving = True
-        threading.Thread(target=self.serve_forever, name="pocketllm-http", daemon=True).start()
+        self.serving_thread = threading.Thread(target=self.serve_forever, name="pocketllm-http", daemon=True)
+        self.serving_thread.start()
         return self
 
     def run(self) -> None:
-        """Serve on this thread until Ctrl-C or SIGTERM."""
-        self.serving = True
+        """Serve on this thread (or wait for the serving thread start() began) until Ctrl-C, or until SIGTERM has
+        drained the requests in flight."""
         in_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main else None
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if in_main else None
         try:
-            self.serve_forever()
+            if self.serving:
+                while self.serving_thread.is_alive():
+                    self.serving_thread.join(0.5)
+            else:
+                self.serving = True
+                self.serve_forever()
         except KeyboardInterrupt:
-            pass
+            super().shutdown()                    # the serving thread's loop; at once when it is this thread's
         finally:
             self.serving = False
             if in_main:
@@ -10995,10 +11320,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "stay silent on a kept-alive connection (default: %(default)g)")
     group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help="open connections at most; one more is answered 503 (default: %(default)s)")
+    group.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT, metavar="SECONDS",
+                       help="on SIGTERM: /health says 503, new requests are 503 with Retry-After, and the ones in "
+                            "flight get this long to finish before the process exits 0; a second SIGTERM or Ctrl-C "
+                            "stops at once (default: %(default)g)")
 
 
-def run_server(llm, args: argparse.Namespace) -> int:
-    """Apply the server flags to llm, print the address, serve until interrupted; the exit code."""
+def open_server(args: argparse.Namespace) -> PocketServer:
+    """The server for the command line, listening before the weights load: the probes answer at once (/health
+    503 {"status": "loading"}), every other path 503 until run_server has warmed the engine up."""
+    return PocketServer(None, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
+                        max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
+                        max_connections=args.max_connections, drain_timeout=args.drain_timeout).start()
+
+
+def run_server(llm, args: argparse.Namespace, server: PocketServer | None = None) -> int:
+    """Apply the server flags to llm, warm it up, print the address, serve until interrupted; the exit code.
+    server: open_server's, listening since before llm loaded."""
     if args.served_model_name:
         llm.model_name = args.served_model_name
     if args.chat_template:           # main() has read it already, before the weights loaded
@@ -11006,10 +11344,10 @@ def run_server(llm, args: argparse.Namespace) -> int:
             if isinstance(args.chat_template, str) else args.chat_template
     if args.tool_parser:
         _chat_template(llm).tool_parser = args.tool_parser
+    server = server or open_server(args)
+    server.llm, server.phase = llm, "warming up"
     _log(llm.options, llm.warm_up())
-    server = PocketServer(llm, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
-                          max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
-                          max_connections=args.max_connections)
+    server.phase = "ready"
     print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
     print(f"pocketllm: chat page at {_chat_page_url(args.host, server.port)}", flush=True)
     server.run()
@@ -11035,6 +11373,8 @@ MAX_SIZED_BATCH_SIZE = 256             # the most sequences memory sizing picks 
 # allocate_cache cannot disagree; memory_budget estimates every part from config.json alone (docs/serving.md).
 
 GiB = 1 << 30
+# The opt-in to a --max-context past config.json's max_position_embeddings (vLLM: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1).
+ALLOW_LONG_CONTEXT = "POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 def cache_bytes(cfg: ModelConfig, layers: list, num_blocks: int, block_size: int, num_slots: int,
@@ -11091,32 +11431,32 @@ def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
     return layer_bytes(cfg, world) + vocab_bytes(cfg, world) * (1 if cfg.tie_word_embeddings else 2)
 
 
-def memory_budget(cfg: ModelConfig, world: int = 1, *, max_context: int = 4096, max_batch_size: int = 16,
-                  num_kv_blocks: int = 0, kv_block_size: int = 16, prefill_token_budget: int = 512,
-                  kv_bytes: int = 2, act_bytes: int = 2, prefix_cache_memory: int = -1,
+def memory_budget(cfg: ModelConfig, opts: EngineOptions, world: int = 1, *, kv_bytes: int = 2, act_bytes: int = 2,
                   mtp_layers: int = 0) -> dict[str, int]:
-    """Bytes per GPU (rank) of each part: the layers' weights, the embedding and lm_head slices (each rank
-    loads both, also when tied), KV cache, recurrent state, the prefix cache's state snapshots (as
-    --prefix-cache-memory: -1 one per sequence, else MiB; 0 with the cache off), workspace, and their total.
-    num_kv_blocks 0 means max_batch_size sequences of max_context. Heads and vocabulary split `world` ways (at
+    """Bytes per GPU (rank) of each part under the engine options `opts`: the layers' weights, the embedding and
+    lm_head slices (each rank loads both, also when tied), KV cache (kv_cache_blocks), recurrent state (one slot
+    per sequence of --max-batch-size; 0, sized from memory on a GPU, counts as the CPU's 16), the prefix cache's
+    state snapshots (snapshot_count), workspace, and their total. Heads and vocabulary split `world` ways (at
     least one head each). mtp_layers: MTP draft layers whose KV shares the blocks (their weights not counted).
 
     >>> cfg = ModelConfig("qwen3", 1000, 64, 128, 2, 4, 2, 16, 1e-6, False, ["full_attention"] * 2, 1e4, 16,
     ...                   4096, False, False)
-    >>> memory_budget(cfg, max_context=64, max_batch_size=1)["kv_cache"]   # 2 layers x K,V x 64 x 2 heads x 16 x 2 B
+    >>> memory_budget(cfg, EngineOptions(max_context=64, max_batch_size=1))["kv_cache"]
+    16384
+    >>> 2 * 2 * 64 * 2 * 16 * 2                   # 2 layers x K,V x 64 tokens x 2 heads x 16 x 2 bytes
     16384
     """
-    blocks = num_kv_blocks or max_batch_size * -(-max_context // kv_block_size)
+    opts = dataclasses.replace(opts, max_batch_size=opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE)
     kv_heads = max(1, cfg.num_key_value_heads // world)
     v_heads, conv_dim = max(1, cfg.linear_num_value_heads // world), cfg.linear_conv_dim // world
-    kv = (cfg.num_full_layers + mtp_layers) * 2 * blocks * kv_block_size * kv_heads * cfg.head_dim * kv_bytes
+    tokens = kv_cache_blocks(opts) * opts.kv_block_size
+    kv = (cfg.num_full_layers + mtp_layers) * 2 * tokens * kv_heads * cfg.head_dim * kv_bytes
     per_slot = cfg.num_linear_layers * (v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
                                         + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
-    snapshots = max_batch_size if prefix_cache_memory < 0 else prefix_cache_memory * (1 << 20) // max(per_slot, 1)
     parts = {"layers": layer_bytes(cfg, world), "embedding": vocab_bytes(cfg, world),
-             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": max_batch_size * per_slot,
-             "prefix_cache": snapshots * per_slot,
-             "workspace": workspace_bytes(cfg, prefill_token_budget, max_batch_size, act_bytes)}
+             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": opts.max_batch_size * per_slot,
+             "prefix_cache": snapshot_count(opts, per_slot) * per_slot,
+             "workspace": workspace_bytes(cfg, opts.prefill_token_budget, opts.max_batch_size, act_bytes)}
     return {**parts, "total": sum(parts.values())}
 
 
@@ -11160,7 +11500,7 @@ def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int,
     sequence) takes at most half of it when --max-batch-size is 0; the KV blocks (per_block bytes each) take the
     rest when --num-kv-blocks is 0."""
     budget = instance_budget(opts, free, total, held) - workspace
-    need = -(-opts.max_context // opts.kv_block_size)             # blocks of one sequence of max_context
+    need = sequence_blocks(opts)
     if budget < need * per_block + per_slot:
         raise PocketError(
             f"--gpu-memory-utilization {opts.gpu_memory_utilization:g}: {free / GiB:.2f} GiB of {total / GiB:.2f} GiB "
@@ -11177,22 +11517,60 @@ def size_from_memory(opts: EngineOptions, free: int, total: int, per_block: int,
     return batch, int(blocks)
 
 
+def host_memory() -> int | None:
+    """Bytes of RAM a process can still take without swapping: MemAvailable of /proc/meminfo (Linux), else the
+    free pages sysconf counts; None where neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def memory_fix(opts: EngineOptions, need: dict[str, int], sized: bool) -> str:
+    """The flags that size the largest of the cache's parts and the workspace in `need` (memory_budget), and
+    their values: what to lower when they do not fit."""
+    batch = f"--max-batch-size/--max-num-seqs (now {opts.max_batch_size or 1})"
+    part = max(("kv_cache", "recurrent_state", "prefix_cache", "workspace"), key=need.get)
+    if part == "kv_cache":
+        return (f"lower --num-kv-blocks (now {opts.num_kv_blocks})" if opts.num_kv_blocks else
+                f"lower --max-context/--max-model-len (now {opts.max_context})" + ("" if sized else f" or {batch}"))
+    if part == "prefix_cache" and opts.prefix_cache_memory >= 0:
+        return f"lower --prefix-cache-memory (now {opts.prefix_cache_memory} MiB)"
+    if part == "workspace":
+        return f"lower --prefill-token-budget/--max-num-batched-tokens (now {opts.prefill_token_budget})"
+    return f"lower {batch}"                         # its state slots, and by default one snapshot each
+
+
 def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch.device], dtype: torch.dtype,
-                      kv_dtype: torch.dtype, sized: bool) -> None:
+                      kv_dtype: torch.dtype, sized: bool, mtp_layers: int = 0) -> None:
     """Refuse, in one line and before any weight loads, a configuration whose per-rank memory_budget exceeds what
-    a GPU of `devices` may use: --gpu-memory-utilization of the card, at most what is free (instance_budget).
-    Free memory is asked of rank 0's device only (this process's); the other ranks' cards count as wholly free
-    from their properties, since asking them would leave a CUDA context of this process on each. A cache sized
-    from memory (`sized`) needs at least one sequence of --max-context; otherwise the cache holds
-    --max-batch-size of them (or --num-kv-blocks)."""
-    world, bs = len(devices), opts.kv_block_size
-    batch = opts.max_batch_size or 1
-    blocks = opts.num_kv_blocks or -(-opts.max_context // bs) * (1 if sized else batch)
-    need = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=batch, num_kv_blocks=blocks,
-                         kv_block_size=bs, prefill_token_budget=opts.prefill_token_budget,
-                         kv_bytes=kv_dtype.itemsize, act_bytes=dtype.itemsize,
-                         prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0)
+    its devices may use. A GPU: --gpu-memory-utilization of the card, at most what is free (instance_budget), for
+    the whole budget. Free memory is asked of rank 0's device only (this process's); the other ranks' cards count
+    as wholly free from their properties, since asking them would leave a CUDA context of this process on each.
+    The CPU: what the machine has available (host_memory) for every CPU rank's cache and workspace (the weights
+    are read from the mapped checkpoint files, whose pages the kernel counts as available). A cache sized from
+    memory (`sized`) needs at least one sequence of --max-context; otherwise the cache holds --max-batch-size of
+    them (or --num-kv-blocks)."""
+    world = len(devices)
+    sizes = dataclasses.replace(opts, max_batch_size=opts.max_batch_size or 1,
+                                num_kv_blocks=opts.num_kv_blocks or (sequence_blocks(opts) if sized else 0))
+    need = memory_budget(cfg, sizes, world, kv_bytes=kv_dtype.itemsize, act_bytes=dtype.itemsize,
+                         mtp_layers=mtp_layers)
     weights = need["layers"] + need["embedding"] + need["lm_head"]
+    cpu_ranks = sum(device.type == "cpu" for device in devices)
+    available = host_memory() if cpu_ranks else None
+    if available is not None and cpu_ranks * (need["total"] - weights) > available:
+        parts = {name: need[name] for name in ("kv_cache", "recurrent_state", "prefix_cache", "workspace")}
+        raise PocketError(f"the CPU has {format_bytes(available)} available (MemAvailable), but {cpu_ranks} rank(s) "
+                          f"need {format_bytes(need['total'] - weights)} each besides the weights "
+                          f"({format_budget(parts)}); {memory_fix(opts, need, sized)}")
     for device in devices:
         if device.type != "cuda":
             continue
@@ -11205,8 +11583,7 @@ def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch
             continue
         more = f"--devices with more than {world} GPUs (--tensor-parallel-size)"
         fix = (f"the weights alone ({format_bytes(weights)}) do not fit: use {more}" if weights > usable else
-               f"lower --max-context/--max-model-len (now {opts.max_context})" +
-               ("" if sized else f" or --max-batch-size/--max-num-seqs (now {batch})") + f", or use {more}")
+               f"{memory_fix(opts, need, sized)}, or use {more}")
         raise PocketError(f"{device} can use {format_bytes(max(usable, 0))} ({format_bytes(free)} free of "
                           f"{format_bytes(total)} at --gpu-memory-utilization {opts.gpu_memory_utilization:g}), "
                           f"but {world} rank(s) need {format_bytes(need['total'])} each "
@@ -11217,6 +11594,10 @@ def _check_options(opts: EngineOptions, cfg: ModelConfig):
     for name in ("max_context", "kv_block_size", "prefill_token_budget"):
         if getattr(opts, name) < 1:
             raise PocketError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.max_context > cfg.max_position_embeddings and os.environ.get(ALLOW_LONG_CONTEXT) != "1":
+        raise PocketError(f"--max-context/--max-model-len {opts.max_context} is beyond the model's "
+                          f"max_position_embeddings ({cfg.max_position_embeddings}, config.json): positions past it "
+                          f"were never trained; {ALLOW_LONG_CONTEXT}=1 in the environment allows it")
     if opts.prefix_cache_memory < -1:
         raise PocketError("--prefix-cache-memory must be >= 0 MiB, or -1 (one snapshot per state slot)")
     for name in ("max_batch_size", "num_kv_blocks"):
@@ -11295,9 +11676,9 @@ class LLM:
         self.options = opts = EngineOptions(**options)
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT
         self.model_name = self.ckpt_dir.resolve().name
-        ckpt = Checkpoint(self.ckpt_dir)
+        ckpt = open_checkpoint(self.ckpt_dir, opts.load_format, seed=opts.seed)
         self.config = cfg = ckpt.config
-        self.tokenizer = Tokenizer(self.ckpt_dir)
+        self.tokenizer = Tokenizer(self.ckpt_dir, builtin=opts.load_format == "dummy")
         _check_options(opts, cfg)
         self.eos_token_ids = _eos_ids(ckpt, self.tokenizer)
         # Every device, backend and dtype choice is checked here, before a single weight loads.
@@ -11308,11 +11689,15 @@ class LLM:
         if ckpt_dir is None:
             _log(opts, f"no --ckpt given: serving the bundled pocket-tiny model ({self.ckpt_dir})")
         self.generation_defaults = generation_defaults(ckpt, generation_config, opts)   # name -> value
+        if opts.load_format == "dummy":
+            _log(opts, f"--load-format dummy: random weights from {self.ckpt_dir / 'config.json'} (seed {opts.seed}), "
+                       f"drawn on each device; the text is noise and speculative drafts are rejected")
         sized = memory_sized(device, opts)
         if not sized:
             opts.max_batch_size = opts.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+        full = (opts.smoke_layers or cfg.num_hidden_layers) == cfg.num_hidden_layers   # the MTP layer reads the last
         check_memory_fits(cfg, opts, parse_devices(opts.devices) if opts.devices else [device], self.dtype,
-                          kv_dtype, sized)
+                          kv_dtype, sized, mtp_layers=int(opts.speculative_tokens > 0 and full and has_mtp(ckpt)))
         self.dead_reason: str | None = None
         self._allocated_before_load = device_allocated(device)
         self.group = None                      # tensor-parallel rank group (section 8b), when --devices is given
@@ -11326,14 +11711,17 @@ class LLM:
         else:
             _log(opts, placement.describe())
             ops = NativeOps(device) if placement.backend == "native" else TorchOps()
+            ckpt.device = device                   # where --load-format dummy draws the weights
             self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None,
                                progress=not opts.quiet, mtp=opts.speculative_tokens > 0)
             run_batch = None
         if opts.speculative_tokens and self.model.mtp is not None:
             _log(opts, f"speculative decoding: the MTP layer drafts {opts.speculative_tokens} tokens per step")
         elif opts.speculative_tokens:
-            _log(opts, "speculative decoding off: " + ("--smoke-layers runs part of the model" if has_mtp(ckpt)
-                                                       else "the checkpoint has no MTP layer (mtp.* tensors)"))
+            _log(opts, "speculative decoding off: " + (
+                f"the checkpoint's MTP layer is incomplete (missing tensor '{self.model.mtp_missing}')"
+                if self.model.mtp_missing else "--smoke-layers runs part of the model" if has_mtp(ckpt)
+                else "the checkpoint has no MTP layer (mtp.* tensors)"))
         ckpt.close()
         if sized:
             self._size_cache()
@@ -11345,11 +11733,7 @@ class LLM:
                    f"KV cache {self.engine.blocks.total} blocks x {opts.kv_block_size} tokens = "
                    f"{self.engine.blocks.total * opts.kv_block_size} tokens, {opts.max_batch_size} state slots")
         world = len(parse_devices(opts.devices)) if opts.devices else 1
-        budget = memory_budget(cfg, world, max_context=opts.max_context, max_batch_size=opts.max_batch_size,
-                               num_kv_blocks=self.engine.blocks.total, kv_block_size=opts.kv_block_size,
-                               prefill_token_budget=opts.prefill_token_budget, kv_bytes=kv_dtype.itemsize,
-                               act_bytes=self.dtype.itemsize,
-                               prefix_cache_memory=opts.prefix_cache_memory if opts.prefix_cache else 0,
+        budget = memory_budget(cfg, opts, world, kv_bytes=kv_dtype.itemsize, act_bytes=self.dtype.itemsize,
                                mtp_layers=len(self.model.cache_layers) - len(self.model.layers))
         _log(opts, f"memory per {'rank' if world > 1 else 'device'} (config estimate, docs/serving.md): "
                    f"{format_budget(budget)}")
@@ -11359,6 +11743,7 @@ class LLM:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing = False
+        self.draining = False                  # close(drain=True) has begun: submissions are refused (503)
         self._ids = itertools.count()
         # A daemon thread still running at interpreter exit is killed inside torch code, which aborts the
         # process ("terminate called without an active exception"): stop it before that.
@@ -11451,6 +11836,9 @@ class LLM:
         with self._life:                       # a request added here is failed by _fail_all if need be
             if self.dead_reason or self._closing:
                 raise PocketError(f"the engine failed: {self.dead_reason or 'the engine was closed'}")
+            if self.draining:
+                raise RequestError("the engine is draining before it closes and takes no new requests; retry "
+                                   "(another replica)", status=503, code="draining")
             req = Request(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", prompt_ids, params,
                           default_seed=self._seeds.getrandbits(62))
             req.snapshot_at = snapshot_at if snapshot_at and 0 < snapshot_at < len(prompt_ids) else None
@@ -11464,13 +11852,18 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def close(self):
+    def close(self, drain: bool = False, timeout: float = DEFAULT_DRAIN_TIMEOUT) -> bool:
         """Stop the engine thread (requests still running end with an error) and the tensor-parallel ranks, if
-        any. Runs at interpreter exit too; later calls do nothing."""
+        any. drain=True first refuses new submissions (RequestError, 503 code draining) and lets the requests
+        queued and running finish, for up to `timeout` seconds. Runs at interpreter exit too; later calls do
+        nothing. Returns False if a request was still running when the engine stopped."""
+        if drain:
+            self._drain(timeout)
         with self._life:
             if self._closing:
-                return
+                return True
             self._closing = True
+            cut = self.engine.has_work()
         atexit.unregister(self.close)
         self.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -11478,6 +11871,15 @@ class LLM:
         self._fail_all("the engine was closed")
         if self.group is not None:
             self.group.close()
+        return not cut
+
+    def _drain(self, timeout: float) -> None:
+        """Refuse new submissions; wait until the engine holds no request, or until timeout seconds pass."""
+        with self._life:
+            self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.engine.has_work() and not self.dead_reason and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     # The OpenAI surface (sections 12-13): exactly what the HTTP endpoints send.
 
@@ -11563,6 +11965,10 @@ ENGINE_FLAG_HELP = {
                            "one snapshot per state slot (--max-batch-size) (default: %(default)s)",
     "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
                     "(default: %(default)s)",
+    "load_format": "auto (the checkpoint's safetensors files) or dummy (vLLM's name): random weights of the exact "
+                   "dtypes, shapes and FP8 block scales the checkpoint would hold, made on the device from "
+                   "config.json alone (+ its tokenizer, else a built-in byte-level one), seeded by --seed: for "
+                   "benchmarks without the download (default: %(default)s)",
     "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
     "speculative_tokens": "tokens the checkpoint's MTP layer drafts per sequence and step, verified in the next "
                           "forward (exact: the output is the target model's); 0: off (default: %(default)s)",
@@ -11588,7 +11994,6 @@ VLLM_ONLY_FLAGS = {
     "--tokenizer": "drop it: the tokenizer is read from the checkpoint directory (--ckpt)",
     "--download-dir": "pocketllm loads a local directory: download the checkpoint, then --ckpt DIR",
     "--revision": "pocketllm loads a local directory: download the revision, then --ckpt DIR",
-    "--load-format": "drop it: pocketllm reads safetensors",
     "--reasoning-parser": "drop it: <think> blocks become reasoning_content without a parser flag",
     "--swap-space": "there is no CPU swap: lower --max-batch-size or --max-context",
     "--cpu-offload-gb": "there is no offloading: use more GPUs (--tensor-parallel-size)",
@@ -11684,6 +12089,8 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise PocketError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
     if not args.socket_timeout > 0:
         raise PocketError(f"--socket-timeout must be > 0 (got {args.socket_timeout:g})")
+    if not args.drain_timeout >= 0:
+        raise PocketError(f"--drain-timeout must be >= 0 seconds (got {args.drain_timeout:g})")
 
 
 def command_line_parser() -> CommandLineParser:
@@ -11720,8 +12127,9 @@ def main(argv: list[str] | None = None) -> int:
         check_server_args(args)
         if args.chat_template:       # read and compiled now, not after minutes of loading
             args.chat_template = load_chat_template(Tokenizer(args.ckpt or DEFAULT_CKPT), args.chat_template)
+        server = open_server(args)   # the probes answer while the weights load
         llm = LLM(args.ckpt, **options)
-        return run_server(llm, args)
+        return run_server(llm, args, server)
     except PocketError as e:
         print(f"pocketllm: error: {e}", file=sys.stderr)
         return 2

@@ -7,10 +7,25 @@
 Reports prefill tokens/s, time to first token, decode tokens/s at each batch size, and peak memory; with
 --reference, transformers' generate() at batch 1 on the same weights (dequantised when FP8), and the ratio.
 Ratios from one run are what to compare: these machines are shared and noisy.
+
+The serving report, in vLLM's terms, each figure with speculative decoding off and on (--report):
+
+    python benchmarks/bench.py --report --ckpt /tmp/q27 --make-config 27b --load-format dummy
+    python benchmarks/bench.py --report --ckpt /tmp/q27-tp4 --make-config 27b-tp4 --load-format dummy
+
+batch-1 time per output token (TPOT), time to first token (TTFT) at --ttft-lens prompts, output tokens/s while
+--report-batches sequences decode together, GPU time vs wall time per decode step (torch.profiler), peak memory.
+--make-config writes DIR/config.json (Qwen3.5-27B FP8's, or one tensor-parallel rank's shapes of it at TP4:
+heads, MLP rows and vocabulary divided by 4, run on one device without the all-reduces) and --load-format dummy
+serves it with random weights, so no checkpoint download is needed. Random weights reject every MTP draft: the
+report gives the cost of a speculative step (K draft passes + the K+1-token verify window) relative to a plain
+step, and the speed-up that implies at per-draft acceptance 0.6 and 0.8.
 """
 
 import argparse
+import gc
 import json
+import os
 import resource
 import statistics
 import sys
@@ -118,7 +133,232 @@ def make_synthetic(path: Path, fp8: bool):
                                 layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3)
 
 
-def main():
+# ---- The serving report (--report): vLLM's figures, speculative decoding off and on ----
+
+TINY = ROOT / "models" / "pocket-tiny"
+ACCEPTANCE = (0.6, 0.8)        # per-draft acceptance rates the speculative speed-up is stated at
+
+
+def qwen35_27b_config() -> dict:
+    """Qwen3.5-27B FP8's config.json (docs/qwen-facts.md sections 2-4): pocket-tiny's (same family, FP8, one MTP
+    layer) with the 27B's shapes."""
+    raw = json.loads((TINY / "config.json").read_text())
+    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 16
+    raw["text_config"].update(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, layer_types=layer_types, full_attention_interval=4,
+        max_position_embeddings=262144, eos_token_id=248046, pad_token_id=248044, mtp_num_hidden_layers=1)
+    raw["text_config"]["rope_parameters"].update(rope_theta=10000000.0, mrope_section=[11, 11, 10])
+    gdn = [f"model.language_model.layers.{i}.linear_attn.{m}" for i, t in enumerate(layer_types)
+           if t == "linear_attention" for m in ("conv1d", "in_proj_b", "in_proj_a")]
+    raw["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.language_model.embed_tokens"] + gdn + \
+        ["mtp.fc"]
+    return raw
+
+
+def rank_shapes(raw: dict, world: int) -> dict:
+    """The config of one tensor-parallel rank's shapes at degree `world`: attention, GDN heads, MLP rows and the
+    vocabulary (vocab-parallel embedding and lm_head) divided by world, the hidden size whole (section 8b's
+    split). One device runs it as a whole model: a rank's compute and memory, without the all-reduces."""
+    raw = json.loads(json.dumps(raw))
+    text = raw.get("text_config", raw)
+    for key in ("vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "linear_num_key_heads", "linear_num_value_heads"):
+        if key in text:
+            assert text[key] % world == 0, f"{key} {text[key]} does not split {world} ways"
+            text[key] //= world
+    return raw
+
+
+def write_config(path: Path, name: str):
+    """--make-config 27b | 27b-tp4: DIR/config.json (and nothing else: --load-format dummy makes the weights)."""
+    path.mkdir(parents=True, exist_ok=True)
+    raw = rank_shapes(qwen35_27b_config(), {"27b": 1, "27b-tp4": 4}[name])
+    (path / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
+
+
+def sync(llm):
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize(llm.device)
+
+
+def ttft_ms(llm, n: int, repeats: int) -> float:
+    """Best-of-N time to first token of an n-token prompt (fresh ids each time: no prefix-cache hit)."""
+    best = float("inf")
+    for r in range(repeats):
+        ids = prompt_ids(n, llm.config.vocab_size, 1000 * n + r)
+        t0 = time.perf_counter()
+        stream = llm.submit(ids, pocketllm.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        next(iter(stream))
+        best = min(best, time.perf_counter() - t0)
+        for _ in stream:
+            pass
+    return best * 1e3
+
+
+def decode_run(llm, batch: int, tokens: int, seed: int, prompt_len: int = 64) -> tuple[float, int, int]:
+    """batch sequences of `tokens` output tokens each, together: (seconds, sampled positions of the target model
+    (one per sequence and step: the engine's target_forwards), tokens generated)."""
+    before = llm.stats()
+    sync(llm)
+    t0 = time.perf_counter()
+    streams = [llm.submit(prompt_ids(prompt_len, llm.config.vocab_size, seed + i),
+                          pocketllm.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+               for i in range(batch)]
+    for s in streams:
+        for _ in s:
+            pass
+    sync(llm)
+    after = llm.stats()
+    return (time.perf_counter() - t0, after["target_forwards_total"] - before["target_forwards_total"],
+            after["generation_tokens_total"] - before["generation_tokens_total"])
+
+
+def decode_rates(llm, batch: int, decode: int) -> dict:
+    """Decode at `batch`: a short and a long run, their difference (prefill and the first steps cancel out).
+    Returns ms per engine step (every sequence one target forward), output tokens/s, TPOT (ms per token per
+    sequence) and tokens per sequence and step."""
+    decode_run(llm, batch, 4, seed=7)                                  # warm-up (CUDA graphs capture this size)
+    pairs = []
+    for r in range(3):                                                 # the median pair: shared machines jitter
+        t_short, f_short, n_short = decode_run(llm, batch, 8, seed=100 + 1000 * r)
+        t_long, f_long, n_long = decode_run(llm, batch, 8 + decode, seed=200 + 1000 * r)
+        pairs.append((t_long - t_short, max(f_long - f_short, 1), max(n_long - n_short, 1)))
+    seconds, forwards, tokens = sorted(pairs, key=lambda p: p[0] / p[2])[1]
+    return {"step_ms": seconds * 1e3 * batch / forwards, "tok_s": tokens / seconds,
+            "tpot_ms": seconds * 1e3 * batch / tokens, "tokens_per_step": tokens / forwards}
+
+
+def profile_steps(llm, tokens: int = 16) -> dict:
+    """torch.profiler over a batch-1 decode: wall time and GPU (kernel) time per target forward."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
+    decode_run(llm, 1, 4, seed=9)
+    with profile(activities=activities) as prof:
+        seconds, steps, _ = decode_run(llm, 1, tokens, seed=10)
+    gpu_us = sum(e.self_device_time_total for e in prof.key_averages()) if llm.device.type == "cuda" else None
+    return {"wall_ms_per_step": seconds * 1e3 / steps,
+            "gpu_ms_per_step": None if gpu_us is None else gpu_us / 1e3 / steps}
+
+
+def weight_bytes(model, embedding: bool = True, mtp: bool = True) -> int:
+    """Bytes of the model's weights (FP8 scales included); without the embedding and the MTP layer, what a plain
+    decode step reads at batch 1 (the embedding reads one row per token)."""
+    total = model.embed_tokens.numel() * model.embed_tokens.element_size() if embedding else 0
+    total += model.norm.numel() * model.norm.element_size()
+    for part in model.layers + [model.mtp if mtp else None] + [model.lm_head]:
+        items = [("", part)] if isinstance(part, pocketllm.Linear) else pocketllm.named_weights(part) if part else []
+        for _, w in items:
+            for t in ([w.weight, w.scale] if isinstance(w, pocketllm.Linear) else [w]):
+                total += 0 if t is None else t.numel() * t.element_size()
+    return total
+
+
+def peak_memory_mb(device) -> float:
+    """GPU: torch's peak allocation since the last reset; CPU: the process's peak RSS (never reset)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return peak_rss_mb()
+
+
+def measure(args, speculative_tokens: int) -> dict:
+    """One LLM with speculation off (0) or on (K): every figure of the report, then the LLM closed."""
+    ttft_lens = [int(n) for n in args.ttft_lens.split(",")]
+    batches = [int(b) for b in args.report_batches.split(",")]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    llm = pocketllm.LLM(args.ckpt, backend=args.backend, device=args.device, dtype=args.dtype,
+                        load_format=args.load_format, quiet=not args.verbose, seed=args.seed,
+                        max_context=max(ttft_lens + [64 + 8 + args.decode]) + 16, max_batch_size=max(batches + [1]),
+                        speculative_tokens=speculative_tokens)
+    try:
+        out = {"load_s": time.perf_counter() - t0, "speculative_tokens": speculative_tokens if llm.model.mtp else 0,
+               "weights_mb": weight_bytes(llm.model) / 2 ** 20, "device": str(llm.device),
+               "decode_bytes_per_step": weight_bytes(llm.model, embedding=False, mtp=False),
+               "backend": llm.placement.backend}
+        out["batch1"] = decode_rates(llm, 1, args.decode)
+        for b in batches:
+            if b != 1:
+                out[f"batch{b}"] = decode_rates(llm, b, args.decode)
+        out["ttft_ms"] = {n: ttft_ms(llm, n, args.ttft_repeats) for n in ttft_lens}
+        out["profile"] = profile_steps(llm)
+        stats = llm.stats()
+        out["accepted"] = stats["accepted_tokens_total"] / max(stats["draft_tokens_total"], 1)
+        out["peak_memory_mb"] = peak_memory_mb(llm.device)
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def implied_speedup(cost: float, k: int, acceptance: float) -> float:
+    """Tokens per speculative step at per-draft acceptance a (drafts accepted in order, independently:
+    1 + a + ... + a^K) over the step's cost relative to a plain step."""
+    return sum(acceptance ** i for i in range(k + 1)) / cost
+
+
+def report(args) -> dict:
+    if args.make_config:
+        write_config(Path(args.ckpt), args.make_config)
+    off = measure(args, 0)
+    on = measure(args, args.speculative_tokens) if args.speculative_tokens else None
+    result = {"checkpoint": str(args.ckpt), "load_format": args.load_format, "off": off, "on": on,
+              "machine": machine()}
+    k = on["speculative_tokens"] if on else 0
+    if k:
+        result["speculative"] = {}
+        for b in (b for b in off if b.startswith("batch")):
+            cost = on[b]["step_ms"] / off[b]["step_ms"]
+            result["speculative"][b] = {"step_cost": cost, **{f"speedup_at_{a}": implied_speedup(cost, k, a)
+                                                               for a in ACCEPTANCE}}
+    return result
+
+
+def machine() -> str:
+    import platform
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, " \
+           f"torch {torch.__version__}"
+
+
+def report_table(result: dict) -> str:
+    """The report as a markdown table (docs/benchmarks.md); one column when speculation was not measured."""
+    off, on = result["off"], result["on"] or {}
+    k = on.get("speculative_tokens", 0)
+    fmt = lambda v, unit="": "n/a" if v is None else f"{v:.1f}{unit}" if v >= 10 else f"{v:.2f}{unit}"  # noqa: E731
+
+    def get(d: dict, *path):
+        for key in path:
+            d = d[key]
+        return d
+    rows = [("TPOT, batch 1 (ms)", ("batch1", "tpot_ms"))]
+    rows += [(f"TTFT, {n}-token prompt (ms)", ("ttft_ms", n)) for n in off["ttft_ms"]]
+    rows += [(f"output tokens/s, batch {b[5:]}", (b, "tok_s")) for b in off if b.startswith("batch") and b != "batch1"]
+    rows += [("wall time per decode step, batch 1 (ms)", ("profile", "wall_ms_per_step")),
+             ("GPU time per decode step, batch 1 (ms)", ("profile", "gpu_ms_per_step")),
+             ("weights (MiB)", ("weights_mb",)), ("peak memory (MiB)", ("peak_memory_mb",))]
+    head = f"| figure | speculation off | on (K = {k}, drafts accepted {100 * on['accepted']:.0f}%) |" if on else \
+        "| figure | speculation off |"
+    lines = [head, "|---|---|" + ("---|" if on else "")]
+    lines += [f"| {name} | {fmt(get(off, *path))} |" + (f" {fmt(get(on, *path))} |" if on else "")
+              for name, path in rows]
+    if result.get("speculative"):
+        lines += ["", "| batch | speculative step / plain step | " +
+                  " | ".join(f"implied speed-up at acceptance {a}" for a in ACCEPTANCE) + " |",
+                  "|---|---|" + "---|" * len(ACCEPTANCE)]
+        for b, r in result["speculative"].items():
+            lines.append(f"| {b[5:]} | {r['step_cost']:.2f} | " +
+                         " | ".join(f"{r[f'speedup_at_{a}']:.2f}x" for a in ACCEPTANCE) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt")
     ap.add_argument("--synthetic", help="write (once) and use a ~100M-param synthetic checkpoint at this path")
@@ -128,11 +368,45 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--backend", default="torch")
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+    ap.add_argument("--backend", default=None, help="default: torch; with --report, auto (what the server picks)")
+    ap.add_argument("--device", default=None, help="default: cpu; with --report, auto")
+    report_args = ap.add_argument_group("the serving report (--report)")
+    report_args.add_argument("--report", action="store_true", help="TPOT, TTFT, output tokens/s, step time and "
+                             "peak memory, speculation off and on, in vLLM's terms")
+    report_args.add_argument("--make-config", choices=("27b", "27b-tp4"), help="write --ckpt DIR/config.json first: "
+                             "Qwen3.5-27B FP8, or one TP4 rank's shapes of it")
+    report_args.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    report_args.add_argument("--dtype", default="auto")
+    report_args.add_argument("--seed", type=int, default=0)
+    report_args.add_argument("--speculative-tokens", type=int, default=2, help="K when speculation is on; 0: "
+                             "measure with speculation off only")
+    report_args.add_argument("--ttft-repeats", type=int, default=2, help="TTFT is the best of this many prompts")
+    report_args.add_argument("--report-batches", default="8,32", help="batch sizes of the output tokens/s rows")
+    report_args.add_argument("--ttft-lens", default="1024,8192", help="prompt lengths of the TTFT rows")
+    report_args.add_argument("--json", help="also write the report's figures to this file")
+    report_args.add_argument("--verbose", action="store_true", help="pocketllm's start-up lines")
+    args = ap.parse_args(argv)
+    if args.report:
+        args.backend, args.device = args.backend or "auto", args.device or "auto"
+        if not args.ckpt:
+            ap.error("--report needs --ckpt DIR")
+    else:
+        args.backend, args.device = args.backend or "torch", args.device or "cpu"
+    return args
+
+
+def main():
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.report:
+        result = report(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"pocketllm {result['load_format']} weights, {args.ckpt}, {result['machine']}, "
+              f"backend {result['off']['backend']} on {result['off']['device']}")
+        print(report_table(result))
+        return
     if args.synthetic:
         make_synthetic(Path(args.synthetic), args.fp8)
     ckpt = Path(args.ckpt or args.synthetic)

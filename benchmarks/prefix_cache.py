@@ -120,7 +120,7 @@ def make_checkpoint(layers: int, shape: dict, tag: str) -> Path:
     kinds = ((["linear_attention"] * 3 + ["full_attention"]) * 6)[:layers] if layers >= 4 else \
         ["linear_attention"] * (layers - 1) + ["full_attention"]
     checkpoints.make_checkpoint(path, "qwen3_5", num_hidden_layers=layers, layer_types=kinds,
-                                extra_tensors=False, **shape)
+                                extra_tensors=False, max_position_embeddings=OPTIONS["max_context"], **shape)
     qwen35_tokenizer()                                  # writes TOKENIZER once
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / name, path / name)

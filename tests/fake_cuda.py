@@ -7,21 +7,66 @@ entered inside it, keeps a real CPU copy beside every fake tensor made from real
 on those copies too, so the fake run is also a real CPU run with real values, while every device check is
 FakeTensorMode's own. It also counts device-to-host reads and refuses a generator on the wrong device
 (FakeTensorMode lets `torch.multinomial(cuda_probs, generator=cpu_generator)` through; CUDA does not).
+
+torch's C++ bindings open a CUDA device guard around indexing, `copy_`, `int(t)`, `contiguous()` and more. On a
+CUDA build without a GPU, FakeTensorMode swaps torch's CUDA guard for c10's no-op one when it starts
+(torch._C._ensureCUDADeviceGuardSet); a CPU-only build, as the README installs on a machine without a GPU, has
+no CUDA guard to swap ("PyTorch is not linked with support for cuda devices"), so no_op_cuda_guard() compiles
+and registers that same no-op guard (c10::impl::NoOpDeviceGuardImpl<CUDA>): both builds then run the fake
+device through the same guard.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import os
+import subprocess
 import weakref
+from pathlib import Path
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+import build
 import pocketllm
 
 CUDA = torch.device("cuda:0")
+GUARD_SOURCE = """#include <c10/core/impl/DeviceGuardImplInterface.h>
+// The CUDA device guard FakeTensorMode sets on a CUDA build without a GPU, for a build of torch without CUDA.
+C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::NoOpDeviceGuardImpl<c10::DeviceType::CUDA>);
+"""
+
+
+@functools.cache
+def no_op_cuda_guard() -> None:
+    """On a CPU-only build of torch, register c10's no-op CUDA device guard (see the module's docstring): a small
+    library built once per torch version under build/, loaded into this process. A CUDA build has its own."""
+    if torch.backends.cuda.is_built():
+        return
+    cxx = build.find_cxx()
+    if not cxx:
+        pytest.skip("fake CUDA on a CPU-only build of torch needs a C++ compiler (g++ or $CXX) for its no-op CUDA "
+                    "device guard")
+    torch_dir = Path(torch.__file__).parent
+    out = build.ROOT / "build" / f"fake_cuda_guard-{torch.__version__}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        src, tmp = out.with_suffix(f".{os.getpid()}.cpp"), out.with_suffix(f".{os.getpid()}.tmp")
+        src.write_text(GUARD_SOURCE)
+        lib, abi = torch_dir / "lib", int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        cmd = [cxx, "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               "-I", str(torch_dir / "include"), str(src), "-o", str(tmp), "-L", str(lib), "-lc10", f"-Wl,-rpath,{lib}"]
+        made = subprocess.run(cmd, capture_output=True, text=True)
+        src.unlink()
+        if made.returncode != 0:
+            raise RuntimeError(f"cannot build fake CUDA's no-op device guard: {' '.join(cmd)}\n{made.stderr}")
+        os.replace(tmp, out)                   # whole or absent, also when two test processes build it at once
+    ctypes.CDLL(str(out))                      # its static registrar stores the guard in c10's registry
 
 
 class RealValues(TorchDispatchMode):
@@ -77,6 +122,7 @@ class RealValues(TorchDispatchMode):
 @contextlib.contextmanager
 def fake_cuda():
     """with fake_cuda() as real: ... -- fake CUDA tensors with real values; real.host_reads counts reads."""
+    no_op_cuda_guard()
     with FakeTensorMode(allow_non_fake_inputs=True), RealValues() as real:
         yield real
 

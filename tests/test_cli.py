@@ -43,6 +43,9 @@ MISTAKES = [
     (["--backend", "native"], "--backend native: the native backend needs a CUDA device"),
     (["--backend", "vulkan"], "--backend must be auto, torch or native"),
     (["--max-model-len", "0"], "--max-context must be >= 1"),
+    (["--max-model-len", "262144"], "--max-context/--max-model-len 262144 is beyond the model's "
+                                    "max_position_embeddings (4096, config.json): .* "
+                                    "POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the environment allows it"),
     (["--max-num-seqs", "-2"], "--max-batch-size must be >= 0"),
     (["--gpu-memory-utilization", "1.2"], "--gpu-memory-utilization must be in (0, 1]"),
     (["--smoke-layers", "99"], "--smoke-layers must be in [0, 6]"),
@@ -114,6 +117,18 @@ def test_every_mistake_is_one_line_and_exit_2(case, outcomes):
     assert returncode == 2, stderr
     assert len(lines) == 1 and lines[0].startswith("pocketllm: error: "), stderr
     assert re.search(".*".join(map(re.escape, message.split(".*"))), lines[0]), lines[0]
+
+
+def test_a_cache_past_the_ram_available_is_one_line_before_any_weight_loads():
+    """--max-model-len past what this machine's RAM holds (allowed past the model's positions): refused from
+    MemAvailable in one line naming the flag, where it once ended in the allocator's traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "POCKETLLM_NATIVE_CPU"}
+    r = cli("--max-model-len", "1000000000", "--port", "0", "--quiet",
+            env={**env, "POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("pocketllm: error: the CPU has ") and "available (MemAvailable)" in r.stderr
+    assert r.stderr.rstrip().endswith("lower --max-context/--max-model-len (now 1000000000) or "
+                                      "--max-batch-size/--max-num-seqs (now 16)")
 
 
 def test_every_flag_has_help_with_its_default():

@@ -186,3 +186,26 @@ def test_a_cpu_tensor_meeting_a_cuda_one_raises():
             logits + torch.ones(4)
         with pytest.raises(RuntimeError, match="generator"):
             torch.multinomial(logits.softmax(-1), 1, generator=torch.Generator())
+
+
+def test_fake_cuda_runs_on_any_build_of_torch():
+    """Indexing, copy_ and int() of a fake CUDA tensor open a CUDA device guard in torch's C++ bindings, which a
+    CPU-only build of torch (the README's install without a GPU) lacks; device mismatches still raise."""
+    with fake_cuda():
+        x = torch.arange(12, device="cuda").view(3, 4)
+        x[1, 2:] = 0
+        x[torch.tensor([0, 2], device="cuda")] += 1
+        x.copy_(x * 2)
+        assert x[1:].device == CUDA and int(x[2, 3]) == 24 and x[:, 0].tolist() == [2, 8, 18]
+        with pytest.raises(Exception, match="device"):
+            x[0] + torch.ones(4)
+
+
+def test_ci_runs_on_the_cpu_build_of_torch():
+    """CI installs torch's CPU build, as the README's first command does on a machine without a GPU, before the
+    README's test command."""
+    from pathlib import Path
+    lines = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text().splitlines()
+    install = next(i for i, line in enumerate(lines) if "torch==" in line)
+    assert "+cpu" in lines[install] and "https://download.pytorch.org/whl/cpu" in lines[install]
+    assert install < len(lines) - 1 and lines[-1].startswith("python3 -m pip install -r requirements-test.txt")

@@ -19,7 +19,7 @@ def test_check_sh_parses_and_its_steps_exist():
     text = CHECK.read_text()
     steps = re.findall(r"^run (\w+) \d+ (.*)$", text, re.M)
     assert [name for name, _ in steps] == ["prereqs", "library", "wrappers", "ops", "kernels", "ptx_sm75", "nccl", "parity", "graphs",
-                                           "synth", "serve_tiny", "serve_synthetic", "verify", "bench", "decode",
+                                           "model27b", "synth", "serve_tiny", "serve_synthetic", "verify", "bench", "decode",
                                            "speculative"]
     for _, command in steps:
         for script in re.findall(r"tests/[\w/]+\.py", command):
@@ -37,3 +37,23 @@ def test_serving_steps_dry_run_on_the_cpu(tmp_path):
         assert all(v.startswith("PASS") for v in checks.values()), checks
         log = (tmp_path / f"{name}.server.log").read_text()
         assert "backend torch on cpu" in log and "warm-up:" in log
+
+
+def test_the_27b_dummy_weight_step_runs_on_the_cpu_with_a_small_config(tmp_path):
+    """check.sh's model27b step (gpu_check.py model27b) with --cpu: pocket-tiny's config with dummy weights at TP1
+    and at its TP2 rank's shapes, through benchmarks/bench.py's report; every figure the GPU run prints."""
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gpu_check.py"), "model27b", str(tmp_path),
+                        "--cpu"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "model27b.json").read_text())
+    assert set(result) == {"copy_GBps", "tp1", "tp2_rank"}
+    tp1, rank = result["tp1"], result["tp2_rank"]
+    assert tp1["on"]["speculative_tokens"] == 2 and rank["on"] is None
+    for run in (tp1["off"], tp1["on"], rank["off"]):
+        assert run["batch1"]["tpot_ms"] > 0 and run["batch4"]["tok_s"] > 0 and run["ttft_ms"]["256"] > 0
+        assert run["profile"]["wall_ms_per_step"] > 0 and run["peak_memory_mb"] > 0
+    assert set(tp1["speculative"]) == {"batch1", "batch4"}
+    # a rank holds half the layers' bytes (the hidden-size norms whole): TP2's shapes are really one rank's
+    assert 0.45 < rank["off"]["decode_bytes_per_step"] / tp1["off"]["decode_bytes_per_step"] < 0.55
+    text = (tmp_path / "model27b.txt").read_text()
+    assert "| TPOT, batch 1 (ms) |" in text and "implied speed-up at acceptance 0.8" in text and "roofline" in text

@@ -108,6 +108,32 @@ def test_greedy_identical_to_unspeculated(ckpt_factory, kind):
         assert stats["draft_tokens_total"] > 0
 
 
+@pytest.mark.parametrize("missing", ["mtp.pre_fc_norm_embedding.weight", "mtp.layers.0.self_attn.o_proj.weight"])
+def test_an_incomplete_mtp_layer_serves_without_speculation(ckpt_factory, tmp_path, capsys, missing):
+    """A checkpoint that lacks one of the MTP layer's tensors loads, says in one start-up line which tensor is
+    missing, and serves what the complete checkpoint serves without speculation."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    src, _ = ckpt_factory("qwen3_5_text", mtp=True)
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    state = load_file(str(path / "model.safetensors"))
+    del state[missing]
+    save_file(state, str(path / "model.safetensors"))
+    params = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    base = _llm(src, speculative_tokens=0)
+    want = _run(base, PROMPTS, **params)
+    base.close()
+    capsys.readouterr()
+    llm = pl.LLM(path, dtype="float32", speculative_tokens=K)
+    said = [line for line in capsys.readouterr().err.splitlines() if "speculative" in line]
+    assert said == [f"pocketllm: speculative decoding off: the checkpoint's MTP layer is incomplete (missing tensor "
+                    f"'{missing}')"]
+    assert llm.model.mtp is None and llm.engine.draft_tokens == 0
+    assert _run(llm, PROMPTS, **params) == want
+    llm.close()
+
+
 @pytest.mark.parametrize("wrong_every", [2, 3, 5])
 def test_oracle_drafts_accept_and_roll_back_exactly(ckpt_factory, wrong_every):
     """Drafts that are right except at chosen positions: every window accepts exactly its right prefix, the

@@ -3,6 +3,7 @@ monkeypatched, so the GPU decisions are tested on this CPU-only machine), the ca
 config-based memory budget against the cache pocketllm really allocates, and the warm-up run for real."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -220,13 +221,31 @@ def test_a_memory_sized_engine_starts_and_serves(monkeypatch):
 def test_budget_kv_and_state_equal_the_allocated_cache():
     llm = pocketllm.LLM(TINY, quiet=True, max_context=256, max_batch_size=3)
     try:
-        b = pocketllm.memory_budget(llm.config, max_context=256, max_batch_size=3, kv_bytes=4, act_bytes=4,
+        b = pocketllm.memory_budget(llm.config, llm.options, kv_bytes=4, act_bytes=4,
                                     mtp_layers=len(llm.model.cache_layers) - len(llm.model.layers))   # its MTP layer
         cache = llm.engine.cache
         assert b["kv_cache"] == sum(t.numel() * t.element_size() for t in [*cache.k.values(), *cache.v.values()])
         assert b["recurrent_state"] == sum(t.numel() * t.element_size()
                                            for t in [*cache.conv.values(), *cache.ssm.values()])
         assert b["total"] == sum(v for k, v in b.items() if k != "total")
+    finally:
+        llm.close()
+
+
+def test_one_block_count_and_one_snapshot_count():
+    """The engine's cache and the config budget count KV blocks (kv_cache_blocks) and prefix-cache snapshots
+    (snapshot_count) with the same two helpers, which the memory check uses too."""
+    llm = pocketllm.LLM(TINY, quiet=True, max_context=200, max_batch_size=3, prefix_cache_memory=1)
+    try:
+        opts, cfg = llm.options, llm.config
+        assert llm.engine.blocks.total == pocketllm.kv_cache_blocks(opts) == 3 * 13
+        slot = pocketllm.state_slot_bytes(cfg, llm.model.layers, torch.float32)
+        snapshots = pocketllm.snapshot_count(opts, slot)
+        assert llm.engine.prefix.slots_total == snapshots == (1 << 20) // slot
+        b = pocketllm.memory_budget(cfg, opts, kv_bytes=4, act_bytes=4, mtp_layers=1)
+        assert b["prefix_cache"] == snapshots * slot and b["recurrent_state"] == 3 * slot
+        with pytest.raises(pocketllm.PocketError, match="--num-kv-blocks 12 x --kv-block-size 16 cannot hold one"):
+            pocketllm.kv_cache_blocks(pocketllm.EngineOptions(max_context=200, num_kv_blocks=12))
     finally:
         llm.close()
 
@@ -263,8 +282,9 @@ def weights(budget: dict) -> int:
 
 def test_budget_of_the_27b_on_one_and_four_gpus():
     cfg = config_27b()
-    one = pocketllm.memory_budget(cfg, 1, max_context=8192, max_batch_size=8)
-    four = pocketllm.memory_budget(cfg, 4, max_context=8192, max_batch_size=8)
+    opts = pocketllm.EngineOptions(max_context=8192, max_batch_size=8)
+    one = pocketllm.memory_budget(cfg, opts, 1)
+    four = pocketllm.memory_budget(cfg, opts, 4)
     assert 26 * GiB < weights(one) < 31 * GiB                      # 27B params: ~25 GB FP8 layers + 5 GB bf16 embeddings
     assert weights(four) < weights(one) / 2                        # layers split
     # embedding and lm_head vocab-parallel: 248320 / 4 rows x 5120 x 2 bytes each
@@ -311,13 +331,15 @@ def test_the_27b_fits_four_11gb_cards_and_what_does_not_is_refused_naming_the_fi
     fits(cfg, "0,1", max_context=8192, max_batch_size=8)
     fake_gpus(monkeypatch, 80 * GiB, 79 * GiB)                               # one card, cache sized from memory
     fits(cfg, "0", sized=True, max_context=32768, max_batch_size=0, num_kv_blocks=0)
-    fits(cfg, "cpu,cpu", max_context=32768, max_batch_size=64)               # CPU ranks: nothing to ask
+    monkeypatch.setattr(pocketllm, "host_memory", lambda: 1 << 50)
+    fits(cfg, "cpu,cpu", max_context=32768, max_batch_size=64)               # CPU ranks: the machine's RAM
 
 
 def test_a_gpu_too_small_is_refused_before_any_weight_loads(monkeypatch):
     """LLM() on a (faked) 768 MiB GPU with pocket-tiny at a context whose KV cache needs more (one 200000-token
     sequence: 586 MiB, plus 261 MiB of workspace): one line, and the model is never built. 4096 tokens fit."""
     fake_gpus(monkeypatch, 768 << 20, 768 << 20)
+    monkeypatch.setenv(pocketllm.ALLOW_LONG_CONTEXT, "1")           # past pocket-tiny's 4096 positions
     placement = pocketllm.Placement(torch.device("cuda", 0), "torch", torch.float16, torch.float16, "faked")
     monkeypatch.setattr(pocketllm, "plan_placement", lambda opts: placement)
 
@@ -330,6 +352,73 @@ def test_a_gpu_too_small_is_refused_before_any_weight_loads(monkeypatch):
         pocketllm.LLM(TINY, quiet=True, max_context=200000, max_batch_size=64, num_kv_blocks=0)
     with pytest.raises(AssertionError, match="a weight was loaded"):             # past the check: loading starts
         pocketllm.LLM(TINY, quiet=True, max_context=4096, max_batch_size=64, num_kv_blocks=0)
+
+
+def no_loading(monkeypatch):
+    def loads(*args, **kwargs):
+        raise AssertionError("a weight was loaded before the memory check")
+    monkeypatch.setattr(pocketllm, "Model", loads)
+    monkeypatch.setattr(pocketllm, "start_group", loads)
+
+
+def test_the_cpu_cache_is_checked_against_the_ram_available_before_any_weight_loads(monkeypatch):
+    """On the CPU the cache's parts and the workspace are checked against MemAvailable (faked: 1 GiB), once per CPU
+    rank, in one line naming the flag that sizes the largest part; what fits goes on to load."""
+    no_loading(monkeypatch)
+    monkeypatch.setenv(pocketllm.ALLOW_LONG_CONTEXT, "1")
+    monkeypatch.setattr(pocketllm, "host_memory", lambda: GiB)
+    with pytest.raises(pocketllm.PocketError) as e:          # 16 sequences of 1M tokens: 122 GiB of KV cache
+        pocketllm.LLM(TINY, quiet=True, max_context=1000000)
+    said = str(e.value)
+    assert "\n" not in said and said.startswith("the CPU has 1.00 GiB available (MemAvailable), but 1 rank(s) need ")
+    assert said.endswith("lower --max-context/--max-model-len (now 1000000) or --max-batch-size/--max-num-seqs "
+                         "(now 16)") and "kv cache 122.07 GiB" in said
+    for options, flag in (({"num_kv_blocks": 10 ** 6}, "--num-kv-blocks (now 1000000)"),
+                          ({"prefix_cache_memory": 4096}, "--prefix-cache-memory (now 4096 MiB)"),
+                          ({"prefill_token_budget": 10 ** 6}, "--prefill-token-budget/--max-num-batched-tokens "
+                                                               "(now 1000000)")):
+        with pytest.raises(pocketllm.PocketError, match=re.escape(f"; lower {flag}") + "$"):
+            pocketllm.LLM(TINY, quiet=True, **options)
+    with pytest.raises(pocketllm.PocketError, match=r"2 rank\(s\) need 522\.3 MiB each"):   # one machine's RAM
+        pocketllm.LLM(TINY, quiet=True, devices="cpu,cpu", max_context=4096)
+    with pytest.raises(AssertionError, match="a weight was loaded"):   # 785 MiB: past the check, loading starts
+        pocketllm.LLM(TINY, quiet=True, max_context=4096)
+    monkeypatch.setattr(pocketllm, "host_memory", lambda: None)       # unknown (no /proc/meminfo, no sysconf)
+    with pytest.raises(AssertionError, match="a weight was loaded"):
+        pocketllm.LLM(TINY, quiet=True, max_context=10 ** 6)
+
+
+def test_the_ram_available_is_memavailable():
+    meminfo = Path("/proc/meminfo").read_text()
+    available = int(re.search(r"^MemAvailable:\s+(\d+) kB$", meminfo, re.M).group(1)) * 1024
+    assert abs(pocketllm.host_memory() - available) < 256 << 20      # read again a moment later
+
+
+def test_the_flag_named_is_the_one_that_sizes_the_largest_part():
+    opts = pocketllm.EngineOptions(max_context=8192, max_batch_size=8)
+    need = {"kv_cache": 1, "recurrent_state": 5, "prefix_cache": 4, "workspace": 2}
+    assert pocketllm.memory_fix(opts, need, sized=False) == "lower --max-batch-size/--max-num-seqs (now 8)"
+    assert pocketllm.memory_fix(opts, {**need, "prefix_cache": 6}, sized=False) == \
+        "lower --max-batch-size/--max-num-seqs (now 8)"               # by default one snapshot per state slot
+    assert pocketllm.memory_fix(opts, {**need, "kv_cache": 9}, sized=True) == \
+        "lower --max-context/--max-model-len (now 8192)"              # sized: the batch follows the memory
+
+
+def test_max_context_past_the_models_positions_needs_the_opt_in(monkeypatch):
+    """vLLM's rule: --max-model-len past config.json's max_position_embeddings is refused unless asked for
+    (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 there, POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN=1 here)."""
+    no_loading(monkeypatch)
+    monkeypatch.delenv(pocketllm.ALLOW_LONG_CONTEXT, raising=False)
+    with pytest.raises(pocketllm.PocketError) as e:
+        pocketllm.LLM(TINY, quiet=True, max_context=4097)
+    assert str(e.value) == ("--max-context/--max-model-len 4097 is beyond the model's max_position_embeddings "
+                            "(4096, config.json): positions past it were never trained; "
+                            "POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the environment allows it")
+    for allowed in ({"max_context": 4096}, {"max_context": 8192, "env": "1"}):
+        if allowed.pop("env", None):
+            monkeypatch.setenv(pocketllm.ALLOW_LONG_CONTEXT, "1")
+        with pytest.raises(AssertionError, match="a weight was loaded"):
+            pocketllm.LLM(TINY, quiet=True, **allowed)
 
 
 # ---- The warm-up, for real ----

@@ -21,6 +21,12 @@
 #               timeouts abort the communicator (a peer that never joins, a GPU spin ahead of the step)
 #   6 parity    tests/gpu/test_gpu_parity.py: native vs torch, identical greedy tokens for 64 steps
 #   6b graphs   decode by CUDA graph replay (DecodeGraphs) == eager, token for token, greedy and sampled
+#   6c model27b Qwen3.5-27B with --load-format dummy (random FP8 weights of the real shapes made on the GPU from
+#               config.json: no 27 GB download): benchmarks/bench.py --report at TP1 (batch-1 TPOT against the
+#               bytes-per-token / copy-bandwidth roofline, output tokens/s at batch 8 and 32, TTFT at 1k and 8k,
+#               the speculative step's cost and its implied speed-up, profiler GPU vs wall time per step, peak
+#               memory), then one TP4 rank's shapes on this GPU (LOGDIR/model27b.txt; `gpu_check.py model27b
+#               LOGDIR --cpu` runs the same code on the CPU with pocket-tiny's config)
 #   7 synth     a synthetic FP8 checkpoint with the 27B's layer shapes, 4 layers (tests/gpu/serve_check.py)
 #   8 serve_tiny       `python pocketllm.py` on the GPU (--device auto, --backend native: the defaults must pick
 #   9 serve_synthetic  them), pocket-tiny, then the synthetic checkpoint with --smoke-layers 4: /health after
@@ -110,6 +116,7 @@ run ptx_sm75 150 bash -c sm75_ops
 run nccl 120 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
 run parity 120 "$PY" -m pytest -q tests/gpu/test_gpu_parity.py -p no:cacheprovider
 run graphs 90 "$PY" tests/gpu/gpu_check.py graphs "$LOG"
+run model27b 240 "$PY" tests/gpu/gpu_check.py model27b "$LOG"
 export POCKETLLM_SYNTH=${TMPDIR:-/tmp}/pocketllm-synth-27b-shapes
 run synth 150 "$PY" tests/gpu/serve_check.py synth "$POCKETLLM_SYNTH"
 GPU_FLAGS=(--max-context 2048)      # --device auto and --backend auto: the start-up line must say cuda:0, native
@@ -138,6 +145,7 @@ for r in d["rows"][1:]:
     print(f"  {r['kernel']:28s} {r['shape']:22s} B={r['batch']:<2} {r['ms']:8.4f} ms {r['GB/s']:7.0f} GB/s {r['% of copy']:5.1f}%")
 EOF
     fi
+    [ -f "$LOG/model27b.txt" ] && { echo; cat "$LOG/model27b.txt"; }
     if [ -f "$LOG/decode.json" ]; then
         "$PY" - "$LOG/decode.json" <<'EOF'
 import json, sys

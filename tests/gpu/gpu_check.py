@@ -8,6 +8,8 @@
     python tests/gpu/gpu_check.py decode LOGDIR    # decode tokens/s at batch 1, 8 and 32, 27B shapes, 4 layers,
                                                    # eager and as CUDA graphs
     python tests/gpu/gpu_check.py graphs LOGDIR    # decode by CUDA graph replay == eager, token for token
+    python tests/gpu/gpu_check.py model27b LOGDIR [--cpu]   # Qwen3.5-27B, dummy weights: TP1 and a TP4 rank's
+                                                   # shapes, bench.py --report; --cpu: pocket-tiny's config here
 
 Timing: after warm-up, the GPU is held busy (torch.cuda._sleep) while the host queues REPS back-to-back calls, so
 the CUDA events around them measure the kernels and not Python's launch overhead; the median over many such runs,
@@ -550,6 +552,61 @@ def profile_steps(llm, prompt: list[int], logdir: Path) -> dict:
     return totals
 
 
+# ---- Qwen3.5-27B with dummy weights (--load-format dummy, no download): benchmarks/bench.py's report at TP1
+#      (batch-1 decode against the copy-bandwidth roofline, batch 8 and 32, TTFT, speculation's step cost), then one
+#      TP4 rank's shapes on this one GPU. --cpu: the same code on the CPU with pocket-tiny's config (and its TP2
+#      rank's shapes), which tests/test_gpu_check.py runs. ----
+
+def host_copy_bandwidth() -> float:
+    """GB/s of a 256 MiB host copy, read + write (the --cpu run's roofline)."""
+    import torch
+    src = torch.empty(2 ** 27, dtype=torch.int16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 2 / best / 1e9
+
+
+def model27b(logdir: Path, cpu: bool = False) -> int:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench
+    if cpu:
+        base, world, copy = json.loads((ROOT / "models" / "pocket-tiny" / "config.json").read_text()), 2, \
+            host_copy_bandwidth()
+        flags = ["--device", "cpu", "--backend", "torch", "--decode", "8", "--ttft-lens", "256",
+                 "--report-batches", "4", "--ttft-repeats", "1"]
+    else:
+        base, world, copy = bench.qwen35_27b_config(), 4, copy_bandwidth()
+        flags = ["--device", "cuda", "--backend", "native", "--dtype", "float16", "--decode", "32",
+                 "--ttft-lens", "1024,8192", "--report-batches", "8,32", "--ttft-repeats", "1"]
+    result, text = {"copy_GBps": copy}, []
+    for name, raw, spec in (("tp1", base, "2"), (f"tp{world}_rank", bench.rank_shapes(base, world), "0")):
+        ckpt = logdir / f"model27b-{name}"
+        ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / "config.json").write_text(json.dumps(raw, indent=1))
+        t0 = time.time()
+        r = bench.report(bench.parse_args(["--report", "--ckpt", str(ckpt), "--load-format", "dummy",
+                                           "--speculative-tokens", spec] + flags))
+        batch1 = r["off"]["batch1"]
+        roofline_ms = r["off"]["decode_bytes_per_step"] / (copy * 1e9) * 1e3
+        r["roofline"] = {"bytes_per_step": r["off"]["decode_bytes_per_step"], "roofline_ms": roofline_ms,
+                         "tpot_ms": batch1["tpot_ms"], "fraction_of_roofline": roofline_ms / batch1["tpot_ms"]}
+        result[name] = r
+        line = (f"{name}: batch-1 TPOT {batch1['tpot_ms']:.2f} ms vs roofline {roofline_ms:.2f} ms "
+                f"({r['off']['decode_bytes_per_step'] / 1e6:.1f} MB / {copy:.0f} GB/s) = "
+                f"{100 * roofline_ms / batch1['tpot_ms']:.0f}% of the roofline; {time.time() - t0:.0f} s")
+        print(line, flush=True)
+        text += [f"## {name} ({r['machine']}, backend {r['off']['backend']} on {r['off']['device']})", line, "",
+                 bench.report_table(r), ""]
+    save(logdir, "model27b", result)
+    (logdir / "model27b.txt").write_text("\n".join(text))
+    return 0
+
+
 # ---- CUDA graphs: the decode step replayed from a graph gives the eager step's tokens, greedy and sampled ----
 
 def graphs(logdir: Path) -> int:
@@ -584,13 +641,15 @@ def graphs(logdir: Path) -> int:
 def main() -> int:
     step, logdir = sys.argv[1], Path(sys.argv[2])
     logdir.mkdir(parents=True, exist_ok=True)
-    if step in ("kernels", "nccl", "bench", "decode", "graphs"):
+    if step == "model27b" and sys.argv[3:] == ["--cpu"]:
+        return model27b(logdir, cpu=True)
+    if step in ("kernels", "nccl", "bench", "decode", "graphs", "model27b"):
         import torch
         if not torch.cuda.is_available():
             print(f"{step}: skipped, torch sees no CUDA GPU")
             return 1
     steps = {"prereqs": prereqs, "load": load, "kernels": kernels, "nccl": nccl, "bench": bench, "decode": decode,
-             "graphs": graphs}
+             "graphs": graphs, "model27b": model27b}
     return steps[step](logdir)
 
 
