@@ -4969,23 +4969,71 @@ def _json_type_name(value) -> str:
     return {int: "integer", float: "number", str: "string", dict: "object", list: "array"}.get(type(value), "null")
 
 
-def _schema_types(schema) -> list[str]:
-    """The JSON-schema types a parameter accepts, in the order to try them: type / type lists / anyOf / oneOf,
-    else the types of its enum or const values."""
-    if not isinstance(schema, dict):
-        return []
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        kinds = [kind]
-    elif isinstance(kind, list):
-        kinds = [k for k in kind if isinstance(k, str)]
-    elif isinstance(schema.get("anyOf"), list) or isinstance(schema.get("oneOf"), list):
-        kinds = [k for sub in (schema.get("anyOf") or schema.get("oneOf")) for k in _schema_types(sub)]
-    elif isinstance(schema.get("enum"), list) or "const" in schema:
-        kinds = [_json_type_name(v) for v in schema.get("enum") or [schema.get("const")]]
-    else:
-        kinds = ["object"] if "properties" in schema else ["array"] if "items" in schema else []
-    return list(dict.fromkeys(kinds))
+_KIND_ORDER = ("object", "array", "integer", "number", "boolean", "null", "string")   # an open schema's kinds
+
+
+def _local_ref(root, ref):
+    """The schema a local $ref (#, #/$defs/Name, ...) points to in `root`; None if it points nowhere."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    target = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        elif isinstance(target, dict) and part in target:
+            target = target[part]
+        else:
+            return None
+    return target
+
+
+def _meet(kinds: list[str] | None, other: list[str] | None) -> list[str] | None:
+    """The kinds both lists accept (None: any), integer within number."""
+    if kinds is None or other is None:
+        return other if kinds is None else kinds
+    both = [k for k in kinds if k in other or k == "integer" and "number" in other]
+    return both + (["integer"] if "number" in kinds and "integer" in other and "integer" not in both else [])
+
+
+def _schema_kinds(schema, root, depth: int = 0) -> list[str] | None:
+    """The JSON types a schema admits, in the order a reader tries them (None: any). $ref resolved in root,
+    allOf intersected, anyOf / oneOf joined in branch order, type lists, enum / const values, nullable (null
+    last), and the types the structured-output compiler infers from keywords (properties -> object, ...)."""
+    if schema is True or not isinstance(schema, dict) or depth > 16:
+        return None
+    kinds = None
+    if "$ref" in schema:
+        kinds = _schema_kinds(_local_ref(root, schema["$ref"]), root, depth + 1)
+    for part in schema.get("allOf") if isinstance(schema.get("allOf"), list) else []:
+        kinds = _meet(kinds, _schema_kinds(part, root, depth + 1))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            found = [_schema_kinds(sub, root, depth + 1) for sub in schema[key]]
+            joined = [k for sub in found for k in (_KIND_ORDER if sub is None else sub)]
+            kinds = _meet(kinds, list(dict.fromkeys(joined)))
+    kind, own = schema.get("type"), None
+    if isinstance(kind, (str, list)):
+        own = [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)]
+    if isinstance(schema.get("enum"), list) or "const" in schema:
+        own = _meet(own, [_json_type_name(v) for v in ([schema["const"]] if "const" in schema else schema["enum"])])
+    elif own is None:
+        keys = set(schema)
+        own = ["object"] if {"properties", "additionalProperties", "required"} & keys else \
+            ["array"] if {"items", "prefixItems", "minItems", "maxItems"} & keys else \
+            ["string"] if {"minLength", "maxLength", "pattern"} & keys else \
+            ["number"] if {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & keys else None
+    kinds = _meet(kinds, own)
+    if kinds is not None and schema.get("nullable") is True and "null" not in kinds:
+        kinds = [*kinds, "null"]
+    return None if kinds is None else list(dict.fromkeys(kinds))
+
+
+def _schema_types(schema, root=None) -> list[str]:
+    """The JSON-schema types a parameter accepts, in the order to try them ([]: any), `root` (the function's
+    parameters) holding what its $refs point to. The parser reads a Qwen XML value by these types and the
+    structured-output decoder writes only values that read back as themselves (_xml_value_node)."""
+    return _schema_kinds(schema, schema if root is None else root) or []
 
 
 @dataclass
@@ -4994,6 +5042,7 @@ class ToolFunction:
     name: str
     properties: dict                   # parameter name -> its JSON schema (an object, or true/false)
     required: list[str]                # required parameters: in schema order, then any required ones not described
+    parameters: dict = field(default_factory=dict)   # the whole parameters schema (what $refs point into)
 
 
 TOOL_KEYS = ("type", "function")
@@ -5020,7 +5069,7 @@ def _tool_function(name: str, parameters, where: str) -> ToolFunction:
     for j, item in enumerate(required):
         _check_type(item, str, f"{where}.required[{j}]")
     ordered = [p for p in properties if p in required] + [p for p in required if p not in properties]
-    return ToolFunction(name, properties, list(dict.fromkeys(ordered)))
+    return ToolFunction(name, properties, list(dict.fromkeys(ordered)), parameters)
 
 
 def tool_functions(tools) -> dict[str, ToolFunction]:
@@ -5047,9 +5096,9 @@ def tool_functions(tools) -> dict[str, ToolFunction]:
     return functions
 
 
-def _tool_schemas(tools) -> dict[str, dict]:
-    """function name -> its parameters' "properties" (empty when it declares none)."""
-    return {name: function.properties for name, function in tool_functions(tools).items()}
+def _tool_schemas(tools) -> dict[str, ToolFunction]:
+    """function name -> the function (its parameters' "properties" empty when it declares none)."""
+    return tool_functions(tools)
 
 
 class _ParsedCall:
@@ -5750,8 +5799,10 @@ class _OutputScan:
 
     def param_types(self, function, key):
         """The schema types of a function's parameter, None when the parameter is not in its schema."""
-        properties = self.schemas.get(function)
-        return _schema_types(properties[key]) if properties is not None and key in properties else None
+        found = self.schemas.get(function)
+        if found is None or key not in found.properties:
+            return None
+        return _schema_types(found.properties[key], found.parameters)
 
 
 class ChatOutputParser:
@@ -6946,6 +6997,40 @@ def _stack_completion(stack: tuple) -> bytes | None:
     return out
 
 
+class _Guard(_Node):
+    """A node whose text may not start with a byte in `banned` (a Qwen XML raw string after other types, which
+    must not read as one of them); data: 0 before the first byte, 1 once the node has it."""
+
+    def __init__(self, node: _Node, banned: frozenset):
+        self.node, self.banned = node, banned
+
+    def starts(self):
+        return [0]
+
+    def step(self, data, b):
+        return [(1, self.node)] if data == 0 and b not in self.banned else []
+
+    def can_end(self, data):
+        return data == 1
+
+    def child_done(self, data, child):
+        return 1
+
+    def rest(self, data):
+        return self.shortest() if data == 0 else b""
+
+    def finish(self, data):
+        return 1
+
+    def _shortest_text(self):
+        texts = []
+        for b in sorted(set(range(0x20, 0x7F)) - self.banned):
+            stacks = []
+            _feed((), b, stacks, self.node)
+            texts += [bytes((b,)) + rest for rest in map(_stack_completion, stacks) if rest is not None]
+        return min(texts, key=lambda t: (len(t), t)) if texts else None
+
+
 class _Grammar:
     """A compiled output grammar with its per-state caches (transitions, masks, completions), shared by every
     request that sends the same schema with the same tokenizer."""
@@ -7559,13 +7644,14 @@ class _SchemaCompiler:
     def _exclusive(self, parts, path) -> None:
         """oneOf is decoded as anyOf, which is exact when no value can match two branches: checked here, pair by
         pair, by type (integer within number) or by a required property whose const/enum values differ (a
-        discriminated union). Branches that may overlap: under strict a 400, else decoded as anyOf."""
+        discriminated union). Branches that may overlap are a 400 with or without strict: decoded as anyOf they
+        could give a value that matches two, which the schema forbids, and exactly-one is not a grammar."""
         shapes = [self._shape(self._deref(part, f"{path}[{k}]")) for k, part in enumerate(parts)]
         for k, l in itertools.combinations(range(len(parts)), 2):
             if not _shapes_disjoint(shapes[k], shapes[l]):
-                self.unsupported(path, f"has branches {k} and {l} that one value may match (exclusivity is enforced "
-                                       "where branches differ by type or by a const/enum property)")
-                return
+                raise RequestError(f"'{path}' has branches {k} and {l} that one value may match (oneOf is enforced "
+                                   "where its branches differ by type or by a required const/enum property; write "
+                                   "anyOf if a value may match several)", param=path, code="unsupported_field")
 
     def _shape(self, schema, depth: int = 0):
         """(types or None: any, finite values or None, {required property: its finite values}) of a schema."""
@@ -7807,31 +7893,72 @@ def compile_schema(schema, where: str, strict: bool) -> _Node:
     return node
 
 
-def _raw_string(compiler: _SchemaCompiler, schema, path) -> _Node:
-    """A Qwen XML string parameter, written raw: enum values as they are, else a raw string with the
-    schema's (first string alternative's) length and pattern."""
-    for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list):
-            schema = next(s for s in schema[key] if _schema_types(s)[:1] == ["string"])
-    values = [schema["const"]] if "const" in schema else schema.get("enum")
-    if isinstance(values, list) and any(isinstance(v, str) for v in values):
-        return _Choice([v.encode() for v in values if isinstance(v, str)])
-    return compiler._string(schema, path, raw=True)
+_NODE_KINDS = {_Str: "string", _Int: "integer", _Num: "number", _Decimal: "number", _Obj: "object", _Arr: "array"}
+
+
+def _kind_leaves(node: _Node, kinds: set, seen: set) -> list[_Node]:
+    """The alternatives of a compiled value (unions and $refs opened) that write values of `kinds` (an
+    integer counting as a number): nodes as they are, enum / const values filtered."""
+    if isinstance(node, (_Union, _Ref)):
+        if id(node) in seen:
+            return []
+        seen.add(id(node))
+        options = node.options if isinstance(node, _Union) else [node.target]
+        return [leaf for option in options for leaf in _kind_leaves(option, kinds, seen)]
+    if isinstance(node, _Choice):
+        texts = [t for t in node.texts if _json_type_name(json.loads(t)) in kinds or
+                 _json_type_name(json.loads(t)) == "integer" and "number" in kinds]
+        return [_Choice(texts)] if texts else []
+    kind = _NODE_KINDS.get(type(node))
+    return [node] if kind in kinds or kind == "integer" and "number" in kinds else []
+
+
+def _misread_starts(kinds) -> frozenset:
+    """The first bytes of a raw string that the parser could read as one of `kinds` (it strips whitespace,
+    reads null / None and booleans in any case, numbers as JSON, objects and arrays as JSON or Python
+    literals): whitespace, Unicode whitespace's UTF-8 leads (C2 E1 E2 E3: conservative) and each kind's."""
+    starts = {"integer": b"-0123456789", "number": b"-0123456789", "object": b"{(", "array": b"[(",
+              "boolean": b"tTfF", "null": b"nN"}
+    return frozenset(b" \t\n\r\xc2\xe1\xe2\xe3" + b"".join(starts.get(kind, b"") for kind in kinds))
+
+
+def _xml_value(compiler: _SchemaCompiler, schema, root, path) -> _Node:
+    """A Qwen XML argument's value, which the parser reads by _schema_types(schema, root) in order: raw text
+    for the string alternatives (only if no earlier type could read it: its first byte is guarded), JSON for
+    the non-string types before them; types after "string" are never read, so never written."""
+    node = compiler.compile(schema, path)
+    kinds = _schema_types(schema, root)
+    if "string" not in kinds:                          # JSON values (any value: the parser tries JSON first)
+        return node
+    before = kinds[:kinds.index("string")]
+    options = _kind_leaves(node, set(before), set()) if before else []
+    for leaf in _kind_leaves(node, {"string"}, set()):
+        if isinstance(leaf, _Choice):                  # enum / const strings, kept where they read back as themselves
+            values = [v for v in map(json.loads, leaf.texts) if "<" not in v and _convert_value(v, kinds) == v]
+            options += [_Choice([v.encode() for v in values])] if values else []
+            continue
+        raw = _Str(leaf.lo, leaf.hi, leaf.regex, raw=True, nonblank=not (leaf.lo or leaf.regex), no_lt=True)
+        options.append(_Guard(raw, _misread_starts(before)) if before else raw)
+    if not options:
+        compiler.fail(path, "admits no value a Qwen XML argument can carry")
+    return options[0] if len(options) == 1 else _Union(options)
 
 
 def _call_members(fmt: ToolCallFormat, parameters, where: str, strict: bool) -> list:
     """A function's arguments [(key, value node, required)] in schema order, values as the format writes
-    them (raw strings in Qwen XML, JSON otherwise)."""
+    them (Qwen XML: _xml_value; JSON otherwise)."""
     parameters = {} if parameters is None else parameters
     compiler = _SchemaCompiler(parameters, where, strict, in_call=True)
     function = _tool_function("", parameters, where)
     members = []
     for key, schema in function.properties.items():
         path = f"{where}.properties.{key}"
-        raw = not fmt.json_values and isinstance(schema, dict) and _schema_types(schema)[:1] == ["string"]
-        node = _raw_string(compiler, schema, path) if raw else compiler.compile(schema, path)
-        if isinstance(node, _Str) and not (node.lo or node.regex):             # never an empty argument
-            node = _Str(node.lo, node.hi, raw=node.raw, nonblank=True, no_lt=True)
+        if fmt.json_values:
+            node = compiler.compile(schema, path)
+            if isinstance(node, _Str) and not (node.lo or node.regex):             # never an empty argument
+                node = _Str(node.lo, node.hi, raw=node.raw, nonblank=True, no_lt=True)
+        else:
+            node = _xml_value(compiler, schema, parameters, path)
         if node.shortest() is None:
             raise RequestError(f"'{path}' admits no finite value", param=path)
         members.append((key, node, key in function.required))
