@@ -6328,10 +6328,13 @@ class _Str(_Node):
     def __init__(self, lo=0, hi=None, regex=None, raw=False, exclude=(), nonblank=False, no_lt=False):
         self.lo, self.hi, self.regex, self.raw = lo, hi, regex, raw
         self.no_lt = no_lt or raw                             # inside a call no markup can start in a string
-        self.dirty = _RAW_DIRTY if raw else _JSON_DIRTY | {_LT} if no_lt else _JSON_DIRTY   # not held as is
         self.exclude = frozenset(exclude)
         self.exclude_prefixes = {e[:k] for e in self.exclude for k in range(len(e) + 1)}
         self.counted = bool(lo) or hi is not None
+        # not held as is; a raw string ends where its value_close starts ("\n</parameter>"): counted, a token
+        # holding a newline may leave it after the last character that fits, so it is run through the grammar
+        self.dirty = (_RAW_DIRTY | {0x0A} if self.counted else _RAW_DIRTY) if raw else \
+            _JSON_DIRTY | {_LT} if no_lt else _JSON_DIRTY
         self.ascii = regex is not None                    # a pattern's text is ASCII
         self.utf8 = self.counted and regex is None and not self.exclude   # sub: the bytes the character owes
         self.nonblank = nonblank and not self.counted and regex is None

@@ -138,3 +138,111 @@ def test_one_of_that_may_match_twice_is_refused(tokenizer, strict):
         P.tool_choice_processor(tokenizer, [tool({"p": {"oneOf": [{"type": "string"}, {"$ref": "#/$defs/Name"}]}},
                                                  strict=strict)], "auto", "hermes", True, False, 100)
     assert e.value.param == "tools[0].function.parameters.properties.p.oneOf"
+
+
+# The property (item 3): hypothesis-jsonschema draws parameter schemas from a meta-schema of the shapes agent
+# frameworks send; a random-weight checkpoint at temperature 1 makes forced, strict and auto calls in both
+# formats, and every call's arguments validate.
+
+def _leaf_shapes():
+    kinds = {"enum": ["string", "integer", "number", "boolean", "null"]}
+    return [
+        {"type": "object", "properties": {"type": kinds}, "required": ["type"], "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"const": "string"}, "maxLength": {"type": "integer", "minimum": 1,
+         "maximum": 6}}, "required": ["type", "maxLength"], "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"const": "number"}, "minimum": {"type": "integer", "minimum": -3,
+         "maximum": 3}}, "required": ["type", "minimum"], "additionalProperties": False},
+        {"type": "object", "properties": {"enum": {"type": "array", "items": {"enum": ["a", "b", "7", 1, None]},
+         "minItems": 1, "maxItems": 3, "uniqueItems": True}}, "required": ["enum"], "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"type": "array", "items": kinds, "minItems": 1, "maxItems": 3,
+         "uniqueItems": True}}, "required": ["type"], "additionalProperties": False},
+        {"type": "object", "properties": {"$ref": {"enum": [f"#/$defs/{name}" for name in DEFS]}},
+         "required": ["$ref"], "additionalProperties": False},
+    ]
+
+
+def _composites(inner):
+    pair = {"type": "array", "items": inner, "minItems": 1, "maxItems": 2}
+    return [
+        {"type": "object", "properties": {"anyOf": pair}, "required": ["anyOf"], "additionalProperties": False},
+        {"type": "object", "properties": {"oneOf": pair}, "required": ["oneOf"], "additionalProperties": False},
+        {"type": "object", "properties": {"allOf": {"type": "array", "items": inner, "minItems": 1, "maxItems": 1}},
+         "required": ["allOf"], "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"const": "array"}, "items": inner, "maxItems": {"const": 2}},
+         "required": ["type", "items", "maxItems"], "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"const": "object"}, "properties": {"type": "object",
+         "properties": {"k": inner, "m": inner}, "required": ["k"], "additionalProperties": False},
+         "required": {"const": ["k"]}, "additionalProperties": {"const": False}},
+         "required": ["type", "properties", "required", "additionalProperties"], "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"enum": ["string", "integer", "number"]}, "nullable": {"const": True}},
+         "required": ["type", "nullable"], "additionalProperties": False},
+    ]
+
+
+LEAF = {"anyOf": _leaf_shapes()}
+LEVEL1 = {"anyOf": _leaf_shapes() + _composites(LEAF)}
+PARAMETER_SCHEMAS = from_schema({"anyOf": _leaf_shapes() + _composites(LEVEL1)})
+REFUSED = ("oneOf", "exclude each other", "admits no")         # overlapping oneOf, empty allOf / enum: a 400
+
+
+@pytest.fixture(scope="module")
+def random_llm(ckpt_factory):
+    return P.LLM(ckpt_factory("qwen3_5")[0], backend="torch", quiet=True, max_context=1024, max_batch_size=8)
+
+
+def _requests(llm, properties):
+    """(format, mode, tools, processor, prompt ids, in_reasoning) for each format and mode; None where the
+    schema is refused (checked: a 400 for one of the REFUSED reasons)."""
+    template = P.load_chat_template(llm.tokenizer)
+    out = []
+    for fmt in ("qwen_xml", "hermes"):
+        for mode in ("forced", "strict", "auto"):
+            tools = [tool(properties, required=["p"], strict=mode == "strict")]
+            choice = "auto" if mode == "auto" else "required" if mode == "strict" else \
+                {"type": "function", "function": {"name": "f"}}
+            prompt = template.render([{"role": "user", "content": "Call f."}], tools=tools)
+            in_reasoning = P.prompt_ends_in_reasoning(prompt)
+            try:
+                processor = P.structured_decoder(llm.tokenizer, tools=tools, tool_choice=choice, tool_parser=fmt,
+                                                 in_reasoning=in_reasoning, max_tokens=128,
+                                                 eos_token_ids=llm.eos_token_ids)
+            except P.RequestError as e:
+                assert any(reason in str(e) for reason in REFUSED), e
+                return None
+            out.append((fmt, mode, tools, processor, llm.tokenizer.encode(prompt), in_reasoning))
+    return out
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(p=PARAMETER_SCHEMAS, q=PARAMETER_SCHEMAS, seed=st.integers(0, 1000))
+def test_random_checkpoint_calls_validate(random_llm, p, q, seed):
+    requests = _requests(random_llm, {"p": p, "q": q})
+    if requests is None:
+        return
+    streams = [random_llm.submit(ids, P.SamplingParams(max_tokens=128, temperature=1.0, seed=seed,
+                                                       logits_processors=[processor]))
+               for _, _, _, processor, ids, _ in requests]
+    for (fmt, mode, tools, _, _, in_reasoning), stream in zip(requests, streams):
+        text = "".join(event.text for event in stream)
+        parser = P.ChatOutputParser(tools, fmt, in_reasoning)
+        parser.feed(text)
+        calls = parser.message()["tool_calls"] or []
+        assert calls or mode == "auto", (fmt, mode, text)
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                without_nullable(tools[0]["function"]["parameters"]))
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 3}, {"$ref": "#/$defs/Name"},
+                                    {"type": "string", "minLength": 2, "maxLength": 4}])
+def test_bounded_xml_strings_close_at_their_length(tokenizer, schema):
+    """A raw string at its maxLength ends with the value's closing newline: tokens holding that newline are
+    allowed there (they used to be taken for string content that no longer fits, which emptied the mask)."""
+    tools = [tool({"p": schema, "n": {"type": "integer"}})]
+    eos = tokenizer.token_to_id("<|im_end|>")
+    for seed in range(6):
+        processor = P.tool_choice_processor(tokenizer, tools, "required", "qwen_xml", False, False, 200)
+        ids = run(processor, tokenizer, 200, seed)
+        assert ids[-1] == eos, tokenizer.decode(ids)
+        check_arguments(tools, tokenizer.decode(ids[:-1]), "qwen_xml")
