@@ -6074,18 +6074,56 @@ class _Repeat(_Node):
         return self.first.shortest() if data[0] == 0 else b""
 
 
-class _Regex:
-    """A regular expression (JSON Schema `pattern`: unanchored unless ^...$) as a Thompson NFA over bytes.
-    Supported: literals and escapes, ., [classes] and \\d \\w \\s (negated too), groups, |, * + ? {m,n}, ^ and $
-    at the ends. A character past ASCII is one step (its continuation bytes do not move the NFA)."""
+_ANY_CHAR = ((0x20, 0xD7FF), (0xE000, 0x10FFFF))     # the characters a pattern's ., [^...] and \D \W \S may take
 
-    _CLASSES = {"d": set(b"0123456789"), "w": set(b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
-                "s": set(b" \t\n\r\f\v")}
-    _NON_ASCII = set(range(0xC0, 0x100))                       # the lead byte of a non-ASCII character
+
+def _char_ranges(chars) -> tuple:
+    """Code points (an iterable of ints, or (lo, hi) pairs) as sorted, merged, inclusive ranges."""
+    pairs = sorted((c, c) if isinstance(c, int) else tuple(c) for c in chars)
+    merged: list[list[int]] = []
+    for lo, hi in pairs:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in merged)
+
+
+def _char_complement(ranges: tuple) -> tuple:
+    """_ANY_CHAR minus the ranges."""
+    out, todo = [], list(_ANY_CHAR)
+    for lo, hi in todo:
+        for a, b in ranges:
+            if b < lo or a > hi:
+                continue
+            if a > lo:
+                out.append((lo, a - 1))
+            lo = b + 1
+            if lo > hi:
+                break
+        if lo <= hi:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def _char_in(ranges: tuple, c: int) -> bool:
+    k = bisect.bisect_right(ranges, (c, 0x110000)) - 1
+    return k >= 0 and ranges[k][0] <= c <= ranges[k][1]
+
+
+class _Regex:
+    """A regular expression (JSON Schema `pattern`: unanchored unless ^...$) as a Thompson NFA over characters
+    (code points; _Str hands it each character once its UTF-8 bytes are complete). Supported: literals (any
+    language) and escapes, ., [classes] with ranges of any characters, \\d \\w \\s (ASCII, as ECMA-262; negated
+    too), groups, |, * + ? {m,n}, ^ and $ at the ends."""
+
+    _CLASSES = {"d": _char_ranges(b"0123456789"),
+                "w": _char_ranges(b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+                "s": _char_ranges(b" \t\n\r\f\v")}
 
     def __init__(self, pattern: str):
         self.pattern, self.i = pattern, 0
-        self.edges: list[list] = []                            # state -> [(byte set or None (epsilon), next)]
+        self.edges: list[list] = []                            # state -> [(char ranges or None (epsilon), next)]
         anchored_start = pattern.startswith("^")
         self.i = 1 if anchored_start else 0
         start, end = self._alternation()
@@ -6106,8 +6144,7 @@ class _Regex:
 
     def _wrap_any(self, at: int, before: bool) -> int:
         loop = self._state()
-        anything = set(range(0x20, 0x100)) - set(range(0x80, 0xC0))
-        self.edges[loop].append((anything, loop))
+        self.edges[loop].append((_ANY_CHAR, loop))
         if before:
             self.edges[loop].append((None, at))
             return loop
@@ -6212,23 +6249,20 @@ class _Regex:
             return self._edge(self._class())
         if c == ".":
             self.i += 1
-            return self._edge(set(range(0x20, 0x100)) - {0x0A})
+            return self._edge(_ANY_CHAR)
         if c == "\\":
             return self._edge(self._escape())
         if c in "*+?{)|^$":
             raise ValueError(f"unexpected {c!r} at {self.i}")
         self.i += 1
-        data = c.encode()
-        if len(data) > 1:
-            raise ValueError("non-ASCII characters are not supported")
-        return self._edge({data[0]})
+        return self._edge(_char_ranges([ord(c)]))
 
-    def _edge(self, byteset):
+    def _edge(self, ranges: tuple):
         s, e = self._state(), self._state()
-        self.edges[s].append((frozenset(byteset), e))
+        self.edges[s].append((ranges, e))
         return s, e
 
-    def _escape(self) -> set:
+    def _escape(self) -> tuple:
         self.i += 1
         if self.i >= len(self.pattern):
             raise ValueError("a trailing backslash")
@@ -6236,40 +6270,38 @@ class _Regex:
         self.i += 1
         if c.lower() in self._CLASSES:
             found = self._CLASSES[c.lower()]
-            return set(found) if c.islower() else set(range(0x20, 0x100)) - found
+            return found if c.islower() else _char_complement(found)
         if c in "nrtfv":
-            return {ord({"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v"}[c])}
+            return _char_ranges([ord({"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v"}[c])])
         if c.isalnum():
             raise ValueError(f"the escape \\{c} is not supported")
-        return {ord(c)}
+        return _char_ranges([ord(c)])
 
-    def _class(self) -> set:
+    def _class(self) -> tuple:
         p = self.pattern
         self.i += 1
         negate = p.startswith("^", self.i)
         self.i += negate
-        found, first = set(), True
+        found, first = [], True
         while self.i < len(p) and (p[self.i] != "]" or first):
             first = False
             if p[self.i] == "\\":
-                found |= self._escape()
+                found += self._escape()
                 continue
             lo = p[self.i]
             self.i += 1
             if p.startswith("-", self.i) and self.i + 1 < len(p) and p[self.i + 1] != "]":
                 hi = p[self.i + 1]
                 self.i += 2
-                if ord(lo) > 127 or ord(hi) > 127 or hi < lo:
-                    raise ValueError("ranges must be ASCII and ordered")
-                found |= set(range(ord(lo), ord(hi) + 1))
+                if hi < lo:
+                    raise ValueError("ranges must be ordered")
+                found.append((ord(lo), ord(hi)))
             else:
-                if ord(lo) > 127:
-                    raise ValueError("non-ASCII characters are not supported")
-                found.add(ord(lo))
+                found.append((ord(lo), ord(lo)))
         if self.i >= len(p):
             raise ValueError("unterminated character class")
         self.i += 1
-        return set(range(0x20, 0x100)) - found if negate else found
+        return _char_complement(_char_ranges(found)) if negate else _char_ranges(found)
 
     # Running
 
@@ -6282,37 +6314,90 @@ class _Regex:
                     todo.append(nxt)
         return frozenset(seen)
 
-    def step(self, states: frozenset, b: int) -> frozenset | None:
-        key = (states, b)
+    def step(self, states: frozenset, c: int) -> frozenset | None:
+        """The states after character c (a code point); None: no match can go on."""
+        key = (states, c)
         found = self._steps.get(key, ...)
         if found is ...:
-            b = 0xC0 if b >= 0xC0 else b
-            moved = {nxt for s in states for byteset, nxt in self.edges[s] if byteset is not None and b in byteset}
-            found = self._steps[key] = self._closure(moved) if moved else None
+            moved = {nxt for s in states for ranges, nxt in self.edges[s] if ranges is not None and _char_in(ranges, c)}
+            found = self._closure(moved) if moved else None
+            if len(self._steps) < 1 << 16:
+                self._steps[key] = found
         return found
 
     def accepts(self, states: frozenset) -> bool:
         return self.accept in states
 
-    def shortest(self, states: frozenset, allowed) -> bytes | None:
-        """The shortest bytes from `states` to acceptance, using bytes in `allowed` (preferring letters)."""
+    def shortest(self, states: frozenset, allowed, within=None) -> bytes | None:
+        """The shortest UTF-8 text from `states` to acceptance, of ASCII characters in `allowed` (preferring
+        letters) and any others; `within` (lo, hi): its first character's code point must lie there."""
         seen, frontier = {states}, [(states, b"")]
-        order = sorted(allowed, key=lambda b: (not chr(b).isalnum(), b))
+        ascii_order = sorted((b for b in allowed if b < 0x80), key=lambda b: (not chr(b).isalnum(), b))
         while frontier:
             nxt = []
             for s, text in frontier:
-                if self.accepts(s):
+                if self.accepts(s) and not (within and not text):
                     return text
-                for b in order:
-                    t = self.step(s, b) if b < 0x80 else None
+                lo, hi = within if within and not text else (0, 0x10FFFF)
+                for c in self._candidates(s, ascii_order, lo, hi):
+                    t = self.step(s, c)
                     if t is not None and t not in seen:
                         seen.add(t)
-                        nxt.append((t, text + bytes((b,))))
+                        nxt.append((t, text + chr(c).encode()))
             frontier = nxt
         return None
 
+    def _candidates(self, states, ascii_order, lo: int, hi: int) -> list[int]:
+        """The characters worth trying from `states` in [lo, hi]: the allowed ASCII ones, then the first
+        non-ASCII character of each range an edge takes."""
+        found = [c for c in ascii_order if lo <= c <= hi]
+        for s in states:
+            for ranges, _ in self.edges[s]:
+                for a, b in ranges or ():
+                    c = max(a, lo, 0x80)
+                    if c <= min(b, hi):
+                        found.append(c)
+        return list(dict.fromkeys(found))
+
+    def takes_between(self, states: frozenset, lo: int, hi: int) -> bool:
+        """Whether some character in [lo, hi] moves the NFA on from `states` (a character begun is one
+        that can be finished)."""
+        key = (states, lo, hi)
+        found = self._steps.get(key)
+        if found is None:
+            found = self._steps[key] = any(a <= hi and lo <= b for s in states for ranges, _ in self.edges[s]
+                                           for a, b in ranges or ())
+        return found
+
 
 _UTF8_LEADS = {0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)}   # RFC 3629
+
+
+def _utf8_owed(lead: int) -> tuple[int, int, int]:
+    """(continuation bytes after the lead byte, the second byte's low and high) for a UTF-8 lead byte."""
+    return _UTF8_LEADS.get(lead) or ((1 if lead < 0xE0 else 2 if lead < 0xF0 else 3), 0x80, 0xBF)
+
+
+def _utf8_step(pending: bytes, b: int) -> tuple[bytes, int | None] | None:
+    """The bytes of an unfinished character plus byte b -> (the bytes still unfinished, the character's code
+    point once complete else None); None where b breaks well-formed UTF-8 (RFC 3629)."""
+    if not pending:
+        return (b"", b) if b < 0x80 else (bytes((b,)), None) if 0xC2 <= b <= 0xF4 else None
+    owed, low, high = _utf8_owed(pending[0])
+    if not (low <= b <= high if len(pending) == 1 else 0x80 <= b <= 0xBF):
+        return None
+    text = pending + bytes((b,))
+    return (b"", ord(text.decode())) if len(text) == owed + 1 else (text, None)
+
+
+def _utf8_span(pending: bytes) -> tuple[int, int]:
+    """The code points of the characters whose UTF-8 starts with the unfinished `pending`, as (lo, hi)."""
+    owed, low, high = _utf8_owed(pending[0])
+    ends = [bytes((low,)), bytes((high,))] if len(pending) == 1 else [b"", b""]
+    lo = pending + ends[0] + b"\x80" * (owed + 1 - len(pending) - len(ends[0]))
+    hi = pending + ends[1] + b"\xbf" * (owed + 1 - len(pending) - len(ends[1]))
+    return ord(lo.decode()), ord(hi.decode())
+
 _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
@@ -6335,18 +6420,18 @@ class _Str(_Node):
         # holding a newline may leave it after the last character that fits, so it is run through the grammar
         self.dirty = (_RAW_DIRTY | {0x0A} if self.counted else _RAW_DIRTY) if raw else \
             _JSON_DIRTY | {_LT} if no_lt else _JSON_DIRTY
-        self.ascii = regex is not None                    # a pattern's text is ASCII
+        self.ascii = False                                # any string takes any characters (the walk reads it)
         self.utf8 = self.counted and regex is None and not self.exclude   # sub: the bytes the character owes
         self.nonblank = nonblank and not self.counted and regex is None
         self.plain = regex is None and not self.exclude and not self.counted and not self.nonblank   # content loops
 
     def starts(self):
-        sub = self.regex.start if self.regex else b"" if self.exclude else 0 if self.utf8 else None
+        sub = (self.regex.start, b"") if self.regex else b"" if self.exclude else 0 if self.utf8 else None
         return [(1 if self.raw else 0, 0, sub)]
 
     def _content(self, count, sub, b):
-        if b >= 0x80 and self.ascii:
-            return []
+        if self.regex is not None:                  # sub (NFA states, the unfinished character's bytes)
+            return self._pattern_content(count, sub, b)
         if self.utf8:               # well-formed UTF-8 (RFC 3629), so that the count is of characters
             if sub:
                 owed, low, high = sub
@@ -6364,16 +6449,26 @@ class _Str(_Node):
             if self.hi is not None and count > self.hi:
                 return []
             count = min(count, max(self.lo, self.hi or 0))
-        if self.regex is not None:
-            sub = self.regex.step(sub, b)
-            if sub is None:
-                return []
-        elif self.exclude:
+        if self.exclude:
             sub = sub + bytes((b,)) if sub is not None and sub + bytes((b,)) in self.exclude_prefixes else None
         return [(1, count, sub)]
 
+    def _pattern_content(self, count, sub, b):
+        """The pattern moves once per character, when its UTF-8 bytes are complete; a character is begun only
+        if one it may become moves the pattern on."""
+        states, pending = sub
+        moved = _utf8_step(pending, b)
+        if moved is None:
+            return []
+        pending, c = moved
+        if c is None:
+            return [(1, count, (states, pending))] if self.regex.takes_between(states, *_utf8_span(pending)) else []
+        states = self.regex.step(states, c)
+        return [] if states is None else [(1, count, (states, b""))]
+
     def _may_end(self, count, sub) -> bool:
-        return count >= self.lo and not (self.utf8 and sub) and (count or not self.nonblank) and (self.regex is None or self.regex.accepts(sub)) and \
+        pattern_ok = self.regex is None or not sub[1] and self.regex.accepts(sub[0])
+        return count >= self.lo and not (self.utf8 and sub) and (count or not self.nonblank) and pattern_ok and \
             not (self.exclude and sub in self.exclude)
 
     def step(self, data, b):
@@ -6408,7 +6503,11 @@ class _Str(_Node):
     def _fill(self, count, sub) -> bytes:
         if self.regex is not None:
             allowed = _JSON_CLEAN if not self.raw else frozenset(range(0x20, 0x80)) - {_LT}
-            return self.regex.shortest(sub, [b for b in allowed if b < 0x80]) or b""
+            states, pending = sub
+            if not pending:
+                return self.regex.shortest(states, allowed) or b""
+            text = self.regex.shortest(states, allowed, within=_utf8_span(pending))   # the character's end first
+            return text[len(pending):] if text else b""
         text = bytes((sub[1],)) + b"\x80" * (sub[0] - 1) if self.utf8 and sub else b""   # the character's end
         text += b"a" * max(0, self.lo - count, int(self.nonblank) - count)
         return text + b"_" if self.exclude and sub is not None and sub + text in self.exclude else text
