@@ -7672,8 +7672,9 @@ def _number_bound(value, exclusive: bool, upper: bool) -> fractions.Fraction:
 
 def _shapes_disjoint(a, b) -> bool:
     """No JSON value matches both shapes (_SchemaCompiler._shape): their types or finite values exclude each
-    other, or both require a property whose finite values differ."""
-    (types_a, values_a, keys_a), (types_b, values_b, keys_b) = a, b
+    other, both require a property whose finite values differ, or (objects only) one requires a property
+    that the other's additionalProperties: false forbids."""
+    (types_a, values_a, keys_a, fields_a), (types_b, values_b, keys_b, fields_b) = a, b
     if values_a is not None and values_b is not None:
         return not values_a & values_b
     if types_a is not None and types_b is not None:
@@ -7683,6 +7684,9 @@ def _shapes_disjoint(a, b) -> bool:
             return True
         if common != {"object"}:
             return False
+        (required_a, closed_a), (required_b, closed_b) = fields_a, fields_b
+        if closed_b is not None and required_a - closed_b or closed_a is not None and required_b - closed_a:
+            return True
     return any(name in keys_b and not keys_a[name] & keys_b[name] for name in keys_a)
 
 
@@ -7745,8 +7749,8 @@ class _SchemaCompiler:
 
     def _exclusive(self, parts, path) -> None:
         """oneOf is decoded as anyOf, which is exact when no value can match two branches: checked here, pair by
-        pair, by type (integer within number) or by a required property whose const/enum values differ (a
-        discriminated union). Branches that may overlap are a 400 with or without strict: decoded as anyOf they
+        pair, by type (integer within number), by a required property whose const/enum values differ (a
+        discriminated union) or that the other branch forbids (_shapes_disjoint). Branches that may overlap are a 400 with or without strict: decoded as anyOf they
         could give a value that matches two, which the schema forbids, and exactly-one is not a grammar."""
         shapes = [self._shape(self._deref(part, f"{path}[{k}]")) for k, part in enumerate(parts)]
         for k, l in itertools.combinations(range(len(parts)), 2):
@@ -7756,19 +7760,20 @@ class _SchemaCompiler:
                                    "anyOf if a value may match several)", param=path, code="unsupported_field")
 
     def _shape(self, schema, depth: int = 0):
-        """(types or None: any, finite values or None, {required property: its finite values}) of a schema."""
+        """(types or None: any, finite values or None, {required property: its finite values}, (required
+        properties, the properties allowed when additionalProperties is false else None)) of a schema."""
         try:
             schema = self._deref(schema, self.where) if isinstance(schema, dict) and depth <= 8 else True
         except RequestError:
             schema = True                                 # a dangling $ref: compile() names its path
         if not isinstance(schema, dict):
-            return None, None, {}
+            return None, None, {}, (frozenset(), None)
         for key in ("anyOf", "oneOf"):
             if isinstance(schema.get(key), list):
                 inner = [self._shape(part, depth + 1) for part in schema[key]]
-                types = None if any(t is None for t, _, _ in inner) else set().union(*(t for t, _, _ in inner))
-                values = None if any(v is None for _, v, _ in inner) else set().union(*(v for _, v, _ in inner))
-                return types, values, {}
+                types = None if any(t is None for t, *_ in inner) else set().union(*(t for t, *_ in inner))
+                values = None if any(v is None for _, v, *_ in inner) else set().union(*(v for _, v, *_ in inner))
+                return types, values, {}, (frozenset(), None)
         values = [schema["const"]] if "const" in schema else schema.get("enum")
         values = {json.dumps(v, sort_keys=True) for v in values} if isinstance(values, list) else None
         kind = schema.get("type")
@@ -7781,10 +7786,12 @@ class _SchemaCompiler:
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         keys = {}
         for name in required:
-            _, found, _ = self._shape(properties.get(name, True), depth + 1)
+            _, found, *_ = self._shape(properties.get(name, True), depth + 1)
             if found is not None:
                 keys[name] = found
-        return types, values, keys
+        closed = frozenset(properties) if schema.get("additionalProperties") is False and \
+            "patternProperties" not in schema else None
+        return types, values, keys, (frozenset(n for n in required if isinstance(n, str)), closed)
 
     def _schemas(self, value, path) -> list:
         if not isinstance(value, list) or not value:

@@ -246,3 +246,21 @@ def test_bounded_xml_strings_close_at_their_length(tokenizer, schema):
         ids = run(processor, tokenizer, 200, seed)
         assert ids[-1] == eos, tokenizer.decode(ids)
         check_arguments(tools, tokenizer.decode(ids[:-1]), "qwen_xml")
+
+
+BY_NAME = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": False}
+BY_ID = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}}, "required": ["id"],
+         "additionalProperties": False}
+
+
+@pytest.mark.parametrize("fmt", ["qwen_xml", "hermes"])
+def test_one_of_objects_told_apart_by_a_forbidden_property(tokenizer, fmt):
+    """oneOf branches that are objects, one requiring a property the other's additionalProperties: false
+    forbids, never both match: taken under strict (a 400 before), and every call matches exactly one."""
+    tools = [tool({"who": {"oneOf": [BY_NAME, BY_ID]}}, strict=True)]
+    eos = tokenizer.token_to_id("<|im_end|>")
+    for seed in range(4):
+        processor = P.tool_choice_processor(tokenizer, tools, "required", fmt, False, False, 300)
+        ids = run(processor, tokenizer, 300, seed)
+        assert ids[-1] == eos
+        check_arguments(tools, tokenizer.decode(ids[:-1]), fmt)
