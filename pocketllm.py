@@ -5096,11 +5096,6 @@ def tool_functions(tools) -> dict[str, ToolFunction]:
     return functions
 
 
-def _tool_schemas(tools) -> dict[str, ToolFunction]:
-    """function name -> the function (its parameters' "properties" empty when it declares none)."""
-    return tool_functions(tools)
-
-
 class _ParsedCall:
     """One tool call as parsed so far: its name and its arguments as JSON members in generation order."""
 
@@ -5713,7 +5708,7 @@ class _OutputScan:
     whose scan() reads it."""
 
     def __init__(self, schemas: dict, fmt: ToolCallFormat, in_reasoning: bool, parse_tools: bool):
-        self.schemas, self.format = schemas, fmt
+        self.schemas, self.format = schemas, fmt   # schemas: function name -> ToolFunction (tool_functions)
         self.call_format = fmt                     # the format of the call being read
         self.pos, self.mode = 0, "think" if in_reasoning else "start"
         self.reasoning, self.content = "", ""      # raw; shown stripped of surrounding whitespace
@@ -5821,7 +5816,7 @@ class ChatOutputParser:
     """
 
     def __init__(self, tools: list[dict] | None, tool_parser: str, in_reasoning: bool, parse_tools: bool = True):
-        self._options = (_tool_schemas(tools), tool_format(tool_parser), in_reasoning, parse_tools)
+        self._options = (tool_functions(tools), tool_format(tool_parser), in_reasoning, parse_tools)
         self._scan = _OutputScan(*self._options)
         self._text = ""
         self._ids: list[str] = []

@@ -190,9 +190,10 @@ def random_llm(ckpt_factory):
     return P.LLM(ckpt_factory("qwen3_5")[0], backend="torch", quiet=True, max_context=1024, max_batch_size=8)
 
 
-def _requests(llm, properties):
+def _requests(llm, properties, think):
     """(format, mode, tools, processor, prompt ids, in_reasoning) for each format and mode; None where the
-    schema is refused (checked: a 400 for one of the REFUSED reasons)."""
+    schema is refused (checked: a 400 for one of the REFUSED reasons). think: the template opens reasoning
+    (forced calls then think until the budget closes it)."""
     template = P.load_chat_template(llm.tokenizer)
     out = []
     for fmt in ("qwen_xml", "hermes"):
@@ -200,7 +201,7 @@ def _requests(llm, properties):
             tools = [tool(properties, required=["p"], strict=mode == "strict")]
             choice = "auto" if mode == "auto" else "required" if mode == "strict" else \
                 {"type": "function", "function": {"name": "f"}}
-            prompt = template.render([{"role": "user", "content": "Call f."}], tools=tools)
+            prompt = template.render([{"role": "user", "content": "Call f."}], tools=tools, enable_thinking=think)
             in_reasoning = P.prompt_ends_in_reasoning(prompt)
             try:
                 processor = P.structured_decoder(llm.tokenizer, tools=tools, tool_choice=choice, tool_parser=fmt,
@@ -217,7 +218,7 @@ def _requests(llm, properties):
                                                                  HealthCheck.too_slow])
 @given(p=PARAMETER_SCHEMAS, q=PARAMETER_SCHEMAS, seed=st.integers(0, 1000))
 def test_random_checkpoint_calls_validate(random_llm, p, q, seed):
-    requests = _requests(random_llm, {"p": p, "q": q})
+    requests = _requests(random_llm, {"p": p, "q": q}, think=seed % 3 == 0)
     if requests is None:
         return
     streams = [random_llm.submit(ids, P.SamplingParams(max_tokens=128, temperature=1.0, seed=seed,
