@@ -5169,23 +5169,71 @@ def _json_type_name(value) -> str:
     return {int: "integer", float: "number", str: "string", dict: "object", list: "array"}.get(type(value), "null")
 
 
-def _schema_types(schema) -> list[str]:
-    """The JSON-schema types a parameter accepts, in the order to try them: type / type lists / anyOf / oneOf,
-    else the types of its enum or const values."""
-    if not isinstance(schema, dict):
-        return []
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        kinds = [kind]
-    elif isinstance(kind, list):
-        kinds = [k for k in kind if isinstance(k, str)]
-    elif isinstance(schema.get("anyOf"), list) or isinstance(schema.get("oneOf"), list):
-        kinds = [k for sub in (schema.get("anyOf") or schema.get("oneOf")) for k in _schema_types(sub)]
-    elif isinstance(schema.get("enum"), list) or "const" in schema:
-        kinds = [_json_type_name(v) for v in schema.get("enum") or [schema.get("const")]]
-    else:
-        kinds = ["object"] if "properties" in schema else ["array"] if "items" in schema else []
-    return list(dict.fromkeys(kinds))
+_KIND_ORDER = ("object", "array", "integer", "number", "boolean", "null", "string")   # an open schema's kinds
+
+
+def _local_ref(root, ref):
+    """The schema a local $ref (#, #/$defs/Name, ...) points to in `root`; None if it points nowhere."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    target = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        elif isinstance(target, dict) and part in target:
+            target = target[part]
+        else:
+            return None
+    return target
+
+
+def _meet(kinds: list[str] | None, other: list[str] | None) -> list[str] | None:
+    """The kinds both lists accept (None: any), integer within number."""
+    if kinds is None or other is None:
+        return other if kinds is None else kinds
+    both = [k for k in kinds if k in other or k == "integer" and "number" in other]
+    return both + (["integer"] if "number" in kinds and "integer" in other and "integer" not in both else [])
+
+
+def _schema_kinds(schema, root, depth: int = 0) -> list[str] | None:
+    """The JSON types a schema admits, in the order a reader tries them (None: any). $ref resolved in root,
+    allOf intersected, anyOf / oneOf joined in branch order, type lists, enum / const values, nullable (null
+    last), and the types the structured-output compiler infers from keywords (properties -> object, ...)."""
+    if schema is True or not isinstance(schema, dict) or depth > 16:
+        return None
+    kinds = None
+    if "$ref" in schema:
+        kinds = _schema_kinds(_local_ref(root, schema["$ref"]), root, depth + 1)
+    for part in schema.get("allOf") if isinstance(schema.get("allOf"), list) else []:
+        kinds = _meet(kinds, _schema_kinds(part, root, depth + 1))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            found = [_schema_kinds(sub, root, depth + 1) for sub in schema[key]]
+            joined = [k for sub in found for k in (_KIND_ORDER if sub is None else sub)]
+            kinds = _meet(kinds, list(dict.fromkeys(joined)))
+    kind, own = schema.get("type"), None
+    if isinstance(kind, (str, list)):
+        own = [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)]
+    if isinstance(schema.get("enum"), list) or "const" in schema:
+        own = _meet(own, [_json_type_name(v) for v in ([schema["const"]] if "const" in schema else schema["enum"])])
+    elif own is None:
+        keys = set(schema)
+        own = ["object"] if {"properties", "additionalProperties", "required"} & keys else \
+            ["array"] if {"items", "prefixItems", "minItems", "maxItems"} & keys else \
+            ["string"] if {"minLength", "maxLength", "pattern"} & keys else \
+            ["number"] if {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & keys else None
+    kinds = _meet(kinds, own)
+    if kinds is not None and schema.get("nullable") is True and "null" not in kinds:
+        kinds = [*kinds, "null"]
+    return None if kinds is None else list(dict.fromkeys(kinds))
+
+
+def _schema_types(schema, root=None) -> list[str]:
+    """The JSON-schema types a parameter accepts, in the order to try them ([]: any), `root` (the function's
+    parameters) holding what its $refs point to. The parser reads a Qwen XML value by these types and the
+    structured-output decoder writes only values that read back as themselves (_xml_value_node)."""
+    return _schema_kinds(schema, schema if root is None else root) or []
 
 
 @dataclass
@@ -5194,6 +5242,7 @@ class ToolFunction:
     name: str
     properties: dict                   # parameter name -> its JSON schema (an object, or true/false)
     required: list[str]                # required parameters: in schema order, then any required ones not described
+    parameters: dict = field(default_factory=dict)   # the whole parameters schema (what $refs point into)
 
 
 TOOL_KEYS = ("type", "function")
@@ -5220,7 +5269,7 @@ def _tool_function(name: str, parameters, where: str) -> ToolFunction:
     for j, item in enumerate(required):
         _check_type(item, str, f"{where}.required[{j}]")
     ordered = [p for p in properties if p in required] + [p for p in required if p not in properties]
-    return ToolFunction(name, properties, list(dict.fromkeys(ordered)))
+    return ToolFunction(name, properties, list(dict.fromkeys(ordered)), parameters)
 
 
 def tool_functions(tools) -> dict[str, ToolFunction]:
@@ -5245,11 +5294,6 @@ def tool_functions(tools) -> dict[str, ToolFunction]:
                 _check_type(function[key], kind, f"{where}.function.{key}")
         functions[name] = _tool_function(name, function.get("parameters"), f"{where}.function.parameters")
     return functions
-
-
-def _tool_schemas(tools) -> dict[str, dict]:
-    """function name -> its parameters' "properties" (empty when it declares none)."""
-    return {name: function.properties for name, function in tool_functions(tools).items()}
 
 
 class _ParsedCall:
@@ -5864,7 +5908,7 @@ class _OutputScan:
     whose scan() reads it."""
 
     def __init__(self, schemas: dict, fmt: ToolCallFormat, in_reasoning: bool, parse_tools: bool):
-        self.schemas, self.format = schemas, fmt
+        self.schemas, self.format = schemas, fmt   # schemas: function name -> ToolFunction (tool_functions)
         self.call_format = fmt                     # the format of the call being read
         self.pos, self.mode = 0, "think" if in_reasoning else "start"
         self.reasoning, self.content = "", ""      # raw; shown stripped of surrounding whitespace
@@ -5950,8 +5994,10 @@ class _OutputScan:
 
     def param_types(self, function, key):
         """The schema types of a function's parameter, None when the parameter is not in its schema."""
-        properties = self.schemas.get(function)
-        return _schema_types(properties[key]) if properties is not None and key in properties else None
+        found = self.schemas.get(function)
+        if found is None or key not in found.properties:
+            return None
+        return _schema_types(found.properties[key], found.parameters)
 
 
 class ChatOutputParser:
@@ -5970,7 +6016,7 @@ class ChatOutputParser:
     """
 
     def __init__(self, tools: list[dict] | None, tool_parser: str, in_reasoning: bool, parse_tools: bool = True):
-        self._options = (_tool_schemas(tools), tool_format(tool_parser), in_reasoning, parse_tools)
+        self._options = (tool_functions(tools), tool_format(tool_parser), in_reasoning, parse_tools)
         self._scan = _OutputScan(*self._options)
         self._text = ""
         self._ids: list[str] = []
@@ -6223,18 +6269,56 @@ class _Repeat(_Node):
         return self.first.shortest() if data[0] == 0 else b""
 
 
-class _Regex:
-    """A regular expression (JSON Schema `pattern`: unanchored unless ^...$) as a Thompson NFA over bytes.
-    Supported: literals and escapes, ., [classes] and \\d \\w \\s (negated too), groups, |, * + ? {m,n}, ^ and $
-    at the ends. A character past ASCII is one step (its continuation bytes do not move the NFA)."""
+_ANY_CHAR = ((0x20, 0xD7FF), (0xE000, 0x10FFFF))     # the characters a pattern's ., [^...] and \D \W \S may take
 
-    _CLASSES = {"d": set(b"0123456789"), "w": set(b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
-                "s": set(b" \t\n\r\f\v")}
-    _NON_ASCII = set(range(0xC0, 0x100))                       # the lead byte of a non-ASCII character
+
+def _char_ranges(chars) -> tuple:
+    """Code points (an iterable of ints, or (lo, hi) pairs) as sorted, merged, inclusive ranges."""
+    pairs = sorted((c, c) if isinstance(c, int) else tuple(c) for c in chars)
+    merged: list[list[int]] = []
+    for lo, hi in pairs:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in merged)
+
+
+def _char_complement(ranges: tuple) -> tuple:
+    """_ANY_CHAR minus the ranges."""
+    out, todo = [], list(_ANY_CHAR)
+    for lo, hi in todo:
+        for a, b in ranges:
+            if b < lo or a > hi:
+                continue
+            if a > lo:
+                out.append((lo, a - 1))
+            lo = b + 1
+            if lo > hi:
+                break
+        if lo <= hi:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def _char_in(ranges: tuple, c: int) -> bool:
+    k = bisect.bisect_right(ranges, (c, 0x110000)) - 1
+    return k >= 0 and ranges[k][0] <= c <= ranges[k][1]
+
+
+class _Regex:
+    """A regular expression (JSON Schema `pattern`: unanchored unless ^...$) as a Thompson NFA over characters
+    (code points; _Str hands it each character once its UTF-8 bytes are complete). Supported: literals (any
+    language) and escapes, ., [classes] with ranges of any characters, \\d \\w \\s (ASCII, as ECMA-262; negated
+    too), groups, |, * + ? {m,n}, ^ and $ at the ends."""
+
+    _CLASSES = {"d": _char_ranges(b"0123456789"),
+                "w": _char_ranges(b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+                "s": _char_ranges(b" \t\n\r\f\v")}
 
     def __init__(self, pattern: str):
         self.pattern, self.i = pattern, 0
-        self.edges: list[list] = []                            # state -> [(byte set or None (epsilon), next)]
+        self.edges: list[list] = []                            # state -> [(char ranges or None (epsilon), next)]
         anchored_start = pattern.startswith("^")
         self.i = 1 if anchored_start else 0
         start, end = self._alternation()
@@ -6255,8 +6339,7 @@ class _Regex:
 
     def _wrap_any(self, at: int, before: bool) -> int:
         loop = self._state()
-        anything = set(range(0x20, 0x100)) - set(range(0x80, 0xC0))
-        self.edges[loop].append((anything, loop))
+        self.edges[loop].append((_ANY_CHAR, loop))
         if before:
             self.edges[loop].append((None, at))
             return loop
@@ -6361,23 +6444,20 @@ class _Regex:
             return self._edge(self._class())
         if c == ".":
             self.i += 1
-            return self._edge(set(range(0x20, 0x100)) - {0x0A})
+            return self._edge(_ANY_CHAR)
         if c == "\\":
             return self._edge(self._escape())
         if c in "*+?{)|^$":
             raise ValueError(f"unexpected {c!r} at {self.i}")
         self.i += 1
-        data = c.encode()
-        if len(data) > 1:
-            raise ValueError("non-ASCII characters are not supported")
-        return self._edge({data[0]})
+        return self._edge(_char_ranges([ord(c)]))
 
-    def _edge(self, byteset):
+    def _edge(self, ranges: tuple):
         s, e = self._state(), self._state()
-        self.edges[s].append((frozenset(byteset), e))
+        self.edges[s].append((ranges, e))
         return s, e
 
-    def _escape(self) -> set:
+    def _escape(self) -> tuple:
         self.i += 1
         if self.i >= len(self.pattern):
             raise ValueError("a trailing backslash")
@@ -6385,40 +6465,38 @@ class _Regex:
         self.i += 1
         if c.lower() in self._CLASSES:
             found = self._CLASSES[c.lower()]
-            return set(found) if c.islower() else set(range(0x20, 0x100)) - found
+            return found if c.islower() else _char_complement(found)
         if c in "nrtfv":
-            return {ord({"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v"}[c])}
+            return _char_ranges([ord({"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v"}[c])])
         if c.isalnum():
             raise ValueError(f"the escape \\{c} is not supported")
-        return {ord(c)}
+        return _char_ranges([ord(c)])
 
-    def _class(self) -> set:
+    def _class(self) -> tuple:
         p = self.pattern
         self.i += 1
         negate = p.startswith("^", self.i)
         self.i += negate
-        found, first = set(), True
+        found, first = [], True
         while self.i < len(p) and (p[self.i] != "]" or first):
             first = False
             if p[self.i] == "\\":
-                found |= self._escape()
+                found += self._escape()
                 continue
             lo = p[self.i]
             self.i += 1
             if p.startswith("-", self.i) and self.i + 1 < len(p) and p[self.i + 1] != "]":
                 hi = p[self.i + 1]
                 self.i += 2
-                if ord(lo) > 127 or ord(hi) > 127 or hi < lo:
-                    raise ValueError("ranges must be ASCII and ordered")
-                found |= set(range(ord(lo), ord(hi) + 1))
+                if hi < lo:
+                    raise ValueError("ranges must be ordered")
+                found.append((ord(lo), ord(hi)))
             else:
-                if ord(lo) > 127:
-                    raise ValueError("non-ASCII characters are not supported")
-                found.add(ord(lo))
+                found.append((ord(lo), ord(lo)))
         if self.i >= len(p):
             raise ValueError("unterminated character class")
         self.i += 1
-        return set(range(0x20, 0x100)) - found if negate else found
+        return _char_complement(_char_ranges(found)) if negate else _char_ranges(found)
 
     # Running
 
@@ -6431,37 +6509,90 @@ class _Regex:
                     todo.append(nxt)
         return frozenset(seen)
 
-    def step(self, states: frozenset, b: int) -> frozenset | None:
-        key = (states, b)
+    def step(self, states: frozenset, c: int) -> frozenset | None:
+        """The states after character c (a code point); None: no match can go on."""
+        key = (states, c)
         found = self._steps.get(key, ...)
         if found is ...:
-            b = 0xC0 if b >= 0xC0 else b
-            moved = {nxt for s in states for byteset, nxt in self.edges[s] if byteset is not None and b in byteset}
-            found = self._steps[key] = self._closure(moved) if moved else None
+            moved = {nxt for s in states for ranges, nxt in self.edges[s] if ranges is not None and _char_in(ranges, c)}
+            found = self._closure(moved) if moved else None
+            if len(self._steps) < 1 << 16:
+                self._steps[key] = found
         return found
 
     def accepts(self, states: frozenset) -> bool:
         return self.accept in states
 
-    def shortest(self, states: frozenset, allowed) -> bytes | None:
-        """The shortest bytes from `states` to acceptance, using bytes in `allowed` (preferring letters)."""
+    def shortest(self, states: frozenset, allowed, within=None) -> bytes | None:
+        """The shortest UTF-8 text from `states` to acceptance, of ASCII characters in `allowed` (preferring
+        letters) and any others; `within` (lo, hi): its first character's code point must lie there."""
         seen, frontier = {states}, [(states, b"")]
-        order = sorted(allowed, key=lambda b: (not chr(b).isalnum(), b))
+        ascii_order = sorted((b for b in allowed if b < 0x80), key=lambda b: (not chr(b).isalnum(), b))
         while frontier:
             nxt = []
             for s, text in frontier:
-                if self.accepts(s):
+                if self.accepts(s) and not (within and not text):
                     return text
-                for b in order:
-                    t = self.step(s, b) if b < 0x80 else None
+                lo, hi = within if within and not text else (0, 0x10FFFF)
+                for c in self._candidates(s, ascii_order, lo, hi):
+                    t = self.step(s, c)
                     if t is not None and t not in seen:
                         seen.add(t)
-                        nxt.append((t, text + bytes((b,))))
+                        nxt.append((t, text + chr(c).encode()))
             frontier = nxt
         return None
 
+    def _candidates(self, states, ascii_order, lo: int, hi: int) -> list[int]:
+        """The characters worth trying from `states` in [lo, hi]: the allowed ASCII ones, then the first
+        non-ASCII character of each range an edge takes."""
+        found = [c for c in ascii_order if lo <= c <= hi]
+        for s in states:
+            for ranges, _ in self.edges[s]:
+                for a, b in ranges or ():
+                    c = max(a, lo, 0x80)
+                    if c <= min(b, hi):
+                        found.append(c)
+        return list(dict.fromkeys(found))
+
+    def takes_between(self, states: frozenset, lo: int, hi: int) -> bool:
+        """Whether some character in [lo, hi] moves the NFA on from `states` (a character begun is one
+        that can be finished)."""
+        key = (states, lo, hi)
+        found = self._steps.get(key)
+        if found is None:
+            found = self._steps[key] = any(a <= hi and lo <= b for s in states for ranges, _ in self.edges[s]
+                                           for a, b in ranges or ())
+        return found
+
 
 _UTF8_LEADS = {0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)}   # RFC 3629
+
+
+def _utf8_owed(lead: int) -> tuple[int, int, int]:
+    """(continuation bytes after the lead byte, the second byte's low and high) for a UTF-8 lead byte."""
+    return _UTF8_LEADS.get(lead) or ((1 if lead < 0xE0 else 2 if lead < 0xF0 else 3), 0x80, 0xBF)
+
+
+def _utf8_step(pending: bytes, b: int) -> tuple[bytes, int | None] | None:
+    """The bytes of an unfinished character plus byte b -> (the bytes still unfinished, the character's code
+    point once complete else None); None where b breaks well-formed UTF-8 (RFC 3629)."""
+    if not pending:
+        return (b"", b) if b < 0x80 else (bytes((b,)), None) if 0xC2 <= b <= 0xF4 else None
+    owed, low, high = _utf8_owed(pending[0])
+    if not (low <= b <= high if len(pending) == 1 else 0x80 <= b <= 0xBF):
+        return None
+    text = pending + bytes((b,))
+    return (b"", ord(text.decode())) if len(text) == owed + 1 else (text, None)
+
+
+def _utf8_span(pending: bytes) -> tuple[int, int]:
+    """The code points of the characters whose UTF-8 starts with the unfinished `pending`, as (lo, hi)."""
+    owed, low, high = _utf8_owed(pending[0])
+    ends = [bytes((low,)), bytes((high,))] if len(pending) == 1 else [b"", b""]
+    lo = pending + ends[0] + b"\x80" * (owed + 1 - len(pending) - len(ends[0]))
+    hi = pending + ends[1] + b"\xbf" * (owed + 1 - len(pending) - len(ends[1]))
+    return ord(lo.decode()), ord(hi.decode())
+
 _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
@@ -6477,22 +6608,25 @@ class _Str(_Node):
     def __init__(self, lo=0, hi=None, regex=None, raw=False, exclude=(), nonblank=False, no_lt=False):
         self.lo, self.hi, self.regex, self.raw = lo, hi, regex, raw
         self.no_lt = no_lt or raw                             # inside a call no markup can start in a string
-        self.dirty = _RAW_DIRTY if raw else _JSON_DIRTY | {_LT} if no_lt else _JSON_DIRTY   # not held as is
         self.exclude = frozenset(exclude)
         self.exclude_prefixes = {e[:k] for e in self.exclude for k in range(len(e) + 1)}
         self.counted = bool(lo) or hi is not None
-        self.ascii = regex is not None                    # a pattern's text is ASCII
+        # not held as is; a raw string ends where its value_close starts ("\n</parameter>"): counted, a token
+        # holding a newline may leave it after the last character that fits, so it is run through the grammar
+        self.dirty = (_RAW_DIRTY | {0x0A} if self.counted else _RAW_DIRTY) if raw else \
+            _JSON_DIRTY | {_LT} if no_lt else _JSON_DIRTY
+        self.ascii = False                                # any string takes any characters (the walk reads it)
         self.utf8 = self.counted and regex is None and not self.exclude   # sub: the bytes the character owes
         self.nonblank = nonblank and not self.counted and regex is None
         self.plain = regex is None and not self.exclude and not self.counted and not self.nonblank   # content loops
 
     def starts(self):
-        sub = self.regex.start if self.regex else b"" if self.exclude else 0 if self.utf8 else None
+        sub = (self.regex.start, b"") if self.regex else b"" if self.exclude else 0 if self.utf8 else None
         return [(1 if self.raw else 0, 0, sub)]
 
     def _content(self, count, sub, b):
-        if b >= 0x80 and self.ascii:
-            return []
+        if self.regex is not None:                  # sub (NFA states, the unfinished character's bytes)
+            return self._pattern_content(count, sub, b)
         if self.utf8:               # well-formed UTF-8 (RFC 3629), so that the count is of characters
             if sub:
                 owed, low, high = sub
@@ -6510,16 +6644,26 @@ class _Str(_Node):
             if self.hi is not None and count > self.hi:
                 return []
             count = min(count, max(self.lo, self.hi or 0))
-        if self.regex is not None:
-            sub = self.regex.step(sub, b)
-            if sub is None:
-                return []
-        elif self.exclude:
+        if self.exclude:
             sub = sub + bytes((b,)) if sub is not None and sub + bytes((b,)) in self.exclude_prefixes else None
         return [(1, count, sub)]
 
+    def _pattern_content(self, count, sub, b):
+        """The pattern moves once per character, when its UTF-8 bytes are complete; a character is begun only
+        if one it may become moves the pattern on."""
+        states, pending = sub
+        moved = _utf8_step(pending, b)
+        if moved is None:
+            return []
+        pending, c = moved
+        if c is None:
+            return [(1, count, (states, pending))] if self.regex.takes_between(states, *_utf8_span(pending)) else []
+        states = self.regex.step(states, c)
+        return [] if states is None else [(1, count, (states, b""))]
+
     def _may_end(self, count, sub) -> bool:
-        return count >= self.lo and not (self.utf8 and sub) and (count or not self.nonblank) and (self.regex is None or self.regex.accepts(sub)) and \
+        pattern_ok = self.regex is None or not sub[1] and self.regex.accepts(sub[0])
+        return count >= self.lo and not (self.utf8 and sub) and (count or not self.nonblank) and pattern_ok and \
             not (self.exclude and sub in self.exclude)
 
     def step(self, data, b):
@@ -6554,7 +6698,11 @@ class _Str(_Node):
     def _fill(self, count, sub) -> bytes:
         if self.regex is not None:
             allowed = _JSON_CLEAN if not self.raw else frozenset(range(0x20, 0x80)) - {_LT}
-            return self.regex.shortest(sub, [b for b in allowed if b < 0x80]) or b""
+            states, pending = sub
+            if not pending:
+                return self.regex.shortest(states, allowed) or b""
+            text = self.regex.shortest(states, allowed, within=_utf8_span(pending))   # the character's end first
+            return text[len(pending):] if text else b""
         text = bytes((sub[1],)) + b"\x80" * (sub[0] - 1) if self.utf8 and sub else b""   # the character's end
         text += b"a" * max(0, self.lo - count, int(self.nonblank) - count)
         return text + b"_" if self.exclude and sub is not None and sub + text in self.exclude else text
@@ -7146,6 +7294,40 @@ def _stack_completion(stack: tuple) -> bytes | None:
     return out
 
 
+class _Guard(_Node):
+    """A node whose text may not start with a byte in `banned` (a Qwen XML raw string after other types, which
+    must not read as one of them); data: 0 before the first byte, 1 once the node has it."""
+
+    def __init__(self, node: _Node, banned: frozenset):
+        self.node, self.banned = node, banned
+
+    def starts(self):
+        return [0]
+
+    def step(self, data, b):
+        return [(1, self.node)] if data == 0 and b not in self.banned else []
+
+    def can_end(self, data):
+        return data == 1
+
+    def child_done(self, data, child):
+        return 1
+
+    def rest(self, data):
+        return self.shortest() if data == 0 else b""
+
+    def finish(self, data):
+        return 1
+
+    def _shortest_text(self):
+        texts = []
+        for b in sorted(set(range(0x20, 0x7F)) - self.banned):
+            stacks = []
+            _feed((), b, stacks, self.node)
+            texts += [bytes((b,)) + rest for rest in map(_stack_completion, stacks) if rest is not None]
+        return min(texts, key=lambda t: (len(t), t)) if texts else None
+
+
 class _Grammar:
     """A compiled output grammar with its per-state caches (transitions, masks, completions), shared by every
     request that sends the same schema with the same tokenizer."""
@@ -7685,8 +7867,9 @@ def _number_bound(value, exclusive: bool, upper: bool) -> fractions.Fraction:
 
 def _shapes_disjoint(a, b) -> bool:
     """No JSON value matches both shapes (_SchemaCompiler._shape): their types or finite values exclude each
-    other, or both require a property whose finite values differ."""
-    (types_a, values_a, keys_a), (types_b, values_b, keys_b) = a, b
+    other, both require a property whose finite values differ, or (objects only) one requires a property
+    that the other's additionalProperties: false forbids."""
+    (types_a, values_a, keys_a, fields_a), (types_b, values_b, keys_b, fields_b) = a, b
     if values_a is not None and values_b is not None:
         return not values_a & values_b
     if types_a is not None and types_b is not None:
@@ -7696,6 +7879,9 @@ def _shapes_disjoint(a, b) -> bool:
             return True
         if common != {"object"}:
             return False
+        (required_a, closed_a), (required_b, closed_b) = fields_a, fields_b
+        if closed_b is not None and required_a - closed_b or closed_a is not None and required_b - closed_a:
+            return True
     return any(name in keys_b and not keys_a[name] & keys_b[name] for name in keys_a)
 
 
@@ -7758,29 +7944,31 @@ class _SchemaCompiler:
 
     def _exclusive(self, parts, path) -> None:
         """oneOf is decoded as anyOf, which is exact when no value can match two branches: checked here, pair by
-        pair, by type (integer within number) or by a required property whose const/enum values differ (a
-        discriminated union). Branches that may overlap: under strict a 400, else decoded as anyOf."""
+        pair, by type (integer within number), by a required property whose const/enum values differ (a
+        discriminated union) or that the other branch forbids (_shapes_disjoint). Branches that may overlap are a 400 with or without strict: decoded as anyOf they
+        could give a value that matches two, which the schema forbids, and exactly-one is not a grammar."""
         shapes = [self._shape(self._deref(part, f"{path}[{k}]")) for k, part in enumerate(parts)]
         for k, l in itertools.combinations(range(len(parts)), 2):
             if not _shapes_disjoint(shapes[k], shapes[l]):
-                self.unsupported(path, f"has branches {k} and {l} that one value may match (exclusivity is enforced "
-                                       "where branches differ by type or by a const/enum property)")
-                return
+                raise RequestError(f"'{path}' has branches {k} and {l} that one value may match (oneOf is enforced "
+                                   "where its branches differ by type or by a required const/enum property; write "
+                                   "anyOf if a value may match several)", param=path, code="unsupported_field")
 
     def _shape(self, schema, depth: int = 0):
-        """(types or None: any, finite values or None, {required property: its finite values}) of a schema."""
+        """(types or None: any, finite values or None, {required property: its finite values}, (required
+        properties, the properties allowed when additionalProperties is false else None)) of a schema."""
         try:
             schema = self._deref(schema, self.where) if isinstance(schema, dict) and depth <= 8 else True
         except RequestError:
             schema = True                                 # a dangling $ref: compile() names its path
         if not isinstance(schema, dict):
-            return None, None, {}
+            return None, None, {}, (frozenset(), None)
         for key in ("anyOf", "oneOf"):
             if isinstance(schema.get(key), list):
                 inner = [self._shape(part, depth + 1) for part in schema[key]]
-                types = None if any(t is None for t, _, _ in inner) else set().union(*(t for t, _, _ in inner))
-                values = None if any(v is None for _, v, _ in inner) else set().union(*(v for _, v, _ in inner))
-                return types, values, {}
+                types = None if any(t is None for t, *_ in inner) else set().union(*(t for t, *_ in inner))
+                values = None if any(v is None for _, v, *_ in inner) else set().union(*(v for _, v, *_ in inner))
+                return types, values, {}, (frozenset(), None)
         values = [schema["const"]] if "const" in schema else schema.get("enum")
         values = {json.dumps(v, sort_keys=True) for v in values} if isinstance(values, list) else None
         kind = schema.get("type")
@@ -7793,10 +7981,12 @@ class _SchemaCompiler:
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         keys = {}
         for name in required:
-            _, found, _ = self._shape(properties.get(name, True), depth + 1)
+            _, found, *_ = self._shape(properties.get(name, True), depth + 1)
             if found is not None:
                 keys[name] = found
-        return types, values, keys
+        closed = frozenset(properties) if schema.get("additionalProperties") is False and \
+            "patternProperties" not in schema else None
+        return types, values, keys, (frozenset(n for n in required if isinstance(n, str)), closed)
 
     def _schemas(self, value, path) -> list:
         if not isinstance(value, list) or not value:
@@ -8007,31 +8197,72 @@ def compile_schema(schema, where: str, strict: bool) -> _Node:
     return node
 
 
-def _raw_string(compiler: _SchemaCompiler, schema, path) -> _Node:
-    """A Qwen XML string parameter, written raw: enum values as they are, else a raw string with the
-    schema's (first string alternative's) length and pattern."""
-    for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list):
-            schema = next(s for s in schema[key] if _schema_types(s)[:1] == ["string"])
-    values = [schema["const"]] if "const" in schema else schema.get("enum")
-    if isinstance(values, list) and any(isinstance(v, str) for v in values):
-        return _Choice([v.encode() for v in values if isinstance(v, str)])
-    return compiler._string(schema, path, raw=True)
+_NODE_KINDS = {_Str: "string", _Int: "integer", _Num: "number", _Decimal: "number", _Obj: "object", _Arr: "array"}
+
+
+def _kind_leaves(node: _Node, kinds: set, seen: set) -> list[_Node]:
+    """The alternatives of a compiled value (unions and $refs opened) that write values of `kinds` (an
+    integer counting as a number): nodes as they are, enum / const values filtered."""
+    if isinstance(node, (_Union, _Ref)):
+        if id(node) in seen:
+            return []
+        seen.add(id(node))
+        options = node.options if isinstance(node, _Union) else [node.target]
+        return [leaf for option in options for leaf in _kind_leaves(option, kinds, seen)]
+    if isinstance(node, _Choice):
+        texts = [t for t in node.texts if _json_type_name(json.loads(t)) in kinds or
+                 _json_type_name(json.loads(t)) == "integer" and "number" in kinds]
+        return [_Choice(texts)] if texts else []
+    kind = _NODE_KINDS.get(type(node))
+    return [node] if kind in kinds or kind == "integer" and "number" in kinds else []
+
+
+def _misread_starts(kinds) -> frozenset:
+    """The first bytes of a raw string that the parser could read as one of `kinds` (it strips whitespace,
+    reads null / None and booleans in any case, numbers as JSON, objects and arrays as JSON or Python
+    literals): whitespace, Unicode whitespace's UTF-8 leads (C2 E1 E2 E3: conservative) and each kind's."""
+    starts = {"integer": b"-0123456789", "number": b"-0123456789", "object": b"{(", "array": b"[(",
+              "boolean": b"tTfF", "null": b"nN"}
+    return frozenset(b" \t\n\r\xc2\xe1\xe2\xe3" + b"".join(starts.get(kind, b"") for kind in kinds))
+
+
+def _xml_value(compiler: _SchemaCompiler, schema, root, path) -> _Node:
+    """A Qwen XML argument's value, which the parser reads by _schema_types(schema, root) in order: raw text
+    for the string alternatives (only if no earlier type could read it: its first byte is guarded), JSON for
+    the non-string types before them; types after "string" are never read, so never written."""
+    node = compiler.compile(schema, path)
+    kinds = _schema_types(schema, root)
+    if "string" not in kinds:                          # JSON values (any value: the parser tries JSON first)
+        return node
+    before = kinds[:kinds.index("string")]
+    options = _kind_leaves(node, set(before), set()) if before else []
+    for leaf in _kind_leaves(node, {"string"}, set()):
+        if isinstance(leaf, _Choice):                  # enum / const strings, kept where they read back as themselves
+            values = [v for v in map(json.loads, leaf.texts) if "<" not in v and _convert_value(v, kinds) == v]
+            options += [_Choice([v.encode() for v in values])] if values else []
+            continue
+        raw = _Str(leaf.lo, leaf.hi, leaf.regex, raw=True, nonblank=not (leaf.lo or leaf.regex), no_lt=True)
+        options.append(_Guard(raw, _misread_starts(before)) if before else raw)
+    if not options:
+        compiler.fail(path, "admits no value a Qwen XML argument can carry")
+    return options[0] if len(options) == 1 else _Union(options)
 
 
 def _call_members(fmt: ToolCallFormat, parameters, where: str, strict: bool) -> list:
     """A function's arguments [(key, value node, required)] in schema order, values as the format writes
-    them (raw strings in Qwen XML, JSON otherwise)."""
+    them (Qwen XML: _xml_value; JSON otherwise)."""
     parameters = {} if parameters is None else parameters
     compiler = _SchemaCompiler(parameters, where, strict, in_call=True)
     function = _tool_function("", parameters, where)
     members = []
     for key, schema in function.properties.items():
         path = f"{where}.properties.{key}"
-        raw = not fmt.json_values and isinstance(schema, dict) and _schema_types(schema)[:1] == ["string"]
-        node = _raw_string(compiler, schema, path) if raw else compiler.compile(schema, path)
-        if isinstance(node, _Str) and not (node.lo or node.regex):             # never an empty argument
-            node = _Str(node.lo, node.hi, raw=node.raw, nonblank=True, no_lt=True)
+        if fmt.json_values:
+            node = compiler.compile(schema, path)
+            if isinstance(node, _Str) and not (node.lo or node.regex):             # never an empty argument
+                node = _Str(node.lo, node.hi, raw=node.raw, nonblank=True, no_lt=True)
+        else:
+            node = _xml_value(compiler, schema, parameters, path)
         if node.shortest() is None:
             raise RequestError(f"'{path}' admits no finite value", param=path)
         members.append((key, node, key in function.required))
