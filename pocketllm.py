@@ -7945,14 +7945,16 @@ class _SchemaCompiler:
     def _exclusive(self, parts, path) -> None:
         """oneOf is decoded as anyOf, which is exact when no value can match two branches: checked here, pair by
         pair, by type (integer within number), by a required property whose const/enum values differ (a
-        discriminated union) or that the other branch forbids (_shapes_disjoint). Branches that may overlap are a 400 with or without strict: decoded as anyOf they
-        could give a value that matches two, which the schema forbids, and exactly-one is not a grammar."""
+        discriminated union) or that the other branch forbids (_shapes_disjoint). Branches that may overlap are a
+        400 under strict (as anyOf they could give a value that matches two, and exactly-one is not a grammar);
+        without strict they are decoded as anyOf, like the other keywords strict alone enforces: one overlapping
+        oneOf in an agent's tool list must not refuse the whole request."""
         shapes = [self._shape(self._deref(part, f"{path}[{k}]")) for k, part in enumerate(parts)]
         for k, l in itertools.combinations(range(len(parts)), 2):
             if not _shapes_disjoint(shapes[k], shapes[l]):
-                raise RequestError(f"'{path}' has branches {k} and {l} that one value may match (oneOf is enforced "
-                                   "where its branches differ by type or by a required const/enum property; write "
-                                   "anyOf if a value may match several)", param=path, code="unsupported_field")
+                return self.unsupported(path, f"has branches {k} and {l} that one value may match (oneOf is "
+                                        "enforced where its branches differ by type or by a required const/enum "
+                                        "property; write anyOf if a value may match several)")
 
     def _shape(self, schema, depth: int = 0):
         """(types or None: any, finite values or None, {required property: its finite values}, (required

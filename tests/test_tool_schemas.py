@@ -125,9 +125,17 @@ def test_auto_mode_call_with_composite_parameters(tokenizer):
     assert check_arguments(tools, text, "qwen_xml") == [{"loc": {"lat": 1, "lon": 2}, "level": "high"}]
 
 
-# oneOf: exactly one branch, or a 400.
+# oneOf: exactly one branch, or a 400 under strict (without it, decoded as anyOf like other strict-only keywords).
 
-@pytest.mark.parametrize("strict", [False, True])
+def test_one_of_that_may_match_twice_is_decoded_as_any_of_without_strict(tokenizer):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "strict": False,
+                                                  "schema": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
+    assert P.structured_decoder(tokenizer, response_format=fmt, max_tokens=50) is not None
+    assert P.tool_choice_processor(tokenizer, [tool({"p": {"oneOf": [{"type": "string"}, {"$ref": "#/$defs/Name"}]}},
+                                                    strict=False)], "auto", "hermes", True, False, 100) is not None
+
+
+@pytest.mark.parametrize("strict", [True])
 def test_one_of_that_may_match_twice_is_refused(tokenizer, strict):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "strict": strict,
                                                   "schema": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
