@@ -290,7 +290,7 @@ class EngineOptions:
     prefix_cache: bool = True          # resume prompts from cached KV blocks and state snapshots (--no-prefix-cache)
     prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: one per state slot
     smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
-    seed: int = 0                      # default seed for unseeded requests' generators
+    seed: int = 0                      # seeds the seeds of requests that send none
     speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
     enforce_eager: bool = False        # every step op by op: no CUDA graphs, no launch-list replay (vLLM's name)
     quiet: bool = False                # no startup log lines
@@ -11514,7 +11514,7 @@ ENGINE_FLAG_HELP = {
                            "one snapshot per state slot (--max-batch-size) (default: %(default)s)",
     "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
                     "(default: %(default)s)",
-    "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
+    "seed": "seeds the seeds drawn for requests that send none: the same --seed, the same answers (default: %(default)s)",
     "speculative_tokens": "tokens the checkpoint's MTP layer drafts per sequence and step, verified in the next "
                           "forward (exact: the output is the target model's); 0: off (default: %(default)s)",
     "enforce_eager": "run every decode step op by op: no CUDA graphs and no launch-list replay of the native "
@@ -11546,7 +11546,7 @@ VLLM_ONLY_FLAGS = {
     "--max-logprobs": "drop it: requests may ask for up to 20 logprobs",
     "--disable-log-requests": "drop it: pocketllm logs one line per HTTP request (never its content)",
     "--uvicorn-log-level": "drop it: pocketllm logs its start-up and one line per request (--quiet: no start-up lines)",
-    "--speculative-config": "there is no speculative decoding",
+    "--speculative-config": "use --speculative-tokens K: the checkpoint's MTP layer drafts K tokens (no separate draft model)",
     "--limit-mm-per-prompt": "pocketllm serves text only",
 }
 
