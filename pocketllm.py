@@ -269,33 +269,76 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 8     # --speculative-tokens at most: drafts past a few are rarely all accepted
+DEFAULT_MAX_BATCH_SIZE = 16    # running sequences when not sized from GPU memory (the CPU, --devices)
+MAX_SIZED_BATCH_SIZE = 256     # the most sequences memory sizing picks (vLLM's max_num_seqs default)
+
+
+def _option(default, help: str, metavar: str = "", vllm: str = "", alias: str = ""):
+    """An EngineOptions field with its one description: `--help`, and docs/api.md's option and flag tables, read
+    it. vllm: docs' "vLLM's name" column; alias: a vLLM flag parsed as this one."""
+    return field(default=default, metadata={"help": help, "metavar": metavar, "vllm": vllm, "alias": alias})
 
 
 @dataclass
 class EngineOptions:
     """How the engine runs. Every field is also a CLI flag (--max-batch-size, ...) and an LLM(...) keyword."""
-    backend: str = "auto"              # auto | torch | native
-    device: str = "auto"               # rank 0's device: auto (the first GPU, else the CPU) | cpu | cuda | cuda:N
-    devices: str | None = None         # tensor parallelism: "0,1,2,3" or "cpu,cpu" (one rank each)
-    dtype: str = "auto"                # activation dtype: auto (fp16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
-    kv_dtype: str = "auto"             # KV-cache dtype: auto (= activation dtype) | float32 | bfloat16 | float16
-    max_context: int = 4096            # longest prompt + completion of one sequence, in tokens
-    max_batch_size: int = 0            # running sequences at once (= recurrent-state slots); 0: 16 on the
-                                       # CPU, sized from free memory on a GPU (at most 256)
-    kv_block_size: int = 16            # tokens per KV-cache block
-    num_kv_blocks: int = 0             # 0: on a GPU, what gpu_memory_utilization leaves after the weights;
-                                       # on the CPU, enough for max_batch_size sequences of max_context
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory pocketllm may hold (weights, cache, work)
-    prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
-    prefix_cache: bool = True          # resume prompts from cached KV blocks and state snapshots (--no-prefix-cache)
-    prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: one per state slot
-    smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
-    seed: int = 0                      # seeds the seeds of requests that send none
-    speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
-    enforce_eager: bool = False        # every step op by op: no CUDA graphs, no launch-list replay (vLLM's name)
-    quiet: bool = False                # no startup log lines
-    collective_timeout: float = 30.0   # tensor parallelism: seconds an all-reduce may wait for its peers
-    collective_warmup_timeout: float = 300.0   # the same bound for the group's start and first steps (kernel JIT)
+    backend: str = _option("auto", "`torch` (the reference, anywhere), `native` (the CUDA library in csrc/, "
+                           "`python build.py`), or `auto`: native on a GPU when the library loads and takes the "
+                           "dtypes, else torch; the start-up line says which and why", "B")
+    device: str = _option("auto", "rank 0's device: `auto` (the first GPU, else the CPU), `cpu`, `cuda`, `cuda:N`",
+                          "D")
+    devices: str | None = _option(None, "tensor parallelism, one rank per device: `0,1,2,3` (GPUs, NCCL) or "
+                                  "`cpu,cpu` (tests, gloo)", "LIST")
+    dtype: str = _option("auto", "activation dtype: `auto` (float16 on a GPU, float32 on the CPU), `float16` "
+                         "(`half`), `bfloat16` (`bf16`) or `float32` (`float`); the native kernels take float16 or "
+                         "float32, so `--backend native --dtype bfloat16` is refused", "T",
+                         vllm="same (`half`, `bf16`, `float` too)")
+    kv_dtype: str = _option("auto", "KV-cache dtype: `auto` (the activation dtype), `float16`, `bfloat16` or "
+                            "`float32`; the native attention needs `auto`", "T")
+    max_context: int = _option(4096, "longest prompt + completion of one sequence, in tokens; longer requests are "
+                               "refused up front", "N", alias="--max-model-len")
+    max_batch_size: int = _option(0, "sequences running at once (= recurrent-state slots); 0: sized from free "
+                                  f"memory on a GPU (at most {MAX_SIZED_BATCH_SIZE}), {DEFAULT_MAX_BATCH_SIZE} on "
+                                  "the CPU", "N", alias="--max-num-seqs")
+    kv_block_size: int = _option(16, "tokens per KV-cache block", "N", alias="--block-size")
+    num_kv_blocks: int = _option(0, "KV-cache blocks; 0: on a GPU what `--gpu-memory-utilization` leaves after the "
+                                 "weights, on the CPU `--max-batch-size` sequences of `--max-context`", "N")
+    gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory this server may hold: weights, cache "
+                                            "and workspace, at most what is free, in (0, 1]; per server, as in vLLM "
+                                            "(two at 0.45 share a card)", "F", vllm="same")
+    prefill_token_budget: int = _option(512, "tokens per engine step: prefill chunks plus one per decoding "
+                                        "sequence", "N", alias="--max-num-batched-tokens")
+    prefix_cache: bool = _option(True, "prefix caching: a prompt that starts like an earlier one (an agent's next "
+                                 "turn) resumes from cached KV blocks and recurrent-state snapshots and prefills only "
+                                 "the rest; exact (the answer is the one without it). "
+                                 "`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were "
+                                 "resumed (`docs/architecture.md`, \"The prefix cache\"); `--no-prefix-cache` turns "
+                                 "it off", alias="--enable-prefix-caching")
+    prefix_cache_memory: int = _option(-1, "MiB per device for the prefix cache's recurrent-state snapshots (hybrid "
+                                       "models: one snapshot is the state of every linear-attention layer, 147 MiB "
+                                       "for the 27B at TP1, 37 MiB at TP4); -1: one snapshot per state slot "
+                                       "(`--max-batch-size`), taken out of the memory the KV cache is sized from",
+                                       "MIB")
+    smoke_layers: int = _option(0, "run only the first N decoder layers (smoke tests of huge checkpoints); 0: all",
+                                "N")
+    seed: int = _option(0, "seeds the seeds drawn for requests that send no `seed`: the same `--seed`, the same "
+                        "answers", "N", vllm="same")
+    speculative_tokens: int = _option(2, "speculative decoding: the checkpoint's MTP layer (`mtp.*`) drafts K tokens "
+                                      "per sequence and step, the next forward verifies them (greedy output "
+                                      "identical, sampling distributed as the target's; `docs/architecture.md`, "
+                                      "\"Speculative decoding\"); 0 turns it off; a checkpoint without `mtp.*` runs "
+                                      "without it and says so once. The default is the K that measured best "
+                                      f"(`docs/benchmarks.md`); at most {MAX_SPECULATIVE_TOKENS}", "K",
+                                      vllm="`--num-speculative-tokens` (in `--speculative-config`)")
+    enforce_eager: bool = _option(False, "run every decode step op by op: no CUDA graphs (CUDA) and no launch-list "
+                                  "replay (native backend) of the decode forward (`docs/architecture.md`, \"CUDA "
+                                  "graphs\")", vllm="same")
+    quiet: bool = _option(False, "no start-up log lines")
+    collective_timeout: float = _option(30.0, "tensor parallelism: seconds an all-reduce may wait for the other "
+                                        "ranks; past it the group is stopped and the engine reports it "
+                                        "(`docs/architecture.md`, \"Tensor parallelism\")", "S")
+    collective_warmup_timeout: float = _option(300.0, "the same bound while the ranks connect and for their first "
+                                               "two steps, which include kernel JIT compilation", "S")
 
 
 def _log(opts: EngineOptions, msg: str):
@@ -10980,8 +11023,6 @@ def bundled_model_dir() -> Path:
 
 
 DEFAULT_CKPT = bundled_model_dir()
-DEFAULT_MAX_BATCH_SIZE = 16            # running sequences when not sized from GPU memory (the CPU, --devices)
-MAX_SIZED_BATCH_SIZE = 256             # the most sequences memory sizing picks (vLLM's max_num_seqs default)
 # Memory. The cache's tensors are measured by allocating them on the meta device (no memory), so sizing and
 # allocate_cache cannot disagree; memory_budget estimates every part from config.json alone (docs/serving.md).
 
@@ -11488,47 +11529,6 @@ class LLM:
 # The command line. Every flag has help with its default, vLLM's names are aliases where the meaning is the
 # same, and every mistake is one line naming the flag (exit 2) before any weight loads.
 
-ENGINE_FLAG_HELP = {
-    "backend": "torch (the reference, anywhere), native (the CUDA library in csrc/), or auto: native on a GPU when "
-               "the library loads, else torch (default: %(default)s)",
-    "device": "rank 0's device: auto (the first GPU, else the CPU), cpu, cuda or cuda:N (default: %(default)s)",
-    "devices": "tensor parallelism, one rank per device: 0,1,2,3 (GPUs, NCCL) or cpu,cpu (tests; gloo) "
-               "(default: none)",
-    "dtype": "activation dtype: auto (float16 on a GPU, float32 on the CPU), float16 (half), bfloat16 (bf16) or "
-             "float32; the native kernels take float16 or float32 (default: %(default)s)",
-    "kv_dtype": "KV-cache dtype: auto (the activation dtype), float16, bfloat16 or float32 (default: %(default)s)",
-    "max_context": "longest prompt + completion of one sequence, in tokens (default: %(default)s)",
-    "max_batch_size": "sequences running at once; 0: sized from free memory on a GPU (at most "
-                      f"{MAX_SIZED_BATCH_SIZE}), {DEFAULT_MAX_BATCH_SIZE} on the CPU (default: %(default)s)",
-    "kv_block_size": "tokens per KV-cache block (default: %(default)s)",
-    "num_kv_blocks": "KV-cache blocks; 0: on a GPU what --gpu-memory-utilization leaves after the weights, on the "
-                     "CPU --max-batch-size sequences of --max-context (default: %(default)s)",
-    "gpu_memory_utilization": "share of the GPU's memory this server may hold: weights, cache and workspace, "
-                              "at most what is free; per server, as in vLLM (default: %(default)s)",
-    "prefill_token_budget": "tokens per engine step: prefill chunks plus one per decoding sequence "
-                            "(default: %(default)s)",
-    "prefix_cache": "prefix caching: a prompt that starts like an earlier one resumes from its cached KV blocks and "
-                    "recurrent-state snapshots and prefills only the rest; --no-prefix-cache turns it off "
-                    "(default: on)",
-    "prefix_cache_memory": "MiB per device for the prefix cache's recurrent-state snapshots (hybrid models); -1: "
-                           "one snapshot per state slot (--max-batch-size) (default: %(default)s)",
-    "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
-                    "(default: %(default)s)",
-    "seed": "seeds the seeds drawn for requests that send none: the same --seed, the same answers (default: %(default)s)",
-    "speculative_tokens": "tokens the checkpoint's MTP layer drafts per sequence and step, verified in the next "
-                          "forward (exact: the output is the target model's); 0: off (default: %(default)s)",
-    "enforce_eager": "run every decode step op by op: no CUDA graphs and no launch-list replay of the native "
-                     "backend's decode steps (default: off)",
-    "quiet": "no start-up log lines (default: off)",
-    "collective_timeout": "tensor parallelism: seconds an all-reduce may wait for the other ranks before the group "
-                          "is stopped and the engine reports it (default: %(default)s)",
-    "collective_warmup_timeout": "the same bound while the ranks connect and for their first steps, which include "
-                                 "kernel JIT compilation (default: %(default)s)",
-}
-# vLLM's names for the same things (vllm serve --help).
-VLLM_ALIASES = {"max_context": "--max-model-len", "max_batch_size": "--max-num-seqs",
-                "kv_block_size": "--block-size", "prefill_token_budget": "--max-num-batched-tokens",
-                "prefix_cache": "--enable-prefix-caching"}
 # vLLM flags with no pocketllm equivalent: what to do instead, in one line.
 VLLM_ONLY_FLAGS = {
     "--kv-cache-dtype": "use --kv-dtype (float16, bfloat16 or float32; there is no fp8 KV cache)",
@@ -11562,18 +11562,30 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _default_text(value, quote: str = "") -> str:
+    """An option's default as `--help` and the docs write it: on / off, none, or the value (strings quoted)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else f"{quote}{value}{quote}" if isinstance(value, str) else str(value)
+
+
+def _engine_flags(f: dataclasses.Field) -> list[str]:
+    """An EngineOptions field's flag, then vLLM's name for it."""
+    return [_flag(f.name)] + ([f.metadata["alias"]] if f.metadata["alias"] else [])
+
+
 def add_engine_args(parser: argparse.ArgumentParser):
     parser.add_argument("--ckpt", "--model", default=None, metavar="DIR",
                         help="checkpoint directory (default: the bundled pocket-tiny)")
     kinds = {"int": int, "float": float}
     for f in dataclasses.fields(EngineOptions):
-        names = [_flag(f.name)] + ([VLLM_ALIASES[f.name]] if f.name in VLLM_ALIASES else [])
+        text = f"{f.metadata['help'].replace('`', '').replace('%', '%%')} (default: {_default_text(f.default)})"
         if f.type == "bool":          # on by default: --NAME / --no-NAME
-            parser.add_argument(*names, action=argparse.BooleanOptionalAction if f.default else "store_true",
-                                default=f.default, help=ENGINE_FLAG_HELP.get(f.name))
+            parser.add_argument(*_engine_flags(f), default=f.default, help=text,
+                                action=argparse.BooleanOptionalAction if f.default else "store_true")
         else:
-            parser.add_argument(*names, type=kinds.get(f.type, str), default=f.default, metavar=f.name.upper(),
-                                help=ENGINE_FLAG_HELP.get(f.name))
+            parser.add_argument(*_engine_flags(f), type=kinds.get(f.type, str), default=f.default,
+                                metavar=f.metadata["metavar"], help=text)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="vLLM's name: the first N GPUs, one rank each (= --devices 0,...,N-1) "
                              "(default: %(default)s)")
@@ -11581,6 +11593,40 @@ def add_engine_args(parser: argparse.ArgumentParser):
         "sampling defaults of requests that do not set them: auto = the checkpoint's generation_config.json "
         "(temperature, top_p, top_k, min_p, repetition_penalty), none = pocketllm's own, "
         "DIR = DIR/generation_config.json (default: auto)"))
+
+
+def engine_options_markdown() -> str:
+    """docs/api.md's table of LLM(...) options: each EngineOptions field's default and help."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{f.name}` | {_default_text(f.default, '`')} | {f.metadata['help']} |"
+             for f in dataclasses.fields(EngineOptions)]
+    return "\n".join(rows)
+
+
+def engine_flags_markdown() -> str:
+    """docs/api.md's table of engine flags: the same fields as flags, with vLLM's names."""
+    rows = ["| flag | vLLM's name | what it does | default |", "|---|---|---|---|"]
+    for f in dataclasses.fields(EngineOptions):
+        flag, *alias = _engine_flags(f)
+        negated = f.type == "bool" and f.default            # --NAME / --no-NAME
+        names = [flag, "--no-" + flag[2:]] if negated else [flag if f.type == "bool" else f"{flag} {f.metadata['metavar']}"]
+        vllm = [a for name in alias for a in ([name, "--no-" + name[2:]] if negated else [name])]
+        vllm_text = ", ".join(f"`{name}`" for name in vllm) or f.metadata["vllm"]
+        cells = [", ".join(f"`{name}`" for name in names), vllm_text, f.metadata["help"], _default_text(f.default, "`")]
+        rows.append(("| " + " | ".join(cells) + " |").replace("|  |", "| |"))
+    return "\n".join(rows)
+
+
+def vllm_only_flags_markdown() -> str:
+    rows = ["| vLLM flag | pocketllm's answer |", "|---|---|"]
+    for name, answer in VLLM_ONLY_FLAGS.items():
+        rows.append(f"| `{name}` | " + re.sub(r"(--[a-z-]+(?: [A-Z]+| cuda:N)?|<\w+>)", r"`\1`", answer) + " |")
+    return "\n".join(rows)
+
+
+# docs/api.md's tables that the CLI renders (between `<!-- table: NAME -->` and `<!-- end table -->`).
+DOC_TABLES = {"engine options": engine_options_markdown, "engine flags": engine_flags_markdown,
+              "vllm-only flags": vllm_only_flags_markdown}
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -160,3 +160,33 @@ def test_pocket_tiny_files_are_in_the_docs_table():
     text = (ROOT / "docs" / "pocket-tiny.md").read_text()
     for path in pocketllm.DEFAULT_CKPT.iterdir():
         assert f"| `{path.name}` |" in text, path.name
+
+
+# -----------------------------------------------------------------------------------------------
+# Tables the code renders: the engine options and flags, vLLM's flags that pocketllm answers.
+# -----------------------------------------------------------------------------------------------
+
+API_DOC = ROOT / "docs" / "api.md"
+TABLES = re.compile(r"(<!-- table: ([\w -]+) -->\n)(.*?)(<!-- end table -->)", re.S)
+
+
+def render_tables(text: str) -> str:
+    return TABLES.sub(lambda m: m[1] + pocketllm.DOC_TABLES[m[2]]() + "\n" + m[4], text)
+
+
+def test_docs_are_what_the_engine_options_render():
+    text = API_DOC.read_text()
+    assert sorted(m[2] for m in TABLES.finditer(text)) == sorted(pocketllm.DOC_TABLES)
+    assert render_tables(text) == text, "docs/api.md is stale: run `python tests/test_docs.py`"
+
+
+def test_help_is_the_options_own():
+    """--help says what the option's row says, with its default."""
+    import dataclasses
+    text = "".join(pocketllm.command_line_parser().format_help().split())    # wrapped at spaces and hyphens
+    for f in dataclasses.fields(pocketllm.EngineOptions):
+        assert "".join(f.metadata["help"].replace("`", "").split()) in text, f.name
+
+
+if __name__ == "__main__":
+    API_DOC.write_text(render_tables(API_DOC.read_text()))
