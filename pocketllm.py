@@ -2972,50 +2972,88 @@ def draw_uniform(seed: int, index: int, step: int) -> float:
     return (h >> 24) / float(1 << 40)
 
 
-# The row parameters travel to the device as one (B, 8) float64 tensor, columns in this order.
-_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _UNIFORM = range(8)
+@dataclass
+class RowParams:
+    """One request's sampling options as the sampler reads them, prepared once when the engine admits it. The
+    numbers become the columns of RowTable (by name); the flags let a step skip stages no row needs."""
+    temperature: float       # 0: greedy
+    top_k: float             # the vocabulary size: off
+    top_p: float             # 1: off
+    min_p: float             # 0: off
+    presence: float          # presence_penalty
+    frequency: float         # frequency_penalty
+    repetition: float        # repetition_penalty, 1: off
+    penalties: bool          # presence, frequency or repetition penalty on
+    sorts: bool              # top_k or top_p on: the filters sort the row
+    bias_ids: list[int]      # logit_bias
+    bias_values: list[float]
+    banned: list[int]        # -inf until min_tokens tokens exist: stop tokens (and EOS unless ignore_eos)
+
+
+@dataclass
+class RowTable:
+    """A step's row parameters on the device: one (B,) float64 column per name, built from the rows' RowParams
+    and uniforms and sent as one (B, C) host-to-device copy."""
+    temperature: torch.Tensor        # (B,) 0: greedy
+    top_k: torch.Tensor              # (B,) the vocabulary size: off
+    top_p: torch.Tensor              # (B,) 1: off
+    min_p: torch.Tensor              # (B,) 0: off
+    presence: torch.Tensor           # (B,)
+    frequency: torch.Tensor          # (B,)
+    repetition: torch.Tensor         # (B,) 1: off
+    uniform: torch.Tensor            # (B,) where the draw inverts the row's CDF, in [0, 1)
+
+    @classmethod
+    def build(cls, params: list[RowParams], uniforms: list[float], device) -> "RowTable":
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "uniform"]
+        host = torch.tensor([[float(getattr(p, n)) for n in names] + [u] for p, u in zip(params, uniforms)],
+                            dtype=torch.float64).reshape(len(params), len(names) + 1)   # (B, C)
+        return cls(*host.to(device).unbind(1))
+
+    def __getitem__(self, index) -> "RowTable":
+        """The rows at `index` (a (b,) tensor of row numbers)."""
+        return RowTable(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
 
 
 def apply_penalties(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
-                    rows: torch.Tensor) -> torch.Tensor:
-    """x (B, V) fp32; counts (B, V) int32 of generated tokens; prompt_seen (B, V) bool; rows (B, 8).
+                    table: RowTable) -> torch.Tensor:
+    """x (B, V) fp32; counts (B, V) int32 of generated tokens; prompt_seen (B, V) bool.
     Rows whose penalties are off (0, 0, 1) come out bit-identical."""
-    presence, frequency, repetition = (rows[:, c, None].float() for c in (_PRESENCE, _FREQUENCY, _REPETITION))
+    presence, frequency, repetition = (c[:, None].float() for c in (table.presence, table.frequency, table.repetition))
     generated = counts > 0                                                     # (B, V)
     x = torch.where(prompt_seen | generated, torch.where(x > 0, x / repetition, x * repetition), x)
     return x - generated * presence - counts * frequency
 
 
-def filter_logits(x: torch.Tensor, rows: torch.Tensor, sort: bool = True, min_p: bool = True) -> torch.Tensor:
-    """Temperature-scaled x (B, V) -> x with filtered tokens at -inf. rows (B, 8): top_k (V = off), top_p (1 =
-    off), min_p (0 = off). top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the sorted
+def filter_logits(x: torch.Tensor, table: RowTable, sort: bool = True, min_p: bool = True) -> torch.Tensor:
+    """Temperature-scaled x (B, V) -> x with filtered tokens at -inf, by the table's top_k (V = off), top_p (1 =
+    off) and min_p (0 = off). top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the sorted
     top-k probabilities that reaches top_p; min-p drops the tokens whose probability is below min_p x the
     largest, i.e. whose logit is below the largest + log(min_p). A row whose filters are off comes out
     unchanged; sort=False (no row has top-k or top-p) and min_p=False skip those stages for the whole batch."""
-    drop = x < x.max(-1, keepdim=True).values + rows[:, _MIN_P, None].float().log() if min_p else \
+    drop = x < x.max(-1, keepdim=True).values + table.min_p[:, None].float().log() if min_p else \
         torch.zeros_like(x, dtype=torch.bool)                                  # (B, V); log(0) = -inf keeps all
     if sort:
-        V, top_p = x.shape[-1], rows[:, _TOP_P, None].float()
+        V, top_p = x.shape[-1], table.top_p[:, None].float()
         sorted_x, order = x.sort(dim=-1, descending=True)                      # (B, V)
-        kth = sorted_x.gather(1, (rows[:, _TOP_K].long().clamp(1, V) - 1)[:, None])   # (B, 1)
+        kth = sorted_x.gather(1, (table.top_k.long().clamp(1, V) - 1)[:, None])      # (B, 1)
         sorted_p = sorted_x.masked_fill(sorted_x < kth, float("-inf")).softmax(-1)
         past_p = (sorted_p.cumsum(-1) - sorted_p >= top_p) & (top_p < 1)      # (B, V) in sorted order
         drop |= (x < kth) | past_p.scatter(1, order, past_p)
     return x.masked_fill(drop, float("-inf"))
 
 
-def scale_by_temperature(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def scale_by_temperature(x: torch.Tensor, table: RowTable) -> torch.Tensor:
     """x (B, V) / each row's temperature; greedy rows (temperature 0) are divided by 1."""
-    temperature = rows[:, _TEMPERATURE]
-    return x / torch.where(temperature == 0, 1.0, temperature).float()[:, None]
+    return x / torch.where(table.temperature == 0, 1.0, table.temperature).float()[:, None]
 
 
-def draw_tokens(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x (B, V) scaled, filtered logits; rows (B, 8) -> (B,) int64: the argmax for greedy rows, else the first
-    token where the row's float64 CDF of softmax(x) passes the row's uniform."""
+def draw_tokens(x: torch.Tensor, table: RowTable) -> torch.Tensor:
+    """x (B, V) scaled, filtered logits -> (B,) int64: the argmax for greedy rows, else the first token where
+    the row's float64 CDF of softmax(x) passes the row's uniform."""
     cdf = x.softmax(-1).double().cumsum(-1)                                    # (B, V)
-    drawn = torch.searchsorted(cdf, (rows[:, _UNIFORM] * cdf[:, -1])[:, None], right=True)[:, 0]
-    return torch.where(rows[:, _TEMPERATURE] == 0, x.argmax(-1), drawn.clamp(max=x.shape[-1] - 1))
+    drawn = torch.searchsorted(cdf, (table.uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+    return torch.where(table.temperature == 0, x.argmax(-1), drawn.clamp(max=x.shape[-1] - 1))
 
 
 def apply_token_masks(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -3023,19 +3061,6 @@ def apply_token_masks(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     min_tokens) banned every allowed token is left unmasked rather than sampled from nothing."""
     masked = x.masked_fill(~allowed, float("-inf"))                             # (B, V)
     return torch.where(torch.isfinite(masked).any(-1, keepdim=True), masked, x)
-
-
-@dataclass
-class RowParams:
-    """One request's sampling options as the sampler reads them, prepared once when the engine admits it."""
-    floats: tuple            # (temperature, top_k, top_p, min_p, presence, frequency, repetition): _TEMPERATURE..
-    penalties: bool          # presence, frequency or repetition penalty on
-    repetition: bool         # the repetition penalty is on: the prompt's tokens count too
-    sorts: bool              # top_k or top_p on: the filters sort the row
-    min_p: bool              # min_p on
-    bias_ids: list[int]      # logit_bias
-    bias_values: list[float]
-    banned: list[int]        # -inf until min_tokens tokens exist: stop tokens (and EOS unless ignore_eos)
 
 
 def prepare_row_params(params: SamplingParams, eos_ids: list[int], vocab_size: int) -> RowParams:
@@ -3047,11 +3072,11 @@ def prepare_row_params(params: SamplingParams, eos_ids: list[int], vocab_size: i
         if any(not 0 <= t < vocab_size for t in ids):
             raise RequestError(f"'{name}' must hold token ids in [0, {vocab_size})", param=name)
     top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
-    floats = tuple(float(v) for v in (p.temperature, top_k, p.top_p, p.min_p, p.presence_penalty,
-                                      p.frequency_penalty, p.repetition_penalty))
-    return RowParams(floats, bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0),
-                     p.repetition_penalty != 1.0, top_k < vocab_size or p.top_p < 1.0, p.min_p > 0.0,
-                     list(bias), list(bias.values()), banned if p.min_tokens > 0 else [])
+    return RowParams(temperature=p.temperature, top_k=top_k, top_p=p.top_p, min_p=p.min_p,
+                     presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
+                     penalties=bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0),
+                     sorts=top_k < vocab_size or p.top_p < 1.0, bias_ids=list(bias), bias_values=list(bias.values()),
+                     banned=banned if p.min_tokens > 0 else [])
 
 
 @dataclass
@@ -3080,21 +3105,21 @@ class SampleResult:
 DRAFT_SALT, ACCEPT_SALT = 0x5BD1E995, 0x27D4EB2F
 
 
-def judge_drafts(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor,
+def judge_drafts(x: torch.Tensor, table: RowTable, tokens: torch.Tensor, drafts: torch.Tensor,
                  draft_probs: torch.Tensor, accept_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The speculative rejection rule on B rows that each judge one draft. x (B, V) scaled, filtered target
-    logits; rows (B, 8); tokens (B,) the rows' ordinary draws; drafts (B,); draft_probs q (B, V); accept_u (B,).
+    logits; table: the B rows' parameters; tokens (B,) the rows' ordinary draws; drafts (B,); draft_probs q (B, V); accept_u (B,).
     Greedy rows accept a draft equal to the argmax. Sampled rows accept with probability min(1, p/q) at the
     draft, else draw from norm(max(0, p - q)) at the row's uniform, so that the emitted token is distributed as
     p (Leviathan et al. 2023). Returns (accepted (B,) bool, the row's token (B,): the draft when accepted)."""
     p = x.softmax(-1)                                                          # (B, V)
     pd, qd = p.gather(1, drafts[:, None])[:, 0], draft_probs.gather(1, drafts[:, None])[:, 0]   # (B,)
-    greedy = rows[:, _TEMPERATURE] == 0
+    greedy = table.temperature == 0
     accepted = torch.where(greedy, tokens == drafts, accept_u * qd < pd)
     residual = (p - draft_probs).clamp(min=0)                                  # (B, V)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)    # p == q: never rejected anyway
     cdf = residual.double().cumsum(-1)
-    redrawn = torch.searchsorted(cdf, (rows[:, _UNIFORM] * cdf[:, -1])[:, None], right=True)[:, 0]
+    redrawn = torch.searchsorted(cdf, (table.uniform * cdf[:, -1])[:, None], right=True)[:, 0]
     redrawn = torch.where(greedy, tokens, redrawn.clamp(max=x.shape[-1] - 1))
     return accepted, torch.where(accepted, drafts, redrawn)
 
@@ -3120,40 +3145,39 @@ class Sampler:
         """logits (R, V) fp32 -> (packed (N,) int32 on their device: the B sampled ids, [with drafts: B accepted
         flags,] then the requested logprobs as float32 bits and their top-k ids; the rows whose processors
         raised). Everything before the host transfer, so that tests can run it under FakeTensorMode."""
-        raw, x, params, slots, failed = self.scores(rows, logits)
-        tokens = draw_tokens(x, params)                                            # (B,) int64
+        raw, x, table, slots, failed = self.scores(rows, logits)
+        tokens = draw_tokens(x, table)                                             # (B,) int64
         counted, flags = torch.ones_like(tokens, dtype=torch.int32), []
         if any(r.draft is not None for r in rows):
-            accepted, tokens, counted = self._judge(rows, x, params, tokens)
+            accepted, tokens, counted = self._judge(rows, x, table, tokens)
             flags = [accepted.int()]
         self.counts.index_put_((slots, tokens), counted, accumulate=True)
         return torch.cat([tokens.int(), *flags, *self._logprobs(raw, tokens, rows)]), failed
 
     def scores(self, rows: list[SampleRow], logits: torch.Tensor, salt: int = 0):
         """The rows' logits through every stage before the draw: (raw (B, V) the model's own, x (B, V) scaled and
-        filtered, params (B, 8) with uniforms salted by `salt`, slots (B,), failed rows)."""
+        filtered, the RowTable with uniforms salted by `salt`, slots (B,), failed rows)."""
         masks = self.token_masks(rows, logits.shape[-1])          # host work first: on a GPU the forward still runs
         picks = [r.logit_row for r in rows]
         raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
-        table = torch.tensor([r.params.floats + (self._uniform(r, salt),) for r in rows], dtype=torch.float64)
-        params = table.to(self.device)                                             # (B, 8)
+        table = RowTable.build([r.params for r in rows], [self._uniform(r, salt) for r in rows], self.device)
         slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long).to(self.device)   # (B,)
         for r in rows:
             self._own(r.seq.slot, r)
-        x, failed = self.process(raw.clone(), rows, params, slots, masks)
-        x = scale_by_temperature(x, params)
-        sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p for r in rows)
+        x, failed = self.process(raw.clone(), rows, table, slots, masks)
+        x = scale_by_temperature(x, table)
+        sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p > 0 for r in rows)
         if sort or min_p:
-            x = filter_logits(x, params, sort, min_p)
-        return raw, x, params, slots, failed
+            x = filter_logits(x, table, sort, min_p)
+        return raw, x, table, slots, failed
 
     def draw_drafts(self, rows: list[SampleRow], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Drafts from the MTP layer's logits, through the same stages as the target's tokens (so masks and
         penalties shape them too), at uniforms of their own: (B tokens, q (B, V) they were drawn from)."""
-        _, x, params, _, _ = self.scores(rows, logits, DRAFT_SALT)
-        return draw_tokens(x, params).tolist(), x.softmax(-1)
+        _, x, table, _, _ = self.scores(rows, logits, DRAFT_SALT)
+        return draw_tokens(x, table).tolist(), x.softmax(-1)
 
-    def _judge(self, rows: list[SampleRow], x, params, tokens):
+    def _judge(self, rows: list[SampleRow], x, table: RowTable, tokens):
         """judge_drafts on the rows that have a draft. Returns (accepted (B,), tokens (B,), counted (B,) int32:
         1 for the rows whose token is emitted, i.e. every earlier row of its window accepted its draft)."""
         have = [i for i, r in enumerate(rows) if r.draft is not None]
@@ -3162,7 +3186,7 @@ class Sampler:
         q = torch.stack([r.draft_probs if r.draft_probs is not None else x.new_zeros(V) for r in rows])[at]
         drafts = torch.tensor([rows[i].draft for i in have], dtype=torch.long).to(self.device)
         accept_u = torch.tensor([self._uniform(rows[i], ACCEPT_SALT) for i in have], dtype=torch.float32)
-        ok, judged = judge_drafts(x[at], params[at], tokens[at], drafts, q, accept_u.to(self.device))
+        ok, judged = judge_drafts(x[at], table[at], tokens[at], drafts, q, accept_u.to(self.device))
         accepted = torch.zeros_like(tokens, dtype=torch.bool).index_put((at,), ok)
         tokens = tokens.index_put((at,), judged)
         rejected = (~accepted).int().cumsum(0) - (~accepted).int()                 # (B,) rejections before a row
@@ -3186,7 +3210,7 @@ class Sampler:
                 logprobs[i] = (v[0], list(zip(ids, v[1:1 + want[i]])))
         return SampleResult(tokens, logprobs, failed, accepted)
 
-    def process(self, x: torch.Tensor, rows: list[SampleRow], params: torch.Tensor,
+    def process(self, x: torch.Tensor, rows: list[SampleRow], table: RowTable,
                 slots: torch.Tensor, masks=None) -> tuple[torch.Tensor, dict]:
         """Penalties, logit_bias, min_tokens bans and logits processors on x (B, V), in that order; the
         processors' token masks (token_masks) last, as one (B, V) op."""
@@ -3197,7 +3221,7 @@ class Sampler:
                 at = torch.tensor(ahead, dtype=torch.long).to(x.device)
                 counts = counts.index_put((at[:, 0], at[:, 1]), torch.ones_like(at[:, 0], dtype=torch.int32),
                                           accumulate=True)
-            x = apply_penalties(x, counts, self.prompt_seen[slots], params)
+            x = apply_penalties(x, counts, self.prompt_seen[slots], table)
         x = self._bias_and_bans(x, rows)
         allowed, failed = masks if masks is not None else self.token_masks(rows, x.shape[-1])
         failed.update(self._run_processors(x, rows))
@@ -3234,7 +3258,7 @@ class Sampler:
 
     @staticmethod
     def _uniform(r: SampleRow, salt: int = 0) -> float:
-        return 0.0 if r.params.floats[_TEMPERATURE] == 0 else draw_uniform(r.seq.seed ^ salt, r.seq.index,
+        return 0.0 if r.params.temperature == 0 else draw_uniform(r.seq.seed ^ salt, r.seq.index,
                                                                            len(r.seq.output_ids) + len(r.ahead))
 
     def _own(self, slot: int, r: SampleRow):
@@ -3249,7 +3273,7 @@ class Sampler:
         if r.seq.output_ids:
             out = torch.tensor(r.seq.output_ids, dtype=torch.long).to(self.device)
             self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        if r.params.repetition:
+        if r.params.repetition != 1.0:
             self.prompt_seen[slot, torch.tensor(r.seq.request.prompt_ids, dtype=torch.long).to(self.device)] = True
 
     @staticmethod
@@ -3294,31 +3318,6 @@ class Sampler:
         top = lp.topk(max(k for _, k in want), dim=-1)                                     # (L, K)
         values = torch.cat([lp.gather(1, tokens[index, None]), top.values], dim=1)          # (L, 1 + K)
         return [values.contiguous().view(torch.int32).reshape(-1), top.indices.int().reshape(-1)]
-
-
-# One row through the same stages, for callers and tests that hold a single (V,) row.
-
-def process_logits(logits: torch.Tensor, seq: Sequence, eos_ids: list[int]) -> torch.Tensor:
-    """Penalties, logit_bias, min_tokens bans and processors on one (V,) fp32 row; returns a new tensor."""
-    row = SampleRow(seq, 0, prepare_row_params(seq.params, eos_ids, logits.numel()))
-    sampler = Sampler(1, logits.numel(), logits.device)
-    sampler._own(0, row)
-    params = torch.tensor([row.params.floats + (0.0,)], dtype=torch.float64, device=logits.device)
-    x, failed = sampler.process(logits[None].clone(), [row], params, torch.zeros(1, dtype=torch.long,
-                                                                                  device=logits.device))
-    if failed:
-        raise failed[0]
-    return x[0]
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature (0 = greedy), top_k, top_p and min_p on one (V,) row, then a draw at a uniform taken from
-    `generator`."""
-    row = prepare_row_params(params, [], logits.numel())
-    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * (1 - 2 ** -40)
-    table = torch.tensor([row.floats + (u,)], dtype=torch.float64, device=logits.device)   # (1, 8)
-    x = scale_by_temperature(logits[None].float(), table)
-    return int(draw_tokens(filter_logits(x, table, row.sorts, row.min_p), table)[0])
 
 
 # -----------------------------------------------------------------------------------------------
@@ -4402,7 +4401,7 @@ class Engine:
                 seq.drafts.append(tok)
                 probs.setdefault(seq, []).append(q[j])
         for seq, q in probs.items():
-            seq.draft_probs = torch.stack(q) if seq.request.sampling.floats[_TEMPERATURE] > 0 else None
+            seq.draft_probs = torch.stack(q) if seq.request.sampling.temperature > 0 else None
 
     def _run_copies(self):
         """The copies the admissions asked for (snapshots restored, partial blocks copied), before the forward."""

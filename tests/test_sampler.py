@@ -17,10 +17,11 @@ CHI2_999 = {5: 20.52, 7: 24.32}
 
 def table(B, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, frequency=0.0, repetition=1.0, u=None,
           V=8):
-    """The (B, 8) float64 row table the sampler sends to the device (columns as pocketllm._TEMPERATURE ..)."""
-    cols = [temperature, top_k or V, top_p, min_p, presence, frequency, repetition]
-    rows = [[c[i] if isinstance(c, list) else c for c in cols] + [u[i] if u else 0.0] for i in range(B)]
-    return torch.tensor(rows, dtype=torch.float64)
+    """The RowTable the sampler sends to the device: each column a float64 (B,), a value or a list per row."""
+    column = lambda c: torch.tensor(c if isinstance(c, list) else [c] * B, dtype=torch.float64)  # noqa: E731
+    return pocketllm.RowTable(temperature=column(temperature), top_k=column(top_k or V), top_p=column(top_p),
+                              min_p=column(min_p), presence=column(presence), frequency=column(frequency),
+                              repetition=column(repetition), uniform=column(u or 0.0))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
