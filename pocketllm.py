@@ -3379,14 +3379,18 @@ def batch_view(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> B
     return Batch(*parts)
 
 
-def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
-    """Flatten the plan into the tensors the model reads: built on the host, then one copy to the device (from
-    pinned memory and without waiting, on a GPU)."""
-    fields, width = batch_fields(plan, block_size)
+def fields_batch(fields: list[list[int]], width: int, B: int, device) -> Batch:
+    """batch_fields' lists as a Batch: built on the host, then one copy to the device (from pinned memory and
+    without waiting, on a GPU)."""
     payload = pack_fields(fields)
     if torch.device(device).type == "cuda" and torch.cuda.is_available():   # (not on tests' fake CUDA)
         payload = payload.pin_memory()
-    return batch_view(payload.to(device, non_blocking=True), [len(f) for f in fields], len(plan), width)
+    return batch_view(payload.to(device, non_blocking=True), [len(f) for f in fields], B, width)
+
+
+def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
+    """Flatten the plan into the tensors the model reads."""
+    return fields_batch(*batch_fields(plan, block_size), len(plan), device)
 
 
 class DecodeGraphs:
@@ -3492,20 +3496,11 @@ class DecodeGraphs:
 def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size: int, device) -> Batch:
     """An MTP pass: per entry (seq, start, ids), ids[i] is the token *after* position start + i (the MTP layer
     reads t_{i+1} at position i). Logits are taken at each entry's last position."""
-    ids, pos, slots, starts, ctx = [], [], [], [0], []
-    for seq, start, tokens in entries:
-        positions = range(start, start + len(tokens))
-        ids += tokens
-        pos += positions
-        slots += [seq.blocks[i // block_size] * block_size + i % block_size for i in positions]
-        starts.append(starts[-1] + len(tokens))
-        ctx.append(start + len(tokens))
-    width = max(len(seq.blocks) for seq, _, _ in entries)
-    tables = [[*seq.blocks, *[0] * (width - len(seq.blocks))] for seq, _, _ in entries]
-    t = lambda v, dtype: torch.tensor(v, dtype=dtype).to(device)   # noqa: E731
-    return Batch(t(ids, torch.long), t(pos, torch.long), t(starts, torch.int32), t(ctx, torch.int32),
-                 t(tables, torch.int32), t(slots, torch.long), t([seq.slot for seq, _, _ in entries], torch.int32),
-                 t([s - 1 for s in starts[1:]], torch.long), t([], torch.long))
+    plan = [Scheduled(seq, start, len(ids), sample=True) for seq, start, ids in entries]
+    fields, width = batch_fields(plan, block_size)
+    fields[0] = [token for _, _, ids in entries for token in ids]
+    fields[-1] = []                      # no state slot starts fresh: the MTP layer has no recurrent state
+    return fields_batch(fields, width, len(plan), device)
 
 
 # -----------------------------------------------------------------------------------------------
