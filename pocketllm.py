@@ -1290,10 +1290,6 @@ class NativeOps:
         self.lib.call("pl_launch_count", count)
         return int(count[0])
 
-    def skip_kernels(self, skip: bool) -> None:
-        """Benchmarking only: ops check their arguments and count their launches but run nothing."""
-        self.lib.call("pl_set_skip_kernels", int(skip))
-
     # ---- Plumbing: pointers, dtype codes, the stream ----
 
     def _p(self, t: torch.Tensor) -> int:
@@ -1791,12 +1787,6 @@ class NativeOps:
         """Until the all-reduces queued on this device's stream have completed; past timeout_s, or on NCCL's
         asynchronous error (a peer gone), the communicator is aborted and NativeError says which."""
         self.lib.call("pl_nccl_wait", comm, self._stream(torch.empty(0, device=self.device)), timeout_s)
-
-    def nccl_abort(self, comm: int) -> None:
-        self.lib.call("pl_nccl_abort", comm)
-
-    def nccl_destroy(self, comm: int) -> None:
-        self.lib.call("pl_nccl_destroy", comm)
 
     def _require_nccl(self) -> None:
         ok, why = nccl_status(self.lib)
