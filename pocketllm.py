@@ -38,6 +38,25 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
     13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
         chat page at /.
     14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
+
+Two features cross sections; their steps in the order they run (docs/architecture.md tells each in full):
+
+    Speculative decoding (--speculative-tokens K; the checkpoint's MTP layer drafts, the next forward verifies):
+      6  Scheduler.schedule      a drafting sequence's entry: its last token and K drafts (Scheduled.drafts)
+      8  make_batch              the window's K + 1 positions, logits at each
+      9  Engine._window          which rows are windows; 4 Model.open_window keeps their GDN state and inputs
+      7  Sampler._judge          judge_drafts: accept a draft, or draw from the residual
+      9  Engine._postprocess     emit the accepted drafts and one token; 4 Model.rollback (8b RankRunner.rollback)
+      9  Engine._draft           the MTP layer catches up and drafts K tokens: 8 make_draft_batch,
+                                 4 Model.draft (8b RankRunner.draft), 7 Sampler.draw_drafts
+
+    The prefix cache (KV blocks by content key, recurrent-state snapshots):
+     12  chat_snapshot_point     where a chat prompt's last message starts (Request.snapshot_at)
+      6  Scheduler._resume       admission: 5 PrefixCache.match, the longest cached prefix; share its blocks
+      9  Engine._run_copies      restore the snapshot's state and partial block before the forward
+      6  Scheduler._chunk        prefill chunks end where a snapshot is wanted
+      9  Engine._cache_prefix    full blocks get their keys; Engine._snapshot: 5 PrefixCache.add, the state copied
+      9  Engine._release         a snapshot at the end of a generation, for the next turn
 """
 
 from __future__ import annotations

@@ -88,6 +88,18 @@ def test_the_module_map_lists_every_section():
         assert re.search(rf"[|,] {number} ", table), number
 
 
+def test_the_module_maps_feature_index_names_each_steps_section():
+    """The docstring's index of speculative decoding and the prefix cache: each 'N name' is defined in section N."""
+    starts, numbers = sections()
+    defs = definitions()
+    index = pocketllm.__doc__.split("Two features cross sections")[1]
+    steps = re.findall(r"(?<![\w.(+] )(?<![\w.(+])(\d+[a-c]?)\s+([A-Za-z]\w*[._]\w+)", index)   # not 'K + 1 positions'
+    assert len(steps) >= 15, steps
+    for section, name in steps:
+        assert name in defs, name
+        assert numbers[bisect.bisect_right(starts, defs[name]) - 1] == section, (section, name)
+
+
 # -----------------------------------------------------------------------------------------------
 # Quoted log lines: the start-up lines the documents quote, against a real start-up on pocket-tiny.
 # -----------------------------------------------------------------------------------------------
