@@ -461,6 +461,14 @@ def _token_ids(value, param: str, vocab_size: int | None) -> list[int]:
     return [_token_id(t, param, vocab_size) for t in _check_type(value, list, param)]
 
 
+def _some_token_ids(value, param: str, vocab_size: int | None) -> list[int]:
+    """A non-empty JSON array of token ids, each in [0, vocab_size)."""
+    ids = _token_ids(value, param, vocab_size)
+    if not ids:
+        raise RequestError(f"'{param}' must hold at least one token id (null: every token)", param=param)
+    return ids
+
+
 def _stop_strings(value, param: str, vocab_size: int | None) -> list[str]:
     """A string or an array of at most MAX_STOP non-empty strings -> the list."""
     stop = [value] if isinstance(value, str) else _check_type(value, list, param)
@@ -533,6 +541,10 @@ class SamplingParams:
                                                      "additionalProperties": {"type": "number", "minimum": -100,
                                                                               "maximum": 100}},
                                              why="added to the token's logit")
+    allowed_token_ids: list[int] | None = _sampling(None, "array", read=_some_token_ids,
+                                                    schema={**TOKEN_IDS_SCHEMA, "minItems": 1},
+                                                    shape="non-empty array of token ids (0..vocab-1)",
+                                                    why="only these tokens are sampled; null: every token (vLLM extra)")
     min_tokens: int = _sampling(0, "integer", lo=0, layer="engine",
                                 why="EOS and stop tokens are masked until this many tokens exist; at most the "
                                     "max tokens (vLLM extra)")
@@ -2954,8 +2966,9 @@ class Scheduler:
 #    over the (B, V) logits on their device, and one device-to-host transfer per step.
 #
 #    The order is OpenAI's and vLLM's: penalties (repetition over prompt + generated tokens, presence and
-#    frequency over generated tokens), logit_bias, min_tokens bans, the request's logits processors, then
-#    temperature, top-k, top-p and min-p, then the draw. Greedy rows (temperature 0) take the argmax.
+#    frequency over generated tokens), logit_bias, min_tokens bans, the request's logits processors, the token
+#    masks (allowed_token_ids, structured output), then temperature, top-k, top-p and min-p, then the draw.
+#    Greedy rows (temperature 0) take the argmax.
 #
 #    Seeding is counter-based: a row's uniform is a hash of (seed, choice index, step) computed on the host
 #    from plain integers, and the device inverts the row's float64 CDF at it. So a seeded request draws the
@@ -2997,6 +3010,8 @@ class RowParams:
     bias_ids: list[int]      # logit_bias
     bias_values: list[float]
     banned: list[int]        # -inf until min_tokens tokens exist: stop tokens (and EOS unless ignore_eos)
+    allowed: list[int] | None = None             # allowed_token_ids: the only tokens drawn (None: all)
+    allowed_mask: torch.Tensor | None = None     # (V,) bool on the sampler's device, made at the first step
 
 
 @dataclass
@@ -3077,7 +3092,8 @@ def prepare_row_params(params: SamplingParams, eos_ids: list[int], vocab_size: i
     p = params
     bias = {int(t): float(b) for t, b in p.logit_bias.items()}
     banned = list(dict.fromkeys(int(t) for t in [*p.stop_token_ids, *([] if p.ignore_eos else eos_ids)]))
-    for name, ids in (("logit_bias", bias), ("stop_token_ids", banned)):
+    for name, ids in (("logit_bias", bias), ("stop_token_ids", banned),
+                      ("allowed_token_ids", p.allowed_token_ids or [])):
         if any(not 0 <= t < vocab_size for t in ids):
             raise RequestError(f"'{name}' must hold token ids in [0, {vocab_size})", param=name)
     top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
@@ -3085,7 +3101,7 @@ def prepare_row_params(params: SamplingParams, eos_ids: list[int], vocab_size: i
                      presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
                      penalties=bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0),
                      sorts=top_k < vocab_size or p.top_p < 1.0, bias_ids=list(bias), bias_values=list(bias.values()),
-                     banned=banned if p.min_tokens > 0 else [])
+                     banned=banned if p.min_tokens > 0 else [], allowed=p.allowed_token_ids)
 
 
 @dataclass
@@ -3117,7 +3133,8 @@ DRAFT_SALT, ACCEPT_SALT = 0x5BD1E995, 0x27D4EB2F
 def judge_drafts(x: torch.Tensor, table: RowTable, tokens: torch.Tensor, drafts: torch.Tensor,
                  draft_probs: torch.Tensor, accept_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The speculative rejection rule on B rows that each judge one draft. x (B, V) scaled, filtered target
-    logits; table: the B rows' parameters; tokens (B,) the rows' ordinary draws; drafts (B,); draft_probs q (B, V); accept_u (B,).
+    logits; table: the B rows' parameters; tokens (B,) the rows' ordinary draws; drafts (B,); draft_probs q
+    (B, V); accept_u (B,).
     Greedy rows accept a draft equal to the argmax. Sampled rows accept with probability min(1, p/q) at the
     draft, else draw from norm(max(0, p - q)) at the row's uniform, so that the emitted token is distributed as
     p (Leviathan et al. 2023). Returns (accepted (B,) bool, the row's token (B,): the draft when accepted)."""
@@ -3237,9 +3254,9 @@ class Sampler:
         return (x if allowed is None else apply_token_masks(x, allowed)), failed
 
     def token_masks(self, rows: list[SampleRow], size: int) -> tuple[torch.Tensor | None, dict]:
-        """The rows' allowed tokens, from their logits processors that are token masks (structured output:
-        a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None when no row has
-        one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
+        """The rows' allowed tokens, from allowed_token_ids and their logits processors that are token masks
+        (structured output: a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None
+        when no row has one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
         found, failed = {}, {}
         for r in rows:                    # every row's host work before the first copy (which waits for the forward)
             for proc in r.seq.params.logits_processors:
@@ -3249,6 +3266,8 @@ class Sampler:
                     except Exception:
                         pass                                      # raised again, and recorded, by token_mask below
         for i, r in enumerate(rows):
+            if r.params.allowed is not None:
+                found[i] = self._allowed_mask(r.params, size)
             for proc in r.seq.params.logits_processors:
                 token_mask = getattr(proc, "token_mask", None)
                 if token_mask is None:
@@ -3264,6 +3283,14 @@ class Sampler:
             return None, failed
         everything = torch.ones(size, dtype=torch.bool, device=self.device)
         return torch.stack([found.get(i, everything) for i in range(len(rows))]), failed
+
+    def _allowed_mask(self, params: RowParams, size: int) -> torch.Tensor:
+        """allowed_token_ids as a (V,) bool on the device, made once per request."""
+        if params.allowed_mask is None:
+            mask = torch.zeros(size, dtype=torch.bool)
+            mask[params.allowed] = True
+            params.allowed_mask = mask.to(self.device)
+        return params.allowed_mask
 
     @staticmethod
     def _uniform(r: SampleRow, salt: int = 0) -> float:
@@ -8429,7 +8456,8 @@ GENERATION_FIELDS = {
     "max_tokens": dataclasses.replace(SAMPLING_FIELDS["max_tokens"], default=None,
                                       default_text="the rest of the context"),
     **_sampling_rows("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "min_tokens", "ignore_eos"),
+                     "repetition_penalty", "logit_bias", "allowed_token_ids", "stop", "stop_token_ids", "min_tokens",
+                     "ignore_eos"),
     # Accepted with no effect: bookkeeping on OpenAI's side that cannot change the answer.
     **_table(**{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why="bookkeeping on OpenAI's side")
                 for name, kind in (("user", "string"), ("metadata", "object"), ("store", "boolean"),
@@ -11549,7 +11577,8 @@ VLLM_ONLY_FLAGS = {
     "--max-logprobs": "drop it: requests may ask for up to 20 logprobs",
     "--disable-log-requests": "drop it: pocketllm logs one line per HTTP request (never its content)",
     "--uvicorn-log-level": "drop it: pocketllm logs its start-up and one line per request (--quiet: no start-up lines)",
-    "--speculative-config": "use --speculative-tokens K: the checkpoint's MTP layer drafts K tokens (no separate draft model)",
+    "--speculative-config": "use --speculative-tokens K: the checkpoint's MTP layer drafts K tokens (no separate "
+                            "draft model)",
     "--limit-mm-per-prompt": "pocketllm serves text only",
 }
 
@@ -11565,7 +11594,7 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _default_text(value, quote: str = "") -> str:
+def _option_default(value, quote: str = "") -> str:
     """An option's default as `--help` and the docs write it: on / off, none, or the value (strings quoted)."""
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -11582,7 +11611,7 @@ def add_engine_args(parser: argparse.ArgumentParser):
                         help="checkpoint directory (default: the bundled pocket-tiny)")
     kinds = {"int": int, "float": float}
     for f in dataclasses.fields(EngineOptions):
-        text = f"{f.metadata['help'].replace('`', '').replace('%', '%%')} (default: {_default_text(f.default)})"
+        text = f"{f.metadata['help'].replace('`', '').replace('%', '%%')} (default: {_option_default(f.default)})"
         if f.type == "bool":          # on by default: --NAME / --no-NAME
             parser.add_argument(*_engine_flags(f), default=f.default, help=text,
                                 action=argparse.BooleanOptionalAction if f.default else "store_true")
@@ -11601,7 +11630,7 @@ def add_engine_args(parser: argparse.ArgumentParser):
 def engine_options_markdown() -> str:
     """docs/api.md's table of LLM(...) options: each EngineOptions field's default and help."""
     rows = ["| option | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{f.name}` | {_default_text(f.default, '`')} | {f.metadata['help']} |"
+    rows += [f"| `{f.name}` | {_option_default(f.default, '`')} | {f.metadata['help']} |"
              for f in dataclasses.fields(EngineOptions)]
     return "\n".join(rows)
 
@@ -11612,10 +11641,12 @@ def engine_flags_markdown() -> str:
     for f in dataclasses.fields(EngineOptions):
         flag, *alias = _engine_flags(f)
         negated = f.type == "bool" and f.default            # --NAME / --no-NAME
-        names = [flag, "--no-" + flag[2:]] if negated else [flag if f.type == "bool" else f"{flag} {f.metadata['metavar']}"]
+        shown = flag if f.type == "bool" else f"{flag} {f.metadata['metavar']}"
+        names = [flag, "--no-" + flag[2:]] if negated else [shown]
         vllm = [a for name in alias for a in ([name, "--no-" + name[2:]] if negated else [name])]
         vllm_text = ", ".join(f"`{name}`" for name in vllm) or f.metadata["vllm"]
-        cells = [", ".join(f"`{name}`" for name in names), vllm_text, f.metadata["help"], _default_text(f.default, "`")]
+        cells = [", ".join(f"`{name}`" for name in names), vllm_text, f.metadata["help"],
+                 _option_default(f.default, "`")]
         rows.append(("| " + " | ".join(cells) + " |").replace("|  |", "| |"))
     return "\n".join(rows)
 

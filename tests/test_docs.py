@@ -67,7 +67,8 @@ def section_references():
             for n in CODE_NAME.finditer(text, lo, hi):
                 name = n[1] if n[1] in defs else n[1].split(".")[0]      # Class.attribute: the class
                 if name in defs:
-                    near.append((abs(n.start() - m.start()), n[1], numbers[bisect.bisect_right(starts, defs[name]) - 1]))
+                    section = numbers[bisect.bisect_right(starts, defs[name]) - 1]
+                    near.append((abs(n.start() - m.start()), n[1], section))
             yield doc.name, m[1], min(near) if near else None
 
 

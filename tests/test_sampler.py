@@ -145,3 +145,45 @@ def test_seed_option_seeds_unseeded_requests(ckpt_factory):
     first = answers(7)
     assert answers(7) == first
     assert answers(8) != first
+
+
+def _row(seed: int, slot: int, vocab: int, **params) -> "pocketllm.SampleRow":
+    req = pocketllm.Request(f"r{seed}", [1, 2], pocketllm.SamplingParams(seed=seed, **params).validate(vocab), 0)
+    seq = pocketllm.Sequence(req, 0)
+    seq.slot = slot
+    return pocketllm.SampleRow(seq, slot, pocketllm.prepare_row_params(req.params, [], vocab))
+
+
+def test_allowed_token_ids_sample_the_renormalised_softmax_at_temperature_1():
+    """allowed_token_ids: the other tokens never come; the allowed ones follow softmax renormalised over them
+    (chi-square against the float64 reference), beside rows without the option in the same batch."""
+    V, N = 8, 20_000
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0])
+    allowed = [1, 3, 4, 7]
+    sampler = pocketllm.Sampler(N, V, "cpu")
+    rows = [_row(100 + i, i, V, temperature=1.0, allowed_token_ids=allowed if i % 2 else None) for i in range(N)]
+    tokens = torch.tensor(sampler.sample(rows, logits.expand(N, V).clone()).tokens)
+    restricted, free = tokens[1::2], tokens[0::2]
+    assert set(restricted.tolist()) <= set(allowed)
+    p = torch.softmax(logits.double(), -1)[allowed]
+    counts = torch.bincount(restricted, minlength=V).double()[allowed]
+    expected = len(restricted) * p / p.sum()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (chi2, counts.tolist(), expected.tolist())       # chi-square, 3 dof, p = 0.001
+    assert set(free.tolist()) - set(allowed)                              # the other rows are not restricted
+
+
+def test_allowed_token_ids_greedy_takes_the_best_allowed_and_drafts_obey():
+    V = 8
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0]])
+    sampler = pocketllm.Sampler(1, V, "cpu")
+    assert sampler.sample([_row(1, 0, V, temperature=0.0, allowed_token_ids=[6, 3])], logits.clone()).tokens == [3]
+    drafts, q = sampler.draw_drafts([_row(2, 0, V, temperature=1.0, allowed_token_ids=[5, 6])], logits.clone())
+    assert drafts[0] in (5, 6) and float(q[0, [5, 6]].sum()) == pytest.approx(1.0)
+
+
+def test_allowed_token_ids_are_checked():
+    for bad, match in (([], "at least one token id"), ([8], "between 0 and 7"), (["1"], "integer"), (3, "array")):
+        with pytest.raises(pocketllm.RequestError, match=match) as e:
+            pocketllm.SamplingParams(allowed_token_ids=bad).validate(8)
+        assert e.value.param == "allowed_token_ids"
