@@ -582,6 +582,8 @@ class SamplingParams:
 # name -> row, for every SamplingParams field.
 SAMPLING_FIELDS = {f.name: dataclasses.replace(f.metadata["row"], name=f.name)
                    for f in dataclasses.fields(SamplingParams)}
+# The fields a checkpoint's generation_config.json may default (as vLLM reads it).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -10136,9 +10138,19 @@ def _health(handler, match, raw) -> None:
     handler.send_json(200, {"status": "ok"})
 
 
+def generation_defaults_card(llm) -> dict:
+    """What a request that leaves a sampling field out gets, and from where: the model card's
+    `generation_defaults` (the chat page starts from them)."""
+    given = getattr(llm, "generation_defaults", None) or {}
+    return {name: {"value": given.get(name, SAMPLING_FIELDS[name].default),
+                   "from": "generation_config.json" if name in given else "pocketllm"}
+            for name in GENERATION_DEFAULT_FIELDS}
+
+
 def _model_card(server) -> dict:
     return {"id": server.llm.model_name, "object": "model", "created": server.started, "owned_by": "pocketllm",
-            "root": str(server.llm.ckpt_dir), "max_model_len": server.llm.options.max_context}
+            "root": str(server.llm.ckpt_dir), "max_model_len": server.llm.options.max_context,
+            "generation_defaults": generation_defaults_card(server.llm)}
 
 
 def _models(handler, match, raw) -> None:
@@ -10333,7 +10345,9 @@ Try: What is the weather in Paris for the next 3 days?"></textarea>
 <aside>
   <button id="new" type="button">New chat</button> <button id="export" type="button">Export messages</button>
   <label>System prompt <textarea id="system" rows="3"></textarea></label>
-  <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7"></label>
+  <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1"
+    placeholder="the server's default"></label>
+  <div id="defaults" class="note"></div>
   <label>Max tokens <input id="max-tokens" type="number" min="1" placeholder="the rest of the context"></label>
   <label class="check"><input id="thinking" type="checkbox" checked> Thinking (enable_thinking)</label>
   <label>API key <input id="key" type="password" autocomplete="off" placeholder="when the server has --api-key"></label>
@@ -10384,10 +10398,21 @@ async function refreshServer() {
 }
 async function refreshModel() {
   try {
-    model = (await (await api("/v1/models")).json()).data[0].id;
+    const card = (await (await api("/v1/models")).json()).data[0];
+    model = card.id;
     $("model").textContent = model;
+    showDefaults(card.generation_defaults || {});
   } catch (e) { $("model").textContent = e.message; }
 }
+// The server's sampling defaults (the checkpoint's generation_config.json, else pocketllm's own): the
+// temperature field starts at the server's, and each default is listed with where it comes from.
+function showDefaults(defaults) {
+  const t = defaults.temperature;
+  if (t && $("temperature").value === "" && !$("temperature").dataset.edited) $("temperature").value = String(t.value);
+  $("defaults").textContent = "Server defaults: " +
+    Object.entries(defaults).map(([name, d]) => `${name} ${d.value} (${d.from})`).join(", ");
+}
+$("temperature").addEventListener("input", () => { $("temperature").dataset.edited = "1"; });
 setInterval(() => { if (controller || performance.now() - polled > 5000) refreshServer(); }, 1000);
 
 // The conversation view: one element per turn; model text only ever goes in as textContent.
@@ -11265,9 +11290,6 @@ def _eos_ids(ckpt: Checkpoint, tok: Tokenizer) -> list[int]:
     if not ids and tok.eos_token and tok.token_to_id(tok.eos_token) is not None:
         ids = [tok.token_to_id(tok.eos_token)]
     return [int(i) for i in ids]
-
-
-GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_defaults(ckpt: Checkpoint, source: str, opts: EngineOptions) -> dict:
