@@ -8454,12 +8454,11 @@ GENERATION_FIELDS = {
                                       "chunk the usage; `continuous_usage_stats` (boolean, vLLM's): every chunk "
                                       "carries the usage so far instead of null; `include_obfuscation` (boolean): "
                                       "accepted, chunks are never padded; other keys 400")),
-    **_sampling_rows("n"),
+    # Every SamplingParams row but Python's callables, so a new one is served as it is added; logprobs is each
+    # endpoint's own, max_tokens defaults to the rest of the context.
+    **{name: row for name, row in SAMPLING_FIELDS.items() if name not in ("logprobs", "logits_processors")},
     "max_tokens": dataclasses.replace(SAMPLING_FIELDS["max_tokens"], default=None,
                                       default_text="the rest of the context"),
-    **_sampling_rows("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logit_bias", "allowed_token_ids", "stop", "stop_token_ids", "min_tokens",
-                     "ignore_eos"),
     # Accepted with no effect: bookkeeping on OpenAI's side that cannot change the answer.
     **_table(**{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why="bookkeeping on OpenAI's side")
                 for name, kind in (("user", "string"), ("metadata", "object"), ("store", "boolean"),
