@@ -139,6 +139,25 @@ def test_quoted_log_lines_are_what_start_up_prints():
         assert any(as_pattern(span).fullmatch(line) for line in printed), (doc, span, printed)
 
 
+def test_the_abi_version_the_documents_give_is_the_librarys():
+    header = (ROOT / "csrc" / "pocketllm.h").read_text()
+    version = int(re.search(r"#define PL_ABI_VERSION (\d+)", header)[1])
+    assert version == pocketllm.NATIVE_ABI_VERSION
+    said = [(doc.name, int(n)) for doc in DOCS for n in
+            re.findall(r"\(currently (\d+)\)|\(ABI (\d+)\)|version[^.\n]{0,30}?\b(?:stays|is) (\d+)", doc.read_text())
+            for n in [next(g for g in n if g)]]
+    assert len(said) >= 4 and all(n == version for _, n in said), said
+
+
+def test_native_fusion_defaults_are_what_architecture_md_says():
+    """Which fusions ship off (NativeOps' thresholds at 0 / False) and that glu_tokens is on at one token."""
+    text = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    init = dict(re.findall(r"self\.(prologue_tokens|glu_tokens|mlp_tokens|merged_attention) = (\w+)", SOURCE))
+    assert init == {"prologue_tokens": "0", "glu_tokens": "1", "mlp_tokens": "0", "merged_attention": "False"}, init
+    assert ("turn three fusions off where an H200 measured them slower (`NativeOps.prologue_tokens`, `mlp_tokens`, "
+            "`merged_attention`; `glu_tokens` is on at one token)") in text
+
+
 # -----------------------------------------------------------------------------------------------
 # Defaults written in prose.
 # -----------------------------------------------------------------------------------------------
