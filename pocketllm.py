@@ -38,6 +38,25 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
     13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
         chat page at /; probes (/health readiness, /live liveness), the drain on SIGTERM, X-Prefix-Hash.
     14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
+
+Two features cross sections; their steps in the order they run (docs/architecture.md tells each in full):
+
+    Speculative decoding (--speculative-tokens K; the checkpoint's MTP layer drafts, the next forward verifies):
+      6  Scheduler.schedule      a drafting sequence's entry: its last token and K drafts (Scheduled.drafts)
+      8  make_batch              the window's K + 1 positions, logits at each
+      9  Engine._window          which rows are windows; 4 Model.open_window keeps their GDN state and inputs
+      7  Sampler._judge          judge_drafts: accept a draft, or draw from the residual
+      9  Engine._postprocess     emit the accepted drafts and one token; 4 Model.rollback (8b RankRunner.rollback)
+      9  Engine._draft           the MTP layer catches up and drafts K tokens: 8 make_draft_batch,
+                                 4 Model.draft (8b RankRunner.draft), 7 Sampler.draw_drafts
+
+    The prefix cache (KV blocks by content key, recurrent-state snapshots):
+     12  chat_snapshot_point     where a chat prompt's last message starts (Request.snapshot_at)
+      6  Scheduler._resume       admission: 5 PrefixCache.match, the longest cached prefix; share its blocks
+      9  Engine._run_copies      restore the snapshot's state and partial block before the forward
+      6  Scheduler._chunk        prefill chunks end where a snapshot is wanted
+      9  Engine._cache_prefix    full blocks get their keys; Engine._snapshot: 5 PrefixCache.add, the state copied
+      9  Engine._release         a snapshot at the end of a generation, for the next turn
 """
 
 from __future__ import annotations
@@ -270,34 +289,80 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 8     # --speculative-tokens at most: drafts past a few are rarely all accepted
+DEFAULT_MAX_BATCH_SIZE = 16    # running sequences when not sized from GPU memory (the CPU, --devices)
+MAX_SIZED_BATCH_SIZE = 256     # the most sequences memory sizing picks (vLLM's max_num_seqs default)
+
+
+def _option(default, help: str, metavar: str = "", vllm: str = "", alias: str = ""):
+    """An EngineOptions field with its one description: `--help`, and docs/api.md's option and flag tables, read
+    it. vllm: docs' "vLLM's name" column; alias: a vLLM flag parsed as this one."""
+    return field(default=default, metadata={"help": help, "metavar": metavar, "vllm": vllm, "alias": alias})
 
 
 @dataclass
 class EngineOptions:
     """How the engine runs. Every field is also a CLI flag (--max-batch-size, ...) and an LLM(...) keyword."""
-    backend: str = "auto"              # auto | torch | native
-    device: str = "auto"               # rank 0's device: auto (the first GPU, else the CPU) | cpu | cuda | cuda:N
-    devices: str | None = None         # tensor parallelism: "0,1,2,3" or "cpu,cpu" (one rank each)
-    dtype: str = "auto"                # activation dtype: auto (fp16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
-    kv_dtype: str = "auto"             # KV-cache dtype: auto (= activation dtype) | float32 | bfloat16 | float16
-    max_context: int = 4096            # longest prompt + completion of one sequence, in tokens
-    max_batch_size: int = 0            # running sequences at once (= recurrent-state slots); 0: 16 on the
-                                       # CPU, sized from free memory on a GPU (at most 256)
-    kv_block_size: int = 16            # tokens per KV-cache block
-    num_kv_blocks: int = 0             # 0: on a GPU, what gpu_memory_utilization leaves after the weights;
-                                       # on the CPU, enough for max_batch_size sequences of max_context
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory pocketllm may hold (weights, cache, work)
-    prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
-    prefix_cache: bool = True          # resume prompts from cached KV blocks and state snapshots (--no-prefix-cache)
-    prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: one per state slot
-    smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
-    load_format: str = "auto"          # auto: the safetensors files | dummy: random weights from config.json alone
-    seed: int = 0                      # default seed for unseeded requests' generators
-    speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
-    enforce_eager: bool = False        # every step op by op: no CUDA graphs, no launch-list replay (vLLM's name)
-    quiet: bool = False                # no startup log lines
-    collective_timeout: float = 30.0   # tensor parallelism: seconds an all-reduce may wait for its peers
-    collective_warmup_timeout: float = 300.0   # the same bound for the group's start and first steps (kernel JIT)
+    backend: str = _option("auto", "`torch` (the reference, anywhere), `native` (the CUDA library in csrc/, "
+                           "`python build.py`), or `auto`: native on a GPU when the library loads and takes the "
+                           "dtypes, else torch; the start-up line says which and why", "B")
+    device: str = _option("auto", "rank 0's device: `auto` (the first GPU, else the CPU), `cpu`, `cuda`, `cuda:N`",
+                          "D")
+    devices: str | None = _option(None, "tensor parallelism, one rank per device: `0,1,2,3` (GPUs, NCCL) or "
+                                  "`cpu,cpu` (tests, gloo)", "LIST")
+    dtype: str = _option("auto", "activation dtype: `auto` (float16 on a GPU, float32 on the CPU), `float16` "
+                         "(`half`), `bfloat16` (`bf16`) or `float32` (`float`); the native kernels take float16 or "
+                         "float32, so `--backend native --dtype bfloat16` is refused", "T",
+                         vllm="same (`half`, `bf16`, `float` too)")
+    kv_dtype: str = _option("auto", "KV-cache dtype: `auto` (the activation dtype), `float16`, `bfloat16` or "
+                            "`float32`; the native attention needs `auto`", "T")
+    max_context: int = _option(4096, "longest prompt + completion of one sequence, in tokens; longer requests are "
+                               "refused up front", "N", alias="--max-model-len")
+    max_batch_size: int = _option(0, "sequences running at once (= recurrent-state slots); 0: sized from free "
+                                  f"memory on a GPU (at most {MAX_SIZED_BATCH_SIZE}), {DEFAULT_MAX_BATCH_SIZE} on "
+                                  "the CPU", "N", alias="--max-num-seqs")
+    kv_block_size: int = _option(16, "tokens per KV-cache block", "N", alias="--block-size")
+    num_kv_blocks: int = _option(0, "KV-cache blocks; 0: on a GPU what `--gpu-memory-utilization` leaves after the "
+                                 "weights, on the CPU `--max-batch-size` sequences of `--max-context`", "N")
+    gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory this server may hold: weights, cache "
+                                            "and workspace, at most what is free, in (0, 1]; per server, as in vLLM "
+                                            "(two at 0.45 share a card)", "F", vllm="same")
+    prefill_token_budget: int = _option(512, "tokens per engine step: prefill chunks plus one per decoding "
+                                        "sequence", "N", alias="--max-num-batched-tokens")
+    prefix_cache: bool = _option(True, "prefix caching: a prompt that starts like an earlier one (an agent's next "
+                                 "turn) resumes from cached KV blocks and recurrent-state snapshots and prefills only "
+                                 "the rest; exact (the answer is the one without it). "
+                                 "`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were "
+                                 "resumed (`docs/architecture.md`, \"The prefix cache\"); `--no-prefix-cache` turns "
+                                 "it off", alias="--enable-prefix-caching")
+    prefix_cache_memory: int = _option(-1, "MiB per device for the prefix cache's recurrent-state snapshots (hybrid "
+                                       "models: one snapshot is the state of every linear-attention layer, 147 MiB "
+                                       "for the 27B at TP1, 37 MiB at TP4); -1: one snapshot per state slot "
+                                       "(`--max-batch-size`), taken out of the memory the KV cache is sized from",
+                                       "MIB")
+    smoke_layers: int = _option(0, "run only the first N decoder layers (smoke tests of huge checkpoints); 0: all",
+                                "N")
+    load_format: str = _option("auto", "`auto` (the checkpoint's safetensors files) or `dummy`: random weights "
+                               "of the exact dtypes, shapes and FP8 block scales the checkpoint would hold, made on "
+                               "the device from `config.json` alone (+ its tokenizer, else a built-in byte-level "
+                               "one), seeded by `--seed`: benchmarks without the download", "F", vllm="same")
+    seed: int = _option(0, "seeds the seeds drawn for requests that send no `seed`: the same `--seed`, the same "
+                        "answers", "N", vllm="same")
+    speculative_tokens: int = _option(2, "speculative decoding: the checkpoint's MTP layer (`mtp.*`) drafts K tokens "
+                                      "per sequence and step, the next forward verifies them (greedy output "
+                                      "identical, sampling distributed as the target's; `docs/architecture.md`, "
+                                      "\"Speculative decoding\"); 0 turns it off; a checkpoint without `mtp.*` runs "
+                                      "without it and says so once. The default is the K that measured best "
+                                      f"(`docs/benchmarks.md`); at most {MAX_SPECULATIVE_TOKENS}", "K",
+                                      vllm="`--num-speculative-tokens` (in `--speculative-config`)")
+    enforce_eager: bool = _option(False, "run every decode step op by op: no CUDA graphs (CUDA) and no launch-list "
+                                  "replay (native backend) of the decode forward (`docs/architecture.md`, \"CUDA "
+                                  "graphs\")", vllm="same")
+    quiet: bool = _option(False, "no start-up log lines")
+    collective_timeout: float = _option(30.0, "tensor parallelism: seconds an all-reduce may wait for the other "
+                                        "ranks; past it the group is stopped and the engine reports it "
+                                        "(`docs/architecture.md`, \"Tensor parallelism\")", "S")
+    collective_warmup_timeout: float = _option(300.0, "the same bound while the ranks connect and for their first "
+                                               "two steps, which include kernel JIT compilation", "S")
 
 
 def _log(opts: EngineOptions, msg: str):
@@ -401,6 +466,14 @@ def _token_ids(value, param: str, vocab_size: int | None) -> list[int]:
     return [_token_id(t, param, vocab_size) for t in _check_type(value, list, param)]
 
 
+def _some_token_ids(value, param: str, vocab_size: int | None) -> list[int]:
+    """A non-empty JSON array of token ids, each in [0, vocab_size)."""
+    ids = _token_ids(value, param, vocab_size)
+    if not ids:
+        raise RequestError(f"'{param}' must hold at least one token id (null: every token)", param=param)
+    return ids
+
+
 def _stop_strings(value, param: str, vocab_size: int | None) -> list[str]:
     """A string or an array of at most MAX_STOP non-empty strings -> the list."""
     stop = [value] if isinstance(value, str) else _check_type(value, list, param)
@@ -473,6 +546,10 @@ class SamplingParams:
                                                      "additionalProperties": {"type": "number", "minimum": -100,
                                                                               "maximum": 100}},
                                              why="added to the token's logit")
+    allowed_token_ids: list[int] | None = _sampling(None, "array", read=_some_token_ids,
+                                                    schema={**TOKEN_IDS_SCHEMA, "minItems": 1},
+                                                    shape="non-empty array of token ids (0..vocab-1)",
+                                                    why="only these tokens are sampled; null: every token (vLLM extra)")
     min_tokens: int = _sampling(0, "integer", lo=0, layer="engine",
                                 why="EOS and stop tokens are masked until this many tokens exist; at most the "
                                     "max tokens (vLLM extra)")
@@ -510,6 +587,8 @@ class SamplingParams:
 # name -> row, for every SamplingParams field.
 SAMPLING_FIELDS = {f.name: dataclasses.replace(f.metadata["row"], name=f.name)
                    for f in dataclasses.fields(SamplingParams)}
+# The fields a checkpoint's generation_config.json may default (as vLLM reads it).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1258,10 +1337,6 @@ class NativeOps:
         self.lib.call("pl_launch_count", count)
         return int(count[0])
 
-    def skip_kernels(self, skip: bool) -> None:
-        """Benchmarking only: ops check their arguments and count their launches but run nothing."""
-        self.lib.call("pl_set_skip_kernels", int(skip))
-
     # ---- Plumbing: pointers, dtype codes, the stream ----
 
     def _p(self, t: torch.Tensor) -> int:
@@ -1759,12 +1834,6 @@ class NativeOps:
         """Until the all-reduces queued on this device's stream have completed; past timeout_s, or on NCCL's
         asynchronous error (a peer gone), the communicator is aborted and NativeError says which."""
         self.lib.call("pl_nccl_wait", comm, self._stream(torch.empty(0, device=self.device)), timeout_s)
-
-    def nccl_abort(self, comm: int) -> None:
-        self.lib.call("pl_nccl_abort", comm)
-
-    def nccl_destroy(self, comm: int) -> None:
-        self.lib.call("pl_nccl_destroy", comm)
 
     def _require_nccl(self) -> None:
         ok, why = nccl_status(self.lib)
@@ -3100,8 +3169,9 @@ class Scheduler:
 #    over the (B, V) logits on their device, and one device-to-host transfer per step.
 #
 #    The order is OpenAI's and vLLM's: penalties (repetition over prompt + generated tokens, presence and
-#    frequency over generated tokens), logit_bias, min_tokens bans, the request's logits processors, then
-#    temperature, top-k, top-p and min-p, then the draw. Greedy rows (temperature 0) take the argmax.
+#    frequency over generated tokens), logit_bias, min_tokens bans, the request's logits processors, the token
+#    masks (allowed_token_ids, structured output), then temperature, top-k, top-p and min-p, then the draw.
+#    Greedy rows (temperature 0) take the argmax.
 #
 #    Seeding is counter-based: a row's uniform is a hash of (seed, choice index, step) computed on the host
 #    from plain integers, and the device inverts the row's float64 CDF at it. So a seeded request draws the
@@ -3127,50 +3197,90 @@ def draw_uniform(seed: int, index: int, step: int) -> float:
     return (h >> 24) / float(1 << 40)
 
 
-# The row parameters travel to the device as one (B, 8) float64 tensor, columns in this order.
-_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _UNIFORM = range(8)
+@dataclass
+class RowParams:
+    """One request's sampling options as the sampler reads them, prepared once when the engine admits it. The
+    numbers become the columns of RowTable (by name); the flags let a step skip stages no row needs."""
+    temperature: float       # 0: greedy
+    top_k: float             # the vocabulary size: off
+    top_p: float             # 1: off
+    min_p: float             # 0: off
+    presence: float          # presence_penalty
+    frequency: float         # frequency_penalty
+    repetition: float        # repetition_penalty, 1: off
+    penalties: bool          # presence, frequency or repetition penalty on
+    sorts: bool              # top_k or top_p on: the filters sort the row
+    bias_ids: list[int]      # logit_bias
+    bias_values: list[float]
+    banned: list[int]        # -inf until min_tokens tokens exist: stop tokens (and EOS unless ignore_eos)
+    allowed: list[int] | None = None             # allowed_token_ids: the only tokens drawn (None: all)
+    allowed_mask: torch.Tensor | None = None     # (V,) bool on the sampler's device, made at the first step
+
+
+@dataclass
+class RowTable:
+    """A step's row parameters on the device: one (B,) float64 column per name, built from the rows' RowParams
+    and uniforms and sent as one (B, C) host-to-device copy."""
+    temperature: torch.Tensor        # (B,) 0: greedy
+    top_k: torch.Tensor              # (B,) the vocabulary size: off
+    top_p: torch.Tensor              # (B,) 1: off
+    min_p: torch.Tensor              # (B,) 0: off
+    presence: torch.Tensor           # (B,)
+    frequency: torch.Tensor          # (B,)
+    repetition: torch.Tensor         # (B,) 1: off
+    uniform: torch.Tensor            # (B,) where the draw inverts the row's CDF, in [0, 1)
+
+    @classmethod
+    def build(cls, params: list[RowParams], uniforms: list[float], device) -> "RowTable":
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "uniform"]
+        host = torch.tensor([[float(getattr(p, n)) for n in names] + [u] for p, u in zip(params, uniforms)],
+                            dtype=torch.float64).reshape(len(params), len(names) + 1)   # (B, C)
+        return cls(*host.to(device).unbind(1))
+
+    def __getitem__(self, index) -> "RowTable":
+        """The rows at `index` (a (b,) tensor of row numbers)."""
+        return RowTable(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
 
 
 def apply_penalties(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
-                    rows: torch.Tensor) -> torch.Tensor:
-    """x (B, V) fp32; counts (B, V) int32 of generated tokens; prompt_seen (B, V) bool; rows (B, 8).
+                    table: RowTable) -> torch.Tensor:
+    """x (B, V) fp32; counts (B, V) int32 of generated tokens; prompt_seen (B, V) bool.
     Rows whose penalties are off (0, 0, 1) come out bit-identical."""
-    presence, frequency, repetition = (rows[:, c, None].float() for c in (_PRESENCE, _FREQUENCY, _REPETITION))
+    presence, frequency, repetition = (c[:, None].float() for c in (table.presence, table.frequency, table.repetition))
     generated = counts > 0                                                     # (B, V)
     x = torch.where(prompt_seen | generated, torch.where(x > 0, x / repetition, x * repetition), x)
     return x - generated * presence - counts * frequency
 
 
-def filter_logits(x: torch.Tensor, rows: torch.Tensor, sort: bool = True, min_p: bool = True) -> torch.Tensor:
-    """Temperature-scaled x (B, V) -> x with filtered tokens at -inf. rows (B, 8): top_k (V = off), top_p (1 =
-    off), min_p (0 = off). top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the sorted
+def filter_logits(x: torch.Tensor, table: RowTable, sort: bool = True, min_p: bool = True) -> torch.Tensor:
+    """Temperature-scaled x (B, V) -> x with filtered tokens at -inf, by the table's top_k (V = off), top_p (1 =
+    off) and min_p (0 = off). top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the sorted
     top-k probabilities that reaches top_p; min-p drops the tokens whose probability is below min_p x the
     largest, i.e. whose logit is below the largest + log(min_p). A row whose filters are off comes out
     unchanged; sort=False (no row has top-k or top-p) and min_p=False skip those stages for the whole batch."""
-    drop = x < x.max(-1, keepdim=True).values + rows[:, _MIN_P, None].float().log() if min_p else \
+    drop = x < x.max(-1, keepdim=True).values + table.min_p[:, None].float().log() if min_p else \
         torch.zeros_like(x, dtype=torch.bool)                                  # (B, V); log(0) = -inf keeps all
     if sort:
-        V, top_p = x.shape[-1], rows[:, _TOP_P, None].float()
+        V, top_p = x.shape[-1], table.top_p[:, None].float()
         sorted_x, order = x.sort(dim=-1, descending=True)                      # (B, V)
-        kth = sorted_x.gather(1, (rows[:, _TOP_K].long().clamp(1, V) - 1)[:, None])   # (B, 1)
+        kth = sorted_x.gather(1, (table.top_k.long().clamp(1, V) - 1)[:, None])      # (B, 1)
         sorted_p = sorted_x.masked_fill(sorted_x < kth, float("-inf")).softmax(-1)
         past_p = (sorted_p.cumsum(-1) - sorted_p >= top_p) & (top_p < 1)      # (B, V) in sorted order
         drop |= (x < kth) | past_p.scatter(1, order, past_p)
     return x.masked_fill(drop, float("-inf"))
 
 
-def scale_by_temperature(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def scale_by_temperature(x: torch.Tensor, table: RowTable) -> torch.Tensor:
     """x (B, V) / each row's temperature; greedy rows (temperature 0) are divided by 1."""
-    temperature = rows[:, _TEMPERATURE]
-    return x / torch.where(temperature == 0, 1.0, temperature).float()[:, None]
+    return x / torch.where(table.temperature == 0, 1.0, table.temperature).float()[:, None]
 
 
-def draw_tokens(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x (B, V) scaled, filtered logits; rows (B, 8) -> (B,) int64: the argmax for greedy rows, else the first
-    token where the row's float64 CDF of softmax(x) passes the row's uniform."""
+def draw_tokens(x: torch.Tensor, table: RowTable) -> torch.Tensor:
+    """x (B, V) scaled, filtered logits -> (B,) int64: the argmax for greedy rows, else the first token where
+    the row's float64 CDF of softmax(x) passes the row's uniform."""
     cdf = x.softmax(-1).double().cumsum(-1)                                    # (B, V)
-    drawn = torch.searchsorted(cdf, (rows[:, _UNIFORM] * cdf[:, -1])[:, None], right=True)[:, 0]
-    return torch.where(rows[:, _TEMPERATURE] == 0, x.argmax(-1), drawn.clamp(max=x.shape[-1] - 1))
+    drawn = torch.searchsorted(cdf, (table.uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+    return torch.where(table.temperature == 0, x.argmax(-1), drawn.clamp(max=x.shape[-1] - 1))
 
 
 def apply_token_masks(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -3180,33 +3290,21 @@ def apply_token_masks(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(masked).any(-1, keepdim=True), masked, x)
 
 
-@dataclass
-class RowParams:
-    """One request's sampling options as the sampler reads them, prepared once when the engine admits it."""
-    floats: tuple            # (temperature, top_k, top_p, min_p, presence, frequency, repetition): _TEMPERATURE..
-    penalties: bool          # presence, frequency or repetition penalty on
-    repetition: bool         # the repetition penalty is on: the prompt's tokens count too
-    sorts: bool              # top_k or top_p on: the filters sort the row
-    min_p: bool              # min_p on
-    bias_ids: list[int]      # logit_bias
-    bias_values: list[float]
-    banned: list[int]        # -inf until min_tokens tokens exist: stop tokens (and EOS unless ignore_eos)
-
-
 def prepare_row_params(params: SamplingParams, eos_ids: list[int], vocab_size: int) -> RowParams:
     """Checks every token id against the vocabulary, so that a malformed request fails alone, here."""
     p = params
     bias = {int(t): float(b) for t, b in p.logit_bias.items()}
     banned = list(dict.fromkeys(int(t) for t in [*p.stop_token_ids, *([] if p.ignore_eos else eos_ids)]))
-    for name, ids in (("logit_bias", bias), ("stop_token_ids", banned)):
+    for name, ids in (("logit_bias", bias), ("stop_token_ids", banned),
+                      ("allowed_token_ids", p.allowed_token_ids or [])):
         if any(not 0 <= t < vocab_size for t in ids):
             raise RequestError(f"'{name}' must hold token ids in [0, {vocab_size})", param=name)
     top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
-    floats = tuple(float(v) for v in (p.temperature, top_k, p.top_p, p.min_p, p.presence_penalty,
-                                      p.frequency_penalty, p.repetition_penalty))
-    return RowParams(floats, bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0),
-                     p.repetition_penalty != 1.0, top_k < vocab_size or p.top_p < 1.0, p.min_p > 0.0,
-                     list(bias), list(bias.values()), banned if p.min_tokens > 0 else [])
+    return RowParams(temperature=p.temperature, top_k=top_k, top_p=p.top_p, min_p=p.min_p,
+                     presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
+                     penalties=bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0),
+                     sorts=top_k < vocab_size or p.top_p < 1.0, bias_ids=list(bias), bias_values=list(bias.values()),
+                     banned=banned if p.min_tokens > 0 else [], allowed=p.allowed_token_ids)
 
 
 @dataclass
@@ -3235,21 +3333,22 @@ class SampleResult:
 DRAFT_SALT, ACCEPT_SALT = 0x5BD1E995, 0x27D4EB2F
 
 
-def judge_drafts(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor,
+def judge_drafts(x: torch.Tensor, table: RowTable, tokens: torch.Tensor, drafts: torch.Tensor,
                  draft_probs: torch.Tensor, accept_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The speculative rejection rule on B rows that each judge one draft. x (B, V) scaled, filtered target
-    logits; rows (B, 8); tokens (B,) the rows' ordinary draws; drafts (B,); draft_probs q (B, V); accept_u (B,).
+    logits; table: the B rows' parameters; tokens (B,) the rows' ordinary draws; drafts (B,); draft_probs q
+    (B, V); accept_u (B,).
     Greedy rows accept a draft equal to the argmax. Sampled rows accept with probability min(1, p/q) at the
     draft, else draw from norm(max(0, p - q)) at the row's uniform, so that the emitted token is distributed as
     p (Leviathan et al. 2023). Returns (accepted (B,) bool, the row's token (B,): the draft when accepted)."""
     p = x.softmax(-1)                                                          # (B, V)
     pd, qd = p.gather(1, drafts[:, None])[:, 0], draft_probs.gather(1, drafts[:, None])[:, 0]   # (B,)
-    greedy = rows[:, _TEMPERATURE] == 0
+    greedy = table.temperature == 0
     accepted = torch.where(greedy, tokens == drafts, accept_u * qd < pd)
     residual = (p - draft_probs).clamp(min=0)                                  # (B, V)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)    # p == q: never rejected anyway
     cdf = residual.double().cumsum(-1)
-    redrawn = torch.searchsorted(cdf, (rows[:, _UNIFORM] * cdf[:, -1])[:, None], right=True)[:, 0]
+    redrawn = torch.searchsorted(cdf, (table.uniform * cdf[:, -1])[:, None], right=True)[:, 0]
     redrawn = torch.where(greedy, tokens, redrawn.clamp(max=x.shape[-1] - 1))
     return accepted, torch.where(accepted, drafts, redrawn)
 
@@ -3275,40 +3374,39 @@ class Sampler:
         """logits (R, V) fp32 -> (packed (N,) int32 on their device: the B sampled ids, [with drafts: B accepted
         flags,] then the requested logprobs as float32 bits and their top-k ids; the rows whose processors
         raised). Everything before the host transfer, so that tests can run it under FakeTensorMode."""
-        raw, x, params, slots, failed = self.scores(rows, logits)
-        tokens = draw_tokens(x, params)                                            # (B,) int64
+        raw, x, table, slots, failed = self.scores(rows, logits)
+        tokens = draw_tokens(x, table)                                             # (B,) int64
         counted, flags = torch.ones_like(tokens, dtype=torch.int32), []
         if any(r.draft is not None for r in rows):
-            accepted, tokens, counted = self._judge(rows, x, params, tokens)
+            accepted, tokens, counted = self._judge(rows, x, table, tokens)
             flags = [accepted.int()]
         self.counts.index_put_((slots, tokens), counted, accumulate=True)
         return torch.cat([tokens.int(), *flags, *self._logprobs(raw, tokens, rows)]), failed
 
     def scores(self, rows: list[SampleRow], logits: torch.Tensor, salt: int = 0):
         """The rows' logits through every stage before the draw: (raw (B, V) the model's own, x (B, V) scaled and
-        filtered, params (B, 8) with uniforms salted by `salt`, slots (B,), failed rows)."""
+        filtered, the RowTable with uniforms salted by `salt`, slots (B,), failed rows)."""
         masks = self.token_masks(rows, logits.shape[-1])          # host work first: on a GPU the forward still runs
         picks = [r.logit_row for r in rows]
         raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
-        table = torch.tensor([r.params.floats + (self._uniform(r, salt),) for r in rows], dtype=torch.float64)
-        params = table.to(self.device)                                             # (B, 8)
+        table = RowTable.build([r.params for r in rows], [self._uniform(r, salt) for r in rows], self.device)
         slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long).to(self.device)   # (B,)
         for r in rows:
             self._own(r.seq.slot, r)
-        x, failed = self.process(raw.clone(), rows, params, slots, masks)
-        x = scale_by_temperature(x, params)
-        sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p for r in rows)
+        x, failed = self.process(raw.clone(), rows, table, slots, masks)
+        x = scale_by_temperature(x, table)
+        sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p > 0 for r in rows)
         if sort or min_p:
-            x = filter_logits(x, params, sort, min_p)
-        return raw, x, params, slots, failed
+            x = filter_logits(x, table, sort, min_p)
+        return raw, x, table, slots, failed
 
     def draw_drafts(self, rows: list[SampleRow], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Drafts from the MTP layer's logits, through the same stages as the target's tokens (so masks and
         penalties shape them too), at uniforms of their own: (B tokens, q (B, V) they were drawn from)."""
-        _, x, params, _, _ = self.scores(rows, logits, DRAFT_SALT)
-        return draw_tokens(x, params).tolist(), x.softmax(-1)
+        _, x, table, _, _ = self.scores(rows, logits, DRAFT_SALT)
+        return draw_tokens(x, table).tolist(), x.softmax(-1)
 
-    def _judge(self, rows: list[SampleRow], x, params, tokens):
+    def _judge(self, rows: list[SampleRow], x, table: RowTable, tokens):
         """judge_drafts on the rows that have a draft. Returns (accepted (B,), tokens (B,), counted (B,) int32:
         1 for the rows whose token is emitted, i.e. every earlier row of its window accepted its draft)."""
         have = [i for i, r in enumerate(rows) if r.draft is not None]
@@ -3317,7 +3415,7 @@ class Sampler:
         q = torch.stack([r.draft_probs if r.draft_probs is not None else x.new_zeros(V) for r in rows])[at]
         drafts = torch.tensor([rows[i].draft for i in have], dtype=torch.long).to(self.device)
         accept_u = torch.tensor([self._uniform(rows[i], ACCEPT_SALT) for i in have], dtype=torch.float32)
-        ok, judged = judge_drafts(x[at], params[at], tokens[at], drafts, q, accept_u.to(self.device))
+        ok, judged = judge_drafts(x[at], table[at], tokens[at], drafts, q, accept_u.to(self.device))
         accepted = torch.zeros_like(tokens, dtype=torch.bool).index_put((at,), ok)
         tokens = tokens.index_put((at,), judged)
         rejected = (~accepted).int().cumsum(0) - (~accepted).int()                 # (B,) rejections before a row
@@ -3341,7 +3439,7 @@ class Sampler:
                 logprobs[i] = (v[0], list(zip(ids, v[1:1 + want[i]])))
         return SampleResult(tokens, logprobs, failed, accepted)
 
-    def process(self, x: torch.Tensor, rows: list[SampleRow], params: torch.Tensor,
+    def process(self, x: torch.Tensor, rows: list[SampleRow], table: RowTable,
                 slots: torch.Tensor, masks=None) -> tuple[torch.Tensor, dict]:
         """Penalties, logit_bias, min_tokens bans and logits processors on x (B, V), in that order; the
         processors' token masks (token_masks) last, as one (B, V) op."""
@@ -3352,16 +3450,16 @@ class Sampler:
                 at = torch.tensor(ahead, dtype=torch.long).to(x.device)
                 counts = counts.index_put((at[:, 0], at[:, 1]), torch.ones_like(at[:, 0], dtype=torch.int32),
                                           accumulate=True)
-            x = apply_penalties(x, counts, self.prompt_seen[slots], params)
+            x = apply_penalties(x, counts, self.prompt_seen[slots], table)
         x = self._bias_and_bans(x, rows)
         allowed, failed = masks if masks is not None else self.token_masks(rows, x.shape[-1])
         failed.update(self._run_processors(x, rows))
         return (x if allowed is None else apply_token_masks(x, allowed)), failed
 
     def token_masks(self, rows: list[SampleRow], size: int) -> tuple[torch.Tensor | None, dict]:
-        """The rows' allowed tokens, from their logits processors that are token masks (structured output:
-        a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None when no row has
-        one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
+        """The rows' allowed tokens, from allowed_token_ids and their logits processors that are token masks
+        (structured output: a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None
+        when no row has one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
         found, failed = {}, {}
         for r in rows:                    # every row's host work before the first copy (which waits for the forward)
             for proc in r.seq.params.logits_processors:
@@ -3371,6 +3469,8 @@ class Sampler:
                     except Exception:
                         pass                                      # raised again, and recorded, by token_mask below
         for i, r in enumerate(rows):
+            if r.params.allowed is not None:
+                found[i] = self._allowed_mask(r.params, size)
             for proc in r.seq.params.logits_processors:
                 token_mask = getattr(proc, "token_mask", None)
                 if token_mask is None:
@@ -3387,9 +3487,17 @@ class Sampler:
         everything = torch.ones(size, dtype=torch.bool, device=self.device)
         return torch.stack([found.get(i, everything) for i in range(len(rows))]), failed
 
+    def _allowed_mask(self, params: RowParams, size: int) -> torch.Tensor:
+        """allowed_token_ids as a (V,) bool on the device, made once per request."""
+        if params.allowed_mask is None:
+            mask = torch.zeros(size, dtype=torch.bool)
+            mask[params.allowed] = True
+            params.allowed_mask = mask.to(self.device)
+        return params.allowed_mask
+
     @staticmethod
     def _uniform(r: SampleRow, salt: int = 0) -> float:
-        return 0.0 if r.params.floats[_TEMPERATURE] == 0 else draw_uniform(r.seq.seed ^ salt, r.seq.index,
+        return 0.0 if r.params.temperature == 0 else draw_uniform(r.seq.seed ^ salt, r.seq.index,
                                                                            len(r.seq.output_ids) + len(r.ahead))
 
     def _own(self, slot: int, r: SampleRow):
@@ -3404,7 +3512,7 @@ class Sampler:
         if r.seq.output_ids:
             out = torch.tensor(r.seq.output_ids, dtype=torch.long).to(self.device)
             self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        if r.params.repetition:
+        if r.params.repetition != 1.0:
             self.prompt_seen[slot, torch.tensor(r.seq.request.prompt_ids, dtype=torch.long).to(self.device)] = True
 
     @staticmethod
@@ -3449,31 +3557,6 @@ class Sampler:
         top = lp.topk(max(k for _, k in want), dim=-1)                                     # (L, K)
         values = torch.cat([lp.gather(1, tokens[index, None]), top.values], dim=1)          # (L, 1 + K)
         return [values.contiguous().view(torch.int32).reshape(-1), top.indices.int().reshape(-1)]
-
-
-# One row through the same stages, for callers and tests that hold a single (V,) row.
-
-def process_logits(logits: torch.Tensor, seq: Sequence, eos_ids: list[int]) -> torch.Tensor:
-    """Penalties, logit_bias, min_tokens bans and processors on one (V,) fp32 row; returns a new tensor."""
-    row = SampleRow(seq, 0, prepare_row_params(seq.params, eos_ids, logits.numel()))
-    sampler = Sampler(1, logits.numel(), logits.device)
-    sampler._own(0, row)
-    params = torch.tensor([row.params.floats + (0.0,)], dtype=torch.float64, device=logits.device)
-    x, failed = sampler.process(logits[None].clone(), [row], params, torch.zeros(1, dtype=torch.long,
-                                                                                  device=logits.device))
-    if failed:
-        raise failed[0]
-    return x[0]
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature (0 = greedy), top_k, top_p and min_p on one (V,) row, then a draw at a uniform taken from
-    `generator`."""
-    row = prepare_row_params(params, [], logits.numel())
-    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * (1 - 2 ** -40)
-    table = torch.tensor([row.floats + (u,)], dtype=torch.float64, device=logits.device)   # (1, 8)
-    x = scale_by_temperature(logits[None].float(), table)
-    return int(draw_tokens(filter_logits(x, table, row.sorts, row.min_p), table)[0])
 
 
 # -----------------------------------------------------------------------------------------------
@@ -3535,14 +3618,18 @@ def batch_view(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> B
     return Batch(*parts)
 
 
-def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
-    """Flatten the plan into the tensors the model reads: built on the host, then one copy to the device (from
-    pinned memory and without waiting, on a GPU)."""
-    fields, width = batch_fields(plan, block_size)
+def fields_batch(fields: list[list[int]], width: int, B: int, device) -> Batch:
+    """batch_fields' lists as a Batch: built on the host, then one copy to the device (from pinned memory and
+    without waiting, on a GPU)."""
     payload = pack_fields(fields)
     if torch.device(device).type == "cuda" and torch.cuda.is_available():   # (not on tests' fake CUDA)
         payload = payload.pin_memory()
-    return batch_view(payload.to(device, non_blocking=True), [len(f) for f in fields], len(plan), width)
+    return batch_view(payload.to(device, non_blocking=True), [len(f) for f in fields], B, width)
+
+
+def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
+    """Flatten the plan into the tensors the model reads."""
+    return fields_batch(*batch_fields(plan, block_size), len(plan), device)
 
 
 class DecodeGraphs:
@@ -3648,20 +3735,11 @@ class DecodeGraphs:
 def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size: int, device) -> Batch:
     """An MTP pass: per entry (seq, start, ids), ids[i] is the token *after* position start + i (the MTP layer
     reads t_{i+1} at position i). Logits are taken at each entry's last position."""
-    ids, pos, slots, starts, ctx = [], [], [], [0], []
-    for seq, start, tokens in entries:
-        positions = range(start, start + len(tokens))
-        ids += tokens
-        pos += positions
-        slots += [seq.blocks[i // block_size] * block_size + i % block_size for i in positions]
-        starts.append(starts[-1] + len(tokens))
-        ctx.append(start + len(tokens))
-    width = max(len(seq.blocks) for seq, _, _ in entries)
-    tables = [[*seq.blocks, *[0] * (width - len(seq.blocks))] for seq, _, _ in entries]
-    t = lambda v, dtype: torch.tensor(v, dtype=dtype).to(device)   # noqa: E731
-    return Batch(t(ids, torch.long), t(pos, torch.long), t(starts, torch.int32), t(ctx, torch.int32),
-                 t(tables, torch.int32), t(slots, torch.long), t([seq.slot for seq, _, _ in entries], torch.int32),
-                 t([s - 1 for s in starts[1:]], torch.long), t([], torch.long))
+    plan = [Scheduled(seq, start, len(ids), sample=True) for seq, start, ids in entries]
+    fields, width = batch_fields(plan, block_size)
+    fields[0] = [token for _, _, ids in entries for token in ids]
+    fields[-1] = []                      # no state slot starts fresh: the MTP layer has no recurrent state
+    return fields_batch(fields, width, len(plan), device)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -4545,7 +4623,7 @@ class Engine:
                 seq.drafts.append(tok)
                 probs.setdefault(seq, []).append(q[j])
         for seq, q in probs.items():
-            seq.draft_probs = torch.stack(q) if seq.request.sampling.floats[_TEMPERATURE] > 0 else None
+            seq.draft_probs = torch.stack(q) if seq.request.sampling.temperature > 0 else None
 
     def _run_copies(self):
         """The copies the admissions asked for (snapshots restored, partial blocks copied), before the forward."""
@@ -8812,11 +8890,11 @@ GENERATION_FIELDS = {
                                       "chunk the usage; `continuous_usage_stats` (boolean, vLLM's): every chunk "
                                       "carries the usage so far instead of null; `include_obfuscation` (boolean): "
                                       "accepted, chunks are never padded; other keys 400")),
-    **_sampling_rows("n"),
+    # Every SamplingParams row but Python's callables, so a new one is served as it is added; logprobs is each
+    # endpoint's own, max_tokens defaults to the rest of the context.
+    **{name: row for name, row in SAMPLING_FIELDS.items() if name not in ("logprobs", "logits_processors")},
     "max_tokens": dataclasses.replace(SAMPLING_FIELDS["max_tokens"], default=None,
                                       default_text="the rest of the context"),
-    **_sampling_rows("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "min_tokens", "ignore_eos"),
     # Accepted with no effect: bookkeeping on OpenAI's side that cannot change the answer.
     **_table(**{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why="bookkeeping on OpenAI's side")
                 for name, kind in (("user", "string"), ("metadata", "object"), ("store", "boolean"),
@@ -10541,9 +10619,19 @@ def _live(handler, match, raw) -> None:
     handler.send_json(200, {"status": "alive"})
 
 
+def generation_defaults_card(llm) -> dict:
+    """What a request that leaves a sampling field out gets, and from where: the model card's
+    `generation_defaults` (the chat page starts from them)."""
+    given = getattr(llm, "generation_defaults", None) or {}
+    return {name: {"value": given.get(name, SAMPLING_FIELDS[name].default),
+                   "from": "generation_config.json" if name in given else "pocketllm"}
+            for name in GENERATION_DEFAULT_FIELDS}
+
+
 def _model_card(server) -> dict:
     return {"id": server.llm.model_name, "object": "model", "created": server.started, "owned_by": "pocketllm",
-            "root": str(server.llm.ckpt_dir), "max_model_len": server.llm.options.max_context}
+            "root": str(server.llm.ckpt_dir), "max_model_len": server.llm.options.max_context,
+            "generation_defaults": generation_defaults_card(server.llm)}
 
 
 def _models(handler, match, raw) -> None:
@@ -10738,7 +10826,9 @@ Try: What is the weather in Paris for the next 3 days?"></textarea>
 <aside>
   <button id="new" type="button">New chat</button> <button id="export" type="button">Export messages</button>
   <label>System prompt <textarea id="system" rows="3"></textarea></label>
-  <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7"></label>
+  <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1"
+    placeholder="the server's default"></label>
+  <div id="defaults" class="note"></div>
   <label>Max tokens <input id="max-tokens" type="number" min="1" placeholder="the rest of the context"></label>
   <label class="check"><input id="thinking" type="checkbox" checked> Thinking (enable_thinking)</label>
   <label>API key <input id="key" type="password" autocomplete="off" placeholder="when the server has --api-key"></label>
@@ -10789,10 +10879,21 @@ async function refreshServer() {
 }
 async function refreshModel() {
   try {
-    model = (await (await api("/v1/models")).json()).data[0].id;
+    const card = (await (await api("/v1/models")).json()).data[0];
+    model = card.id;
     $("model").textContent = model;
+    showDefaults(card.generation_defaults || {});
   } catch (e) { $("model").textContent = e.message; }
 }
+// The server's sampling defaults (the checkpoint's generation_config.json, else pocketllm's own): the
+// temperature field starts at the server's, and each default is listed with where it comes from.
+function showDefaults(defaults) {
+  const t = defaults.temperature;
+  if (t && $("temperature").value === "" && !$("temperature").dataset.edited) $("temperature").value = String(t.value);
+  $("defaults").textContent = "Server defaults: " +
+    Object.entries(defaults).map(([name, d]) => `${name} ${d.value} (${d.from})`).join(", ");
+}
+$("temperature").addEventListener("input", () => { $("temperature").dataset.edited = "1"; });
 setInterval(() => { if (controller || performance.now() - polled > 5000) refreshServer(); }, 1000);
 
 // The conversation view: one element per turn; model text only ever goes in as textContent.
@@ -11550,8 +11651,6 @@ def bundled_model_dir() -> Path:
 
 
 DEFAULT_CKPT = bundled_model_dir()
-DEFAULT_MAX_BATCH_SIZE = 16            # running sequences when not sized from GPU memory (the CPU, --devices)
-MAX_SIZED_BATCH_SIZE = 256             # the most sequences memory sizing picks (vLLM's max_num_seqs default)
 # Memory. The cache's tensors are measured by allocating them on the meta device (no memory), so sizing and
 # allocate_cache cannot disagree; memory_budget estimates every part from config.json alone (docs/serving.md).
 
@@ -11806,9 +11905,6 @@ def _eos_ids(ckpt: Checkpoint, tok: Tokenizer) -> list[int]:
     if not ids and tok.eos_token and tok.token_to_id(tok.eos_token) is not None:
         ids = [tok.token_to_id(tok.eos_token)]
     return [int(i) for i in ids]
-
-
-GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_defaults(ckpt: Checkpoint, source: str, opts: EngineOptions) -> dict:
@@ -12122,51 +12218,6 @@ class LLM:
 # The command line. Every flag has help with its default, vLLM's names are aliases where the meaning is the
 # same, and every mistake is one line naming the flag (exit 2) before any weight loads.
 
-ENGINE_FLAG_HELP = {
-    "backend": "torch (the reference, anywhere), native (the CUDA library in csrc/), or auto: native on a GPU when "
-               "the library loads, else torch (default: %(default)s)",
-    "device": "rank 0's device: auto (the first GPU, else the CPU), cpu, cuda or cuda:N (default: %(default)s)",
-    "devices": "tensor parallelism, one rank per device: 0,1,2,3 (GPUs, NCCL) or cpu,cpu (tests; gloo) "
-               "(default: none)",
-    "dtype": "activation dtype: auto (float16 on a GPU, float32 on the CPU), float16 (half), bfloat16 (bf16) or "
-             "float32; the native kernels take float16 or float32 (default: %(default)s)",
-    "kv_dtype": "KV-cache dtype: auto (the activation dtype), float16, bfloat16 or float32 (default: %(default)s)",
-    "max_context": "longest prompt + completion of one sequence, in tokens (default: %(default)s)",
-    "max_batch_size": "sequences running at once; 0: sized from free memory on a GPU (at most "
-                      f"{MAX_SIZED_BATCH_SIZE}), {DEFAULT_MAX_BATCH_SIZE} on the CPU (default: %(default)s)",
-    "kv_block_size": "tokens per KV-cache block (default: %(default)s)",
-    "num_kv_blocks": "KV-cache blocks; 0: on a GPU what --gpu-memory-utilization leaves after the weights, on the "
-                     "CPU --max-batch-size sequences of --max-context (default: %(default)s)",
-    "gpu_memory_utilization": "share of the GPU's memory this server may hold: weights, cache and workspace, "
-                              "at most what is free; per server, as in vLLM (default: %(default)s)",
-    "prefill_token_budget": "tokens per engine step: prefill chunks plus one per decoding sequence "
-                            "(default: %(default)s)",
-    "prefix_cache": "prefix caching: a prompt that starts like an earlier one resumes from its cached KV blocks and "
-                    "recurrent-state snapshots and prefills only the rest; --no-prefix-cache turns it off "
-                    "(default: on)",
-    "prefix_cache_memory": "MiB per device for the prefix cache's recurrent-state snapshots (hybrid models); -1: "
-                           "one snapshot per state slot (--max-batch-size) (default: %(default)s)",
-    "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
-                    "(default: %(default)s)",
-    "load_format": "auto (the checkpoint's safetensors files) or dummy (vLLM's name): random weights of the exact "
-                   "dtypes, shapes and FP8 block scales the checkpoint would hold, made on the device from "
-                   "config.json alone (+ its tokenizer, else a built-in byte-level one), seeded by --seed: for "
-                   "benchmarks without the download (default: %(default)s)",
-    "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
-    "speculative_tokens": "tokens the checkpoint's MTP layer drafts per sequence and step, verified in the next "
-                          "forward (exact: the output is the target model's); 0: off (default: %(default)s)",
-    "enforce_eager": "run every decode step op by op: no CUDA graphs and no launch-list replay of the native "
-                     "backend's decode steps (default: off)",
-    "quiet": "no start-up log lines (default: off)",
-    "collective_timeout": "tensor parallelism: seconds an all-reduce may wait for the other ranks before the group "
-                          "is stopped and the engine reports it (default: %(default)s)",
-    "collective_warmup_timeout": "the same bound while the ranks connect and for their first steps, which include "
-                                 "kernel JIT compilation (default: %(default)s)",
-}
-# vLLM's names for the same things (vllm serve --help).
-VLLM_ALIASES = {"max_context": "--max-model-len", "max_batch_size": "--max-num-seqs",
-                "kv_block_size": "--block-size", "prefill_token_budget": "--max-num-batched-tokens",
-                "prefix_cache": "--enable-prefix-caching"}
 # vLLM flags with no pocketllm equivalent: what to do instead, in one line.
 VLLM_ONLY_FLAGS = {
     "--kv-cache-dtype": "use --kv-dtype (float16, bfloat16 or float32; there is no fp8 KV cache)",
@@ -12183,7 +12234,8 @@ VLLM_ONLY_FLAGS = {
     "--max-logprobs": "drop it: requests may ask for up to 20 logprobs",
     "--disable-log-requests": "drop it: pocketllm logs one line per HTTP request (never its content)",
     "--uvicorn-log-level": "drop it: pocketllm logs its start-up and one line per request (--quiet: no start-up lines)",
-    "--speculative-config": "there is no speculative decoding",
+    "--speculative-config": "use --speculative-tokens K: the checkpoint's MTP layer drafts K tokens (no separate "
+                            "draft model)",
     "--limit-mm-per-prompt": "pocketllm serves text only",
 }
 
@@ -12199,18 +12251,30 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _option_default(value, quote: str = "") -> str:
+    """An option's default as `--help` and the docs write it: on / off, none, or the value (strings quoted)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else f"{quote}{value}{quote}" if isinstance(value, str) else str(value)
+
+
+def _engine_flags(f: dataclasses.Field) -> list[str]:
+    """An EngineOptions field's flag, then vLLM's name for it."""
+    return [_flag(f.name)] + ([f.metadata["alias"]] if f.metadata["alias"] else [])
+
+
 def add_engine_args(parser: argparse.ArgumentParser):
     parser.add_argument("--ckpt", "--model", default=None, metavar="DIR",
                         help="checkpoint directory (default: the bundled pocket-tiny)")
     kinds = {"int": int, "float": float}
     for f in dataclasses.fields(EngineOptions):
-        names = [_flag(f.name)] + ([VLLM_ALIASES[f.name]] if f.name in VLLM_ALIASES else [])
+        text = f"{f.metadata['help'].replace('`', '').replace('%', '%%')} (default: {_option_default(f.default)})"
         if f.type == "bool":          # on by default: --NAME / --no-NAME
-            parser.add_argument(*names, action=argparse.BooleanOptionalAction if f.default else "store_true",
-                                default=f.default, help=ENGINE_FLAG_HELP.get(f.name))
+            parser.add_argument(*_engine_flags(f), default=f.default, help=text,
+                                action=argparse.BooleanOptionalAction if f.default else "store_true")
         else:
-            parser.add_argument(*names, type=kinds.get(f.type, str), default=f.default, metavar=f.name.upper(),
-                                help=ENGINE_FLAG_HELP.get(f.name))
+            parser.add_argument(*_engine_flags(f), type=kinds.get(f.type, str), default=f.default,
+                                metavar=f.metadata["metavar"], help=text)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="vLLM's name: the first N GPUs, one rank each (= --devices 0,...,N-1) "
                              "(default: %(default)s)")
@@ -12218,6 +12282,42 @@ def add_engine_args(parser: argparse.ArgumentParser):
         "sampling defaults of requests that do not set them: auto = the checkpoint's generation_config.json "
         "(temperature, top_p, top_k, min_p, repetition_penalty), none = pocketllm's own, "
         "DIR = DIR/generation_config.json (default: auto)"))
+
+
+def engine_options_markdown() -> str:
+    """docs/api.md's table of LLM(...) options: each EngineOptions field's default and help."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{f.name}` | {_option_default(f.default, '`')} | {f.metadata['help']} |"
+             for f in dataclasses.fields(EngineOptions)]
+    return "\n".join(rows)
+
+
+def engine_flags_markdown() -> str:
+    """docs/api.md's table of engine flags: the same fields as flags, with vLLM's names."""
+    rows = ["| flag | vLLM's name | what it does | default |", "|---|---|---|---|"]
+    for f in dataclasses.fields(EngineOptions):
+        flag, *alias = _engine_flags(f)
+        negated = f.type == "bool" and f.default            # --NAME / --no-NAME
+        shown = flag if f.type == "bool" else f"{flag} {f.metadata['metavar']}"
+        names = [flag, "--no-" + flag[2:]] if negated else [shown]
+        vllm = [a for name in alias for a in ([name, "--no-" + name[2:]] if negated else [name])]
+        vllm_text = ", ".join(f"`{name}`" for name in vllm) or f.metadata["vllm"]
+        cells = [", ".join(f"`{name}`" for name in names), vllm_text, f.metadata["help"],
+                 _option_default(f.default, "`")]
+        rows.append(("| " + " | ".join(cells) + " |").replace("|  |", "| |"))
+    return "\n".join(rows)
+
+
+def vllm_only_flags_markdown() -> str:
+    rows = ["| vLLM flag | pocketllm's answer |", "|---|---|"]
+    for name, answer in VLLM_ONLY_FLAGS.items():
+        rows.append(f"| `{name}` | " + re.sub(r"(--[a-z-]+(?: [A-Z]+| cuda:N)?|<\w+>)", r"`\1`", answer) + " |")
+    return "\n".join(rows)
+
+
+# docs/api.md's tables that the CLI renders (between `<!-- table: NAME -->` and `<!-- end table -->`).
+DOC_TABLES = {"engine options": engine_options_markdown, "engine flags": engine_flags_markdown,
+              "vllm-only flags": vllm_only_flags_markdown}
 
 
 def engine_options(args: argparse.Namespace) -> dict:
