@@ -38,6 +38,25 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
     13. HTTP server: ThreadingHTTPServer, route table, error translator, SSE, limits on slow clients, the
         chat page at /; probes (/health readiness, /live liveness), the drain on SIGTERM, X-Prefix-Hash.
     14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
+
+Two features cross sections; their steps in the order they run (docs/architecture.md tells each in full):
+
+    Speculative decoding (--speculative-tokens K; the checkpoint's MTP layer drafts, the next forward verifies):
+      6  Scheduler.schedule      a drafting sequence's entry: its last token and K drafts (Scheduled.drafts)
+      8  make_batch              the window's K + 1 positions, logits at each
+      9  Engine._window          which rows are windows; 4 Model.open_window keeps their GDN state and inputs
+      7  Sampler._judge          judge_drafts: accept a draft, or draw from the residual
+      9  Engine._postprocess     emit the accepted drafts and one token; 4 Model.rollback (8b RankRunner.rollback)
+      9  Engine._draft           the MTP layer catches up and drafts K tokens: 8 make_draft_batch,
+                                 4 Model.draft (8b RankRunner.draft), 7 Sampler.draw_drafts
+
+    The prefix cache (KV blocks by content key, recurrent-state snapshots):
+     12  chat_snapshot_point     where a chat prompt's last message starts (Request.snapshot_at)
+      6  Scheduler._resume       admission: 5 PrefixCache.match, the longest cached prefix; share its blocks
+      9  Engine._run_copies      restore the snapshot's state and partial block before the forward
+      6  Scheduler._chunk        prefill chunks end where a snapshot is wanted
+      9  Engine._cache_prefix    full blocks get their keys; Engine._snapshot: 5 PrefixCache.add, the state copied
+      9  Engine._release         a snapshot at the end of a generation, for the next turn
 """
 
 from __future__ import annotations
@@ -270,34 +289,80 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 8     # --speculative-tokens at most: drafts past a few are rarely all accepted
+DEFAULT_MAX_BATCH_SIZE = 16    # running sequences when not sized from GPU memory (the CPU, --devices)
+MAX_SIZED_BATCH_SIZE = 256     # the most sequences memory sizing picks (vLLM's max_num_seqs default)
+
+
+def _option(default, help: str, metavar: str = "", vllm: str = "", alias: str = ""):
+    """An EngineOptions field with its one description: `--help`, and docs/api.md's option and flag tables, read
+    it. vllm: docs' "vLLM's name" column; alias: a vLLM flag parsed as this one."""
+    return field(default=default, metadata={"help": help, "metavar": metavar, "vllm": vllm, "alias": alias})
 
 
 @dataclass
 class EngineOptions:
     """How the engine runs. Every field is also a CLI flag (--max-batch-size, ...) and an LLM(...) keyword."""
-    backend: str = "auto"              # auto | torch | native
-    device: str = "auto"               # rank 0's device: auto (the first GPU, else the CPU) | cpu | cuda | cuda:N
-    devices: str | None = None         # tensor parallelism: "0,1,2,3" or "cpu,cpu" (one rank each)
-    dtype: str = "auto"                # activation dtype: auto (fp16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
-    kv_dtype: str = "auto"             # KV-cache dtype: auto (= activation dtype) | float32 | bfloat16 | float16
-    max_context: int = 4096            # longest prompt + completion of one sequence, in tokens
-    max_batch_size: int = 0            # running sequences at once (= recurrent-state slots); 0: 16 on the
-                                       # CPU, sized from free memory on a GPU (at most 256)
-    kv_block_size: int = 16            # tokens per KV-cache block
-    num_kv_blocks: int = 0             # 0: on a GPU, what gpu_memory_utilization leaves after the weights;
-                                       # on the CPU, enough for max_batch_size sequences of max_context
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory pocketllm may hold (weights, cache, work)
-    prefill_token_budget: int = 512    # tokens per engine step (prefill chunks + decodes)
-    prefix_cache: bool = True          # resume prompts from cached KV blocks and state snapshots (--no-prefix-cache)
-    prefix_cache_memory: int = -1      # MiB of recurrent-state snapshots per device; -1: one per state slot
-    smoke_layers: int = 0              # >0: run only the first N decoder layers (smoke tests of huge checkpoints)
-    load_format: str = "auto"          # auto: the safetensors files | dummy: random weights from config.json alone
-    seed: int = 0                      # default seed for unseeded requests' generators
-    speculative_tokens: int = 2        # MTP drafts per sequence and step (2: best measured, benchmarks.md); 0: off
-    enforce_eager: bool = False        # every step op by op: no CUDA graphs, no launch-list replay (vLLM's name)
-    quiet: bool = False                # no startup log lines
-    collective_timeout: float = 30.0   # tensor parallelism: seconds an all-reduce may wait for its peers
-    collective_warmup_timeout: float = 300.0   # the same bound for the group's start and first steps (kernel JIT)
+    backend: str = _option("auto", "`torch` (the reference, anywhere), `native` (the CUDA library in csrc/, "
+                           "`python build.py`), or `auto`: native on a GPU when the library loads and takes the "
+                           "dtypes, else torch; the start-up line says which and why", "B")
+    device: str = _option("auto", "rank 0's device: `auto` (the first GPU, else the CPU), `cpu`, `cuda`, `cuda:N`",
+                          "D")
+    devices: str | None = _option(None, "tensor parallelism, one rank per device: `0,1,2,3` (GPUs, NCCL) or "
+                                  "`cpu,cpu` (tests, gloo)", "LIST")
+    dtype: str = _option("auto", "activation dtype: `auto` (float16 on a GPU, float32 on the CPU), `float16` "
+                         "(`half`), `bfloat16` (`bf16`) or `float32` (`float`); the native kernels take float16 or "
+                         "float32, so `--backend native --dtype bfloat16` is refused", "T",
+                         vllm="same (`half`, `bf16`, `float` too)")
+    kv_dtype: str = _option("auto", "KV-cache dtype: `auto` (the activation dtype), `float16`, `bfloat16` or "
+                            "`float32`; the native attention needs `auto`", "T")
+    max_context: int = _option(4096, "longest prompt + completion of one sequence, in tokens; longer requests are "
+                               "refused up front", "N", alias="--max-model-len")
+    max_batch_size: int = _option(0, "sequences running at once (= recurrent-state slots); 0: sized from free "
+                                  f"memory on a GPU (at most {MAX_SIZED_BATCH_SIZE}), {DEFAULT_MAX_BATCH_SIZE} on "
+                                  "the CPU", "N", alias="--max-num-seqs")
+    kv_block_size: int = _option(16, "tokens per KV-cache block", "N", alias="--block-size")
+    num_kv_blocks: int = _option(0, "KV-cache blocks; 0: on a GPU what `--gpu-memory-utilization` leaves after the "
+                                 "weights, on the CPU `--max-batch-size` sequences of `--max-context`", "N")
+    gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory this server may hold: weights, cache "
+                                            "and workspace, at most what is free, in (0, 1]; per server, as in vLLM "
+                                            "(two at 0.45 share a card)", "F", vllm="same")
+    prefill_token_budget: int = _option(512, "tokens per engine step: prefill chunks plus one per decoding "
+                                        "sequence", "N", alias="--max-num-batched-tokens")
+    prefix_cache: bool = _option(True, "prefix caching: a prompt that starts like an earlier one (an agent's next "
+                                 "turn) resumes from cached KV blocks and recurrent-state snapshots and prefills only "
+                                 "the rest; exact (the answer is the one without it). "
+                                 "`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were "
+                                 "resumed (`docs/architecture.md`, \"The prefix cache\"); `--no-prefix-cache` turns "
+                                 "it off", alias="--enable-prefix-caching")
+    prefix_cache_memory: int = _option(-1, "MiB per device for the prefix cache's recurrent-state snapshots (hybrid "
+                                       "models: one snapshot is the state of every linear-attention layer, 147 MiB "
+                                       "for the 27B at TP1, 37 MiB at TP4); -1: one snapshot per state slot "
+                                       "(`--max-batch-size`), taken out of the memory the KV cache is sized from",
+                                       "MIB")
+    smoke_layers: int = _option(0, "run only the first N decoder layers (smoke tests of huge checkpoints); 0: all",
+                                "N")
+    load_format: str = _option("auto", "`auto` (the checkpoint's safetensors files) or `dummy`: random weights "
+                               "of the exact dtypes, shapes and FP8 block scales the checkpoint would hold, made on "
+                               "the device from `config.json` alone (+ its tokenizer, else a built-in byte-level "
+                               "one), seeded by `--seed`: benchmarks without the download", "F", vllm="same")
+    seed: int = _option(0, "seeds the seeds drawn for requests that send no `seed`: the same `--seed`, the same "
+                        "answers", "N", vllm="same")
+    speculative_tokens: int = _option(2, "speculative decoding: the checkpoint's MTP layer (`mtp.*`) drafts K tokens "
+                                      "per sequence and step, the next forward verifies them (greedy output "
+                                      "identical, sampling distributed as the target's; `docs/architecture.md`, "
+                                      "\"Speculative decoding\"); 0 turns it off; a checkpoint without `mtp.*` runs "
+                                      "without it and says so once. The default is the K that measured best "
+                                      f"(`docs/benchmarks.md`); at most {MAX_SPECULATIVE_TOKENS}", "K",
+                                      vllm="`--num-speculative-tokens` (in `--speculative-config`)")
+    enforce_eager: bool = _option(False, "run every decode step op by op: no CUDA graphs (CUDA) and no launch-list "
+                                  "replay (native backend) of the decode forward (`docs/architecture.md`, \"CUDA "
+                                  "graphs\")", vllm="same")
+    quiet: bool = _option(False, "no start-up log lines")
+    collective_timeout: float = _option(30.0, "tensor parallelism: seconds an all-reduce may wait for the other "
+                                        "ranks; past it the group is stopped and the engine reports it "
+                                        "(`docs/architecture.md`, \"Tensor parallelism\")", "S")
+    collective_warmup_timeout: float = _option(300.0, "the same bound while the ranks connect and for their first "
+                                               "two steps, which include kernel JIT compilation", "S")
 
 
 def _log(opts: EngineOptions, msg: str):
@@ -404,6 +469,14 @@ def _token_ids(value, param: str, vocab_size: int | None) -> list[int]:
     return [_token_id(t, f"{param}[{i}]", vocab_size) for i, t in enumerate(_check_type(value, list, param))]
 
 
+def _some_token_ids(value, param: str, vocab_size: int | None) -> list[int]:
+    """A non-empty JSON array of token ids, each in [0, vocab_size)."""
+    ids = _token_ids(value, param, vocab_size)
+    if not ids:
+        raise RequestError(f"'{param}' must hold at least one token id (null: every token)", param=param)
+    return ids
+
+
 def _stop_strings(value, param: str, vocab_size: int | None) -> list[str]:
     """A string or an array of at most MAX_STOP non-empty strings -> the list."""
     if isinstance(value, str):
@@ -482,6 +555,10 @@ class SamplingParams:
                                                      "additionalProperties": {"type": "number", "minimum": -100,
                                                                               "maximum": 100}},
                                              why="added to the token's logit")
+    allowed_token_ids: list[int] | None = _sampling(None, "array", read=_some_token_ids,
+                                                    schema={**TOKEN_IDS_SCHEMA, "minItems": 1},
+                                                    shape="non-empty array of token ids (0..vocab-1)",
+                                                    why="only these tokens are sampled; null: every token (vLLM extra)")
     min_tokens: int = _sampling(0, "integer", lo=0, layer="engine",
                                 why="EOS and stop tokens are masked until this many tokens exist; at most the "
                                     "max tokens (vLLM extra)")
@@ -519,6 +596,8 @@ class SamplingParams:
 # name -> row, for every SamplingParams field.
 SAMPLING_FIELDS = {f.name: dataclasses.replace(f.metadata["row"], name=f.name)
                    for f in dataclasses.fields(SamplingParams)}
+# The fields a checkpoint's generation_config.json may default (as vLLM reads it).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1267,10 +1346,6 @@ class NativeOps:
         self.lib.call("pl_launch_count", count)
         return int(count[0])
 
-    def skip_kernels(self, skip: bool) -> None:
-        """Benchmarking only: ops check their arguments and count their launches but run nothing."""
-        self.lib.call("pl_set_skip_kernels", int(skip))
-
     # ---- Plumbing: pointers, dtype codes, the stream ----
 
     def _p(self, t: torch.Tensor) -> int:
@@ -1768,12 +1843,6 @@ class NativeOps:
         """Until the all-reduces queued on this device's stream have completed; past timeout_s, or on NCCL's
         asynchronous error (a peer gone), the communicator is aborted and NativeError says which."""
         self.lib.call("pl_nccl_wait", comm, self._stream(torch.empty(0, device=self.device)), timeout_s)
-
-    def nccl_abort(self, comm: int) -> None:
-        self.lib.call("pl_nccl_abort", comm)
-
-    def nccl_destroy(self, comm: int) -> None:
-        self.lib.call("pl_nccl_destroy", comm)
 
     def _require_nccl(self) -> None:
         ok, why = nccl_status(self.lib)
@@ -3109,8 +3178,9 @@ class Scheduler:
 #    over the (B, V) logits on their device, and one device-to-host transfer per step.
 #
 #    The order is OpenAI's and vLLM's: penalties (repetition over prompt + generated tokens, presence and
-#    frequency over generated tokens), logit_bias, min_tokens bans, the request's logits processors, then
-#    temperature, top-k, top-p and min-p, then the draw. Greedy rows (temperature 0) take the argmax.
+#    frequency over generated tokens), logit_bias, min_tokens bans, the request's logits processors, the token
+#    masks (allowed_token_ids, structured output), then temperature, top-k, top-p and min-p, then the draw.
+#    Greedy rows (temperature 0) take the argmax.
 #
 #    Seeding is counter-based: a row's uniform is a hash of (seed, choice index, step) computed on the host
 #    from plain integers, and the device inverts the row's float64 CDF at it. So a seeded request draws the
@@ -3136,50 +3206,90 @@ def draw_uniform(seed: int, index: int, step: int) -> float:
     return (h >> 24) / float(1 << 40)
 
 
-# The row parameters travel to the device as one (B, 8) float64 tensor, columns in this order.
-_TEMPERATURE, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _UNIFORM = range(8)
+@dataclass
+class RowParams:
+    """One request's sampling options as the sampler reads them, prepared once when the engine admits it. The
+    numbers become the columns of RowTable (by name); the flags let a step skip stages no row needs."""
+    temperature: float       # 0: greedy
+    top_k: float             # the vocabulary size: off
+    top_p: float             # 1: off
+    min_p: float             # 0: off
+    presence: float          # presence_penalty
+    frequency: float         # frequency_penalty
+    repetition: float        # repetition_penalty, 1: off
+    penalties: bool          # presence, frequency or repetition penalty on
+    sorts: bool              # top_k or top_p on: the filters sort the row
+    bias_ids: list[int]      # logit_bias
+    bias_values: list[float]
+    banned: list[int]        # -inf until min_tokens tokens exist: stop tokens (and EOS unless ignore_eos)
+    allowed: list[int] | None = None             # allowed_token_ids: the only tokens drawn (None: all)
+    allowed_mask: torch.Tensor | None = None     # (V,) bool on the sampler's device, made at the first step
+
+
+@dataclass
+class RowTable:
+    """A step's row parameters on the device: one (B,) float64 column per name, built from the rows' RowParams
+    and uniforms and sent as one (B, C) host-to-device copy."""
+    temperature: torch.Tensor        # (B,) 0: greedy
+    top_k: torch.Tensor              # (B,) the vocabulary size: off
+    top_p: torch.Tensor              # (B,) 1: off
+    min_p: torch.Tensor              # (B,) 0: off
+    presence: torch.Tensor           # (B,)
+    frequency: torch.Tensor          # (B,)
+    repetition: torch.Tensor         # (B,) 1: off
+    uniform: torch.Tensor            # (B,) where the draw inverts the row's CDF, in [0, 1)
+
+    @classmethod
+    def build(cls, params: list[RowParams], uniforms: list[float], device) -> "RowTable":
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "uniform"]
+        host = torch.tensor([[float(getattr(p, n)) for n in names] + [u] for p, u in zip(params, uniforms)],
+                            dtype=torch.float64).reshape(len(params), len(names) + 1)   # (B, C)
+        return cls(*host.to(device).unbind(1))
+
+    def __getitem__(self, index) -> "RowTable":
+        """The rows at `index` (a (b,) tensor of row numbers)."""
+        return RowTable(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
 
 
 def apply_penalties(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
-                    rows: torch.Tensor) -> torch.Tensor:
-    """x (B, V) fp32; counts (B, V) int32 of generated tokens; prompt_seen (B, V) bool; rows (B, 8).
+                    table: RowTable) -> torch.Tensor:
+    """x (B, V) fp32; counts (B, V) int32 of generated tokens; prompt_seen (B, V) bool.
     Rows whose penalties are off (0, 0, 1) come out bit-identical."""
-    presence, frequency, repetition = (rows[:, c, None].float() for c in (_PRESENCE, _FREQUENCY, _REPETITION))
+    presence, frequency, repetition = (c[:, None].float() for c in (table.presence, table.frequency, table.repetition))
     generated = counts > 0                                                     # (B, V)
     x = torch.where(prompt_seen | generated, torch.where(x > 0, x / repetition, x * repetition), x)
     return x - generated * presence - counts * frequency
 
 
-def filter_logits(x: torch.Tensor, rows: torch.Tensor, sort: bool = True, min_p: bool = True) -> torch.Tensor:
-    """Temperature-scaled x (B, V) -> x with filtered tokens at -inf. rows (B, 8): top_k (V = off), top_p (1 =
-    off), min_p (0 = off). top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the sorted
+def filter_logits(x: torch.Tensor, table: RowTable, sort: bool = True, min_p: bool = True) -> torch.Tensor:
+    """Temperature-scaled x (B, V) -> x with filtered tokens at -inf, by the table's top_k (V = off), top_p (1 =
+    off) and min_p (0 = off). top-k keeps ties with the k-th value; top-p keeps the smallest prefix of the sorted
     top-k probabilities that reaches top_p; min-p drops the tokens whose probability is below min_p x the
     largest, i.e. whose logit is below the largest + log(min_p). A row whose filters are off comes out
     unchanged; sort=False (no row has top-k or top-p) and min_p=False skip those stages for the whole batch."""
-    drop = x < x.max(-1, keepdim=True).values + rows[:, _MIN_P, None].float().log() if min_p else \
+    drop = x < x.max(-1, keepdim=True).values + table.min_p[:, None].float().log() if min_p else \
         torch.zeros_like(x, dtype=torch.bool)                                  # (B, V); log(0) = -inf keeps all
     if sort:
-        V, top_p = x.shape[-1], rows[:, _TOP_P, None].float()
+        V, top_p = x.shape[-1], table.top_p[:, None].float()
         sorted_x, order = x.sort(dim=-1, descending=True)                      # (B, V)
-        kth = sorted_x.gather(1, (rows[:, _TOP_K].long().clamp(1, V) - 1)[:, None])   # (B, 1)
+        kth = sorted_x.gather(1, (table.top_k.long().clamp(1, V) - 1)[:, None])      # (B, 1)
         sorted_p = sorted_x.masked_fill(sorted_x < kth, float("-inf")).softmax(-1)
         past_p = (sorted_p.cumsum(-1) - sorted_p >= top_p) & (top_p < 1)      # (B, V) in sorted order
         drop |= (x < kth) | past_p.scatter(1, order, past_p)
     return x.masked_fill(drop, float("-inf"))
 
 
-def scale_by_temperature(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def scale_by_temperature(x: torch.Tensor, table: RowTable) -> torch.Tensor:
     """x (B, V) / each row's temperature; greedy rows (temperature 0) are divided by 1."""
-    temperature = rows[:, _TEMPERATURE]
-    return x / torch.where(temperature == 0, 1.0, temperature).float()[:, None]
+    return x / torch.where(table.temperature == 0, 1.0, table.temperature).float()[:, None]
 
 
-def draw_tokens(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x (B, V) scaled, filtered logits; rows (B, 8) -> (B,) int64: the argmax for greedy rows, else the first
-    token where the row's float64 CDF of softmax(x) passes the row's uniform."""
+def draw_tokens(x: torch.Tensor, table: RowTable) -> torch.Tensor:
+    """x (B, V) scaled, filtered logits -> (B,) int64: the argmax for greedy rows, else the first token where
+    the row's float64 CDF of softmax(x) passes the row's uniform."""
     cdf = x.softmax(-1).double().cumsum(-1)                                    # (B, V)
-    drawn = torch.searchsorted(cdf, (rows[:, _UNIFORM] * cdf[:, -1])[:, None], right=True)[:, 0]
-    return torch.where(rows[:, _TEMPERATURE] == 0, x.argmax(-1), drawn.clamp(max=x.shape[-1] - 1))
+    drawn = torch.searchsorted(cdf, (table.uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+    return torch.where(table.temperature == 0, x.argmax(-1), drawn.clamp(max=x.shape[-1] - 1))
 
 
 def apply_token_masks(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -3189,33 +3299,21 @@ def apply_token_masks(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(masked).any(-1, keepdim=True), masked, x)
 
 
-@dataclass
-class RowParams:
-    """One request's sampling options as the sampler reads them, prepared once when the engine admits it."""
-    floats: tuple            # (temperature, top_k, top_p, min_p, presence, frequency, repetition): _TEMPERATURE..
-    penalties: bool          # presence, frequency or repetition penalty on
-    repetition: bool         # the repetition penalty is on: the prompt's tokens count too
-    sorts: bool              # top_k or top_p on: the filters sort the row
-    min_p: bool              # min_p on
-    bias_ids: list[int]      # logit_bias
-    bias_values: list[float]
-    banned: list[int]        # -inf until min_tokens tokens exist: stop tokens (and EOS unless ignore_eos)
-
-
 def prepare_row_params(params: SamplingParams, eos_ids: list[int], vocab_size: int) -> RowParams:
     """Checks every token id against the vocabulary, so that a malformed request fails alone, here."""
     p = params
     bias = {int(t): float(b) for t, b in p.logit_bias.items()}
     banned = list(dict.fromkeys(int(t) for t in [*p.stop_token_ids, *([] if p.ignore_eos else eos_ids)]))
-    for name, ids in (("logit_bias", bias), ("stop_token_ids", banned)):
+    for name, ids in (("logit_bias", bias), ("stop_token_ids", banned),
+                      ("allowed_token_ids", p.allowed_token_ids or [])):
         if any(not 0 <= t < vocab_size for t in ids):
             raise RequestError(f"'{name}' must hold token ids in [0, {vocab_size})", param=name)
     top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
-    floats = tuple(float(v) for v in (p.temperature, top_k, p.top_p, p.min_p, p.presence_penalty,
-                                      p.frequency_penalty, p.repetition_penalty))
-    return RowParams(floats, bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0),
-                     p.repetition_penalty != 1.0, top_k < vocab_size or p.top_p < 1.0, p.min_p > 0.0,
-                     list(bias), list(bias.values()), banned if p.min_tokens > 0 else [])
+    return RowParams(temperature=p.temperature, top_k=top_k, top_p=p.top_p, min_p=p.min_p,
+                     presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
+                     penalties=bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0),
+                     sorts=top_k < vocab_size or p.top_p < 1.0, bias_ids=list(bias), bias_values=list(bias.values()),
+                     banned=banned if p.min_tokens > 0 else [], allowed=p.allowed_token_ids)
 
 
 @dataclass
@@ -3244,21 +3342,22 @@ class SampleResult:
 DRAFT_SALT, ACCEPT_SALT = 0x5BD1E995, 0x27D4EB2F
 
 
-def judge_drafts(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor,
+def judge_drafts(x: torch.Tensor, table: RowTable, tokens: torch.Tensor, drafts: torch.Tensor,
                  draft_probs: torch.Tensor, accept_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The speculative rejection rule on B rows that each judge one draft. x (B, V) scaled, filtered target
-    logits; rows (B, 8); tokens (B,) the rows' ordinary draws; drafts (B,); draft_probs q (B, V); accept_u (B,).
+    logits; table: the B rows' parameters; tokens (B,) the rows' ordinary draws; drafts (B,); draft_probs q
+    (B, V); accept_u (B,).
     Greedy rows accept a draft equal to the argmax. Sampled rows accept with probability min(1, p/q) at the
     draft, else draw from norm(max(0, p - q)) at the row's uniform, so that the emitted token is distributed as
     p (Leviathan et al. 2023). Returns (accepted (B,) bool, the row's token (B,): the draft when accepted)."""
     p = x.softmax(-1)                                                          # (B, V)
     pd, qd = p.gather(1, drafts[:, None])[:, 0], draft_probs.gather(1, drafts[:, None])[:, 0]   # (B,)
-    greedy = rows[:, _TEMPERATURE] == 0
+    greedy = table.temperature == 0
     accepted = torch.where(greedy, tokens == drafts, accept_u * qd < pd)
     residual = (p - draft_probs).clamp(min=0)                                  # (B, V)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)    # p == q: never rejected anyway
     cdf = residual.double().cumsum(-1)
-    redrawn = torch.searchsorted(cdf, (rows[:, _UNIFORM] * cdf[:, -1])[:, None], right=True)[:, 0]
+    redrawn = torch.searchsorted(cdf, (table.uniform * cdf[:, -1])[:, None], right=True)[:, 0]
     redrawn = torch.where(greedy, tokens, redrawn.clamp(max=x.shape[-1] - 1))
     return accepted, torch.where(accepted, drafts, redrawn)
 
@@ -3284,40 +3383,39 @@ class Sampler:
         """logits (R, V) fp32 -> (packed (N,) int32 on their device: the B sampled ids, [with drafts: B accepted
         flags,] then the requested logprobs as float32 bits and their top-k ids; the rows whose processors
         raised). Everything before the host transfer, so that tests can run it under FakeTensorMode."""
-        raw, x, params, slots, failed = self.scores(rows, logits)
-        tokens = draw_tokens(x, params)                                            # (B,) int64
+        raw, x, table, slots, failed = self.scores(rows, logits)
+        tokens = draw_tokens(x, table)                                             # (B,) int64
         counted, flags = torch.ones_like(tokens, dtype=torch.int32), []
         if any(r.draft is not None for r in rows):
-            accepted, tokens, counted = self._judge(rows, x, params, tokens)
+            accepted, tokens, counted = self._judge(rows, x, table, tokens)
             flags = [accepted.int()]
         self.counts.index_put_((slots, tokens), counted, accumulate=True)
         return torch.cat([tokens.int(), *flags, *self._logprobs(raw, tokens, rows)]), failed
 
     def scores(self, rows: list[SampleRow], logits: torch.Tensor, salt: int = 0):
         """The rows' logits through every stage before the draw: (raw (B, V) the model's own, x (B, V) scaled and
-        filtered, params (B, 8) with uniforms salted by `salt`, slots (B,), failed rows)."""
+        filtered, the RowTable with uniforms salted by `salt`, slots (B,), failed rows)."""
         masks = self.token_masks(rows, logits.shape[-1])          # host work first: on a GPU the forward still runs
         picks = [r.logit_row for r in rows]
         raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
-        table = torch.tensor([r.params.floats + (self._uniform(r, salt),) for r in rows], dtype=torch.float64)
-        params = table.to(self.device)                                             # (B, 8)
+        table = RowTable.build([r.params for r in rows], [self._uniform(r, salt) for r in rows], self.device)
         slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long).to(self.device)   # (B,)
         for r in rows:
             self._own(r.seq.slot, r)
-        x, failed = self.process(raw.clone(), rows, params, slots, masks)
-        x = scale_by_temperature(x, params)
-        sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p for r in rows)
+        x, failed = self.process(raw.clone(), rows, table, slots, masks)
+        x = scale_by_temperature(x, table)
+        sort, min_p = any(r.params.sorts for r in rows), any(r.params.min_p > 0 for r in rows)
         if sort or min_p:
-            x = filter_logits(x, params, sort, min_p)
-        return raw, x, params, slots, failed
+            x = filter_logits(x, table, sort, min_p)
+        return raw, x, table, slots, failed
 
     def draw_drafts(self, rows: list[SampleRow], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Drafts from the MTP layer's logits, through the same stages as the target's tokens (so masks and
         penalties shape them too), at uniforms of their own: (B tokens, q (B, V) they were drawn from)."""
-        _, x, params, _, _ = self.scores(rows, logits, DRAFT_SALT)
-        return draw_tokens(x, params).tolist(), x.softmax(-1)
+        _, x, table, _, _ = self.scores(rows, logits, DRAFT_SALT)
+        return draw_tokens(x, table).tolist(), x.softmax(-1)
 
-    def _judge(self, rows: list[SampleRow], x, params, tokens):
+    def _judge(self, rows: list[SampleRow], x, table: RowTable, tokens):
         """judge_drafts on the rows that have a draft. Returns (accepted (B,), tokens (B,), counted (B,) int32:
         1 for the rows whose token is emitted, i.e. every earlier row of its window accepted its draft)."""
         have = [i for i, r in enumerate(rows) if r.draft is not None]
@@ -3326,7 +3424,7 @@ class Sampler:
         q = torch.stack([r.draft_probs if r.draft_probs is not None else x.new_zeros(V) for r in rows])[at]
         drafts = torch.tensor([rows[i].draft for i in have], dtype=torch.long).to(self.device)
         accept_u = torch.tensor([self._uniform(rows[i], ACCEPT_SALT) for i in have], dtype=torch.float32)
-        ok, judged = judge_drafts(x[at], params[at], tokens[at], drafts, q, accept_u.to(self.device))
+        ok, judged = judge_drafts(x[at], table[at], tokens[at], drafts, q, accept_u.to(self.device))
         accepted = torch.zeros_like(tokens, dtype=torch.bool).index_put((at,), ok)
         tokens = tokens.index_put((at,), judged)
         rejected = (~accepted).int().cumsum(0) - (~accepted).int()                 # (B,) rejections before a row
@@ -3350,7 +3448,7 @@ class Sampler:
                 logprobs[i] = (v[0], list(zip(ids, v[1:1 + want[i]])))
         return SampleResult(tokens, logprobs, failed, accepted)
 
-    def process(self, x: torch.Tensor, rows: list[SampleRow], params: torch.Tensor,
+    def process(self, x: torch.Tensor, rows: list[SampleRow], table: RowTable,
                 slots: torch.Tensor, masks=None) -> tuple[torch.Tensor, dict]:
         """Penalties, logit_bias, min_tokens bans and logits processors on x (B, V), in that order; the
         processors' token masks (token_masks) last, as one (B, V) op."""
@@ -3361,16 +3459,16 @@ class Sampler:
                 at = torch.tensor(ahead, dtype=torch.long).to(x.device)
                 counts = counts.index_put((at[:, 0], at[:, 1]), torch.ones_like(at[:, 0], dtype=torch.int32),
                                           accumulate=True)
-            x = apply_penalties(x, counts, self.prompt_seen[slots], params)
+            x = apply_penalties(x, counts, self.prompt_seen[slots], table)
         x = self._bias_and_bans(x, rows)
         allowed, failed = masks if masks is not None else self.token_masks(rows, x.shape[-1])
         failed.update(self._run_processors(x, rows))
         return (x if allowed is None else apply_token_masks(x, allowed)), failed
 
     def token_masks(self, rows: list[SampleRow], size: int) -> tuple[torch.Tensor | None, dict]:
-        """The rows' allowed tokens, from their logits processors that are token masks (structured output:
-        a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None when no row has
-        one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
+        """The rows' allowed tokens, from allowed_token_ids and their logits processors that are token masks
+        (structured output: a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None
+        when no row has one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
         found, failed = {}, {}
         for r in rows:                    # every row's host work before the first copy (which waits for the forward)
             for proc in r.seq.params.logits_processors:
@@ -3380,6 +3478,8 @@ class Sampler:
                     except Exception:
                         pass                                      # raised again, and recorded, by token_mask below
         for i, r in enumerate(rows):
+            if r.params.allowed is not None:
+                found[i] = self._allowed_mask(r.params, size)
             for proc in r.seq.params.logits_processors:
                 token_mask = getattr(proc, "token_mask", None)
                 if token_mask is None:
@@ -3396,9 +3496,17 @@ class Sampler:
         everything = torch.ones(size, dtype=torch.bool, device=self.device)
         return torch.stack([found.get(i, everything) for i in range(len(rows))]), failed
 
+    def _allowed_mask(self, params: RowParams, size: int) -> torch.Tensor:
+        """allowed_token_ids as a (V,) bool on the device, made once per request."""
+        if params.allowed_mask is None:
+            mask = torch.zeros(size, dtype=torch.bool)
+            mask[params.allowed] = True
+            params.allowed_mask = mask.to(self.device)
+        return params.allowed_mask
+
     @staticmethod
     def _uniform(r: SampleRow, salt: int = 0) -> float:
-        return 0.0 if r.params.floats[_TEMPERATURE] == 0 else draw_uniform(r.seq.seed ^ salt, r.seq.index,
+        return 0.0 if r.params.temperature == 0 else draw_uniform(r.seq.seed ^ salt, r.seq.index,
                                                                            len(r.seq.output_ids) + len(r.ahead))
 
     def _own(self, slot: int, r: SampleRow):
@@ -3413,7 +3521,7 @@ class Sampler:
         if r.seq.output_ids:
             out = torch.tensor(r.seq.output_ids, dtype=torch.long).to(self.device)
             self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        if r.params.repetition:
+        if r.params.repetition != 1.0:
             self.prompt_seen[slot, torch.tensor(r.seq.request.prompt_ids, dtype=torch.long).to(self.device)] = True
 
     @staticmethod
@@ -3458,31 +3566,6 @@ class Sampler:
         top = lp.topk(max(k for _, k in want), dim=-1)                                     # (L, K)
         values = torch.cat([lp.gather(1, tokens[index, None]), top.values], dim=1)          # (L, 1 + K)
         return [values.contiguous().view(torch.int32).reshape(-1), top.indices.int().reshape(-1)]
-
-
-# One row through the same stages, for callers and tests that hold a single (V,) row.
-
-def process_logits(logits: torch.Tensor, seq: Sequence, eos_ids: list[int]) -> torch.Tensor:
-    """Penalties, logit_bias, min_tokens bans and processors on one (V,) fp32 row; returns a new tensor."""
-    row = SampleRow(seq, 0, prepare_row_params(seq.params, eos_ids, logits.numel()))
-    sampler = Sampler(1, logits.numel(), logits.device)
-    sampler._own(0, row)
-    params = torch.tensor([row.params.floats + (0.0,)], dtype=torch.float64, device=logits.device)
-    x, failed = sampler.process(logits[None].clone(), [row], params, torch.zeros(1, dtype=torch.long,
-                                                                                  device=logits.device))
-    if failed:
-        raise failed[0]
-    return x[0]
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature (0 = greedy), top_k, top_p and min_p on one (V,) row, then a draw at a uniform taken from
-    `generator`."""
-    row = prepare_row_params(params, [], logits.numel())
-    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * (1 - 2 ** -40)
-    table = torch.tensor([row.floats + (u,)], dtype=torch.float64, device=logits.device)   # (1, 8)
-    x = scale_by_temperature(logits[None].float(), table)
-    return int(draw_tokens(filter_logits(x, table, row.sorts, row.min_p), table)[0])
 
 
 # -----------------------------------------------------------------------------------------------
@@ -3544,14 +3627,18 @@ def batch_view(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> B
     return Batch(*parts)
 
 
-def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
-    """Flatten the plan into the tensors the model reads: built on the host, then one copy to the device (from
-    pinned memory and without waiting, on a GPU)."""
-    fields, width = batch_fields(plan, block_size)
+def fields_batch(fields: list[list[int]], width: int, B: int, device) -> Batch:
+    """batch_fields' lists as a Batch: built on the host, then one copy to the device (from pinned memory and
+    without waiting, on a GPU)."""
     payload = pack_fields(fields)
     if torch.device(device).type == "cuda" and torch.cuda.is_available():   # (not on tests' fake CUDA)
         payload = payload.pin_memory()
-    return batch_view(payload.to(device, non_blocking=True), [len(f) for f in fields], len(plan), width)
+    return batch_view(payload.to(device, non_blocking=True), [len(f) for f in fields], B, width)
+
+
+def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
+    """Flatten the plan into the tensors the model reads."""
+    return fields_batch(*batch_fields(plan, block_size), len(plan), device)
 
 
 class DecodeGraphs:
@@ -3657,20 +3744,11 @@ class DecodeGraphs:
 def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size: int, device) -> Batch:
     """An MTP pass: per entry (seq, start, ids), ids[i] is the token *after* position start + i (the MTP layer
     reads t_{i+1} at position i). Logits are taken at each entry's last position."""
-    ids, pos, slots, starts, ctx = [], [], [], [0], []
-    for seq, start, tokens in entries:
-        positions = range(start, start + len(tokens))
-        ids += tokens
-        pos += positions
-        slots += [seq.blocks[i // block_size] * block_size + i % block_size for i in positions]
-        starts.append(starts[-1] + len(tokens))
-        ctx.append(start + len(tokens))
-    width = max(len(seq.blocks) for seq, _, _ in entries)
-    tables = [[*seq.blocks, *[0] * (width - len(seq.blocks))] for seq, _, _ in entries]
-    t = lambda v, dtype: torch.tensor(v, dtype=dtype).to(device)   # noqa: E731
-    return Batch(t(ids, torch.long), t(pos, torch.long), t(starts, torch.int32), t(ctx, torch.int32),
-                 t(tables, torch.int32), t(slots, torch.long), t([seq.slot for seq, _, _ in entries], torch.int32),
-                 t([s - 1 for s in starts[1:]], torch.long), t([], torch.long))
+    plan = [Scheduled(seq, start, len(ids), sample=True) for seq, start, ids in entries]
+    fields, width = batch_fields(plan, block_size)
+    fields[0] = [token for _, _, ids in entries for token in ids]
+    fields[-1] = []                      # no state slot starts fresh: the MTP layer has no recurrent state
+    return fields_batch(fields, width, len(plan), device)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -4554,7 +4632,7 @@ class Engine:
                 seq.drafts.append(tok)
                 probs.setdefault(seq, []).append(q[j])
         for seq, q in probs.items():
-            seq.draft_probs = torch.stack(q) if seq.request.sampling.floats[_TEMPERATURE] > 0 else None
+            seq.draft_probs = torch.stack(q) if seq.request.sampling.temperature > 0 else None
 
     def _run_copies(self):
         """The copies the admissions asked for (snapshots restored, partial blocks copied), before the forward."""
@@ -5178,23 +5256,71 @@ def _json_type_name(value) -> str:
     return {int: "integer", float: "number", str: "string", dict: "object", list: "array"}.get(type(value), "null")
 
 
-def _schema_types(schema) -> list[str]:
-    """The JSON-schema types a parameter accepts, in the order to try them: type / type lists / anyOf / oneOf,
-    else the types of its enum or const values."""
-    if not isinstance(schema, dict):
-        return []
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        kinds = [kind]
-    elif isinstance(kind, list):
-        kinds = [k for k in kind if isinstance(k, str)]
-    elif isinstance(schema.get("anyOf"), list) or isinstance(schema.get("oneOf"), list):
-        kinds = [k for sub in (schema.get("anyOf") or schema.get("oneOf")) for k in _schema_types(sub)]
-    elif isinstance(schema.get("enum"), list) or "const" in schema:
-        kinds = [_json_type_name(v) for v in schema.get("enum") or [schema.get("const")]]
-    else:
-        kinds = ["object"] if "properties" in schema else ["array"] if "items" in schema else []
-    return list(dict.fromkeys(kinds))
+_KIND_ORDER = ("object", "array", "integer", "number", "boolean", "null", "string")   # an open schema's kinds
+
+
+def _local_ref(root, ref):
+    """The schema a local $ref (#, #/$defs/Name, ...) points to in `root`; None if it points nowhere."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    target = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        elif isinstance(target, dict) and part in target:
+            target = target[part]
+        else:
+            return None
+    return target
+
+
+def _meet(kinds: list[str] | None, other: list[str] | None) -> list[str] | None:
+    """The kinds both lists accept (None: any), integer within number."""
+    if kinds is None or other is None:
+        return other if kinds is None else kinds
+    both = [k for k in kinds if k in other or k == "integer" and "number" in other]
+    return both + (["integer"] if "number" in kinds and "integer" in other and "integer" not in both else [])
+
+
+def _schema_kinds(schema, root, depth: int = 0) -> list[str] | None:
+    """The JSON types a schema admits, in the order a reader tries them (None: any). $ref resolved in root,
+    allOf intersected, anyOf / oneOf joined in branch order, type lists, enum / const values, nullable (null
+    last), and the types the structured-output compiler infers from keywords (properties -> object, ...)."""
+    if schema is True or not isinstance(schema, dict) or depth > 16:
+        return None
+    kinds = None
+    if "$ref" in schema:
+        kinds = _schema_kinds(_local_ref(root, schema["$ref"]), root, depth + 1)
+    for part in schema.get("allOf") if isinstance(schema.get("allOf"), list) else []:
+        kinds = _meet(kinds, _schema_kinds(part, root, depth + 1))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            found = [_schema_kinds(sub, root, depth + 1) for sub in schema[key]]
+            joined = [k for sub in found for k in (_KIND_ORDER if sub is None else sub)]
+            kinds = _meet(kinds, list(dict.fromkeys(joined)))
+    kind, own = schema.get("type"), None
+    if isinstance(kind, (str, list)):
+        own = [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)]
+    if isinstance(schema.get("enum"), list) or "const" in schema:
+        own = _meet(own, [_json_type_name(v) for v in ([schema["const"]] if "const" in schema else schema["enum"])])
+    elif own is None:
+        keys = set(schema)
+        own = ["object"] if {"properties", "additionalProperties", "required"} & keys else \
+            ["array"] if {"items", "prefixItems", "minItems", "maxItems"} & keys else \
+            ["string"] if {"minLength", "maxLength", "pattern"} & keys else \
+            ["number"] if {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & keys else None
+    kinds = _meet(kinds, own)
+    if kinds is not None and schema.get("nullable") is True and "null" not in kinds:
+        kinds = [*kinds, "null"]
+    return None if kinds is None else list(dict.fromkeys(kinds))
+
+
+def _schema_types(schema, root=None) -> list[str]:
+    """The JSON-schema types a parameter accepts, in the order to try them ([]: any), `root` (the function's
+    parameters) holding what its $refs point to. The parser reads a Qwen XML value by these types and the
+    structured-output decoder writes only values that read back as themselves (_xml_value_node)."""
+    return _schema_kinds(schema, schema if root is None else root) or []
 
 
 @dataclass
@@ -5203,6 +5329,7 @@ class ToolFunction:
     name: str
     properties: dict                   # parameter name -> its JSON schema (an object, or true/false)
     required: list[str]                # required parameters: in schema order, then any required ones not described
+    parameters: dict = field(default_factory=dict)   # the whole parameters schema (what $refs point into)
 
 
 TOOL_KEYS = ("type", "function")
@@ -5229,7 +5356,7 @@ def _tool_function(name: str, parameters, where: str) -> ToolFunction:
     for j, item in enumerate(required):
         _check_type(item, str, f"{where}.required[{j}]")
     ordered = [p for p in properties if p in required] + [p for p in required if p not in properties]
-    return ToolFunction(name, properties, list(dict.fromkeys(ordered)))
+    return ToolFunction(name, properties, list(dict.fromkeys(ordered)), parameters)
 
 
 def tool_functions(tools) -> dict[str, ToolFunction]:
@@ -5254,11 +5381,6 @@ def tool_functions(tools) -> dict[str, ToolFunction]:
                 _check_type(function[key], kind, f"{where}.function.{key}")
         functions[name] = _tool_function(name, function.get("parameters"), f"{where}.function.parameters")
     return functions
-
-
-def _tool_schemas(tools) -> dict[str, dict]:
-    """function name -> its parameters' "properties" (empty when it declares none)."""
-    return {name: function.properties for name, function in tool_functions(tools).items()}
 
 
 class _ParsedCall:
@@ -5873,7 +5995,7 @@ class _OutputScan:
     whose scan() reads it."""
 
     def __init__(self, schemas: dict, fmt: ToolCallFormat, in_reasoning: bool, parse_tools: bool):
-        self.schemas, self.format = schemas, fmt
+        self.schemas, self.format = schemas, fmt   # schemas: function name -> ToolFunction (tool_functions)
         self.call_format = fmt                     # the format of the call being read
         self.pos, self.mode = 0, "think" if in_reasoning else "start"
         self.reasoning, self.content = "", ""      # raw; shown stripped of surrounding whitespace
@@ -5959,8 +6081,10 @@ class _OutputScan:
 
     def param_types(self, function, key):
         """The schema types of a function's parameter, None when the parameter is not in its schema."""
-        properties = self.schemas.get(function)
-        return _schema_types(properties[key]) if properties is not None and key in properties else None
+        found = self.schemas.get(function)
+        if found is None or key not in found.properties:
+            return None
+        return _schema_types(found.properties[key], found.parameters)
 
 
 class ChatOutputParser:
@@ -5979,7 +6103,7 @@ class ChatOutputParser:
     """
 
     def __init__(self, tools: list[dict] | None, tool_parser: str, in_reasoning: bool, parse_tools: bool = True):
-        self._options = (_tool_schemas(tools), tool_format(tool_parser), in_reasoning, parse_tools)
+        self._options = (tool_functions(tools), tool_format(tool_parser), in_reasoning, parse_tools)
         self._scan = _OutputScan(*self._options)
         self._text = ""
         self._ids: list[str] = []
@@ -6232,18 +6356,56 @@ class _Repeat(_Node):
         return self.first.shortest() if data[0] == 0 else b""
 
 
-class _Regex:
-    """A regular expression (JSON Schema `pattern`: unanchored unless ^...$) as a Thompson NFA over bytes.
-    Supported: literals and escapes, ., [classes] and \\d \\w \\s (negated too), groups, |, * + ? {m,n}, ^ and $
-    at the ends. A character past ASCII is one step (its continuation bytes do not move the NFA)."""
+_ANY_CHAR = ((0x20, 0xD7FF), (0xE000, 0x10FFFF))     # the characters a pattern's ., [^...] and \D \W \S may take
 
-    _CLASSES = {"d": set(b"0123456789"), "w": set(b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
-                "s": set(b" \t\n\r\f\v")}
-    _NON_ASCII = set(range(0xC0, 0x100))                       # the lead byte of a non-ASCII character
+
+def _char_ranges(chars) -> tuple:
+    """Code points (an iterable of ints, or (lo, hi) pairs) as sorted, merged, inclusive ranges."""
+    pairs = sorted((c, c) if isinstance(c, int) else tuple(c) for c in chars)
+    merged: list[list[int]] = []
+    for lo, hi in pairs:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in merged)
+
+
+def _char_complement(ranges: tuple) -> tuple:
+    """_ANY_CHAR minus the ranges."""
+    out, todo = [], list(_ANY_CHAR)
+    for lo, hi in todo:
+        for a, b in ranges:
+            if b < lo or a > hi:
+                continue
+            if a > lo:
+                out.append((lo, a - 1))
+            lo = b + 1
+            if lo > hi:
+                break
+        if lo <= hi:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def _char_in(ranges: tuple, c: int) -> bool:
+    k = bisect.bisect_right(ranges, (c, 0x110000)) - 1
+    return k >= 0 and ranges[k][0] <= c <= ranges[k][1]
+
+
+class _Regex:
+    """A regular expression (JSON Schema `pattern`: unanchored unless ^...$) as a Thompson NFA over characters
+    (code points; _Str hands it each character once its UTF-8 bytes are complete). Supported: literals (any
+    language) and escapes, ., [classes] with ranges of any characters, \\d \\w \\s (ASCII, as ECMA-262; negated
+    too), groups, |, * + ? {m,n}, ^ and $ at the ends."""
+
+    _CLASSES = {"d": _char_ranges(b"0123456789"),
+                "w": _char_ranges(b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+                "s": _char_ranges(b" \t\n\r\f\v")}
 
     def __init__(self, pattern: str):
         self.pattern, self.i = pattern, 0
-        self.edges: list[list] = []                            # state -> [(byte set or None (epsilon), next)]
+        self.edges: list[list] = []                            # state -> [(char ranges or None (epsilon), next)]
         anchored_start = pattern.startswith("^")
         self.i = 1 if anchored_start else 0
         start, end = self._alternation()
@@ -6264,8 +6426,7 @@ class _Regex:
 
     def _wrap_any(self, at: int, before: bool) -> int:
         loop = self._state()
-        anything = set(range(0x20, 0x100)) - set(range(0x80, 0xC0))
-        self.edges[loop].append((anything, loop))
+        self.edges[loop].append((_ANY_CHAR, loop))
         if before:
             self.edges[loop].append((None, at))
             return loop
@@ -6370,23 +6531,20 @@ class _Regex:
             return self._edge(self._class())
         if c == ".":
             self.i += 1
-            return self._edge(set(range(0x20, 0x100)) - {0x0A})
+            return self._edge(_ANY_CHAR)
         if c == "\\":
             return self._edge(self._escape())
         if c in "*+?{)|^$":
             raise ValueError(f"unexpected {c!r} at {self.i}")
         self.i += 1
-        data = c.encode()
-        if len(data) > 1:
-            raise ValueError("non-ASCII characters are not supported")
-        return self._edge({data[0]})
+        return self._edge(_char_ranges([ord(c)]))
 
-    def _edge(self, byteset):
+    def _edge(self, ranges: tuple):
         s, e = self._state(), self._state()
-        self.edges[s].append((frozenset(byteset), e))
+        self.edges[s].append((ranges, e))
         return s, e
 
-    def _escape(self) -> set:
+    def _escape(self) -> tuple:
         self.i += 1
         if self.i >= len(self.pattern):
             raise ValueError("a trailing backslash")
@@ -6394,40 +6552,38 @@ class _Regex:
         self.i += 1
         if c.lower() in self._CLASSES:
             found = self._CLASSES[c.lower()]
-            return set(found) if c.islower() else set(range(0x20, 0x100)) - found
+            return found if c.islower() else _char_complement(found)
         if c in "nrtfv":
-            return {ord({"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v"}[c])}
+            return _char_ranges([ord({"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v"}[c])])
         if c.isalnum():
             raise ValueError(f"the escape \\{c} is not supported")
-        return {ord(c)}
+        return _char_ranges([ord(c)])
 
-    def _class(self) -> set:
+    def _class(self) -> tuple:
         p = self.pattern
         self.i += 1
         negate = p.startswith("^", self.i)
         self.i += negate
-        found, first = set(), True
+        found, first = [], True
         while self.i < len(p) and (p[self.i] != "]" or first):
             first = False
             if p[self.i] == "\\":
-                found |= self._escape()
+                found += self._escape()
                 continue
             lo = p[self.i]
             self.i += 1
             if p.startswith("-", self.i) and self.i + 1 < len(p) and p[self.i + 1] != "]":
                 hi = p[self.i + 1]
                 self.i += 2
-                if ord(lo) > 127 or ord(hi) > 127 or hi < lo:
-                    raise ValueError("ranges must be ASCII and ordered")
-                found |= set(range(ord(lo), ord(hi) + 1))
+                if hi < lo:
+                    raise ValueError("ranges must be ordered")
+                found.append((ord(lo), ord(hi)))
             else:
-                if ord(lo) > 127:
-                    raise ValueError("non-ASCII characters are not supported")
-                found.add(ord(lo))
+                found.append((ord(lo), ord(lo)))
         if self.i >= len(p):
             raise ValueError("unterminated character class")
         self.i += 1
-        return set(range(0x20, 0x100)) - found if negate else found
+        return _char_complement(_char_ranges(found)) if negate else _char_ranges(found)
 
     # Running
 
@@ -6440,37 +6596,90 @@ class _Regex:
                     todo.append(nxt)
         return frozenset(seen)
 
-    def step(self, states: frozenset, b: int) -> frozenset | None:
-        key = (states, b)
+    def step(self, states: frozenset, c: int) -> frozenset | None:
+        """The states after character c (a code point); None: no match can go on."""
+        key = (states, c)
         found = self._steps.get(key, ...)
         if found is ...:
-            b = 0xC0 if b >= 0xC0 else b
-            moved = {nxt for s in states for byteset, nxt in self.edges[s] if byteset is not None and b in byteset}
-            found = self._steps[key] = self._closure(moved) if moved else None
+            moved = {nxt for s in states for ranges, nxt in self.edges[s] if ranges is not None and _char_in(ranges, c)}
+            found = self._closure(moved) if moved else None
+            if len(self._steps) < 1 << 16:
+                self._steps[key] = found
         return found
 
     def accepts(self, states: frozenset) -> bool:
         return self.accept in states
 
-    def shortest(self, states: frozenset, allowed) -> bytes | None:
-        """The shortest bytes from `states` to acceptance, using bytes in `allowed` (preferring letters)."""
+    def shortest(self, states: frozenset, allowed, within=None) -> bytes | None:
+        """The shortest UTF-8 text from `states` to acceptance, of ASCII characters in `allowed` (preferring
+        letters) and any others; `within` (lo, hi): its first character's code point must lie there."""
         seen, frontier = {states}, [(states, b"")]
-        order = sorted(allowed, key=lambda b: (not chr(b).isalnum(), b))
+        ascii_order = sorted((b for b in allowed if b < 0x80), key=lambda b: (not chr(b).isalnum(), b))
         while frontier:
             nxt = []
             for s, text in frontier:
-                if self.accepts(s):
+                if self.accepts(s) and not (within and not text):
                     return text
-                for b in order:
-                    t = self.step(s, b) if b < 0x80 else None
+                lo, hi = within if within and not text else (0, 0x10FFFF)
+                for c in self._candidates(s, ascii_order, lo, hi):
+                    t = self.step(s, c)
                     if t is not None and t not in seen:
                         seen.add(t)
-                        nxt.append((t, text + bytes((b,))))
+                        nxt.append((t, text + chr(c).encode()))
             frontier = nxt
         return None
 
+    def _candidates(self, states, ascii_order, lo: int, hi: int) -> list[int]:
+        """The characters worth trying from `states` in [lo, hi]: the allowed ASCII ones, then the first
+        non-ASCII character of each range an edge takes."""
+        found = [c for c in ascii_order if lo <= c <= hi]
+        for s in states:
+            for ranges, _ in self.edges[s]:
+                for a, b in ranges or ():
+                    c = max(a, lo, 0x80)
+                    if c <= min(b, hi):
+                        found.append(c)
+        return list(dict.fromkeys(found))
+
+    def takes_between(self, states: frozenset, lo: int, hi: int) -> bool:
+        """Whether some character in [lo, hi] moves the NFA on from `states` (a character begun is one
+        that can be finished)."""
+        key = (states, lo, hi)
+        found = self._steps.get(key)
+        if found is None:
+            found = self._steps[key] = any(a <= hi and lo <= b for s in states for ranges, _ in self.edges[s]
+                                           for a, b in ranges or ())
+        return found
+
 
 _UTF8_LEADS = {0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)}   # RFC 3629
+
+
+def _utf8_owed(lead: int) -> tuple[int, int, int]:
+    """(continuation bytes after the lead byte, the second byte's low and high) for a UTF-8 lead byte."""
+    return _UTF8_LEADS.get(lead) or ((1 if lead < 0xE0 else 2 if lead < 0xF0 else 3), 0x80, 0xBF)
+
+
+def _utf8_step(pending: bytes, b: int) -> tuple[bytes, int | None] | None:
+    """The bytes of an unfinished character plus byte b -> (the bytes still unfinished, the character's code
+    point once complete else None); None where b breaks well-formed UTF-8 (RFC 3629)."""
+    if not pending:
+        return (b"", b) if b < 0x80 else (bytes((b,)), None) if 0xC2 <= b <= 0xF4 else None
+    owed, low, high = _utf8_owed(pending[0])
+    if not (low <= b <= high if len(pending) == 1 else 0x80 <= b <= 0xBF):
+        return None
+    text = pending + bytes((b,))
+    return (b"", ord(text.decode())) if len(text) == owed + 1 else (text, None)
+
+
+def _utf8_span(pending: bytes) -> tuple[int, int]:
+    """The code points of the characters whose UTF-8 starts with the unfinished `pending`, as (lo, hi)."""
+    owed, low, high = _utf8_owed(pending[0])
+    ends = [bytes((low,)), bytes((high,))] if len(pending) == 1 else [b"", b""]
+    lo = pending + ends[0] + b"\x80" * (owed + 1 - len(pending) - len(ends[0]))
+    hi = pending + ends[1] + b"\xbf" * (owed + 1 - len(pending) - len(ends[1]))
+    return ord(lo.decode()), ord(hi.decode())
+
 _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
@@ -6486,22 +6695,25 @@ class _Str(_Node):
     def __init__(self, lo=0, hi=None, regex=None, raw=False, exclude=(), nonblank=False, no_lt=False):
         self.lo, self.hi, self.regex, self.raw = lo, hi, regex, raw
         self.no_lt = no_lt or raw                             # inside a call no markup can start in a string
-        self.dirty = _RAW_DIRTY if raw else _JSON_DIRTY | {_LT} if no_lt else _JSON_DIRTY   # not held as is
         self.exclude = frozenset(exclude)
         self.exclude_prefixes = {e[:k] for e in self.exclude for k in range(len(e) + 1)}
         self.counted = bool(lo) or hi is not None
-        self.ascii = regex is not None                    # a pattern's text is ASCII
+        # not held as is; a raw string ends where its value_close starts ("\n</parameter>"): counted, a token
+        # holding a newline may leave it after the last character that fits, so it is run through the grammar
+        self.dirty = (_RAW_DIRTY | {0x0A} if self.counted else _RAW_DIRTY) if raw else \
+            _JSON_DIRTY | {_LT} if no_lt else _JSON_DIRTY
+        self.ascii = False                                # any string takes any characters (the walk reads it)
         self.utf8 = self.counted and regex is None and not self.exclude   # sub: the bytes the character owes
         self.nonblank = nonblank and not self.counted and regex is None
         self.plain = regex is None and not self.exclude and not self.counted and not self.nonblank   # content loops
 
     def starts(self):
-        sub = self.regex.start if self.regex else b"" if self.exclude else 0 if self.utf8 else None
+        sub = (self.regex.start, b"") if self.regex else b"" if self.exclude else 0 if self.utf8 else None
         return [(1 if self.raw else 0, 0, sub)]
 
     def _content(self, count, sub, b):
-        if b >= 0x80 and self.ascii:
-            return []
+        if self.regex is not None:                  # sub (NFA states, the unfinished character's bytes)
+            return self._pattern_content(count, sub, b)
         if self.utf8:               # well-formed UTF-8 (RFC 3629), so that the count is of characters
             if sub:
                 owed, low, high = sub
@@ -6519,16 +6731,26 @@ class _Str(_Node):
             if self.hi is not None and count > self.hi:
                 return []
             count = min(count, max(self.lo, self.hi or 0))
-        if self.regex is not None:
-            sub = self.regex.step(sub, b)
-            if sub is None:
-                return []
-        elif self.exclude:
+        if self.exclude:
             sub = sub + bytes((b,)) if sub is not None and sub + bytes((b,)) in self.exclude_prefixes else None
         return [(1, count, sub)]
 
+    def _pattern_content(self, count, sub, b):
+        """The pattern moves once per character, when its UTF-8 bytes are complete; a character is begun only
+        if one it may become moves the pattern on."""
+        states, pending = sub
+        moved = _utf8_step(pending, b)
+        if moved is None:
+            return []
+        pending, c = moved
+        if c is None:
+            return [(1, count, (states, pending))] if self.regex.takes_between(states, *_utf8_span(pending)) else []
+        states = self.regex.step(states, c)
+        return [] if states is None else [(1, count, (states, b""))]
+
     def _may_end(self, count, sub) -> bool:
-        return count >= self.lo and not (self.utf8 and sub) and (count or not self.nonblank) and (self.regex is None or self.regex.accepts(sub)) and \
+        pattern_ok = self.regex is None or not sub[1] and self.regex.accepts(sub[0])
+        return count >= self.lo and not (self.utf8 and sub) and (count or not self.nonblank) and pattern_ok and \
             not (self.exclude and sub in self.exclude)
 
     def step(self, data, b):
@@ -6563,7 +6785,11 @@ class _Str(_Node):
     def _fill(self, count, sub) -> bytes:
         if self.regex is not None:
             allowed = _JSON_CLEAN if not self.raw else frozenset(range(0x20, 0x80)) - {_LT}
-            return self.regex.shortest(sub, [b for b in allowed if b < 0x80]) or b""
+            states, pending = sub
+            if not pending:
+                return self.regex.shortest(states, allowed) or b""
+            text = self.regex.shortest(states, allowed, within=_utf8_span(pending))   # the character's end first
+            return text[len(pending):] if text else b""
         text = bytes((sub[1],)) + b"\x80" * (sub[0] - 1) if self.utf8 and sub else b""   # the character's end
         text += b"a" * max(0, self.lo - count, int(self.nonblank) - count)
         return text + b"_" if self.exclude and sub is not None and sub + text in self.exclude else text
@@ -7155,6 +7381,40 @@ def _stack_completion(stack: tuple) -> bytes | None:
     return out
 
 
+class _Guard(_Node):
+    """A node whose text may not start with a byte in `banned` (a Qwen XML raw string after other types, which
+    must not read as one of them); data: 0 before the first byte, 1 once the node has it."""
+
+    def __init__(self, node: _Node, banned: frozenset):
+        self.node, self.banned = node, banned
+
+    def starts(self):
+        return [0]
+
+    def step(self, data, b):
+        return [(1, self.node)] if data == 0 and b not in self.banned else []
+
+    def can_end(self, data):
+        return data == 1
+
+    def child_done(self, data, child):
+        return 1
+
+    def rest(self, data):
+        return self.shortest() if data == 0 else b""
+
+    def finish(self, data):
+        return 1
+
+    def _shortest_text(self):
+        texts = []
+        for b in sorted(set(range(0x20, 0x7F)) - self.banned):
+            stacks = []
+            _feed((), b, stacks, self.node)
+            texts += [bytes((b,)) + rest for rest in map(_stack_completion, stacks) if rest is not None]
+        return min(texts, key=lambda t: (len(t), t)) if texts else None
+
+
 class _Grammar:
     """A compiled output grammar with its per-state caches (transitions, masks, completions), shared by every
     request that sends the same schema with the same tokenizer."""
@@ -7694,8 +7954,9 @@ def _number_bound(value, exclusive: bool, upper: bool) -> fractions.Fraction:
 
 def _shapes_disjoint(a, b) -> bool:
     """No JSON value matches both shapes (_SchemaCompiler._shape): their types or finite values exclude each
-    other, or both require a property whose finite values differ."""
-    (types_a, values_a, keys_a), (types_b, values_b, keys_b) = a, b
+    other, both require a property whose finite values differ, or (objects only) one requires a property
+    that the other's additionalProperties: false forbids."""
+    (types_a, values_a, keys_a, fields_a), (types_b, values_b, keys_b, fields_b) = a, b
     if values_a is not None and values_b is not None:
         return not values_a & values_b
     if types_a is not None and types_b is not None:
@@ -7705,6 +7966,9 @@ def _shapes_disjoint(a, b) -> bool:
             return True
         if common != {"object"}:
             return False
+        (required_a, closed_a), (required_b, closed_b) = fields_a, fields_b
+        if closed_b is not None and required_a - closed_b or closed_a is not None and required_b - closed_a:
+            return True
     return any(name in keys_b and not keys_a[name] & keys_b[name] for name in keys_a)
 
 
@@ -7767,29 +8031,33 @@ class _SchemaCompiler:
 
     def _exclusive(self, parts, path) -> None:
         """oneOf is decoded as anyOf, which is exact when no value can match two branches: checked here, pair by
-        pair, by type (integer within number) or by a required property whose const/enum values differ (a
-        discriminated union). Branches that may overlap: under strict a 400, else decoded as anyOf."""
+        pair, by type (integer within number), by a required property whose const/enum values differ (a
+        discriminated union) or that the other branch forbids (_shapes_disjoint). Branches that may overlap are a
+        400 under strict (as anyOf they could give a value that matches two, and exactly-one is not a grammar);
+        without strict they are decoded as anyOf, like the other keywords strict alone enforces: one overlapping
+        oneOf in an agent's tool list must not refuse the whole request."""
         shapes = [self._shape(self._deref(part, f"{path}[{k}]")) for k, part in enumerate(parts)]
         for k, l in itertools.combinations(range(len(parts)), 2):
             if not _shapes_disjoint(shapes[k], shapes[l]):
-                self.unsupported(path, f"has branches {k} and {l} that one value may match (exclusivity is enforced "
-                                       "where branches differ by type or by a const/enum property)")
-                return
+                return self.unsupported(path, f"has branches {k} and {l} that one value may match (oneOf is "
+                                        "enforced where its branches differ by type or by a required const/enum "
+                                        "property; write anyOf if a value may match several)")
 
     def _shape(self, schema, depth: int = 0):
-        """(types or None: any, finite values or None, {required property: its finite values}) of a schema."""
+        """(types or None: any, finite values or None, {required property: its finite values}, (required
+        properties, the properties allowed when additionalProperties is false else None)) of a schema."""
         try:
             schema = self._deref(schema, self.where) if isinstance(schema, dict) and depth <= 8 else True
         except RequestError:
             schema = True                                 # a dangling $ref: compile() names its path
         if not isinstance(schema, dict):
-            return None, None, {}
+            return None, None, {}, (frozenset(), None)
         for key in ("anyOf", "oneOf"):
             if isinstance(schema.get(key), list):
                 inner = [self._shape(part, depth + 1) for part in schema[key]]
-                types = None if any(t is None for t, _, _ in inner) else set().union(*(t for t, _, _ in inner))
-                values = None if any(v is None for _, v, _ in inner) else set().union(*(v for _, v, _ in inner))
-                return types, values, {}
+                types = None if any(t is None for t, *_ in inner) else set().union(*(t for t, *_ in inner))
+                values = None if any(v is None for _, v, *_ in inner) else set().union(*(v for _, v, *_ in inner))
+                return types, values, {}, (frozenset(), None)
         values = [schema["const"]] if "const" in schema else schema.get("enum")
         values = {json.dumps(v, sort_keys=True) for v in values} if isinstance(values, list) else None
         kind = schema.get("type")
@@ -7802,10 +8070,12 @@ class _SchemaCompiler:
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         keys = {}
         for name in required:
-            _, found, _ = self._shape(properties.get(name, True), depth + 1)
+            _, found, *_ = self._shape(properties.get(name, True), depth + 1)
             if found is not None:
                 keys[name] = found
-        return types, values, keys
+        closed = frozenset(properties) if schema.get("additionalProperties") is False and \
+            "patternProperties" not in schema else None
+        return types, values, keys, (frozenset(n for n in required if isinstance(n, str)), closed)
 
     def _schemas(self, value, path) -> list:
         if not isinstance(value, list) or not value:
@@ -8016,31 +8286,72 @@ def compile_schema(schema, where: str, strict: bool) -> _Node:
     return node
 
 
-def _raw_string(compiler: _SchemaCompiler, schema, path) -> _Node:
-    """A Qwen XML string parameter, written raw: enum values as they are, else a raw string with the
-    schema's (first string alternative's) length and pattern."""
-    for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list):
-            schema = next(s for s in schema[key] if _schema_types(s)[:1] == ["string"])
-    values = [schema["const"]] if "const" in schema else schema.get("enum")
-    if isinstance(values, list) and any(isinstance(v, str) for v in values):
-        return _Choice([v.encode() for v in values if isinstance(v, str)])
-    return compiler._string(schema, path, raw=True)
+_NODE_KINDS = {_Str: "string", _Int: "integer", _Num: "number", _Decimal: "number", _Obj: "object", _Arr: "array"}
+
+
+def _kind_leaves(node: _Node, kinds: set, seen: set) -> list[_Node]:
+    """The alternatives of a compiled value (unions and $refs opened) that write values of `kinds` (an
+    integer counting as a number): nodes as they are, enum / const values filtered."""
+    if isinstance(node, (_Union, _Ref)):
+        if id(node) in seen:
+            return []
+        seen.add(id(node))
+        options = node.options if isinstance(node, _Union) else [node.target]
+        return [leaf for option in options for leaf in _kind_leaves(option, kinds, seen)]
+    if isinstance(node, _Choice):
+        texts = [t for t in node.texts if _json_type_name(json.loads(t)) in kinds or
+                 _json_type_name(json.loads(t)) == "integer" and "number" in kinds]
+        return [_Choice(texts)] if texts else []
+    kind = _NODE_KINDS.get(type(node))
+    return [node] if kind in kinds or kind == "integer" and "number" in kinds else []
+
+
+def _misread_starts(kinds) -> frozenset:
+    """The first bytes of a raw string that the parser could read as one of `kinds` (it strips whitespace,
+    reads null / None and booleans in any case, numbers as JSON, objects and arrays as JSON or Python
+    literals): whitespace, Unicode whitespace's UTF-8 leads (C2 E1 E2 E3: conservative) and each kind's."""
+    starts = {"integer": b"-0123456789", "number": b"-0123456789", "object": b"{(", "array": b"[(",
+              "boolean": b"tTfF", "null": b"nN"}
+    return frozenset(b" \t\n\r\xc2\xe1\xe2\xe3" + b"".join(starts.get(kind, b"") for kind in kinds))
+
+
+def _xml_value(compiler: _SchemaCompiler, schema, root, path) -> _Node:
+    """A Qwen XML argument's value, which the parser reads by _schema_types(schema, root) in order: raw text
+    for the string alternatives (only if no earlier type could read it: its first byte is guarded), JSON for
+    the non-string types before them; types after "string" are never read, so never written."""
+    node = compiler.compile(schema, path)
+    kinds = _schema_types(schema, root)
+    if "string" not in kinds:                          # JSON values (any value: the parser tries JSON first)
+        return node
+    before = kinds[:kinds.index("string")]
+    options = _kind_leaves(node, set(before), set()) if before else []
+    for leaf in _kind_leaves(node, {"string"}, set()):
+        if isinstance(leaf, _Choice):                  # enum / const strings, kept where they read back as themselves
+            values = [v for v in map(json.loads, leaf.texts) if "<" not in v and _convert_value(v, kinds) == v]
+            options += [_Choice([v.encode() for v in values])] if values else []
+            continue
+        raw = _Str(leaf.lo, leaf.hi, leaf.regex, raw=True, nonblank=not (leaf.lo or leaf.regex), no_lt=True)
+        options.append(_Guard(raw, _misread_starts(before)) if before else raw)
+    if not options:
+        compiler.fail(path, "admits no value a Qwen XML argument can carry")
+    return options[0] if len(options) == 1 else _Union(options)
 
 
 def _call_members(fmt: ToolCallFormat, parameters, where: str, strict: bool) -> list:
     """A function's arguments [(key, value node, required)] in schema order, values as the format writes
-    them (raw strings in Qwen XML, JSON otherwise)."""
+    them (Qwen XML: _xml_value; JSON otherwise)."""
     parameters = {} if parameters is None else parameters
     compiler = _SchemaCompiler(parameters, where, strict, in_call=True)
     function = _tool_function("", parameters, where)
     members = []
     for key, schema in function.properties.items():
         path = f"{where}.properties.{key}"
-        raw = not fmt.json_values and isinstance(schema, dict) and _schema_types(schema)[:1] == ["string"]
-        node = _raw_string(compiler, schema, path) if raw else compiler.compile(schema, path)
-        if isinstance(node, _Str) and not (node.lo or node.regex):             # never an empty argument
-            node = _Str(node.lo, node.hi, raw=node.raw, nonblank=True, no_lt=True)
+        if fmt.json_values:
+            node = compiler.compile(schema, path)
+            if isinstance(node, _Str) and not (node.lo or node.regex):             # never an empty argument
+                node = _Str(node.lo, node.hi, raw=node.raw, nonblank=True, no_lt=True)
+        else:
+            node = _xml_value(compiler, schema, parameters, path)
         if node.shortest() is None:
             raise RequestError(f"'{path}' admits no finite value", param=path)
         members.append((key, node, key in function.required))
@@ -8599,11 +8910,11 @@ GENERATION_FIELDS = {
                                       "chunk the usage; `continuous_usage_stats` (boolean, vLLM's): every chunk "
                                       "carries the usage so far instead of null; `include_obfuscation` (boolean): "
                                       "accepted, chunks are never padded; other keys 400")),
-    **_sampling_rows("n"),
+    # Every SamplingParams row but Python's callables, so a new one is served as it is added; logprobs is each
+    # endpoint's own, max_tokens defaults to the rest of the context.
+    **{name: row for name, row in SAMPLING_FIELDS.items() if name not in ("logprobs", "logits_processors")},
     "max_tokens": dataclasses.replace(SAMPLING_FIELDS["max_tokens"], default=None,
                                       default_text="the rest of the context"),
-    **_sampling_rows("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "min_tokens", "ignore_eos"),
     # Accepted with no effect: bookkeeping on OpenAI's side that cannot change the answer.
     **_table(**{name: Field(kind=kind, layer="server", policy=NO_EFFECT, why="bookkeeping on OpenAI's side",
                             **(METADATA_ROW if name == "metadata" else {}))
@@ -10342,9 +10653,19 @@ def _live(handler, match, raw) -> None:
     handler.send_json(200, {"status": "alive"})
 
 
+def generation_defaults_card(llm) -> dict:
+    """What a request that leaves a sampling field out gets, and from where: the model card's
+    `generation_defaults` (the chat page starts from them)."""
+    given = getattr(llm, "generation_defaults", None) or {}
+    return {name: {"value": given.get(name, SAMPLING_FIELDS[name].default),
+                   "from": "generation_config.json" if name in given else "pocketllm"}
+            for name in GENERATION_DEFAULT_FIELDS}
+
+
 def _model_card(server) -> dict:
     return {"id": server.llm.model_name, "object": "model", "created": server.started, "owned_by": "pocketllm",
-            "root": str(server.llm.ckpt_dir), "max_model_len": server.llm.options.max_context}
+            "root": str(server.llm.ckpt_dir), "max_model_len": server.llm.options.max_context,
+            "generation_defaults": generation_defaults_card(server.llm)}
 
 
 def _models(handler, match, raw) -> None:
@@ -10539,7 +10860,9 @@ Try: What is the weather in Paris for the next 3 days?"></textarea>
 <aside>
   <button id="new" type="button">New chat</button> <button id="export" type="button">Export messages</button>
   <label>System prompt <textarea id="system" rows="3"></textarea></label>
-  <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.7"></label>
+  <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1"
+    placeholder="the server's default"></label>
+  <div id="defaults" class="note"></div>
   <label>Max tokens <input id="max-tokens" type="number" min="1" placeholder="the rest of the context"></label>
   <label class="check"><input id="thinking" type="checkbox" checked> Thinking (enable_thinking)</label>
   <label>API key <input id="key" type="password" autocomplete="off" placeholder="when the server has --api-key"></label>
@@ -10590,10 +10913,21 @@ async function refreshServer() {
 }
 async function refreshModel() {
   try {
-    model = (await (await api("/v1/models")).json()).data[0].id;
+    const card = (await (await api("/v1/models")).json()).data[0];
+    model = card.id;
     $("model").textContent = model;
+    showDefaults(card.generation_defaults || {});
   } catch (e) { $("model").textContent = e.message; }
 }
+// The server's sampling defaults (the checkpoint's generation_config.json, else pocketllm's own): the
+// temperature field starts at the server's, and each default is listed with where it comes from.
+function showDefaults(defaults) {
+  const t = defaults.temperature;
+  if (t && $("temperature").value === "" && !$("temperature").dataset.edited) $("temperature").value = String(t.value);
+  $("defaults").textContent = "Server defaults: " +
+    Object.entries(defaults).map(([name, d]) => `${name} ${d.value} (${d.from})`).join(", ");
+}
+$("temperature").addEventListener("input", () => { $("temperature").dataset.edited = "1"; });
 setInterval(() => { if (controller || performance.now() - polled > 5000) refreshServer(); }, 1000);
 
 // The conversation view: one element per turn; model text only ever goes in as textContent.
@@ -11367,8 +11701,6 @@ def bundled_model_dir() -> Path:
 
 
 DEFAULT_CKPT = bundled_model_dir()
-DEFAULT_MAX_BATCH_SIZE = 16            # running sequences when not sized from GPU memory (the CPU, --devices)
-MAX_SIZED_BATCH_SIZE = 256             # the most sequences memory sizing picks (vLLM's max_num_seqs default)
 # Memory. The cache's tensors are measured by allocating them on the meta device (no memory), so sizing and
 # allocate_cache cannot disagree; memory_budget estimates every part from config.json alone (docs/serving.md).
 
@@ -11623,9 +11955,6 @@ def _eos_ids(ckpt: Checkpoint, tok: Tokenizer) -> list[int]:
     if not ids and tok.eos_token and tok.token_to_id(tok.eos_token) is not None:
         ids = [tok.token_to_id(tok.eos_token)]
     return [int(i) for i in ids]
-
-
-GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_defaults(ckpt: Checkpoint, source: str, opts: EngineOptions) -> dict:
@@ -11939,51 +12268,6 @@ class LLM:
 # The command line. Every flag has help with its default, vLLM's names are aliases where the meaning is the
 # same, and every mistake is one line naming the flag (exit 2) before any weight loads.
 
-ENGINE_FLAG_HELP = {
-    "backend": "torch (the reference, anywhere), native (the CUDA library in csrc/), or auto: native on a GPU when "
-               "the library loads, else torch (default: %(default)s)",
-    "device": "rank 0's device: auto (the first GPU, else the CPU), cpu, cuda or cuda:N (default: %(default)s)",
-    "devices": "tensor parallelism, one rank per device: 0,1,2,3 (GPUs, NCCL) or cpu,cpu (tests; gloo) "
-               "(default: none)",
-    "dtype": "activation dtype: auto (float16 on a GPU, float32 on the CPU), float16 (half), bfloat16 (bf16) or "
-             "float32; the native kernels take float16 or float32 (default: %(default)s)",
-    "kv_dtype": "KV-cache dtype: auto (the activation dtype), float16, bfloat16 or float32 (default: %(default)s)",
-    "max_context": "longest prompt + completion of one sequence, in tokens (default: %(default)s)",
-    "max_batch_size": "sequences running at once; 0: sized from free memory on a GPU (at most "
-                      f"{MAX_SIZED_BATCH_SIZE}), {DEFAULT_MAX_BATCH_SIZE} on the CPU (default: %(default)s)",
-    "kv_block_size": "tokens per KV-cache block (default: %(default)s)",
-    "num_kv_blocks": "KV-cache blocks; 0: on a GPU what --gpu-memory-utilization leaves after the weights, on the "
-                     "CPU --max-batch-size sequences of --max-context (default: %(default)s)",
-    "gpu_memory_utilization": "share of the GPU's memory this server may hold: weights, cache and workspace, "
-                              "at most what is free; per server, as in vLLM (default: %(default)s)",
-    "prefill_token_budget": "tokens per engine step: prefill chunks plus one per decoding sequence "
-                            "(default: %(default)s)",
-    "prefix_cache": "prefix caching: a prompt that starts like an earlier one resumes from its cached KV blocks and "
-                    "recurrent-state snapshots and prefills only the rest; --no-prefix-cache turns it off "
-                    "(default: on)",
-    "prefix_cache_memory": "MiB per device for the prefix cache's recurrent-state snapshots (hybrid models); -1: "
-                           "one snapshot per state slot (--max-batch-size) (default: %(default)s)",
-    "smoke_layers": "run only the first N decoder layers, for smoke tests of huge checkpoints; 0: all "
-                    "(default: %(default)s)",
-    "load_format": "auto (the checkpoint's safetensors files) or dummy (vLLM's name): random weights of the exact "
-                   "dtypes, shapes and FP8 block scales the checkpoint would hold, made on the device from "
-                   "config.json alone (+ its tokenizer, else a built-in byte-level one), seeded by --seed: for "
-                   "benchmarks without the download (default: %(default)s)",
-    "seed": "seed of the generators of requests that send no seed (default: %(default)s)",
-    "speculative_tokens": "tokens the checkpoint's MTP layer drafts per sequence and step, verified in the next "
-                          "forward (exact: the output is the target model's); 0: off (default: %(default)s)",
-    "enforce_eager": "run every decode step op by op: no CUDA graphs and no launch-list replay of the native "
-                     "backend's decode steps (default: off)",
-    "quiet": "no start-up log lines (default: off)",
-    "collective_timeout": "tensor parallelism: seconds an all-reduce may wait for the other ranks before the group "
-                          "is stopped and the engine reports it (default: %(default)s)",
-    "collective_warmup_timeout": "the same bound while the ranks connect and for their first steps, which include "
-                                 "kernel JIT compilation (default: %(default)s)",
-}
-# vLLM's names for the same things (vllm serve --help).
-VLLM_ALIASES = {"max_context": "--max-model-len", "max_batch_size": "--max-num-seqs",
-                "kv_block_size": "--block-size", "prefill_token_budget": "--max-num-batched-tokens",
-                "prefix_cache": "--enable-prefix-caching"}
 # vLLM flags with no pocketllm equivalent: what to do instead, in one line.
 VLLM_ONLY_FLAGS = {
     "--kv-cache-dtype": "use --kv-dtype (float16, bfloat16 or float32; there is no fp8 KV cache)",
@@ -12000,7 +12284,8 @@ VLLM_ONLY_FLAGS = {
     "--max-logprobs": "drop it: requests may ask for up to 20 logprobs",
     "--disable-log-requests": "drop it: pocketllm logs one line per HTTP request (never its content)",
     "--uvicorn-log-level": "drop it: pocketllm logs its start-up and one line per request (--quiet: no start-up lines)",
-    "--speculative-config": "there is no speculative decoding",
+    "--speculative-config": "use --speculative-tokens K: the checkpoint's MTP layer drafts K tokens (no separate "
+                            "draft model)",
     "--limit-mm-per-prompt": "pocketllm serves text only",
 }
 
@@ -12016,18 +12301,30 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _option_default(value, quote: str = "") -> str:
+    """An option's default as `--help` and the docs write it: on / off, none, or the value (strings quoted)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else f"{quote}{value}{quote}" if isinstance(value, str) else str(value)
+
+
+def _engine_flags(f: dataclasses.Field) -> list[str]:
+    """An EngineOptions field's flag, then vLLM's name for it."""
+    return [_flag(f.name)] + ([f.metadata["alias"]] if f.metadata["alias"] else [])
+
+
 def add_engine_args(parser: argparse.ArgumentParser):
     parser.add_argument("--ckpt", "--model", default=None, metavar="DIR",
                         help="checkpoint directory (default: the bundled pocket-tiny)")
     kinds = {"int": int, "float": float}
     for f in dataclasses.fields(EngineOptions):
-        names = [_flag(f.name)] + ([VLLM_ALIASES[f.name]] if f.name in VLLM_ALIASES else [])
+        text = f"{f.metadata['help'].replace('`', '').replace('%', '%%')} (default: {_option_default(f.default)})"
         if f.type == "bool":          # on by default: --NAME / --no-NAME
-            parser.add_argument(*names, action=argparse.BooleanOptionalAction if f.default else "store_true",
-                                default=f.default, help=ENGINE_FLAG_HELP.get(f.name))
+            parser.add_argument(*_engine_flags(f), default=f.default, help=text,
+                                action=argparse.BooleanOptionalAction if f.default else "store_true")
         else:
-            parser.add_argument(*names, type=kinds.get(f.type, str), default=f.default, metavar=f.name.upper(),
-                                help=ENGINE_FLAG_HELP.get(f.name))
+            parser.add_argument(*_engine_flags(f), type=kinds.get(f.type, str), default=f.default,
+                                metavar=f.metadata["metavar"], help=text)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="vLLM's name: the first N GPUs, one rank each (= --devices 0,...,N-1) "
                              "(default: %(default)s)")
@@ -12035,6 +12332,42 @@ def add_engine_args(parser: argparse.ArgumentParser):
         "sampling defaults of requests that do not set them: auto = the checkpoint's generation_config.json "
         "(temperature, top_p, top_k, min_p, repetition_penalty), none = pocketllm's own, "
         "DIR = DIR/generation_config.json (default: auto)"))
+
+
+def engine_options_markdown() -> str:
+    """docs/api.md's table of LLM(...) options: each EngineOptions field's default and help."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{f.name}` | {_option_default(f.default, '`')} | {f.metadata['help']} |"
+             for f in dataclasses.fields(EngineOptions)]
+    return "\n".join(rows)
+
+
+def engine_flags_markdown() -> str:
+    """docs/api.md's table of engine flags: the same fields as flags, with vLLM's names."""
+    rows = ["| flag | vLLM's name | what it does | default |", "|---|---|---|---|"]
+    for f in dataclasses.fields(EngineOptions):
+        flag, *alias = _engine_flags(f)
+        negated = f.type == "bool" and f.default            # --NAME / --no-NAME
+        shown = flag if f.type == "bool" else f"{flag} {f.metadata['metavar']}"
+        names = [flag, "--no-" + flag[2:]] if negated else [shown]
+        vllm = [a for name in alias for a in ([name, "--no-" + name[2:]] if negated else [name])]
+        vllm_text = ", ".join(f"`{name}`" for name in vllm) or f.metadata["vllm"]
+        cells = [", ".join(f"`{name}`" for name in names), vllm_text, f.metadata["help"],
+                 _option_default(f.default, "`")]
+        rows.append(("| " + " | ".join(cells) + " |").replace("|  |", "| |"))
+    return "\n".join(rows)
+
+
+def vllm_only_flags_markdown() -> str:
+    rows = ["| vLLM flag | pocketllm's answer |", "|---|---|"]
+    for name, answer in VLLM_ONLY_FLAGS.items():
+        rows.append(f"| `{name}` | " + re.sub(r"(--[a-z-]+(?: [A-Z]+| cuda:N)?|<\w+>)", r"`\1`", answer) + " |")
+    return "\n".join(rows)
+
+
+# docs/api.md's tables that the CLI renders (between `<!-- table: NAME -->` and `<!-- end table -->`).
+DOC_TABLES = {"engine options": engine_options_markdown, "engine flags": engine_flags_markdown,
+              "vllm-only flags": vllm_only_flags_markdown}
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -155,13 +155,16 @@ def main(argv=None):
     hidden = torch.randn(1, HIDDEN)                                                 # (1, H)
     params = P.SamplingParams(temperature=1.0, top_p=0.95, max_tokens=4096)
     ids = tok.encode(json.dumps(document(rng), ensure_ascii=False))[:40]
+    row = P.prepare_row_params(params, [], VOCAB_ROWS)
 
     def step(constrained: bool) -> float:
         start = time.perf_counter()
         logits = hidden @ head.T                                                    # (1, V)
         if constrained:
             logits = P.apply_token_masks(logits, decoder.token_mask(ids, VOCAB_ROWS, "cpu")[None])
-        P.sample_token(logits[0], params, gen)
+        table = P.RowTable.build([row], [float(torch.rand((), generator=gen, dtype=torch.float64))], "cpu")
+        x = P.scale_by_temperature(logits.float(), table)                             # (1, V)
+        P.draw_tokens(P.filter_logits(x, table, row.sorts, row.min_p > 0), table)
         return time.perf_counter() - start
     for _ in range(3):
         step(True), step(False)

@@ -281,6 +281,25 @@ def test_the_weather_question_gives_a_call_card_and_a_typed_result_an_answer(ser
     assert tab.errors == [] and all(url.startswith(tab.base + "/") for url in tab.urls), (tab.errors, tab.urls)
 
 
+def test_the_page_starts_from_the_servers_generation_defaults(server, llm, open_tab):
+    """pocket-tiny's generation_config.json asks for greedy decoding: the page's temperature starts there, each
+    default says where it comes from, and the suggested prompt, sent as the page starts, gets its call."""
+    card = json.load(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v1/models", timeout=30))["data"][0]
+    defaults = card["generation_defaults"]
+    assert defaults["temperature"] == {"value": 0.0, "from": "generation_config.json"}
+    assert defaults["top_p"] == {"value": 1.0, "from": "pocketllm"}
+    tab = open_tab(server)
+    tab.page.wait_for_function("() => document.getElementById('temperature').value !== ''")
+    assert tab.page.input_value("#temperature") == "0"
+    shown = tab.text("#defaults")
+    assert "temperature 0 (generation_config.json)" in shown and "top_p 1 (pocketllm)" in shown, shown
+    tab.send(WEATHER)
+    body, _ = tab.chats[-1]
+    assert body["temperature"] == 0
+    assert tab.page.locator(".call .name").text_content() == "get_weather"
+    assert tab.errors == [], tab.errors
+
+
 def test_stop_aborts_a_long_answer_and_the_server_frees_it(server, llm, open_tab):
     """A long answer (ignore_eos through the extra fields, 800 max tokens, temperature 1): stop aborts the fetch,
     the server sees the disconnect and frees the request (running 0, no KV block held) well before 800

@@ -133,13 +133,34 @@ def test_penalties_change_repetition(llm):
         assert out["token_ids"].count(42) < 8, kw
 
 
+def process_logits(logits: torch.Tensor, seq, eos_ids: list[int]) -> torch.Tensor:
+    """The sampler's stages before the draw (penalties, logit_bias, min_tokens bans, processors) on one (V,) row."""
+    row = pocketllm.SampleRow(seq, 0, pocketllm.prepare_row_params(seq.params, eos_ids, logits.numel()))
+    sampler = pocketllm.Sampler(1, logits.numel(), logits.device)
+    sampler._own(0, row)
+    table = pocketllm.RowTable.build([row.params], [0.0], logits.device)
+    x, failed = sampler.process(logits[None].clone(), [row], table, torch.zeros(1, dtype=torch.long))
+    if failed:
+        raise failed[0]
+    return x[0]
+
+
+def sample_token(logits: torch.Tensor, params, generator: torch.Generator) -> int:
+    """Temperature, top_k, top_p and min_p on one (V,) row, then a draw at a uniform taken from `generator`."""
+    row = pocketllm.prepare_row_params(params, [], logits.numel())
+    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * (1 - 2 ** -40)
+    table = pocketllm.RowTable.build([row], [u], logits.device)
+    x = pocketllm.scale_by_temperature(logits[None].float(), table)
+    return int(pocketllm.draw_tokens(pocketllm.filter_logits(x, table, row.sorts, row.min_p > 0), table)[0])
+
+
 def test_penalty_arithmetic(llm):
     """OpenAI's presence/frequency penalties over generated tokens; HF's repetition penalty over all tokens."""
     req = pocketllm.Request("r", [7, 9], pocketllm.SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
                                                                    repetition_penalty=2.0), 0)
     seq = pocketllm.Sequence(req, 0, output_ids=[3, 3, 5])
     logits = torch.tensor([1.0] * 6 + [-1.0] * 4)
-    out = pocketllm.process_logits(logits, seq, eos_ids=[])
+    out = process_logits(logits, seq, eos_ids=[])
     want = logits.clone()
     want[[3, 5, 7, 9]] = torch.tensor([0.5, 0.5, -2.0, -2.0])   # positive halved, negative doubled
     want[3] -= 0.5 + 0.25 * 2
@@ -160,7 +181,7 @@ def test_logprobs(llm):
 def test_sampling_filters():
     g = torch.Generator().manual_seed(0)
     logits = torch.tensor([5.0, 4.9, 1.0, 0.5, -3.0])
-    draw = lambda **kw: {pocketllm.sample_token(logits, pocketllm.SamplingParams(**kw), g) for _ in range(200)}  # noqa: E731
+    draw = lambda **kw: {sample_token(logits, pocketllm.SamplingParams(**kw), g) for _ in range(200)}  # noqa: E731
     assert draw(temperature=1.0, top_k=2) == {0, 1}
     assert draw(temperature=1.0, top_p=0.5) == {0}
     assert draw(temperature=1.0, min_p=0.5) == {0, 1}

@@ -94,6 +94,38 @@ def test_sampling_rows_are_samplingparams_own():
     assert pocketllm.COMPLETION_FIELDS["logprobs"].hi == pocketllm.SAMPLING_FIELDS["logprobs"].hi
 
 
+# SamplingParams fields that an endpoint's table leaves out on purpose: Python callables, and logprobs, whose
+# HTTP spelling differs per endpoint (chat: logprobs + top_logprobs; completions: its own row).
+NOT_OVER_HTTP = {"/v1/chat/completions": {"logits_processors", "logprobs"},
+                 "/v1/completions": {"logits_processors"}}
+
+
+def test_every_sampling_field_is_in_the_generation_endpoints_tables():
+    """A new SamplingParams field is a row of /v1/chat/completions and /v1/completions (or is named above)."""
+    import dataclasses
+    for path, skipped in NOT_OVER_HTTP.items():
+        table = pocketllm.REQUEST_TABLES[path]
+        missing = [f.name for f in dataclasses.fields(pocketllm.SamplingParams)
+                   if f.name not in table and f.name not in skipped]
+        assert not missing, (path, missing)
+
+
+def test_allowed_token_ids_over_http(server, llm):
+    """vLLM's allowed_token_ids at temperature 1: every completion token is one of them (the chat logprobs'
+    bytes say which); bad values are 400s naming the field."""
+    tok = llm.tokenizer
+    allowed = [i for i in range(tok.vocab_size) if tok.token_bytes(i).isalpha()][:4]
+    body = {**BASES["/v1/chat/completions"], "max_tokens": 24, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+            "allowed_token_ids": allowed, "logprobs": True}
+    status, data = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 200, data
+    drawn = [bytes(t["bytes"]) for t in data["choices"][0]["logprobs"]["content"]]
+    assert len(drawn) == 24 and set(drawn) <= {tok.token_bytes(i) for i in allowed}, drawn
+    for bad in ([], [llm.config.vocab_size], "5"):
+        status, data = request(server, "POST", "/v1/completions", {**BASES["/v1/completions"], "allowed_token_ids": bad})
+        assert status == 400 and data["error"]["param"] == "allowed_token_ids", data
+
+
 def test_openapi_document(server, llm):
     status, doc = request(server, "GET", "/openapi.json")
     assert status == 200

@@ -49,7 +49,7 @@ x = torch.arange(6, dtype=torch.float32)
 ops.all_reduce(x, comm)
 ops.nccl_wait(comm, 1.0)
 assert fake.fake_nccl_reduced() == 1 and x.tolist() == list(range(6)) and fake.fake_nccl_aborted() == 0
-ops.nccl_destroy(comm)
+ops.lib.call("pl_nccl_destroy", comm)
 assert fake.fake_nccl_destroyed() == 1
 
 fake.fake_nccl_script(INIT_HANGS)                           # a rank that never joins
@@ -64,7 +64,7 @@ took = fails("did not complete within 0.5 s (a rank is dead or hung); the commun
              lambda: ops.nccl_wait(comm, 0.5))
 assert 0.5 <= took < 3.0 and fake.fake_nccl_aborted() == 1, took
 fails("null or aborted NCCL communicator", lambda: ops.all_reduce(x, comm))   # aborted: refused, not reused
-ops.nccl_destroy(comm)
+ops.lib.call("pl_nccl_destroy", comm)
 assert fake.fake_nccl_destroyed() == 0                      # ncclCommAbort freed it; destroy frees ours only
 
 fake.fake_nccl_script(PEER_DIES)                            # NCCL reports the peer gone: at once, with its text
@@ -72,14 +72,14 @@ comm = ops.nccl_init(uid, 1, 0, 0, 1.0)
 ops.all_reduce(x, comm)
 took = fails("failed: fake: peer rank 1 gone; the communicator is aborted", lambda: ops.nccl_wait(comm, 30.0))
 assert took < 1.0 and fake.fake_nccl_aborted() == 1, took
-ops.nccl_destroy(comm)
+ops.lib.call("pl_nccl_destroy", comm)
 
 fake.fake_nccl_script(OK)                                   # abort on request (a peer known dead)
 comm = ops.nccl_init(uid, 1, 0, 0, 1.0)
-ops.nccl_abort(comm)
+ops.lib.call("pl_nccl_abort", comm)
 assert fake.fake_nccl_aborted() == 1
 fails("null or aborted NCCL communicator", lambda: ops.nccl_wait(comm, 1.0))
-ops.nccl_destroy(comm)
+ops.lib.call("pl_nccl_destroy", comm)
 print("checked")
 """
 

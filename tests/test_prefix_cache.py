@@ -332,7 +332,7 @@ def oracle_drafts(observed: Observed, truth: dict[str, list[int]]) -> Observed:
                 continue
             n = len(seq.output_ids)
             seq.drafts = [t if (n + i) % 3 else (t + 1) % vocab for i, t in enumerate(want[n:n + len(seq.drafts)])]
-            sampled = seq.request.sampling.floats[pocketllm._TEMPERATURE] > 0
+            sampled = seq.request.sampling.temperature > 0
             seq.draft_probs = torch.nn.functional.one_hot(torch.tensor(seq.drafts, dtype=torch.long), vocab).float() \
                 if sampled and seq.drafts else None
     engine._draft = draft

@@ -17,10 +17,11 @@ CHI2_999 = {5: 20.52, 7: 24.32}
 
 def table(B, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, frequency=0.0, repetition=1.0, u=None,
           V=8):
-    """The (B, 8) float64 row table the sampler sends to the device (columns as pocketllm._TEMPERATURE ..)."""
-    cols = [temperature, top_k or V, top_p, min_p, presence, frequency, repetition]
-    rows = [[c[i] if isinstance(c, list) else c for c in cols] + [u[i] if u else 0.0] for i in range(B)]
-    return torch.tensor(rows, dtype=torch.float64)
+    """The RowTable the sampler sends to the device: each column a float64 (B,), a value or a list per row."""
+    column = lambda c: torch.tensor(c if isinstance(c, list) else [c] * B, dtype=torch.float64)  # noqa: E731
+    return pocketllm.RowTable(temperature=column(temperature), top_k=column(top_k or V), top_p=column(top_p),
+                              min_p=column(min_p), presence=column(presence), frequency=column(frequency),
+                              repetition=column(repetition), uniform=column(u or 0.0))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -144,3 +145,45 @@ def test_seed_option_seeds_unseeded_requests(ckpt_factory):
     first = answers(7)
     assert answers(7) == first
     assert answers(8) != first
+
+
+def _row(seed: int, slot: int, vocab: int, **params) -> "pocketllm.SampleRow":
+    req = pocketllm.Request(f"r{seed}", [1, 2], pocketllm.SamplingParams(seed=seed, **params).validate(vocab), 0)
+    seq = pocketllm.Sequence(req, 0)
+    seq.slot = slot
+    return pocketllm.SampleRow(seq, slot, pocketllm.prepare_row_params(req.params, [], vocab))
+
+
+def test_allowed_token_ids_sample_the_renormalised_softmax_at_temperature_1():
+    """allowed_token_ids: the other tokens never come; the allowed ones follow softmax renormalised over them
+    (chi-square against the float64 reference), beside rows without the option in the same batch."""
+    V, N = 8, 20_000
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0])
+    allowed = [1, 3, 4, 7]
+    sampler = pocketllm.Sampler(N, V, "cpu")
+    rows = [_row(100 + i, i, V, temperature=1.0, allowed_token_ids=allowed if i % 2 else None) for i in range(N)]
+    tokens = torch.tensor(sampler.sample(rows, logits.expand(N, V).clone()).tokens)
+    restricted, free = tokens[1::2], tokens[0::2]
+    assert set(restricted.tolist()) <= set(allowed)
+    p = torch.softmax(logits.double(), -1)[allowed]
+    counts = torch.bincount(restricted, minlength=V).double()[allowed]
+    expected = len(restricted) * p / p.sum()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (chi2, counts.tolist(), expected.tolist())       # chi-square, 3 dof, p = 0.001
+    assert set(free.tolist()) - set(allowed)                              # the other rows are not restricted
+
+
+def test_allowed_token_ids_greedy_takes_the_best_allowed_and_drafts_obey():
+    V = 8
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0]])
+    sampler = pocketllm.Sampler(1, V, "cpu")
+    assert sampler.sample([_row(1, 0, V, temperature=0.0, allowed_token_ids=[6, 3])], logits.clone()).tokens == [3]
+    drafts, q = sampler.draw_drafts([_row(2, 0, V, temperature=1.0, allowed_token_ids=[5, 6])], logits.clone())
+    assert drafts[0] in (5, 6) and float(q[0, [5, 6]].sum()) == pytest.approx(1.0)
+
+
+def test_allowed_token_ids_are_checked():
+    for bad, match in (([], "at least one token id"), ([8], "between 0 and 7"), (["1"], "integer"), (3, "array")):
+        with pytest.raises(pocketllm.RequestError, match=match) as e:
+            pocketllm.SamplingParams(allowed_token_ids=bad).validate(8)
+        assert e.value.param == "allowed_token_ids"

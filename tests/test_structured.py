@@ -493,3 +493,40 @@ def test_counted_non_ascii_strings_validate(llm, seed):
                        logits_processors=[decoder])
     assert out["finish_reason"] == "stop", out
     jsonschema.validate(json.loads(out["text"]), schema)
+
+
+UNICODE_PATTERNS = ["^[a-zà-ÿ]{2,8}$", "^東京.{0,3}$", "^[一-龥]+$", "^[^0-9x]{1,4}$", "^(é|ü|ß)+-\\d$"]
+
+
+def test_patterns_take_any_characters(tiny_tokenizer):
+    """A pattern's literals, ranges, '.' and negated classes take characters of any language (a character's
+    UTF-8 bytes move the pattern once it is complete, and one is begun only where it can be finished)."""
+    def complete(pattern, text: str) -> bool:
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": pattern},
+                                                      "strict": True}}
+        grammar = P.structured_decoder(tiny_tokenizer, response_format=fmt, max_tokens=4096).grammar
+        state = grammar.advance(grammar.start, json.dumps(text, ensure_ascii=False).encode())
+        return state is not None and grammar.accepts(state)
+    assert complete("^[a-zà-ÿ]{2,8}$", "café") and not complete("^[a-zà-ÿ]{2,8}$", "Café")
+    assert complete("^東京.{0,3}$", "東京タワー") and not complete("^東京.{0,3}$", "京東")
+    assert complete("^[一-龥]+$", "中文") and not complete("^[一-龥]+$", "中a")
+    assert complete("^[^0-9x]{1,4}$", "山田é") and not complete("^[^0-9x]{1,4}$", "山1")
+
+
+@pytest.mark.parametrize("pattern", UNICODE_PATTERNS)
+@pytest.mark.parametrize("byte_level", [False, True])
+def test_unicode_pattern_masks_equal_the_token_by_token_reference(tiny_tokenizer, pattern, byte_level):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "items": {
+        "type": "string", "pattern": pattern}, "minItems": 2, "maxItems": 4}}}
+    decoder = P.structured_decoder(tiny_tokenizer if byte_level else JsonishTokenizer(), response_format=fmt,
+                                   max_tokens=4096)
+    for seed in range(3):
+        assert_masks_match_reference(decoder, seed, steps=40)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_unicode_patterns_validate(llm, seed):
+    schema = {"type": "object", "properties": {f"s{k}": {"type": "string", "pattern": p} for k, p in
+                                               enumerate(UNICODE_PATTERNS)},
+              "required": [f"s{k}" for k in range(len(UNICODE_PATTERNS))], "additionalProperties": False}
+    jsonschema.validate(json.loads(decode(llm, schema, max_tokens=96, seed=seed)), schema)

@@ -154,7 +154,7 @@ def nccl(logdir: Path) -> int:
             ops.all_reduce(x, comm)
             ops.nccl_wait(comm, 60.0)
             result[f"all_reduce_{dtype}"] = bool(torch.equal(x, before))   # the sum over one rank
-        ops.nccl_destroy(comm)
+        ops.lib.call("pl_nccl_destroy", comm)
         # A peer that never joins: rank 0 of two, alone.
         result["check_init_timeout"] = _fails_within(lambda: ops.nccl_init(ops.nccl_unique_id(), 2, 0, device, 3.0),
                                                      "did not complete within 3 s", 2.9, 15.0)
@@ -166,7 +166,7 @@ def nccl(logdir: Path) -> int:
         result["check_step_timeout"] = _fails_within(lambda: ops.nccl_wait(comm, 1.0),
                                                      "did not complete within 1 s", 0.9, 10.0)
         result["check_aborted_is_refused"] = _fails_within(lambda: ops.all_reduce(x, comm), "aborted", 0.0, 5.0)
-        ops.nccl_destroy(comm)
+        ops.lib.call("pl_nccl_destroy", comm)
         torch.cuda.synchronize()
         # The engine's Comm: the barrier at connect, a bounded step, then the steady bound firing.
         with tempfile.TemporaryDirectory() as d:
@@ -181,7 +181,7 @@ def nccl(logdir: Path) -> int:
             c.all_reduce(torch.ones(8, device="cuda"))
             result["check_comm_timeout"] = _fails_within(c.finish_step, "took more than 1 s (--collective-timeout)",
                                                          0.9, 10.0)
-            ops.nccl_destroy(c.comm)
+            ops.lib.call("pl_nccl_destroy", c.comm)
             torch.cuda.synchronize()
     save(logdir, "nccl", result)
     print(result)
