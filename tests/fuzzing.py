@@ -203,7 +203,8 @@ _MESSAGES = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"
 _SAMPLING = {"max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 1,
              "presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1,
              "logit_bias": {"5": 1.0, "7": -1}, "stop": ["x", "y"], "stop_token_ids": [3, 4], "min_tokens": 1,
-             "ignore_eos": False, "n": 1, "metadata": {"a": "b"}, "user": "u", "store": False}
+             "ignore_eos": False, "n": 1, "metadata": {"a": "b"}, "user": "u", "store": False,
+             "allowed_token_ids": [3, 4, 5, 6, 7]}
 FULL = {
     "/v1/chat/completions": [
         {"messages": _MESSAGES, **_SAMPLING, "logprobs": True, "top_logprobs": 2, "modalities": ["text"]},

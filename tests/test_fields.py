@@ -121,9 +121,10 @@ def test_allowed_token_ids_over_http(server, llm):
     assert status == 200, data
     drawn = [bytes(t["bytes"]) for t in data["choices"][0]["logprobs"]["content"]]
     assert len(drawn) == 24 and set(drawn) <= {tok.token_bytes(i) for i in allowed}, drawn
-    for bad in ([], [llm.config.vocab_size], "5"):
+    for bad, param in (([], "allowed_token_ids"), ([llm.config.vocab_size], "allowed_token_ids[0]"),
+                       ("5", "allowed_token_ids"), ([1, None], "allowed_token_ids[1]")):
         status, data = request(server, "POST", "/v1/completions", {**BASES["/v1/completions"], "allowed_token_ids": bad})
-        assert status == 400 and data["error"]["param"] == "allowed_token_ids", data
+        assert status == 400 and data["error"]["param"] == param, data
 
 
 def test_openapi_document(server, llm):

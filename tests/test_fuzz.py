@@ -45,7 +45,8 @@ REGRESSIONS = [
 # Every value inside a map or an array of the FULL bodies is replaced by each of these (issue 47).
 INSIDE_VALUES = [None, True, "x", -1, 2 ** 70, -1e308, "\ud800", [], {"": None}, fuzzing._deep(300, "list")]
 # Fields whose inner values the protocol layer reads itself: a 400 names the very value (logit_bias.5, stop[1]).
-NAMED_INSIDE = ("logit_bias", "stop", "stop_token_ids", "metadata", "tokens", "include", "stop_sequences")
+NAMED_INSIDE = ("logit_bias", "stop", "stop_token_ids", "metadata", "tokens", "include", "stop_sequences",
+                "allowed_token_ids")
 
 
 @pytest.fixture(scope="module")

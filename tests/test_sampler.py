@@ -183,7 +183,9 @@ def test_allowed_token_ids_greedy_takes_the_best_allowed_and_drafts_obey():
 
 
 def test_allowed_token_ids_are_checked():
-    for bad, match in (([], "at least one token id"), ([8], "between 0 and 7"), (["1"], "integer"), (3, "array")):
+    for bad, match, param in (([], "at least one token id", "allowed_token_ids"),
+                              ([8], "between 0 and 7", "allowed_token_ids[0]"),       # a bad id: named by its index
+                              (["1"], "integer", "allowed_token_ids[0]"), (3, "array", "allowed_token_ids")):
         with pytest.raises(pocketllm.RequestError, match=match) as e:
             pocketllm.SamplingParams(allowed_token_ids=bad).validate(8)
-        assert e.value.param == "allowed_token_ids"
+        assert e.value.param == param
