@@ -415,7 +415,7 @@ def _json_type(value) -> str:
 def _check_type(value, kind: type, param: str):
     """value as `kind` (bool, int, float, str, list, dict); an int is a valid float, a bool is neither."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        value = float(value) if abs(value) < 2 ** 1000 else math.inf     # 10**400: no float, refused below
     if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
         raise RequestError(f"'{param}' must be {_json_type(kind())}, got {_json_type(value)}", param=param)
     if kind is float and not math.isfinite(value):

@@ -39,6 +39,7 @@ REGRESSIONS = [
     ("/v1/chat/completions", json.dumps({**GOOD, "logit_bias": {"5": None}}).encode()),       # issue 47
     ("/v1/messages", json.dumps({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
                                  "output_config": {"effort": []}}).encode()),
+    ("/v1/responses", b'{"input": "Hi", "max_output_tokens": 4, "temperature": 1' + b"0" * 400 + b"}"),  # no float
 ]
 
 

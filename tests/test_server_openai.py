@@ -254,7 +254,8 @@ def test_langchain_tool_loop(server, llm):
 CHAT_REFUSALS = [
     ({"temprature": 0.5}, "temprature"),
     ({"temperature": 2.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
-    ({"temperature": True}, "temperature"),
+    ({"temperature": True}, "temperature"), ({"temperature": 10 ** 400}, "temperature"),
+    ({"logit_bias": {"5": -10 ** 400}}, "logit_bias.5"),
     ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
