@@ -7040,11 +7040,22 @@ class _Grammar:
     def completion(self, state) -> tuple[bytes, int]:
         """(the shortest text that completes the state, the tokens it takes + 1 for the end of sequence)."""
         found = self._completions.get(state)
-        if found is None:
-            texts = [t for t in (_stack_completion(stack) for stack in state) if t is not None]
-            text = min(texts, key=lambda t: (len(t), t)) if texts else b""
+        if found is None or found[1] is None:
+            text = self.completion_text(state)
             found = self._completions[state] = (text, self.facts.cost(text) + 1)
         return found
+
+    def completion_text(self, state) -> bytes:
+        found = self._completions.get(state)
+        if found is None:
+            texts = [t for t in (_stack_completion(stack) for stack in state) if t is not None]
+            found = self._completions[state] = (min(texts, key=lambda t: (len(t), t)) if texts else b"", None)
+        return found[0]
+
+    def need_at_most(self, state) -> int:
+        """An upper bound of completion(state)[1] without a tokenizer call where the tokenizer allows one."""
+        text = self.completion_text(state)
+        return self.facts.cost_at_most(text) + 1
 
     def mask(self, state) -> "_StateMask":
         found = self._masks.get(state)
@@ -7057,7 +7068,7 @@ class _Grammar:
         completion within the `left` tokens left (this one included). While every allowed token fits, the
         state's cached mask; near the end, the tokens whose state after still fits."""
         found = self.mask(state)
-        if found.most <= left - 1:
+        if found.fits(left - 1):
             return found.bits
         fits = [t for t, need in zip(found.single_ids, found.single_needs) if need <= left - 1]
         if found.need > left - 1:            # no room for another string character either: only what fits
@@ -7070,17 +7081,44 @@ class _Grammar:
         return bits
 
 
-@dataclass
 class _StateMask:
     """The mask of a grammar state and what the budget check needs: the tokens found one by one with the
-    tokens their state after needs to end; every other allowed token (a run of string characters, prose)
-    needs no more than the state itself."""
-    bits: bytearray               # (V,) one byte per token id, 1 allowed (the ends too when the state is complete)
-    single_ids: list[int]         # (S,)
-    single_needs: list[int]       # (S,) tokens the completion after each takes, its end included
-    need: int                     # the same for the state
-    most: int                     # the largest need after any allowed token
-    ends: bool                    # the state is complete: the ends are allowed
+    state after each; every other allowed token (a run of string characters, prose) needs no more than the
+    state itself. The needs (tokens each completion takes, its end included) cost a tokenizer call per new
+    state, so they are found only when `bound`, an upper bound of them all, does not already fit."""
+
+    def __init__(self, grammar: _Grammar, state, bits: bytearray, singles: list, ends: bool):
+        self.grammar, self.state = grammar, state
+        self.bits = bits                                           # (V,) 1 allowed (the ends too when complete)
+        self.single_ids = [i for i, _ in singles]                  # (S,)
+        self.single_afters = [after for _, after in singles]       # (S,)
+        self.ends = ends                                           # the state is complete: the ends are allowed
+        self.bound = max(grammar.need_at_most(s) for s in {state, *self.single_afters})
+        self._needs = None
+
+    def fits(self, room: int) -> bool:
+        """Every allowed token leaves a completion of at most `room` tokens (most <= room)."""
+        return self.bound <= room or self.most <= room
+
+    def _exact(self):
+        if self._needs is None:
+            needs = [self.grammar.completion(after)[1] for after in self.single_afters]
+            need = self.grammar.completion(self.state)[1]
+            self._needs = (needs, need, max([need, *needs]))
+        return self._needs
+
+    @property
+    def single_needs(self) -> list[int]:
+        return self._exact()[0]                                    # (S,)
+
+    @property
+    def need(self) -> int:
+        return self._exact()[1]
+
+    @property
+    def most(self) -> int:
+        """The largest need after any allowed token."""
+        return self._exact()[2]
 
 
 def _bool_view(bits: bytearray) -> torch.Tensor:
@@ -7199,6 +7237,9 @@ class _TokenFacts:
         self.dirty(_NON_ASCII)
         self.dirty(frozenset({_LT}))           # auto mode's prose: every call opener starts with '<'
         self._costs: dict[bytes, int] = {}
+        inner = getattr(tokenizer, "_tok", None)
+        self.byte_bound = bool(getattr(tokenizer, "_byte_level", False)) and \
+            type(getattr(inner, "normalizer", 0)).__name__ in ("NoneType", "NFC")
         self._ids: dict[str, list[int]] = {}
         self._grammars: dict = {}
 
@@ -7221,6 +7262,14 @@ class _TokenFacts:
             else:
                 runs[blob[m]][-1][2] = k + 1
         return ws_only, {c: [tuple(r) for r in found] for c, found in runs.items()}
+
+    def cost_at_most(self, text: bytes) -> int:
+        """An upper bound of cost(text), without a tokenizer call for a byte-level BPE whose normalizer is none
+        or NFC: a token holds at least one byte; decoding with "replace" and NFC each at most triple the bytes
+        (ASCII stays as it is); the pre-tokenizer may add a space, and a control-token split a piece."""
+        if not self.byte_bound:
+            return self.cost(text)
+        return len(text) + 1 if text.isascii() else 10 * len(text) + 1
 
     def cost(self, text: bytes) -> int:
         """Tokens `text` takes in the tokenizer's own (canonical) tokenization."""
@@ -7266,16 +7315,13 @@ class _TokenFacts:
             if not isinstance(chunk, bytes):
                 for i in chunk:
                     bits[i] = 1
-        ids = [i for i, _ in singles]
-        for i in ids:
+        for i, _ in singles:
             bits[i] = 1
         ends = grammar.accepts(state)
         if ends:
             for i in self.eos_ids:
                 bits[i] = 1
-        needs = [grammar.completion(after)[1] for _, after in singles]
-        need = grammar.completion(state)[1]
-        return _StateMask(bits, ids, needs, need, max([need, *needs]), ends)
+        return _StateMask(grammar, state, bits, singles, ends)
 
     def _walk(self, grammar, state, depth, lo, hi, chunks, singles):
         """Mark the tokens sorted[lo:hi], which share the `depth` bytes that led to `state`, that keep it alive."""
@@ -7994,7 +8040,7 @@ class StructuredDecoder:
         if phase == "pad" or len(ids) < self.min_tokens and self.grammar.accepts(state):
             return self._padded(state, phase == "pad", len(ids) < self.min_tokens)
         found = self.grammar.mask(state)
-        if found.most <= left - 1:
+        if found.fits(left - 1):
             return state, found.bits
         if not self.budget and found.ends:   # auto mode, in prose: no forced end; no call that cannot close
             bits = bytearray(found.bits)
