@@ -6961,6 +6961,8 @@ class _Grammar:
         self._loops: dict = {}
         self._firsts: dict = {}
         self._entries: dict = {}
+        self._exits: dict = {}
+        self._escapes: dict = {}
 
     def start_after(self, text: str) -> frozenset:
         """The state before `text` and then the grammar (the forced close of reasoning)."""
@@ -7026,6 +7028,14 @@ class _Grammar:
                 empty = node.nullable or any(node.can_end(d) for d in starts)
                 parts = [None] if empty else [self._frame_firsts(node, d) for d in starts]
             found = self._entries[node] = None if None in parts else frozenset().union(*parts)
+        return found
+
+    def escape(self, state, suffix: bytes):
+        """advance(state, suffix), kept per (state, suffix): a string's escapes meet the same counts again."""
+        key = (state, suffix)
+        found = self._escapes.get(key, ...)
+        if found is ...:
+            found = self._escapes[key] = self.advance(state, suffix)
         return found
 
     def advance(self, state, blob: bytes):
@@ -7446,9 +7456,9 @@ class _TokenFacts:
 
     def _walk_exits(self, grammar, state, node: _Str, count: int, chunks, singles):
         """A JSON string's content (no pattern, no excluded keys) over the whole vocabulary: its clean tokens
-        (that fit, when counted: ASCII, each byte a character) in one translate, then the tokens that leave
-        it, by suffix ('"' then what follows: one run through the grammar per suffix, a dead prefix skipping
-        its run; an escape: token by token, as the count moves)."""
+        (that fit, when counted: whole characters) in one translate, then the tokens that leave it, by suffix
+        ('"' then what follows: one run through the grammar per suffix from the closed string's state, kept per
+        that state; an escape: one run per suffix and count of clean characters before it)."""
         d = self.dirty(node.dirty)
         spare = None
         if node.counted:
@@ -7460,24 +7470,43 @@ class _TokenFacts:
             self._partials(grammar, state, d, 0, 0, len(self.sorted), spare, singles)
         least = max(0, node.lo - count) if node.counted else 0      # characters still owed before the quote
         start = grammar.advance(state, b"a" * least) if least <= (1 << 30 if spare is None else spare) else None
-        dead = None
-        for suffix, ids, lengths in d.groups(self):      # sorted: a dead prefix skips its whole run
-            if suffix[0] == _BACKSLASH and spare is not None:
-                for i, n in zip(ids, lengths):
-                    after = grammar.advance(state, self.blobs[i]) if 0 <= n <= spare else None
-                    if after is not None:
-                        singles.append((i, after))
+        closed = grammar.step(start, _QUOTE) if start is not None else None
+        for ids, lengths, after in self._closed_exits(grammar, d, closed) if closed is not None else ():
+            singles.extend((i, after) for i, n in zip(ids, lengths) if spare is None or least <= n <= spare)
+        moved = [state]          # after n whole clean characters (as after n "a"s); a plain string loops
+        for suffix, ids, lengths in d.groups(self):
+            if suffix[0] != _BACKSLASH:
                 continue
-            if start is None or dead is not None and suffix.startswith(dead):
-                continue
-            after = start
-            for k, b in enumerate(suffix):
-                after = grammar.step(after, b)
-                if after is None:
-                    dead = suffix[:k + 1]
-                    break
-            else:
-                singles.extend((i, after) for i, n in zip(ids, lengths) if spare is None or least <= n <= spare)
+            for i, n in zip(ids, lengths):
+                if spare is not None and not 0 <= n <= spare:
+                    continue
+                n = 0 if spare is None else n
+                while len(moved) <= n:
+                    moved.append(grammar.step(moved[-1], 0x61) if moved[-1] is not None else None)
+                after = grammar.escape(moved[n], suffix) if moved[n] is not None else None
+                if after is not None:
+                    singles.append((i, after))
+
+    def _closed_exits(self, grammar, d: _Dirty, closed) -> list[tuple[list[int], list[int], frozenset]]:
+        """The '"'-first groups of d that live on from `closed` (the state after a string's closing quote) as
+        (ids, lengths, state after), kept per state: a closed string forgets its count, so every count of a
+        counted string (a new state each) meets the same exits."""
+        found = grammar._exits.get((d.dirty_set, closed))
+        if found is None:
+            found, dead = [], None
+            for suffix, ids, lengths in d.groups(self):      # sorted: a dead prefix skips its whole run
+                if suffix[0] != _QUOTE or dead is not None and suffix.startswith(dead):
+                    continue
+                after = closed
+                for k in range(1, len(suffix)):
+                    after = grammar.step(after, suffix[k])
+                    if after is None:
+                        dead = suffix[:k + 1]
+                        break
+                else:
+                    found.append((ids, lengths, after))
+            grammar._exits[(d.dirty_set, closed)] = found
+        return found
 
     def grammar(self, key, build) -> _Grammar:
         """The compiled grammar for `key` (built by build() on first use); the last 64 are kept."""
