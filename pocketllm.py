@@ -6479,6 +6479,19 @@ def _decimal_text(neg: bool, whole: int, places: int) -> bytes:
     return (b"-" if neg else b"") + (digits if not places else digits[:-places] + "." + digits[-places:]).encode()
 
 
+_DECIMAL_PICKS: dict[tuple, dict] = {}
+
+
+def _decimal_picks(lo, hi) -> dict:
+    """The shortest-number search's results for one pair of bounds, shared by every _Decimal with them (a tool
+    list repeats its bounds; finding them is thousands of fraction steps); the last 64 pairs are kept."""
+    found = _DECIMAL_PICKS.pop((lo, hi), None)
+    found = _DECIMAL_PICKS[(lo, hi)] = {} if found is None else found
+    while len(_DECIMAL_PICKS) > 64:
+        _DECIMAL_PICKS.pop(next(iter(_DECIMAL_PICKS)))
+    return found
+
+
 class _Decimal(_Node):
     """A JSON number in [lo, hi] (inclusive fractions, None: open), written without an exponent in at most
     _MAX_NUMBER bytes. data (text, length): a byte is taken only when some number in range still starts
@@ -6487,7 +6500,7 @@ class _Decimal(_Node):
 
     def __init__(self, lo: fractions.Fraction | None, hi: fractions.Fraction | None):
         self.lo, self.hi = lo, hi
-        self._picks: dict[bytes, bytes | None] = {}
+        self._picks: dict[bytes, bytes | None] = _decimal_picks(lo, hi)
 
     def starts(self):
         return [(b"", 0)]
@@ -7219,6 +7232,17 @@ class _Dirty:
         return self._groups
 
 
+def _prose_entered(state: frozenset) -> frozenset:
+    """The same state (the same bytes lead to the same stacks) with auto mode's prose already entered, as the
+    walk takes prose over the vocabulary in one translate: an auto grammar's start only enters it."""
+    if len(state) == 1:
+        stack = next(iter(state))
+        node, i = stack[-1]
+        if isinstance(node, _Seq) and i < len(node.parts) and isinstance(node.parts[i], _Prose):
+            return frozenset({stack + ((node.parts[i], node.parts[i].starts()[0]),)})
+    return state
+
+
 class _TokenFacts:
     """What the masks need to know about a vocabulary, computed once per tokenizer: every token's bytes in
     sorted order (so the tokens sharing a prefix are a range: an implicit trie, its levels kept as visited),
@@ -7319,7 +7343,7 @@ class _TokenFacts:
         """The state's mask, by walking the sorted vocabulary (see _walk): at most one whole-vocabulary
         chunk (a string's or prose's clean tokens, one translate) plus ids set one by one."""
         chunks, singles = [], []
-        self._walk(grammar, state, 0, 0, len(self.sorted), chunks, singles)
+        self._walk(grammar, _prose_entered(state), 0, 0, len(self.sorted), chunks, singles)
         whole = [c for c in chunks if isinstance(c, bytes)]
         bits = bytearray(whole[0]) if whole else bytearray(self.vocab)                     # (V,)
         for chunk in chunks:
