@@ -5988,6 +5988,10 @@ class _Seq(_Node):
     def can_end(self, i):
         return all(part.nullable for part in self.parts[i:])
 
+    def takes(self, i, entry):
+        """The bytes that start part i (None where it may be empty: then its followers' bytes count too)."""
+        return entry(self.parts[i]) if i < len(self.parts) else frozenset()
+
     def child_done(self, i, child):
         return i + 1
 
@@ -6016,6 +6020,11 @@ class _Repeat(_Node):
 
     def can_end(self, data):
         return data[0] >= 1 and not data[1]
+
+    def takes(self, data, entry):
+        """The bytes that start the next item, as step() enters it."""
+        n = data[0]
+        return entry(self.first) if n == 0 else entry(self.more) if self.hi is None or n < self.hi else frozenset()
 
     def child_done(self, data, child):
         return (min(data[0] + 1, self.hi or 1), False)
