@@ -6553,7 +6553,7 @@ class _Decimal(_Node):
                     ([self._pick(b"-")] if not text else [])
                 picks = [p for p in picks if p is not None]
                 found = min(picks, key=lambda p: (len(p), p)) if picks else None
-            else:
+            elif self._reachable(text):
                 for extra, low, high, m, neg in self._shapes(text):
                     j = self._fit(low, high, m, neg)
                     if j is not None:
@@ -6561,6 +6561,14 @@ class _Decimal(_Node):
                         break
             self._picks[text] = found
         return found
+
+    def _reachable(self, text: bytes) -> bool:
+        """False when every number that starts with text is past a bound (its magnitude is at least its whole
+        part), so that the search over its shapes (thousands of fraction steps) would find none."""
+        whole = int(text.lstrip(b"-").partition(b".")[0])
+        if text.startswith(b"-"):
+            return self.lo is None or -whole >= self.lo
+        return self.hi is None or whole <= self.hi
 
     def _shapes(self, text: bytes):
         """(bytes added, low J, high J, decimals m, negative) of the numbers that start with text, fewest bytes

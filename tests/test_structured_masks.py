@@ -98,3 +98,19 @@ def test_masks_and_budget_bound_on_a_byte_level_bpe(schema):
     for seed in range(3):
         assert_fast_masks_exact(decoder, seed, steps=40)
 
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 1000), (-5, 120), (None, -3), ("0.25", "7.5"), (-1000, None), (1, 1)])
+def test_bounded_number_search_skips_only_what_it_cannot_reach(lo, hi):
+    """The shortest-number search answers as the full search over every shape does (which the early rejection
+    of prefixes past a bound skips), for every prefix up to 3 bytes; nodes with the same bounds share it."""
+    bound = lambda v: None if v is None else P.fractions.Fraction(v)  # noqa: E731
+    fast, full = P._Decimal(bound(lo), bound(hi)), P._Decimal(bound(lo), bound(hi))
+    assert fast._picks is full._picks
+    full._picks, full._reachable = {}, lambda text: True
+    texts = level = [b""]
+    for _ in range(3):
+        level = [t + bytes((b,)) for t in level for b in b"-.0123456789" if P._DECIMAL_START.fullmatch(t + bytes((b,)))]
+        texts += level
+    for text in texts:
+        assert fast._pick(text) == full._pick(text), text
