@@ -9,8 +9,9 @@ transformers' TikTokenConverter turns them into a tokenizer.json, cached under t
 The model is a "willing model": per step random logits plus a large bonus for the next token of a valid
 document of a nested schema ($ref, nested objects, a list of objects, an enum, Optional, a pattern, integer
 bounds), so the decoder walks the states a real answer walks; --docs documents in a row share the grammar's
-caches as consecutive requests with the same schema do. Reported: the schema's compile time (first request, and
-again: grammars are cached by schema); the mask's host time per token (cursor advance + mask lookup, or the walk
+caches as consecutive requests with the same schema do. Reported: a BFCL-sized tool list's compile time and
+first mask (tool_choice required and auto); the schema's compile time (first request, and again: grammars are
+cached by schema); the mask's host time per token (cursor advance + mask lookup, or the walk
 over the vocabulary at a new state), mean, p50 and p99, wall clock and this thread's CPU time (the machine may be
 shared), for the first (cold) document and the warm ones; and a decode step on a 0.8B-class shape (hidden 1024, 248,320 logit rows: the LM head and the
 sampler) with and without the mask.
