@@ -6,15 +6,14 @@ schemas, on vocabularies with Unicode tokens and UTF-8 characters split across t
 import random
 
 import pytest
-from test_structured import reference_bits
+from test_structured import JsonishTokenizer, reference_bits
 
 import pocketllm as P
 
 
-class UnicodeTokenizer:
+class UnicodeTokenizer(JsonishTokenizer):
     """Every byte alone (so any character may be split anywhere), whole non-ASCII characters, their pieces at
-    every split point, and pieces where a string's exits and escapes meet non-ASCII text; greedy longest-match
-    encode (the budget's estimate needs only some tokenization)."""
+    every split point, and pieces where a string's exits and escapes meet non-ASCII text."""
 
     CHARS = ["é", "ß", "Ж", "東", "京", "€", "😀", "𝄞"]
     PIECES = [b'"', b'",', b'"}', b'"]', b'":', b'":"', b'","', b'{"', b'["', b'  "', b'\\"', b'\\n', b'\\u00e9',
@@ -30,20 +29,6 @@ class UnicodeTokenizer:
             pieces += [data] + [data[:k] for k in range(2, len(data))] + [data[k:] for k in range(1, len(data) - 1)]
         self.vocab = list(dict.fromkeys(pieces + self.PIECES)) + [b""]
         self.vocab_size, self.eos_token, self.special_ids = len(self.vocab), "<eos>", set()
-
-    def token_bytes(self, i):
-        return self.vocab[i]
-
-    def token_to_id(self, text):
-        return self.vocab_size - 1 if text == "<eos>" else None
-
-    def encode(self, text):
-        data, out = text.encode(), []
-        while data:
-            best = max((t for t in self.vocab if t and data.startswith(t)), key=len, default=data[:1])
-            out.append(best)
-            data = data[len(best):]
-        return out
 
 
 UNICODE_SCHEMAS = [
