@@ -78,6 +78,7 @@ import dataclasses
 import datetime
 import errno
 import fractions
+import gc
 import hashlib
 import hmac
 import http.server
@@ -6311,6 +6312,10 @@ class _Seq(_Node):
     def can_end(self, i):
         return all(part.nullable for part in self.parts[i:])
 
+    def takes(self, i, entry):
+        """The bytes that start part i (None where it may be empty: then its followers' bytes count too)."""
+        return entry(self.parts[i]) if i < len(self.parts) else frozenset()
+
     def child_done(self, i, child):
         return i + 1
 
@@ -6339,6 +6344,11 @@ class _Repeat(_Node):
 
     def can_end(self, data):
         return data[0] >= 1 and not data[1]
+
+    def takes(self, data, entry):
+        """The bytes that start the next item, as step() enters it."""
+        n = data[0]
+        return entry(self.first) if n == 0 else entry(self.more) if self.hi is None or n < self.hi else frozenset()
 
     def child_done(self, data, child):
         return (min(data[0] + 1, self.hi or 1), False)
@@ -6904,6 +6914,19 @@ def _decimal_text(neg: bool, whole: int, places: int) -> bytes:
     return (b"-" if neg else b"") + (digits if not places else digits[:-places] + "." + digits[-places:]).encode()
 
 
+_DECIMAL_PICKS: dict[tuple, dict] = {}
+
+
+def _decimal_picks(lo, hi) -> dict:
+    """The shortest-number search's results for one pair of bounds, shared by every _Decimal with them (a tool
+    list repeats its bounds; finding them is thousands of fraction steps); the last 64 pairs are kept."""
+    found = _DECIMAL_PICKS.pop((lo, hi), None)
+    found = _DECIMAL_PICKS[(lo, hi)] = {} if found is None else found
+    while len(_DECIMAL_PICKS) > 64:
+        _DECIMAL_PICKS.pop(next(iter(_DECIMAL_PICKS)))
+    return found
+
+
 class _Decimal(_Node):
     """A JSON number in [lo, hi] (inclusive fractions, None: open), written without an exponent in at most
     _MAX_NUMBER bytes. data (text, length): a byte is taken only when some number in range still starts
@@ -6912,7 +6935,7 @@ class _Decimal(_Node):
 
     def __init__(self, lo: fractions.Fraction | None, hi: fractions.Fraction | None):
         self.lo, self.hi = lo, hi
-        self._picks: dict[bytes, bytes | None] = {}
+        self._picks: dict[bytes, bytes | None] = _decimal_picks(lo, hi)
 
     def starts(self):
         return [(b"", 0)]
@@ -6956,7 +6979,7 @@ class _Decimal(_Node):
                     ([self._pick(b"-")] if not text else [])
                 picks = [p for p in picks if p is not None]
                 found = min(picks, key=lambda p: (len(p), p)) if picks else None
-            else:
+            elif self._reachable(text):
                 for extra, low, high, m, neg in self._shapes(text):
                     j = self._fit(low, high, m, neg)
                     if j is not None:
@@ -6964,6 +6987,14 @@ class _Decimal(_Node):
                         break
             self._picks[text] = found
         return found
+
+    def _reachable(self, text: bytes) -> bool:
+        """False when every number that starts with text is past a bound (its magnitude is at least its whole
+        part), so that the search over its shapes (thousands of fraction steps) would find none."""
+        whole = int(text.lstrip(b"-").partition(b".")[0])
+        if text.startswith(b"-"):
+            return self.lo is None or -whole >= self.lo
+        return self.hi is None or whole <= self.hi
 
     def _shapes(self, text: bytes):
         """(bytes added, low J, high J, decimals m, negative) of the numbers that start with text, fewest bytes
@@ -7420,6 +7451,8 @@ class _Grammar:
         self._loops: dict = {}
         self._firsts: dict = {}
         self._entries: dict = {}
+        self._exits: dict = {}
+        self._escapes: dict = {}
 
     def start_after(self, text: str) -> frozenset:
         """The state before `text` and then the grammar (the forced close of reasoning)."""
@@ -7487,6 +7520,14 @@ class _Grammar:
             found = self._entries[node] = None if None in parts else frozenset().union(*parts)
         return found
 
+    def escape(self, state, suffix: bytes):
+        """advance(state, suffix), kept per (state, suffix): a string's escapes meet the same counts again."""
+        key = (state, suffix)
+        found = self._escapes.get(key, ...)
+        if found is ...:
+            found = self._escapes[key] = self.advance(state, suffix)
+        return found
+
     def advance(self, state, blob: bytes):
         for b in blob:
             state = self.step(state, b)
@@ -7500,11 +7541,22 @@ class _Grammar:
     def completion(self, state) -> tuple[bytes, int]:
         """(the shortest text that completes the state, the tokens it takes + 1 for the end of sequence)."""
         found = self._completions.get(state)
-        if found is None:
-            texts = [t for t in (_stack_completion(stack) for stack in state) if t is not None]
-            text = min(texts, key=lambda t: (len(t), t)) if texts else b""
+        if found is None or found[1] is None:
+            text = self.completion_text(state)
             found = self._completions[state] = (text, self.facts.cost(text) + 1)
         return found
+
+    def completion_text(self, state) -> bytes:
+        found = self._completions.get(state)
+        if found is None:
+            texts = [t for t in (_stack_completion(stack) for stack in state) if t is not None]
+            found = self._completions[state] = (min(texts, key=lambda t: (len(t), t)) if texts else b"", None)
+        return found[0]
+
+    def need_at_most(self, state) -> int:
+        """An upper bound of completion(state)[1] without a tokenizer call where the tokenizer allows one."""
+        text = self.completion_text(state)
+        return self.facts.cost_at_most(text) + 1
 
     def mask(self, state) -> "_StateMask":
         found = self._masks.get(state)
@@ -7517,7 +7569,7 @@ class _Grammar:
         completion within the `left` tokens left (this one included). While every allowed token fits, the
         state's cached mask; near the end, the tokens whose state after still fits."""
         found = self.mask(state)
-        if found.most <= left - 1:
+        if found.fits(left - 1):
             return found.bits
         fits = [t for t, need in zip(found.single_ids, found.single_needs) if need <= left - 1]
         if found.need > left - 1:            # no room for another string character either: only what fits
@@ -7530,17 +7582,44 @@ class _Grammar:
         return bits
 
 
-@dataclass
 class _StateMask:
     """The mask of a grammar state and what the budget check needs: the tokens found one by one with the
-    tokens their state after needs to end; every other allowed token (a run of string characters, prose)
-    needs no more than the state itself."""
-    bits: bytearray               # (V,) one byte per token id, 1 allowed (the ends too when the state is complete)
-    single_ids: list[int]         # (S,)
-    single_needs: list[int]       # (S,) tokens the completion after each takes, its end included
-    need: int                     # the same for the state
-    most: int                     # the largest need after any allowed token
-    ends: bool                    # the state is complete: the ends are allowed
+    state after each; every other allowed token (a run of string characters, prose) needs no more than the
+    state itself. The needs (tokens each completion takes, its end included) cost a tokenizer call per new
+    state, so they are found only when `bound`, an upper bound of them all, does not already fit."""
+
+    def __init__(self, grammar: _Grammar, state, bits: bytearray, singles: list, ends: bool):
+        self.grammar, self.state = grammar, state
+        self.bits = bits                                           # (V,) 1 allowed (the ends too when complete)
+        self.single_ids = [i for i, _ in singles]                  # (S,)
+        self.single_afters = [after for _, after in singles]       # (S,)
+        self.ends = ends                                           # the state is complete: the ends are allowed
+        self.bound = max(grammar.need_at_most(s) for s in {state, *self.single_afters})
+        self._needs = None
+
+    def fits(self, room: int) -> bool:
+        """Every allowed token leaves a completion of at most `room` tokens (most <= room)."""
+        return self.bound <= room or self.most <= room
+
+    def _exact(self):
+        if self._needs is None:
+            needs = [self.grammar.completion(after)[1] for after in self.single_afters]
+            need = self.grammar.completion(self.state)[1]
+            self._needs = (needs, need, max([need, *needs]))
+        return self._needs
+
+    @property
+    def single_needs(self) -> list[int]:
+        return self._exact()[0]                                    # (S,)
+
+    @property
+    def need(self) -> int:
+        return self._exact()[1]
+
+    @property
+    def most(self) -> int:
+        """The largest need after any allowed token."""
+        return self._exact()[2]
 
 
 def _bool_view(bits: bytearray) -> torch.Tensor:
@@ -7630,6 +7709,17 @@ class _Dirty:
         return self._groups
 
 
+def _prose_entered(state: frozenset) -> frozenset:
+    """The same state (the same bytes lead to the same stacks) with auto mode's prose already entered, as the
+    walk takes prose over the vocabulary in one translate: an auto grammar's start only enters it."""
+    if len(state) == 1:
+        stack = next(iter(state))
+        node, i = stack[-1]
+        if isinstance(node, _Seq) and i < len(node.parts) and isinstance(node.parts[i], _Prose):
+            return frozenset({stack + ((node.parts[i], node.parts[i].starts()[0]),)})
+    return state
+
+
 class _TokenFacts:
     """What the masks need to know about a vocabulary, computed once per tokenizer: every token's bytes in
     sorted order (so the tokens sharing a prefix are a range: an implicit trie, its levels kept as visited),
@@ -7659,6 +7749,9 @@ class _TokenFacts:
         self.dirty(_NON_ASCII)
         self.dirty(frozenset({_LT}))           # auto mode's prose: every call opener starts with '<'
         self._costs: dict[bytes, int] = {}
+        inner = getattr(tokenizer, "_tok", None)
+        self.byte_bound = bool(getattr(tokenizer, "_byte_level", False)) and \
+            type(getattr(inner, "normalizer", 0)).__name__ in ("NoneType", "NFC")
         self._ids: dict[str, list[int]] = {}
         self._grammars: dict = {}
 
@@ -7681,6 +7774,14 @@ class _TokenFacts:
             else:
                 runs[blob[m]][-1][2] = k + 1
         return ws_only, {c: [tuple(r) for r in found] for c, found in runs.items()}
+
+    def cost_at_most(self, text: bytes) -> int:
+        """An upper bound of cost(text), without a tokenizer call for a byte-level BPE whose normalizer is none
+        or NFC: a token holds at least one byte; decoding with "replace" and NFC each at most triple the bytes
+        (ASCII stays as it is); the pre-tokenizer may add a space, and a control-token split a piece."""
+        if not self.byte_bound:
+            return self.cost(text)
+        return len(text) + 1 if text.isascii() else 10 * len(text) + 1
 
     def cost(self, text: bytes) -> int:
         """Tokens `text` takes in the tokenizer's own (canonical) tokenization."""
@@ -7719,23 +7820,20 @@ class _TokenFacts:
         """The state's mask, by walking the sorted vocabulary (see _walk): at most one whole-vocabulary
         chunk (a string's or prose's clean tokens, one translate) plus ids set one by one."""
         chunks, singles = [], []
-        self._walk(grammar, state, 0, 0, len(self.sorted), chunks, singles)
+        self._walk(grammar, _prose_entered(state), 0, 0, len(self.sorted), chunks, singles)
         whole = [c for c in chunks if isinstance(c, bytes)]
         bits = bytearray(whole[0]) if whole else bytearray(self.vocab)                     # (V,)
         for chunk in chunks:
             if not isinstance(chunk, bytes):
                 for i in chunk:
                     bits[i] = 1
-        ids = [i for i, _ in singles]
-        for i in ids:
+        for i, _ in singles:
             bits[i] = 1
         ends = grammar.accepts(state)
         if ends:
             for i in self.eos_ids:
                 bits[i] = 1
-        needs = [grammar.completion(after)[1] for _, after in singles]
-        need = grammar.completion(state)[1]
-        return _StateMask(bits, ids, needs, need, max([need, *needs]), ends)
+        return _StateMask(grammar, state, bits, singles, ends)
 
     def _walk(self, grammar, state, depth, lo, hi, chunks, singles):
         """Mark the tokens sorted[lo:hi], which share the `depth` bytes that led to `state`, that keep it alive."""
@@ -7859,9 +7957,9 @@ class _TokenFacts:
 
     def _walk_exits(self, grammar, state, node: _Str, count: int, chunks, singles):
         """A JSON string's content (no pattern, no excluded keys) over the whole vocabulary: its clean tokens
-        (that fit, when counted: ASCII, each byte a character) in one translate, then the tokens that leave
-        it, by suffix ('"' then what follows: one run through the grammar per suffix, a dead prefix skipping
-        its run; an escape: token by token, as the count moves)."""
+        (that fit, when counted: whole characters) in one translate, then the tokens that leave it, by suffix
+        ('"' then what follows: one run through the grammar per suffix from the closed string's state, kept per
+        that state; an escape: one run per suffix and count of clean characters before it)."""
         d = self.dirty(node.dirty)
         spare = None
         if node.counted:
@@ -7873,24 +7971,43 @@ class _TokenFacts:
             self._partials(grammar, state, d, 0, 0, len(self.sorted), spare, singles)
         least = max(0, node.lo - count) if node.counted else 0      # characters still owed before the quote
         start = grammar.advance(state, b"a" * least) if least <= (1 << 30 if spare is None else spare) else None
-        dead = None
-        for suffix, ids, lengths in d.groups(self):      # sorted: a dead prefix skips its whole run
-            if suffix[0] == _BACKSLASH and spare is not None:
-                for i, n in zip(ids, lengths):
-                    after = grammar.advance(state, self.blobs[i]) if 0 <= n <= spare else None
-                    if after is not None:
-                        singles.append((i, after))
+        closed = grammar.step(start, _QUOTE) if start is not None else None
+        for ids, lengths, after in self._closed_exits(grammar, d, closed) if closed is not None else ():
+            singles.extend((i, after) for i, n in zip(ids, lengths) if spare is None or least <= n <= spare)
+        moved = [state]          # after n whole clean characters (as after n "a"s); a plain string loops
+        for suffix, ids, lengths in d.groups(self):
+            if suffix[0] != _BACKSLASH:
                 continue
-            if start is None or dead is not None and suffix.startswith(dead):
-                continue
-            after = start
-            for k, b in enumerate(suffix):
-                after = grammar.step(after, b)
-                if after is None:
-                    dead = suffix[:k + 1]
-                    break
-            else:
-                singles.extend((i, after) for i, n in zip(ids, lengths) if spare is None or least <= n <= spare)
+            for i, n in zip(ids, lengths):
+                if spare is not None and not 0 <= n <= spare:
+                    continue
+                n = 0 if spare is None else n
+                while len(moved) <= n:
+                    moved.append(grammar.step(moved[-1], 0x61) if moved[-1] is not None else None)
+                after = grammar.escape(moved[n], suffix) if moved[n] is not None else None
+                if after is not None:
+                    singles.append((i, after))
+
+    def _closed_exits(self, grammar, d: _Dirty, closed) -> list[tuple[list[int], list[int], frozenset]]:
+        """The '"'-first groups of d that live on from `closed` (the state after a string's closing quote) as
+        (ids, lengths, state after), kept per state: a closed string forgets its count, so every count of a
+        counted string (a new state each) meets the same exits."""
+        found = grammar._exits.get((d.dirty_set, closed))
+        if found is None:
+            found, dead = [], None
+            for suffix, ids, lengths in d.groups(self):      # sorted: a dead prefix skips its whole run
+                if suffix[0] != _QUOTE or dead is not None and suffix.startswith(dead):
+                    continue
+                after = closed
+                for k in range(1, len(suffix)):
+                    after = grammar.step(after, suffix[k])
+                    if after is None:
+                        dead = suffix[:k + 1]
+                        break
+                else:
+                    found.append((ids, lengths, after))
+            grammar._exits[(d.dirty_set, closed)] = found
+        return found
 
     def grammar(self, key, build) -> _Grammar:
         """The compiled grammar for `key` (built by build() on first use); the last 64 are kept."""
@@ -7909,6 +8026,7 @@ def _token_facts(tokenizer, eos_ids) -> _TokenFacts:
     facts = _TOKEN_FACTS.get(key)
     if facts is None or facts.tokenizer is not tokenizer:
         facts = _TOKEN_FACTS[key] = _TokenFacts(tokenizer, eos_ids)
+        gc.collect()     # the build's many containers would make the next full collection (~0.1 s) due in a request
     return facts
 
 
@@ -8505,7 +8623,7 @@ class StructuredDecoder:
         if phase == "pad" or len(ids) < self.min_tokens and self.grammar.accepts(state):
             return self._padded(state, phase == "pad", len(ids) < self.min_tokens)
         found = self.grammar.mask(state)
-        if found.most <= left - 1:
+        if found.fits(left - 1):
             return state, found.bits
         if not self.budget and found.ends:   # auto mode, in prose: no forced end; no call that cannot close
             bits = bytearray(found.bits)
