@@ -30,7 +30,9 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
         10b tool calls in text: the tools a request offers, one class per call format (TOOL_FORMATS);
         10c sandboxed chat templates.
     11. Output parsing: reasoning and tool calls, streaming by partial re-parse and diff; 11b structured
-        output: one JSON-Schema constrained decoder (response_format, tool_choice, strict and auto-mode calls).
+        output: one JSON-Schema constrained decoder (response_format, tool_choice, strict and auto-mode calls),
+        in eight parts: 11b.1 grammar nodes, .2 patterns, .3 values, .4 stacks, .5 the grammar's states and
+        masks, .6 the vocabulary's facts, .7 JSON Schema -> nodes, .8 the decoder.
     12. OpenAI protocol: the field tables (validation, docs/api.md, /openapi.json), request reading into
         SamplingParams and prompt ids, response and chunk builders. No sockets.
         12b the Responses and Messages protocols: each body translated into a chat body, the chat stream
@@ -6162,6 +6164,8 @@ class ChatOutputParser:
 #      it overlaps the forward pass still in flight; the sampler applies all rows' masks as one (B, V) op.
 # -----------------------------------------------------------------------------------------------
 
+# ---- 11b.1 Grammar nodes: the byte-level pieces a schema compiles to, each frame taking one byte at a time. -------
+
 _THINK_FORCED_CLOSE = "\n</think>"
 _WS = frozenset(b" \n\t")            # whitespace between JSON tokens: any run of it loops on its state
 _MAX_STACK = 32          # frames; deeper (recursive schemas) only the shortest value is written
@@ -6356,6 +6360,8 @@ class _Repeat(_Node):
     def rest(self, data):
         return self.first.shortest() if data[0] == 0 else b""
 
+
+# ---- 11b.2 Patterns: JSON Schema's `pattern`, a regular expression over code points fed UTF-8 bytes. --------------
 
 _ANY_CHAR = ((0x20, 0xD7FF), (0xE000, 0x10FFFF))     # the characters a pattern's ., [^...] and \D \W \S may take
 
@@ -6680,6 +6686,8 @@ def _utf8_span(pending: bytes) -> tuple[int, int]:
     lo = pending + ends[0] + b"\x80" * (owed + 1 - len(pending) - len(ends[0]))
     hi = pending + ends[1] + b"\xbf" * (owed + 1 - len(pending) - len(ends[1]))
     return ord(lo.decode()), ord(hi.decode())
+
+# ---- 11b.3 Values: strings, integers, numbers (bounded ones written as decimals), objects, arrays, prose. ---------
 
 _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
@@ -7348,6 +7356,8 @@ class _Prose(_Node):
         return self.openers[data[2]][1].shortest() if data[2] >= 0 else b""
 
 
+# ---- 11b.4 Stacks: a byte fed to a stack of frames, whether it may end, and its shortest completion. --------------
+
 def _feed(stack: tuple, b: int, out: list, enter: _Node | None = None) -> None:
     """The stacks that `stack` becomes on byte b (appended to out); with `enter`, that node is first pushed
     above the stack (a union: each option) and handed b."""
@@ -7436,6 +7446,8 @@ class _Guard(_Node):
             texts += [bytes((b,)) + rest for rest in map(_stack_completion, stacks) if rest is not None]
         return min(texts, key=lambda t: (len(t), t)) if texts else None
 
+
+# ---- 11b.5 The grammar: its states (sets of stacks) and each state's mask over the vocabulary. --------------------
 
 class _Grammar:
     """A compiled output grammar with its per-state caches (transitions, masks, completions), shared by every
@@ -7627,6 +7639,8 @@ def _bool_view(bits: bytearray) -> torch.Tensor:
     with whole-vocabulary tensor ops (each of those is a thread-pool round trip, milliseconds on a busy CPU)."""
     return torch.frombuffer(bits, dtype=torch.bool)
 
+
+# ---- 11b.6 The vocabulary's facts: each token's bytes classified once per tokenizer, walked as a trie. ------------
 
 _FITS = [bytes(int(v <= limit) for v in range(256)) for limit in range(256)]   # translate tables: byte <= limit
 _LONG = 253                # a clean ASCII token's length code saturates here (longer ones are checked apart)
@@ -8030,7 +8044,7 @@ def _token_facts(tokenizer, eos_ids) -> _TokenFacts:
     return facts
 
 
-# JSON Schema -> grammar nodes.
+# ---- 11b.7 JSON Schema -> grammar nodes: the compiler, and each tool-call argument's value. -----------------------
 
 def _any_json(no_lt: bool) -> _Union:
     """Any JSON value (json_object's members, `{}`, `true`); no_lt: no '<' in its strings (inside calls)."""
@@ -8488,6 +8502,8 @@ def _tool_members(tools, fmt) -> dict:
                                                     f"tools[{i}].function.parameters", function.get("strict") is True)
     return functions
 
+
+# ---- 11b.8 The decoder: a request's response_format and tool_choice as one grammar, a logits processor. -----------
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
