@@ -11842,11 +11842,6 @@ def vocab_bytes(cfg: ModelConfig, world: int = 1) -> int:
     return 2 * -(-cfg.vocab_size // world) * cfg.hidden_size
 
 
-def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
-    """One rank's weights as stored: its layer share and its embedding and lm_head rows (one table when tied)."""
-    return layer_bytes(cfg, world) + vocab_bytes(cfg, world) * (1 if cfg.tie_word_embeddings else 2)
-
-
 def memory_budget(cfg: ModelConfig, opts: EngineOptions, world: int = 1, *, kv_bytes: int = 2, act_bytes: int = 2,
                   mtp_layers: int = 0) -> dict[str, int]:
     """Bytes per GPU (rank) of each part under the engine options `opts`: the layers' weights, the embedding and
