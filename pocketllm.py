@@ -9812,17 +9812,57 @@ def _tool_namespaces(tools) -> dict[str, str]:
     return {tool["name"]: namespace for _, tool, namespace in _function_tools(tools or [], "tools") if namespace}
 
 
+# Hosted tools: tools that run on the provider's side (Responses' web_search, file_search, ...; Messages'
+# server tools, web_search_*, code_execution_*, ...). None runs here, so by default a request's hosted tools are
+# left out: the model never sees them, the response's X-Pocketllm-Omitted-Tools header names them, and the
+# server logs each distinct tool set once. The server's --hosted-tools refuse makes them 400 instead.
+HOSTED_TOOL_POLICIES = ("omit", "refuse")
+OMITTED_TOOLS_HEADER = "X-Pocketllm-Omitted-Tools"
+
+
+def hosted_tools(tools, client_types: tuple) -> list[tuple[str, str]]:
+    """(where, type) of each tool in a body's `tools` whose type is not one of client_types (the tools the
+    client runs); namespace members are never hosted. Malformed tools are left to the field's read."""
+    if not isinstance(tools, list):
+        return []
+    return [(f"tools[{i}]", str(tool.get("type"))) for i, tool in enumerate(tools)
+            if isinstance(tool, dict) and tool.get("type") not in (*client_types, "namespace")]
+
+
+def _omit_or_refuse(hosted: list[tuple[str, str]], policy: str, allowed: str) -> list[str]:
+    """The types of the hosted tools to leave out; under the refuse policy the first one is 400 naming it."""
+    if hosted and policy == "refuse":
+        where, kind = hosted[0]
+        raise RequestError(f"'{where}.type' {kind!r} is not supported: this server runs no hosted tools, only "
+                           f"{allowed} (started with --hosted-tools refuse; the default leaves them out)",
+                           param=f"{where}.type", code="unsupported_field")
+    return list(dict.fromkeys(kind for _, kind in hosted))
+
+
+def _read_client_tools(converted: list[dict], wheres: list[str], renames: tuple, param: str,
+                       vocab_size: int | None) -> list[dict] | None:
+    """The chat's _read_tools over the converted tools; an error names the client's entry (wheres[k] for the
+    k-th converted tool: hosted tools left out and namespace members shift the positions)."""
+    try:
+        return _on_chat_side(renames, _read_tools, converted, param, vocab_size)
+    except RequestError as e:
+        at = re.match(rf"{re.escape(param)}\[(\d+)\]", e.param or "")
+        if at:
+            e.param = wheres[int(at[1])] + e.param[at.end():]
+        raise
+
+
 def _responses_tools(tools, param: str, vocab_size: int | None) -> list[dict] | None:
-    """Function tools (namespace tools' members too) -> chat tools; a hosted tool (web_search, file_search, ...)
-    is 400 naming it."""
-    converted = []
+    """Function tools (namespace tools' members too) -> chat tools; hosted tools (web_search, file_search, ...)
+    are left out here (start_response applies the server's policy to them)."""
+    converted, wheres = [], []
     for where, tool, _ in _function_tools(tools, param):
         if tool.get("type") != "function":
-            raise RequestError(f"'{where}.type' {tool.get('type')!r} is not supported: only function tools run "
-                               "here (no hosted tools)", param=f"{where}.type", code="unsupported_field")
+            continue
         _only_keys(tool, ("type", *FUNCTION_KEYS), where)
         converted.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
-    return _on_chat_side(RESPONSES_RENAMES, _read_tools, converted, param, vocab_size)
+        wheres.append(where)
+    return _read_client_tools(converted, wheres, RESPONSES_RENAMES, param, vocab_size)
 
 
 def _responses_tool_choice(choice, param: str, vocab_size: int | None):
@@ -9943,19 +9983,19 @@ def _messages_input(messages, param: str, vocab_size: int | None) -> list[dict]:
 
 
 def _messages_tools(tools, param: str, vocab_size: int | None) -> list[dict] | None:
-    """Custom tools (name, description, input_schema) -> chat tools; a server tool (web_search, bash, ...) is 400
-    naming it."""
-    converted = []
+    """Custom tools (name, description, input_schema) -> chat tools; Anthropic's own tool types (web_search_*,
+    bash_*, ...) are left out here (start_message applies the server's policy to them)."""
+    converted, wheres = [], []
     for i, tool in enumerate(_check_type(tools, list, param)):
         where = f"{param}[{i}]"
         tool = _check_type(tool, dict, where)
         if tool.get("type") not in (None, "custom"):
-            raise RequestError(f"'{where}.type' {tool['type']!r} is not supported: only custom tools (name, "
-                               "input_schema) run here", param=f"{where}.type", code="unsupported_field")
+            continue
         _only_keys(tool, ("type", "name", "description", "input_schema", "cache_control"), where)
         function = {k: tool[k] for k in ("name", "description") if k in tool}
         converted.append({"type": "function", "function": {**function, "parameters": tool.get("input_schema")}})
-    return _on_chat_side(MESSAGES_RENAMES, _read_tools, converted, param, vocab_size)
+        wheres.append(where)
+    return _read_client_tools(converted, wheres, MESSAGES_RENAMES, param, vocab_size)
 
 
 def _messages_tool_choice(choice: dict, param: str, vocab_size: int | None) -> dict:
@@ -10100,8 +10140,10 @@ RESPONSES_FIELDS = {
     **_table(
         tools=Field(kind="array", layer="template", read=_responses_tools, schema=RESPONSES_TOOLS_SCHEMA,
                     shape='array of `{"type": "function", "name", "description"?, "parameters"?, "strict"?}`',
-                    why="as the chat's `tools`; hosted tools (`web_search`, `file_search`, `computer_use`, "
-                        "`code_interpreter`, `mcp`, ...) are 400 naming the type"),
+                    why="as the chat's `tools`; `namespace` tools' member functions too. Hosted tools (`web_search`, "
+                        "`file_search`, `computer_use`, `code_interpreter`, `mcp`, ...) run nowhere here: they are "
+                        "left out (the model never sees them) and named in the `X-Pocketllm-Omitted-Tools` "
+                        "header; a server started with `--hosted-tools refuse` answers 400 naming the type"),
         tool_choice=Field(layer="parser", read=_responses_tool_choice,
                           schema={"anyOf": [{"enum": ["none", "auto", "required"]}, {
                               "type": "object", "required": ["type", "name"],
@@ -10169,8 +10211,10 @@ MESSAGES_FIELDS = {
     **_table(
         tools=Field(kind="array", layer="template", read=_messages_tools, schema=MESSAGES_TOOLS_SCHEMA,
                     shape="array of `{name, description?, input_schema}`",
-                    why="as the chat's `tools`; server tools (`web_search_*`, `bash_*`, `text_editor_*`, ...) are "
-                        "400 naming the type"),
+                    why="as the chat's `tools`. Anthropic's own tool types (server tools `web_search_*`, "
+                        "`web_fetch_*`, `code_execution_*`; `bash_*`, `text_editor_*`, ...) are left out (the model "
+                        "never sees them) and named in the `X-Pocketllm-Omitted-Tools` header; a server started "
+                        "with `--hosted-tools refuse` answers 400 naming the type"),
         tool_choice=Field(kind="object", layer="parser", read=_messages_tool_choice,
                           schema={"type": "object", "required": ["type"], "properties": {
                               "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
@@ -10305,6 +10349,7 @@ class ProtocolTurn:
 
     def __init__(self, llm, completion: Completion, stream_mode: bool):
         self.llm, self.completion, self.stream_mode = llm, completion, stream_mode
+        self.omitted_tools: list[str] = []     # the hosted tool types left out of the request
 
     def abort(self) -> None:
         self.completion.abort()
@@ -10458,9 +10503,12 @@ class ResponsesTurn(ProtocolTurn):
         return message
 
 
-def start_response(llm, body, store: ResponseStore | None = None, metrics: ServerMetrics | None = None):
-    """Validate a /v1/responses body, continue its previous response, and submit it as a chat completion."""
+def start_response(llm, body, store: ResponseStore | None = None, metrics: ServerMetrics | None = None,
+                   hosted: str = "omit"):
+    """Validate a /v1/responses body, continue its previous response, and submit it as a chat completion.
+    hosted: the policy for hosted tools (HOSTED_TOOL_POLICIES)."""
     values = read_fields(body, RESPONSES_FIELDS, llm.config.vocab_size)
+    omitted = _omit_or_refuse(hosted_tools(body.get("tools"), ("function",)), hosted, "function tools")
     history = []
     if values["previous_response_id"] is not None:
         record = store.get(values["previous_response_id"]) if store else None
@@ -10480,8 +10528,10 @@ def start_response(llm, body, store: ResponseStore | None = None, metrics: Serve
     if (values["reasoning"] or {}).get("effort") is not None:
         chat["reasoning_effort"] = values["reasoning"]["effort"]
     completion = _on_chat_side(RESPONSES_RENAMES, start_chat_completion, llm, chat, metrics)
-    return ResponsesTurn(llm, completion, values, conversation, store if values["store"] else None,
+    turn = ResponsesTurn(llm, completion, values, conversation, store if values["store"] else None,
                          _tool_namespaces(body.get("tools")))
+    turn.omitted_tools = omitted
+    return turn
 
 
 def _messages_usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
@@ -10558,9 +10608,12 @@ class MessagesTurn(ProtocolTurn):
         yield {"type": "message_stop"}
 
 
-def messages_chat_body(llm, body, table: dict[str, Field]) -> tuple[dict, dict]:
-    """A /v1/messages (or count_tokens) body read through its table -> (its values, the chat body it means)."""
+def messages_chat_body(llm, body, table: dict[str, Field], hosted: str = "omit") -> tuple[dict, dict]:
+    """A /v1/messages (or count_tokens) body read through its table -> (its values, the chat body it means);
+    values["omitted_tools"]: the Anthropic tool types left out under the hosted-tools policy."""
     values = read_fields(body, table, llm.config.vocab_size)
+    values["omitted_tools"] = _omit_or_refuse(hosted_tools(body.get("tools"), (None, "custom")), hosted,
+                                              "custom tools (name, input_schema)")
     chat = _chat_body(body, values, (values["system"] or []) + values["messages"],
                       ("model", "temperature", "top_p", "top_k", "max_tokens"))
     choice = values["tool_choice"]
@@ -10583,10 +10636,12 @@ def messages_chat_body(llm, body, table: dict[str, Field]) -> tuple[dict, dict]:
     return values, chat
 
 
-def start_message(llm, body, metrics: ServerMetrics | None = None) -> MessagesTurn:
-    """Validate a /v1/messages body and submit it as a chat completion."""
-    values, chat = messages_chat_body(llm, body, MESSAGES_FIELDS)
-    return MessagesTurn(llm, _on_chat_side(MESSAGES_RENAMES, start_chat_completion, llm, chat, metrics), values)
+def start_message(llm, body, metrics: ServerMetrics | None = None, hosted: str = "omit") -> MessagesTurn:
+    """Validate a /v1/messages body and submit it as a chat completion (hosted: the hosted-tools policy)."""
+    values, chat = messages_chat_body(llm, body, MESSAGES_FIELDS, hosted)
+    turn = MessagesTurn(llm, _on_chat_side(MESSAGES_RENAMES, start_chat_completion, llm, chat, metrics), values)
+    turn.omitted_tools = values["omitted_tools"]
+    return turn
 
 
 def _chat_prompt_tokens(llm, chat: dict) -> int:
@@ -10595,9 +10650,9 @@ def _chat_prompt_tokens(llm, chat: dict) -> int:
     return len(llm.tokenizer.encode(render_chat_prompt(llm, values, values["tools"])))
 
 
-def count_message_tokens(llm, body) -> dict:
+def count_message_tokens(llm, body, hosted: str = "omit") -> dict:
     """/v1/messages/count_tokens: the prompt a /v1/messages body renders, counted."""
-    values, chat = messages_chat_body(llm, body, MESSAGES_COUNT_FIELDS)
+    values, chat = messages_chat_body(llm, body, MESSAGES_COUNT_FIELDS, hosted)
     _check_model(llm, values)
     return {"input_tokens": _on_chat_side(MESSAGES_RENAMES, _chat_prompt_tokens, llm, chat)}
 
@@ -10615,6 +10670,9 @@ DEFAULT_DRAIN_TIMEOUT = 30.0       # seconds a SIGTERM lets the requests in flig
 RETRY_AFTER_SECONDS = 1            # the Retry-After of a 503 that another replica (or this one, soon) can answer
 PREFIX_HASH_HEADER = "X-Prefix-Hash"   # on every completion: the routing key of its prompt's first blocks
 PREFIX_HASH_BLOCKS = 16            # full KV blocks the routing key covers (256 tokens at the default block size)
+DEFAULT_KEEPALIVE = 5.0            # seconds a stream may go without an event before a keep-alive is sent
+SSE_PING = b'event: ping\ndata: {"type": "ping"}\n\n'    # Anthropic's keep-alive event, which its clients skip
+SSE_COMMENT = b": keep-alive\n\n"                           # an SSE comment: every SSE parser skips it
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
                500: "internal_server_error", 503: "service_unavailable"}
@@ -10693,6 +10751,33 @@ def prefix_hash_header(llm, completion) -> dict:
     inner = getattr(completion, "completion", completion)
     key = prefix_hash(llm, inner.stream.request.prompt_ids)
     return {PREFIX_HASH_HEADER: key} if key else {}
+
+
+class KeepAlive:
+    """While a stream waits for its next event (a long prompt prefilling, from the moment the request was
+    admitted), send `payload` each time `seconds` pass with nothing written, so that clients' read timeouts and
+    proxies do not cut it. The stream's own writes share handler.write_lock with it."""
+
+    def __init__(self, handler, payload: bytes, seconds: float):
+        self.handler, self.payload, self.seconds, self.stopped = handler, payload, seconds, threading.Event()
+
+    def __enter__(self):
+        threading.Thread(target=self._beat, name="pocketllm-keepalive", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.handler.write_lock:            # no keep-alive after the stream's last event
+            self.stopped.set()
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(self.seconds / 4):
+            with self.handler.write_lock:
+                if self.stopped.is_set() or time.monotonic() - self.handler.last_write < self.seconds:
+                    continue
+                try:
+                    self.handler.write_sse(self.payload)
+                except Exception:                 # the client left: the stream's next write finds out
+                    return
 
 
 # The endpoints. Each takes the handler, the path match and the raw body, and sends one response.
@@ -10785,10 +10870,29 @@ def _completions(handler, match, raw) -> None:
     handler.send_completion(start_completion(handler.server.llm, _json_body(raw), handler.server.metrics))
 
 
-def _responses(handler, match, raw) -> None:
+def _omitted_tools_header(handler, body: dict, turn: ProtocolTurn) -> dict:
+    """The header naming the hosted tools a request's turn left out ({} when none); the server logs them once
+    per distinct tool set a client sends (an agent sends the same set with every request)."""
+    if not turn.omitted_tools:
+        return {}
     server = handler.server
-    handler.send_completion(start_response(server.llm, _json_body(raw), server.responses, server.metrics),
-                            named_events=True)
+    key = (handler.endpoint, json.dumps([[tool.get("type"), tool.get("name")] for tool in body["tools"]
+                                        if isinstance(tool, dict)]))
+    with server.count_lock:
+        first = key not in server.tool_sets_logged and len(server.tool_sets_logged) < 1000
+        if first:
+            server.tool_sets_logged.add(key)
+    if first and server.log_requests:
+        sys.stderr.write(f"pocketllm: {handler.endpoint}: left out the hosted tools {', '.join(turn.omitted_tools)} "
+                         "(none runs here: the model sees only the client's own tools; --hosted-tools refuse makes "
+                         "them 400)\n")
+    return {OMITTED_TOOLS_HEADER: ", ".join(turn.omitted_tools)}
+
+
+def _responses(handler, match, raw) -> None:
+    server, body = handler.server, _json_body(raw)
+    turn = start_response(server.llm, body, server.responses, server.metrics, server.hosted_tools)
+    handler.send_completion(turn, named_events=True, headers=_omitted_tools_header(handler, body, turn))
 
 
 def _stored_id(handler, match) -> str:
@@ -10810,12 +10914,13 @@ def _response_delete(handler, match, raw) -> None:
 
 
 def _messages(handler, match, raw) -> None:
-    handler.send_completion(start_message(handler.server.llm, _json_body(raw), handler.server.metrics),
-                            named_events=True)
+    server, body = handler.server, _json_body(raw)
+    turn = start_message(server.llm, body, server.metrics, server.hosted_tools)
+    handler.send_completion(turn, named_events=True, headers=_omitted_tools_header(handler, body, turn))
 
 
 def _count_tokens(handler, match, raw) -> None:
-    handler.send_json(200, count_message_tokens(handler.server.llm, _json_body(raw)))
+    handler.send_json(200, count_message_tokens(handler.server.llm, _json_body(raw), handler.server.hosted_tools))
 
 
 def _tokenize(handler, match, raw) -> None:
@@ -11329,6 +11434,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.socket_timeout      # applied to the socket by StreamRequestHandler
+        self.write_lock, self.last_write = threading.Lock(), 0.0     # a stream's events and its keep-alives
         self.request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.send_buffer_bytes)
         super().setup()
 
@@ -11448,8 +11554,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.close_connection = True
         self.send_json(int(code), error_body(int(code), message or explain or "bad request"))
 
-    def send_completion(self, completion: Completion | ProtocolTurn, named_events: bool = False) -> None:
-        headers = prefix_hash_header(self.server.llm, completion)
+    def send_completion(self, completion: Completion | ProtocolTurn, named_events: bool = False,
+                        headers: dict | None = None) -> None:
+        headers = {**prefix_hash_header(self.server.llm, completion), **(headers or {})}
         if completion.stream_mode:
             self.send_stream(completion.chunks(), named_events, headers)
             return
@@ -11468,17 +11575,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
+        self.last_write = time.monotonic()
+        keepalive = KeepAlive(self, SSE_PING if self.endpoint.startswith("/v1/messages") else SSE_COMMENT,
+                              self.server.keepalive_seconds)
         try:
-            while True:
-                try:
-                    chunk = next(chunks)
-                except StopIteration:
-                    break
-                except Exception as e:            # after the headers an error can only travel as an event
-                    self.send_event({"type": "error", **translate_error(e)[1]} if named_events
-                                    else translate_error(e)[1], named_events)
-                    break
-                self.send_event(chunk, named_events)
+            with keepalive:
+                while True:
+                    try:
+                        chunk = next(chunks)
+                    except StopIteration:
+                        break
+                    except Exception as e:            # after the headers an error can only travel as an event
+                        self.send_event({"type": "error", **translate_error(e)[1]} if named_events
+                                        else translate_error(e)[1], named_events)
+                        break
+                    self.send_event(chunk, named_events)
             if not named_events:
                 self.send_event("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
@@ -11492,11 +11603,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def send_event(self, data: dict | str, named: bool = False) -> None:
         text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
         payload = (b"event: " + data["type"].encode() + b"\n" if named else b"") + b"data: " + text.encode() + b"\n\n"
+        with self.write_lock:
+            self.write_sse(payload)
+
+    def write_sse(self, payload: bytes) -> None:
+        """One chunk of the stream (the caller holds write_lock)."""
         # A reader that stops reading fills the socket buffer and blocks this write: after the socket timeout
         # the connection is cut, the stream's request aborted, and what the engine buffered for it released.
         self.server.deadlines.arm(self)
         try:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+            self.last_write = time.monotonic()
         finally:
             self.server.deadlines.disarm(self)
 
@@ -11546,7 +11663,8 @@ class PocketServer(http.server.ThreadingHTTPServer):
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
                  log_requests: bool = True, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT):
+                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+                 keepalive_seconds: float = DEFAULT_KEEPALIVE, hosted_tools: str = "omit"):
         if ":" in host:
             self.address_family = socket.AF_INET6
         try:
@@ -11563,6 +11681,8 @@ class PocketServer(http.server.ThreadingHTTPServer):
         self.drain_timeout, self.draining, self.in_flight = drain_timeout, False, 0
         self.phase = "ready" if llm is not None else "loading"   # then "warming up" (run_server), then "ready"
         self.idle = threading.Condition(self.count_lock)   # notified when in_flight drops to 0
+        self.keepalive_seconds, self.hosted_tools = keepalive_seconds, hosted_tools
+        self.tool_sets_logged: set[tuple] = set()  # the client tool sets whose omitted hosted tools were logged
 
     # Draining (SIGTERM, or drain()): /health says 503 at once, new requests are 503 with Retry-After, the ones
     # admitted before finish (streams included), and then the server stops.
@@ -11742,6 +11862,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="on SIGTERM: /health says 503, new requests are 503 with Retry-After, and the ones in "
                             "flight get this long to finish before the process exits 0; a second SIGTERM or Ctrl-C "
                             "stops at once (default: %(default)g)")
+    group.add_argument("--hosted-tools", choices=HOSTED_TOOL_POLICIES, default="omit",
+                       help="tools that run on the provider's side (Responses' web_search, Messages' web_search_*, "
+                            "...), which none runs here: omit leaves them out, names them in the "
+                            f"{OMITTED_TOOLS_HEADER} header and logs them; refuse makes them 400 "
+                            "(default: %(default)s)")
 
 
 def open_server(args: argparse.Namespace) -> PocketServer:
@@ -11749,7 +11874,8 @@ def open_server(args: argparse.Namespace) -> PocketServer:
     503 {"status": "loading"}), every other path 503 until run_server has warmed the engine up."""
     return PocketServer(None, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
                         max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
-                        max_connections=args.max_connections, drain_timeout=args.drain_timeout).start()
+                        max_connections=args.max_connections, drain_timeout=args.drain_timeout,
+                        hosted_tools=args.hosted_tools).start()
 
 
 def run_server(llm, args: argparse.Namespace, server: PocketServer | None = None) -> int:
