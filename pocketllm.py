@@ -9991,7 +9991,9 @@ def _messages_tools(tools, param: str, vocab_size: int | None) -> list[dict] | N
         tool = _check_type(tool, dict, where)
         if tool.get("type") not in (None, "custom"):
             continue
-        _only_keys(tool, ("type", "name", "description", "input_schema", "cache_control"), where)
+        _only_keys(tool, ("type", "name", "description", "input_schema", "cache_control", "defer_loading"), where)
+        if tool.get("defer_loading") is not None:      # Claude Code's tool search: offered here like any tool
+            _check_type(tool["defer_loading"], bool, f"{where}.defer_loading")
         function = {k: tool[k] for k in ("name", "description") if k in tool}
         converted.append({"type": "function", "function": {**function, "parameters": tool.get("input_schema")}})
         wheres.append(where)
@@ -10103,7 +10105,7 @@ MESSAGES_TOOLS_SCHEMA = {"type": "array", "items": {
     "type": "object", "required": ["name", "input_schema"], "additionalProperties": False,
     "properties": {"type": {"const": "custom"}, "name": {"type": "string", "minLength": 1},
                    "description": {"type": "string"}, "input_schema": FUNCTION_PARAMETERS_SCHEMA,
-                   "cache_control": {"type": "object"}}}}
+                   "cache_control": {"type": "object"}, "defer_loading": {"type": "boolean"}}}}
 TEXT_BLOCKS_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
     "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": {"type": "string"},
                                                                    "cache_control": {"type": "object"}}}}]}
@@ -10210,8 +10212,9 @@ MESSAGES_FIELDS = {
     **_sampling_rows("top_p", "top_k"),
     **_table(
         tools=Field(kind="array", layer="template", read=_messages_tools, schema=MESSAGES_TOOLS_SCHEMA,
-                    shape="array of `{name, description?, input_schema}`",
-                    why="as the chat's `tools`. Anthropic's own tool types (server tools `web_search_*`, "
+                    shape="array of `{name, description?, input_schema, defer_loading?}`",
+                    why="as the chat's `tools` (`defer_loading`, which Claude Code sets on a placeholder tool, is "
+                        "accepted: the tool is offered like the others). Anthropic's own tool types (server tools `web_search_*`, "
                         "`web_fetch_*`, `code_execution_*`; `bash_*`, `text_editor_*`, ...) are left out (the model "
                         "never sees them) and named in the `X-Pocketllm-Omitted-Tools` header; a server started "
                         "with `--hosted-tools refuse` answers 400 naming the type"),

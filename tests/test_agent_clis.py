@@ -78,8 +78,8 @@ def server(llm):
 
 
 class Harness(http.server.ThreadingHTTPServer):
-    """The recording proxy: every request (method, path, body as pocketllm got it) in .seen; force_call: the
-    round trip's first request must call the CLI's shell tool with COMMAND."""
+    """The recording proxy: every request [method, path, body as pocketllm got it, pocketllm's status] in .seen;
+    force_call: the round trip's first request must call the CLI's shell tool with COMMAND."""
     daemon_threads = True
 
     def __init__(self, upstream: int, shell: tuple[str, str], force_call: bool):
@@ -152,15 +152,17 @@ class ProxyHandler(http.server.BaseHTTPRequestHandler):
         path = self.path
         if raw and self.command == "POST" and path.startswith("/v1/"):
             body = adjust(path, json.loads(raw), self.server.shell, self.server.force_call)
-            self.server.seen.append((self.command, path, body))
+            self.server.seen.append([self.command, path, body, None])
             raw = json.dumps(body).encode()
         else:
-            self.server.seen.append((self.command, path, None))
+            self.server.seen.append([self.command, path, None, None])
+        seen = self.server.seen[-1]
         upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream, timeout=600)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length",
                                                                                "accept-encoding", "connection")}
         upstream.request(self.command, path, raw if raw else None, {**headers, "Content-Length": str(len(raw))})
         response = upstream.getresponse()
+        seen[3] = response.status
         self.send_response(response.status)
         for k, v in response.getheaders():
             if k.lower() not in ("transfer-encoding", "content-length", "connection"):
@@ -214,11 +216,13 @@ def run_cli(name: str, tmp_path: Path, server, prompt: str, force_call: bool) ->
 
 def _explain(result: subprocess.CompletedProcess, harness: Harness) -> str:
     return (f"exit {result.returncode}\nstdout: {result.stdout[-2000:]}\nstderr: {result.stderr[-3000:]}\n"
-            f"requests: {[(m, p) for m, p, _ in harness.seen]}")
+            f"requests: {[(m, p, status) for m, p, _, status in harness.seen]}")
 
 
 def _generations(harness: Harness) -> list[tuple[str, dict]]:
-    return [(path, body) for method, path, body in harness.seen if body is not None
+    """The generation requests, each answered 200: the CLI never met an error (and never retried)."""
+    assert all(status < 400 for _, _, _, status in harness.seen), [(p, status) for _, p, _, status in harness.seen]
+    return [(path, body) for method, path, body, _ in harness.seen if body is not None
             and path.split("?")[0] in ("/v1/responses", "/v1/messages", "/v1/chat/completions")]
 
 
