@@ -20,10 +20,12 @@ import http.client
 import http.server
 import json
 import os
+import re
 import shutil
-import socket
 import subprocess
+import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -82,9 +84,10 @@ class Harness(http.server.ThreadingHTTPServer):
     force_call: the round trip's first request must call the CLI's shell tool with COMMAND."""
     daemon_threads = True
 
-    def __init__(self, upstream: int, shell: tuple[str, str], force_call: bool):
+    def __init__(self, upstream: int, shell: tuple[str, str], force_call: bool, adjusting: bool = True):
         super().__init__(("127.0.0.1", 0), ProxyHandler)
         self.upstream, self.shell, self.force_call, self.seen = upstream, shell, force_call, []
+        self.adjusting = adjusting                  # False: relay and record only (a real model answers)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
@@ -151,7 +154,9 @@ class ProxyHandler(http.server.BaseHTTPRequestHandler):
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         path = self.path
         if raw and self.command == "POST" and path.startswith("/v1/"):
-            body = adjust(path, json.loads(raw), self.server.shell, self.server.force_call)
+            body = json.loads(raw)
+            if self.server.adjusting:
+                body = adjust(path, body, self.server.shell, self.server.force_call)
             self.server.seen.append([self.command, path, body, None])
             raw = json.dumps(body).encode()
         else:
@@ -182,11 +187,11 @@ class ProxyHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def run_cli(name: str, tmp_path: Path, server, prompt: str, force_call: bool) -> tuple[subprocess.CompletedProcess,
-                                                                                        Harness]:
+def run_cli(name: str, tmp_path: Path, server, prompt: str, force_call: bool, adjusting: bool = True,
+            timeout: float = 420, model: str = MODEL) -> tuple[subprocess.CompletedProcess, Harness]:
     """Run one CLI headless with its documented local-server settings, through the harness."""
     exe = cli_or_skip(name)
-    harness = Harness(server.port, SHELL[name], force_call)
+    harness = Harness(server.port, SHELL[name], force_call, adjusting)
     base = f"http://127.0.0.1:{harness.server_address[1]}"
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir(exist_ok=True)
@@ -195,18 +200,18 @@ def run_cli(name: str, tmp_path: Path, server, prompt: str, force_call: bool) ->
     if name == "codex":                  # a provider in config.toml: base_url and the wire API, nothing else
         (home / "codex").mkdir(exist_ok=True)
         (home / "codex" / "config.toml").write_text(
-            f'model = "{MODEL}"\nmodel_provider = "pocketllm"\n\n[model_providers.pocketllm]\nname = "pocketllm"\n'
+            f'model = "{model}"\nmodel_provider = "pocketllm"\n\n[model_providers.pocketllm]\nname = "pocketllm"\n'
             f'base_url = "{base}/v1"\nwire_api = "responses"\n')
         env["CODEX_HOME"] = str(home / "codex")
         args = [str(exe), "exec", "--skip-git-repo-check", prompt]
     elif name == "claude":
         env.update(ANTHROPIC_BASE_URL=base, ANTHROPIC_API_KEY="sk-local")
-        args = [str(exe), "-p", prompt, "--model", MODEL, *(["--allowedTools", "Bash(echo:*)"] if force_call else [])]
+        args = [str(exe), "-p", prompt, "--model", model, *(["--allowedTools", "Bash(echo:*)"] if force_call else [])]
     else:
-        env.update(OPENAI_BASE_URL=f"{base}/v1", OPENAI_API_KEY="sk-local", OPENAI_MODEL=MODEL)
+        env.update(OPENAI_BASE_URL=f"{base}/v1", OPENAI_API_KEY="sk-local", OPENAI_MODEL=model)
         args = [str(exe), *(["--approval-mode", "yolo"] if force_call else []), "-p", prompt]
     try:
-        result = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=420,
+        result = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=timeout,
                                 stdin=subprocess.DEVNULL)
     finally:
         harness.shutdown()
@@ -243,3 +248,35 @@ def test_tool_round_trip(name, server, tmp_path):
     assert answered, _explain(result, harness)                        # the call's result went back to the server
     assert MARKER in json.dumps(answered[0]).replace(COMMAND, ""), _explain(result, harness)    # its output
     assert "hello" in result.stdout, _explain(result, harness)
+
+
+# The bundled pocket-tiny, served by `python pocketllm.py` as a user starts it, answers each CLI's default prompt
+# on its own (no adjustment: the harness only relays and records). Its prefill of 22k to 43k tokens takes
+# minutes on a CPU, so this runs only when asked: POCKETLLM_AGENT_CLI_BUNDLED=1.
+BUNDLED_CONTEXT = {"codex": 32768, "claude": 65536, "qwen": 81920}      # docs/serving.md, "Agent CLIs"
+
+
+@pytest.fixture
+def bundled_server(request):
+    if os.environ.get("POCKETLLM_AGENT_CLI_BUNDLED") != "1":
+        pytest.skip("minutes of CPU prefill per CLI: set POCKETLLM_AGENT_CLI_BUNDLED=1 to run")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pocketllm.py"), "--port", "0", "--max-context",
+                             str(BUNDLED_CONTEXT[request.node.callspec.params["name"]])],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:
+            if "serving" in line:
+                break
+        port = int(re.search(r":(\d+)$", line.strip())[1])
+        yield types.SimpleNamespace(port=port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("name", list(SHELL))
+def test_plain_exchange_with_the_bundled_model(name, bundled_server, tmp_path):
+    result, harness = run_cli(name, tmp_path, bundled_server, "Say hello.", force_call=False, adjusting=False,
+                              timeout=1800, model="pocket-tiny")
+    assert result.returncode == 0 and result.stdout.strip(), _explain(result, harness)
+    assert _generations(harness), _explain(result, harness)
