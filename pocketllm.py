@@ -10214,8 +10214,9 @@ MESSAGES_FIELDS = {
         tools=Field(kind="array", layer="template", read=_messages_tools, schema=MESSAGES_TOOLS_SCHEMA,
                     shape="array of `{name, description?, input_schema, defer_loading?}`",
                     why="as the chat's `tools` (`defer_loading`, which Claude Code sets on a placeholder tool, is "
-                        "accepted: the tool is offered like the others). Anthropic's own tool types (server tools `web_search_*`, "
-                        "`web_fetch_*`, `code_execution_*`; `bash_*`, `text_editor_*`, ...) are left out (the model "
+                        "accepted: the tool is offered like the others). Anthropic's own tool types (server tools "
+                        "`web_search_*`, `web_fetch_*`, `code_execution_*`; `bash_*`, `text_editor_*`, ...) are "
+                        "left out (the model "
                         "never sees them) and named in the `X-Pocketllm-Omitted-Tools` header; a server started "
                         "with `--hosted-tools refuse` answers 400 naming the type"),
         tool_choice=Field(kind="object", layer="parser", read=_messages_tool_choice,
