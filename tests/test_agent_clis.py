@@ -261,7 +261,7 @@ BUNDLED_CONTEXT = {"codex": 32768, "claude": 65536, "qwen": 81920}      # docs/s
 def bundled_server(request):
     if os.environ.get("POCKETLLM_AGENT_CLI_BUNDLED") != "1":
         pytest.skip("minutes of CPU prefill per CLI: set POCKETLLM_AGENT_CLI_BUNDLED=1 to run")
-    # pocket-tiny was trained to 4096 positions; past them it still answers (its context is issue 51's sibling)
+    # pocket-tiny was trained to 4096 positions; past them it still answers (a longer pocket-tiny is another issue)
     env = {**os.environ, "POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "pocketllm.py"), "--port", "0", "--max-context",
                              str(BUNDLED_CONTEXT[request.node.callspec.params["name"]])],
