@@ -30,7 +30,9 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
         10b tool calls in text: the tools a request offers, one class per call format (TOOL_FORMATS);
         10c sandboxed chat templates.
     11. Output parsing: reasoning and tool calls, streaming by partial re-parse and diff; 11b structured
-        output: one JSON-Schema constrained decoder (response_format, tool_choice, strict and auto-mode calls).
+        output: one JSON-Schema constrained decoder (response_format, tool_choice, strict and auto-mode calls),
+        in eight parts: 11b.1 grammar nodes, .2 patterns, .3 values, .4 stacks, .5 the grammar's states and
+        masks, .6 the vocabulary's facts, .7 JSON Schema -> nodes, .8 the decoder.
     12. OpenAI protocol: the field tables (validation, docs/api.md, /openapi.json), request reading into
         SamplingParams and prompt ids, response and chunk builders. No sockets.
         12b the Responses and Messages protocols: each body translated into a chat body, the chat stream
@@ -78,6 +80,7 @@ import dataclasses
 import datetime
 import errno
 import fractions
+import gc
 import hashlib
 import hmac
 import http.server
@@ -6170,6 +6173,8 @@ class ChatOutputParser:
 #      it overlaps the forward pass still in flight; the sampler applies all rows' masks as one (B, V) op.
 # -----------------------------------------------------------------------------------------------
 
+# ---- 11b.1 Grammar nodes: the byte-level pieces a schema compiles to, each frame taking one byte at a time. -------
+
 _THINK_FORCED_CLOSE = "\n</think>"
 _WS = frozenset(b" \n\t")            # whitespace between JSON tokens: any run of it loops on its state
 _MAX_STACK = 32          # frames; deeper (recursive schemas) only the shortest value is written
@@ -6320,6 +6325,10 @@ class _Seq(_Node):
     def can_end(self, i):
         return all(part.nullable for part in self.parts[i:])
 
+    def takes(self, i, entry):
+        """The bytes that start part i (None where it may be empty: then its followers' bytes count too)."""
+        return entry(self.parts[i]) if i < len(self.parts) else frozenset()
+
     def child_done(self, i, child):
         return i + 1
 
@@ -6349,12 +6358,19 @@ class _Repeat(_Node):
     def can_end(self, data):
         return data[0] >= 1 and not data[1]
 
+    def takes(self, data, entry):
+        """The bytes that start the next item, as step() enters it."""
+        n = data[0]
+        return entry(self.first) if n == 0 else entry(self.more) if self.hi is None or n < self.hi else frozenset()
+
     def child_done(self, data, child):
         return (min(data[0] + 1, self.hi or 1), False)
 
     def rest(self, data):
         return self.first.shortest() if data[0] == 0 else b""
 
+
+# ---- 11b.2 Patterns: JSON Schema's `pattern`, a regular expression over code points fed UTF-8 bytes. --------------
 
 _ANY_CHAR = ((0x20, 0xD7FF), (0xE000, 0x10FFFF))     # the characters a pattern's ., [^...] and \D \W \S may take
 
@@ -6680,6 +6696,8 @@ def _utf8_span(pending: bytes) -> tuple[int, int]:
     hi = pending + ends[1] + b"\xbf" * (owed + 1 - len(pending) - len(ends[1]))
     return ord(lo.decode()), ord(hi.decode())
 
+# ---- 11b.3 Values: strings, integers, numbers (bounded ones written as decimals), objects, arrays, prose. ---------
+
 _JSON_CLEAN = frozenset(range(0x20, 0x100)) - {_QUOTE, _BACKSLASH}   # bytes a JSON string holds unescaped
 _JSON_DIRTY = frozenset(range(0x20)) | {_QUOTE, _BACKSLASH}
 _RAW_DIRTY = frozenset(range(0x20)) - frozenset(b"\n\t\r") | {_LT}
@@ -6913,6 +6931,19 @@ def _decimal_text(neg: bool, whole: int, places: int) -> bytes:
     return (b"-" if neg else b"") + (digits if not places else digits[:-places] + "." + digits[-places:]).encode()
 
 
+_DECIMAL_PICKS: dict[tuple, dict] = {}
+
+
+def _decimal_picks(lo, hi) -> dict:
+    """The shortest-number search's results for one pair of bounds, shared by every _Decimal with them (a tool
+    list repeats its bounds; finding them is thousands of fraction steps); the last 64 pairs are kept."""
+    found = _DECIMAL_PICKS.pop((lo, hi), None)
+    found = _DECIMAL_PICKS[(lo, hi)] = {} if found is None else found
+    while len(_DECIMAL_PICKS) > 64:
+        _DECIMAL_PICKS.pop(next(iter(_DECIMAL_PICKS)))
+    return found
+
+
 class _Decimal(_Node):
     """A JSON number in [lo, hi] (inclusive fractions, None: open), written without an exponent in at most
     _MAX_NUMBER bytes. data (text, length): a byte is taken only when some number in range still starts
@@ -6921,7 +6952,7 @@ class _Decimal(_Node):
 
     def __init__(self, lo: fractions.Fraction | None, hi: fractions.Fraction | None):
         self.lo, self.hi = lo, hi
-        self._picks: dict[bytes, bytes | None] = {}
+        self._picks: dict[bytes, bytes | None] = _decimal_picks(lo, hi)
 
     def starts(self):
         return [(b"", 0)]
@@ -6965,7 +6996,7 @@ class _Decimal(_Node):
                     ([self._pick(b"-")] if not text else [])
                 picks = [p for p in picks if p is not None]
                 found = min(picks, key=lambda p: (len(p), p)) if picks else None
-            else:
+            elif self._reachable(text):
                 for extra, low, high, m, neg in self._shapes(text):
                     j = self._fit(low, high, m, neg)
                     if j is not None:
@@ -6973,6 +7004,14 @@ class _Decimal(_Node):
                         break
             self._picks[text] = found
         return found
+
+    def _reachable(self, text: bytes) -> bool:
+        """False when every number that starts with text is past a bound (its magnitude is at least its whole
+        part), so that the search over its shapes (thousands of fraction steps) would find none."""
+        whole = int(text.lstrip(b"-").partition(b".")[0])
+        if text.startswith(b"-"):
+            return self.lo is None or -whole >= self.lo
+        return self.hi is None or whole <= self.hi
 
     def _shapes(self, text: bytes):
         """(bytes added, low J, high J, decimals m, negative) of the numbers that start with text, fewest bytes
@@ -7326,6 +7365,8 @@ class _Prose(_Node):
         return self.openers[data[2]][1].shortest() if data[2] >= 0 else b""
 
 
+# ---- 11b.4 Stacks: a byte fed to a stack of frames, whether it may end, and its shortest completion. --------------
+
 def _feed(stack: tuple, b: int, out: list, enter: _Node | None = None) -> None:
     """The stacks that `stack` becomes on byte b (appended to out); with `enter`, that node is first pushed
     above the stack (a union: each option) and handed b."""
@@ -7415,6 +7456,8 @@ class _Guard(_Node):
         return min(texts, key=lambda t: (len(t), t)) if texts else None
 
 
+# ---- 11b.5 The grammar: its states (sets of stacks) and each state's mask over the vocabulary. --------------------
+
 class _Grammar:
     """A compiled output grammar with its per-state caches (transitions, masks, completions), shared by every
     request that sends the same schema with the same tokenizer."""
@@ -7429,6 +7472,8 @@ class _Grammar:
         self._loops: dict = {}
         self._firsts: dict = {}
         self._entries: dict = {}
+        self._exits: dict = {}
+        self._escapes: dict = {}
 
     def start_after(self, text: str) -> frozenset:
         """The state before `text` and then the grammar (the forced close of reasoning)."""
@@ -7496,6 +7541,14 @@ class _Grammar:
             found = self._entries[node] = None if None in parts else frozenset().union(*parts)
         return found
 
+    def escape(self, state, suffix: bytes):
+        """advance(state, suffix), kept per (state, suffix): a string's escapes meet the same counts again."""
+        key = (state, suffix)
+        found = self._escapes.get(key, ...)
+        if found is ...:
+            found = self._escapes[key] = self.advance(state, suffix)
+        return found
+
     def advance(self, state, blob: bytes):
         for b in blob:
             state = self.step(state, b)
@@ -7509,11 +7562,22 @@ class _Grammar:
     def completion(self, state) -> tuple[bytes, int]:
         """(the shortest text that completes the state, the tokens it takes + 1 for the end of sequence)."""
         found = self._completions.get(state)
-        if found is None:
-            texts = [t for t in (_stack_completion(stack) for stack in state) if t is not None]
-            text = min(texts, key=lambda t: (len(t), t)) if texts else b""
+        if found is None or found[1] is None:
+            text = self.completion_text(state)
             found = self._completions[state] = (text, self.facts.cost(text) + 1)
         return found
+
+    def completion_text(self, state) -> bytes:
+        found = self._completions.get(state)
+        if found is None:
+            texts = [t for t in (_stack_completion(stack) for stack in state) if t is not None]
+            found = self._completions[state] = (min(texts, key=lambda t: (len(t), t)) if texts else b"", None)
+        return found[0]
+
+    def need_at_most(self, state) -> int:
+        """An upper bound of completion(state)[1] without a tokenizer call where the tokenizer allows one."""
+        text = self.completion_text(state)
+        return self.facts.cost_at_most(text) + 1
 
     def mask(self, state) -> "_StateMask":
         found = self._masks.get(state)
@@ -7526,7 +7590,7 @@ class _Grammar:
         completion within the `left` tokens left (this one included). While every allowed token fits, the
         state's cached mask; near the end, the tokens whose state after still fits."""
         found = self.mask(state)
-        if found.most <= left - 1:
+        if found.fits(left - 1):
             return found.bits
         fits = [t for t, need in zip(found.single_ids, found.single_needs) if need <= left - 1]
         if found.need > left - 1:            # no room for another string character either: only what fits
@@ -7539,17 +7603,44 @@ class _Grammar:
         return bits
 
 
-@dataclass
 class _StateMask:
     """The mask of a grammar state and what the budget check needs: the tokens found one by one with the
-    tokens their state after needs to end; every other allowed token (a run of string characters, prose)
-    needs no more than the state itself."""
-    bits: bytearray               # (V,) one byte per token id, 1 allowed (the ends too when the state is complete)
-    single_ids: list[int]         # (S,)
-    single_needs: list[int]       # (S,) tokens the completion after each takes, its end included
-    need: int                     # the same for the state
-    most: int                     # the largest need after any allowed token
-    ends: bool                    # the state is complete: the ends are allowed
+    state after each; every other allowed token (a run of string characters, prose) needs no more than the
+    state itself. The needs (tokens each completion takes, its end included) cost a tokenizer call per new
+    state, so they are found only when `bound`, an upper bound of them all, does not already fit."""
+
+    def __init__(self, grammar: _Grammar, state, bits: bytearray, singles: list, ends: bool):
+        self.grammar, self.state = grammar, state
+        self.bits = bits                                           # (V,) 1 allowed (the ends too when complete)
+        self.single_ids = [i for i, _ in singles]                  # (S,)
+        self.single_afters = [after for _, after in singles]       # (S,)
+        self.ends = ends                                           # the state is complete: the ends are allowed
+        self.bound = max(grammar.need_at_most(s) for s in {state, *self.single_afters})
+        self._needs = None
+
+    def fits(self, room: int) -> bool:
+        """Every allowed token leaves a completion of at most `room` tokens (most <= room)."""
+        return self.bound <= room or self.most <= room
+
+    def _exact(self):
+        if self._needs is None:
+            needs = [self.grammar.completion(after)[1] for after in self.single_afters]
+            need = self.grammar.completion(self.state)[1]
+            self._needs = (needs, need, max([need, *needs]))
+        return self._needs
+
+    @property
+    def single_needs(self) -> list[int]:
+        return self._exact()[0]                                    # (S,)
+
+    @property
+    def need(self) -> int:
+        return self._exact()[1]
+
+    @property
+    def most(self) -> int:
+        """The largest need after any allowed token."""
+        return self._exact()[2]
 
 
 def _bool_view(bits: bytearray) -> torch.Tensor:
@@ -7557,6 +7648,8 @@ def _bool_view(bits: bytearray) -> torch.Tensor:
     with whole-vocabulary tensor ops (each of those is a thread-pool round trip, milliseconds on a busy CPU)."""
     return torch.frombuffer(bits, dtype=torch.bool)
 
+
+# ---- 11b.6 The vocabulary's facts: each token's bytes classified once per tokenizer, walked as a trie. ------------
 
 _FITS = [bytes(int(v <= limit) for v in range(256)) for limit in range(256)]   # translate tables: byte <= limit
 _LONG = 253                # a clean ASCII token's length code saturates here (longer ones are checked apart)
@@ -7639,6 +7732,17 @@ class _Dirty:
         return self._groups
 
 
+def _prose_entered(state: frozenset) -> frozenset:
+    """The same state (the same bytes lead to the same stacks) with auto mode's prose already entered, as the
+    walk takes prose over the vocabulary in one translate: an auto grammar's start only enters it."""
+    if len(state) == 1:
+        stack = next(iter(state))
+        node, i = stack[-1]
+        if isinstance(node, _Seq) and i < len(node.parts) and isinstance(node.parts[i], _Prose):
+            return frozenset({stack + ((node.parts[i], node.parts[i].starts()[0]),)})
+    return state
+
+
 class _TokenFacts:
     """What the masks need to know about a vocabulary, computed once per tokenizer: every token's bytes in
     sorted order (so the tokens sharing a prefix are a range: an implicit trie, its levels kept as visited),
@@ -7668,6 +7772,9 @@ class _TokenFacts:
         self.dirty(_NON_ASCII)
         self.dirty(frozenset({_LT}))           # auto mode's prose: every call opener starts with '<'
         self._costs: dict[bytes, int] = {}
+        inner = getattr(tokenizer, "_tok", None)
+        self.byte_bound = bool(getattr(tokenizer, "_byte_level", False)) and \
+            type(getattr(inner, "normalizer", 0)).__name__ in ("NoneType", "NFC")
         self._ids: dict[str, list[int]] = {}
         self._grammars: dict = {}
 
@@ -7690,6 +7797,14 @@ class _TokenFacts:
             else:
                 runs[blob[m]][-1][2] = k + 1
         return ws_only, {c: [tuple(r) for r in found] for c, found in runs.items()}
+
+    def cost_at_most(self, text: bytes) -> int:
+        """An upper bound of cost(text), without a tokenizer call for a byte-level BPE whose normalizer is none
+        or NFC: a token holds at least one byte; decoding with "replace" and NFC each at most triple the bytes
+        (ASCII stays as it is); the pre-tokenizer may add a space, and a control-token split a piece."""
+        if not self.byte_bound:
+            return self.cost(text)
+        return len(text) + 1 if text.isascii() else 10 * len(text) + 1
 
     def cost(self, text: bytes) -> int:
         """Tokens `text` takes in the tokenizer's own (canonical) tokenization."""
@@ -7728,23 +7843,20 @@ class _TokenFacts:
         """The state's mask, by walking the sorted vocabulary (see _walk): at most one whole-vocabulary
         chunk (a string's or prose's clean tokens, one translate) plus ids set one by one."""
         chunks, singles = [], []
-        self._walk(grammar, state, 0, 0, len(self.sorted), chunks, singles)
+        self._walk(grammar, _prose_entered(state), 0, 0, len(self.sorted), chunks, singles)
         whole = [c for c in chunks if isinstance(c, bytes)]
         bits = bytearray(whole[0]) if whole else bytearray(self.vocab)                     # (V,)
         for chunk in chunks:
             if not isinstance(chunk, bytes):
                 for i in chunk:
                     bits[i] = 1
-        ids = [i for i, _ in singles]
-        for i in ids:
+        for i, _ in singles:
             bits[i] = 1
         ends = grammar.accepts(state)
         if ends:
             for i in self.eos_ids:
                 bits[i] = 1
-        needs = [grammar.completion(after)[1] for _, after in singles]
-        need = grammar.completion(state)[1]
-        return _StateMask(bits, ids, needs, need, max([need, *needs]), ends)
+        return _StateMask(grammar, state, bits, singles, ends)
 
     def _walk(self, grammar, state, depth, lo, hi, chunks, singles):
         """Mark the tokens sorted[lo:hi], which share the `depth` bytes that led to `state`, that keep it alive."""
@@ -7868,9 +7980,9 @@ class _TokenFacts:
 
     def _walk_exits(self, grammar, state, node: _Str, count: int, chunks, singles):
         """A JSON string's content (no pattern, no excluded keys) over the whole vocabulary: its clean tokens
-        (that fit, when counted: ASCII, each byte a character) in one translate, then the tokens that leave
-        it, by suffix ('"' then what follows: one run through the grammar per suffix, a dead prefix skipping
-        its run; an escape: token by token, as the count moves)."""
+        (that fit, when counted: whole characters) in one translate, then the tokens that leave it, by suffix
+        ('"' then what follows: one run through the grammar per suffix from the closed string's state, kept per
+        that state; an escape: one run per suffix and count of clean characters before it)."""
         d = self.dirty(node.dirty)
         spare = None
         if node.counted:
@@ -7882,24 +7994,43 @@ class _TokenFacts:
             self._partials(grammar, state, d, 0, 0, len(self.sorted), spare, singles)
         least = max(0, node.lo - count) if node.counted else 0      # characters still owed before the quote
         start = grammar.advance(state, b"a" * least) if least <= (1 << 30 if spare is None else spare) else None
-        dead = None
-        for suffix, ids, lengths in d.groups(self):      # sorted: a dead prefix skips its whole run
-            if suffix[0] == _BACKSLASH and spare is not None:
-                for i, n in zip(ids, lengths):
-                    after = grammar.advance(state, self.blobs[i]) if 0 <= n <= spare else None
-                    if after is not None:
-                        singles.append((i, after))
+        closed = grammar.step(start, _QUOTE) if start is not None else None
+        for ids, lengths, after in self._closed_exits(grammar, d, closed) if closed is not None else ():
+            singles.extend((i, after) for i, n in zip(ids, lengths) if spare is None or least <= n <= spare)
+        moved = [state]          # after n whole clean characters (as after n "a"s); a plain string loops
+        for suffix, ids, lengths in d.groups(self):
+            if suffix[0] != _BACKSLASH:
                 continue
-            if start is None or dead is not None and suffix.startswith(dead):
-                continue
-            after = start
-            for k, b in enumerate(suffix):
-                after = grammar.step(after, b)
-                if after is None:
-                    dead = suffix[:k + 1]
-                    break
-            else:
-                singles.extend((i, after) for i, n in zip(ids, lengths) if spare is None or least <= n <= spare)
+            for i, n in zip(ids, lengths):
+                if spare is not None and not 0 <= n <= spare:
+                    continue
+                n = 0 if spare is None else n
+                while len(moved) <= n:
+                    moved.append(grammar.step(moved[-1], 0x61) if moved[-1] is not None else None)
+                after = grammar.escape(moved[n], suffix) if moved[n] is not None else None
+                if after is not None:
+                    singles.append((i, after))
+
+    def _closed_exits(self, grammar, d: _Dirty, closed) -> list[tuple[list[int], list[int], frozenset]]:
+        """The '"'-first groups of d that live on from `closed` (the state after a string's closing quote) as
+        (ids, lengths, state after), kept per state: a closed string forgets its count, so every count of a
+        counted string (a new state each) meets the same exits."""
+        found = grammar._exits.get((d.dirty_set, closed))
+        if found is None:
+            found, dead = [], None
+            for suffix, ids, lengths in d.groups(self):      # sorted: a dead prefix skips its whole run
+                if suffix[0] != _QUOTE or dead is not None and suffix.startswith(dead):
+                    continue
+                after = closed
+                for k in range(1, len(suffix)):
+                    after = grammar.step(after, suffix[k])
+                    if after is None:
+                        dead = suffix[:k + 1]
+                        break
+                else:
+                    found.append((ids, lengths, after))
+            grammar._exits[(d.dirty_set, closed)] = found
+        return found
 
     def grammar(self, key, build) -> _Grammar:
         """The compiled grammar for `key` (built by build() on first use); the last 64 are kept."""
@@ -7918,10 +8049,11 @@ def _token_facts(tokenizer, eos_ids) -> _TokenFacts:
     facts = _TOKEN_FACTS.get(key)
     if facts is None or facts.tokenizer is not tokenizer:
         facts = _TOKEN_FACTS[key] = _TokenFacts(tokenizer, eos_ids)
+        gc.collect()     # the build's many containers would make the next full collection (~0.1 s) due in a request
     return facts
 
 
-# JSON Schema -> grammar nodes.
+# ---- 11b.7 JSON Schema -> grammar nodes: the compiler, and each tool-call argument's value. -----------------------
 
 def _any_json(no_lt: bool) -> _Union:
     """Any JSON value (json_object's members, `{}`, `true`); no_lt: no '<' in its strings (inside calls)."""
@@ -8380,6 +8512,8 @@ def _tool_members(tools, fmt) -> dict:
     return functions
 
 
+# ---- 11b.8 The decoder: a request's response_format and tool_choice as one grammar, a logits processor. -----------
+
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 
@@ -8514,7 +8648,7 @@ class StructuredDecoder:
         if phase == "pad" or len(ids) < self.min_tokens and self.grammar.accepts(state):
             return self._padded(state, phase == "pad", len(ids) < self.min_tokens)
         found = self.grammar.mask(state)
-        if found.most <= left - 1:
+        if found.fits(left - 1):
             return state, found.bits
         if not self.budget and found.ends:   # auto mode, in prose: no forced end; no call that cannot close
             bits = bytearray(found.bits)
@@ -9699,17 +9833,57 @@ def _tool_namespaces(tools) -> dict[str, str]:
     return {tool["name"]: namespace for _, tool, namespace in _function_tools(tools or [], "tools") if namespace}
 
 
+# Hosted tools: tools that run on the provider's side (Responses' web_search, file_search, ...; Messages'
+# server tools, web_search_*, code_execution_*, ...). None runs here, so by default a request's hosted tools are
+# left out: the model never sees them, the response's X-Pocketllm-Omitted-Tools header names them, and the
+# server logs each distinct tool set once. The server's --hosted-tools refuse makes them 400 instead.
+HOSTED_TOOL_POLICIES = ("omit", "refuse")
+OMITTED_TOOLS_HEADER = "X-Pocketllm-Omitted-Tools"
+
+
+def hosted_tools(tools, client_types: tuple) -> list[tuple[str, str]]:
+    """(where, type) of each tool in a body's `tools` whose type is not one of client_types (the tools the
+    client runs); namespace members are never hosted. Malformed tools are left to the field's read."""
+    if not isinstance(tools, list):
+        return []
+    return [(f"tools[{i}]", str(tool.get("type"))) for i, tool in enumerate(tools)
+            if isinstance(tool, dict) and tool.get("type") not in (*client_types, "namespace")]
+
+
+def _omit_or_refuse(hosted: list[tuple[str, str]], policy: str, allowed: str) -> list[str]:
+    """The types of the hosted tools to leave out; under the refuse policy the first one is 400 naming it."""
+    if hosted and policy == "refuse":
+        where, kind = hosted[0]
+        raise RequestError(f"'{where}.type' {kind!r} is not supported: this server runs no hosted tools, only "
+                           f"{allowed} (started with --hosted-tools refuse; the default leaves them out)",
+                           param=f"{where}.type", code="unsupported_field")
+    return list(dict.fromkeys(kind for _, kind in hosted))
+
+
+def _read_client_tools(converted: list[dict], wheres: list[str], renames: tuple, param: str,
+                       vocab_size: int | None) -> list[dict] | None:
+    """The chat's _read_tools over the converted tools; an error names the client's entry (wheres[k] for the
+    k-th converted tool: hosted tools left out and namespace members shift the positions)."""
+    try:
+        return _on_chat_side(renames, _read_tools, converted, param, vocab_size)
+    except RequestError as e:
+        at = re.match(rf"{re.escape(param)}\[(\d+)\]", e.param or "")
+        if at:
+            e.param = wheres[int(at[1])] + e.param[at.end():]
+        raise
+
+
 def _responses_tools(tools, param: str, vocab_size: int | None) -> list[dict] | None:
-    """Function tools (namespace tools' members too) -> chat tools; a hosted tool (web_search, file_search, ...)
-    is 400 naming it."""
-    converted = []
+    """Function tools (namespace tools' members too) -> chat tools; hosted tools (web_search, file_search, ...)
+    are left out here (start_response applies the server's policy to them)."""
+    converted, wheres = [], []
     for where, tool, _ in _function_tools(tools, param):
         if tool.get("type") != "function":
-            raise RequestError(f"'{where}.type' {tool.get('type')!r} is not supported: only function tools run "
-                               "here (no hosted tools)", param=f"{where}.type", code="unsupported_field")
+            continue
         _only_keys(tool, ("type", *FUNCTION_KEYS), where)
         converted.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
-    return _on_chat_side(RESPONSES_RENAMES, _read_tools, converted, param, vocab_size)
+        wheres.append(where)
+    return _read_client_tools(converted, wheres, RESPONSES_RENAMES, param, vocab_size)
 
 
 def _responses_tool_choice(choice, param: str, vocab_size: int | None):
@@ -9830,19 +10004,21 @@ def _messages_input(messages, param: str, vocab_size: int | None) -> list[dict]:
 
 
 def _messages_tools(tools, param: str, vocab_size: int | None) -> list[dict] | None:
-    """Custom tools (name, description, input_schema) -> chat tools; a server tool (web_search, bash, ...) is 400
-    naming it."""
-    converted = []
+    """Custom tools (name, description, input_schema) -> chat tools; Anthropic's own tool types (web_search_*,
+    bash_*, ...) are left out here (start_message applies the server's policy to them)."""
+    converted, wheres = [], []
     for i, tool in enumerate(_check_type(tools, list, param)):
         where = f"{param}[{i}]"
         tool = _check_type(tool, dict, where)
         if tool.get("type") not in (None, "custom"):
-            raise RequestError(f"'{where}.type' {tool['type']!r} is not supported: only custom tools (name, "
-                               "input_schema) run here", param=f"{where}.type", code="unsupported_field")
-        _only_keys(tool, ("type", "name", "description", "input_schema", "cache_control"), where)
+            continue
+        _only_keys(tool, ("type", "name", "description", "input_schema", "cache_control", "defer_loading"), where)
+        if tool.get("defer_loading") is not None:      # Claude Code's tool search: offered here like any tool
+            _check_type(tool["defer_loading"], bool, f"{where}.defer_loading")
         function = {k: tool[k] for k in ("name", "description") if k in tool}
         converted.append({"type": "function", "function": {**function, "parameters": tool.get("input_schema")}})
-    return _on_chat_side(MESSAGES_RENAMES, _read_tools, converted, param, vocab_size)
+        wheres.append(where)
+    return _read_client_tools(converted, wheres, MESSAGES_RENAMES, param, vocab_size)
 
 
 def _messages_tool_choice(choice: dict, param: str, vocab_size: int | None) -> dict:
@@ -9958,7 +10134,7 @@ MESSAGES_TOOLS_SCHEMA = {"type": "array", "items": {
     "type": "object", "required": ["name", "input_schema"], "additionalProperties": False,
     "properties": {"type": {"const": "custom"}, "name": {"type": "string", "minLength": 1},
                    "description": {"type": "string"}, "input_schema": FUNCTION_PARAMETERS_SCHEMA,
-                   "cache_control": {"type": "object"}}}}
+                   "cache_control": {"type": "object"}, "defer_loading": {"type": "boolean"}}}}
 TEXT_BLOCKS_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
     "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": {"type": "string"},
                                                                    "cache_control": {"type": "object"}}}}]}
@@ -9995,8 +10171,10 @@ RESPONSES_FIELDS = {
     **_table(
         tools=Field(kind="array", layer="template", read=_responses_tools, schema=RESPONSES_TOOLS_SCHEMA,
                     shape='array of `{"type": "function", "name", "description"?, "parameters"?, "strict"?}`',
-                    why="as the chat's `tools`; hosted tools (`web_search`, `file_search`, `computer_use`, "
-                        "`code_interpreter`, `mcp`, ...) are 400 naming the type"),
+                    why="as the chat's `tools`; `namespace` tools' member functions too. Hosted tools (`web_search`, "
+                        "`file_search`, `computer_use`, `code_interpreter`, `mcp`, ...) run nowhere here: they are "
+                        "left out (the model never sees them) and named in the `X-Pocketllm-Omitted-Tools` "
+                        "header; a server started with `--hosted-tools refuse` answers 400 naming the type"),
         tool_choice=Field(layer="parser", read=_responses_tool_choice,
                           schema={"anyOf": [{"enum": ["none", "auto", "required"]}, {
                               "type": "object", "required": ["type", "name"],
@@ -10063,9 +10241,13 @@ MESSAGES_FIELDS = {
     **_sampling_rows("top_p", "top_k"),
     **_table(
         tools=Field(kind="array", layer="template", read=_messages_tools, schema=MESSAGES_TOOLS_SCHEMA,
-                    shape="array of `{name, description?, input_schema}`",
-                    why="as the chat's `tools`; server tools (`web_search_*`, `bash_*`, `text_editor_*`, ...) are "
-                        "400 naming the type"),
+                    shape="array of `{name, description?, input_schema, defer_loading?}`",
+                    why="as the chat's `tools` (`defer_loading`, which Claude Code sets on a placeholder tool, is "
+                        "accepted: the tool is offered like the others). Anthropic's own tool types (server tools "
+                        "`web_search_*`, `web_fetch_*`, `code_execution_*`; `bash_*`, `text_editor_*`, ...) are "
+                        "left out (the model "
+                        "never sees them) and named in the `X-Pocketllm-Omitted-Tools` header; a server started "
+                        "with `--hosted-tools refuse` answers 400 naming the type"),
         tool_choice=Field(kind="object", layer="parser", read=_messages_tool_choice,
                           schema={"type": "object", "required": ["type"], "properties": {
                               "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
@@ -10202,6 +10384,7 @@ class ProtocolTurn:
 
     def __init__(self, llm, completion: Completion, stream_mode: bool):
         self.llm, self.completion, self.stream_mode = llm, completion, stream_mode
+        self.omitted_tools: list[str] = []     # the hosted tool types left out of the request
 
     def abort(self) -> None:
         self.completion.abort()
@@ -10355,9 +10538,12 @@ class ResponsesTurn(ProtocolTurn):
         return message
 
 
-def start_response(llm, body, store: ResponseStore | None = None, metrics: ServerMetrics | None = None):
-    """Validate a /v1/responses body, continue its previous response, and submit it as a chat completion."""
+def start_response(llm, body, store: ResponseStore | None = None, metrics: ServerMetrics | None = None,
+                   hosted: str = "omit"):
+    """Validate a /v1/responses body, continue its previous response, and submit it as a chat completion.
+    hosted: the policy for hosted tools (HOSTED_TOOL_POLICIES)."""
     values = read_fields(body, RESPONSES_FIELDS, llm.config.vocab_size)
+    omitted = _omit_or_refuse(hosted_tools(body.get("tools"), ("function",)), hosted, "function tools")
     history = []
     if values["previous_response_id"] is not None:
         record = store.get(values["previous_response_id"]) if store else None
@@ -10377,8 +10563,10 @@ def start_response(llm, body, store: ResponseStore | None = None, metrics: Serve
     if (values["reasoning"] or {}).get("effort") is not None:
         chat["reasoning_effort"] = values["reasoning"]["effort"]
     completion = _on_chat_side(RESPONSES_RENAMES, start_chat_completion, llm, chat, metrics)
-    return ResponsesTurn(llm, completion, values, conversation, store if values["store"] else None,
+    turn = ResponsesTurn(llm, completion, values, conversation, store if values["store"] else None,
                          _tool_namespaces(body.get("tools")))
+    turn.omitted_tools = omitted
+    return turn
 
 
 def _messages_usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
@@ -10455,9 +10643,12 @@ class MessagesTurn(ProtocolTurn):
         yield {"type": "message_stop"}
 
 
-def messages_chat_body(llm, body, table: dict[str, Field]) -> tuple[dict, dict]:
-    """A /v1/messages (or count_tokens) body read through its table -> (its values, the chat body it means)."""
+def messages_chat_body(llm, body, table: dict[str, Field], hosted: str = "omit") -> tuple[dict, dict]:
+    """A /v1/messages (or count_tokens) body read through its table -> (its values, the chat body it means);
+    values["omitted_tools"]: the Anthropic tool types left out under the hosted-tools policy."""
     values = read_fields(body, table, llm.config.vocab_size)
+    values["omitted_tools"] = _omit_or_refuse(hosted_tools(body.get("tools"), (None, "custom")), hosted,
+                                              "custom tools (name, input_schema)")
     chat = _chat_body(body, values, (values["system"] or []) + values["messages"],
                       ("model", "temperature", "top_p", "top_k", "max_tokens"))
     choice = values["tool_choice"]
@@ -10480,10 +10671,12 @@ def messages_chat_body(llm, body, table: dict[str, Field]) -> tuple[dict, dict]:
     return values, chat
 
 
-def start_message(llm, body, metrics: ServerMetrics | None = None) -> MessagesTurn:
-    """Validate a /v1/messages body and submit it as a chat completion."""
-    values, chat = messages_chat_body(llm, body, MESSAGES_FIELDS)
-    return MessagesTurn(llm, _on_chat_side(MESSAGES_RENAMES, start_chat_completion, llm, chat, metrics), values)
+def start_message(llm, body, metrics: ServerMetrics | None = None, hosted: str = "omit") -> MessagesTurn:
+    """Validate a /v1/messages body and submit it as a chat completion (hosted: the hosted-tools policy)."""
+    values, chat = messages_chat_body(llm, body, MESSAGES_FIELDS, hosted)
+    turn = MessagesTurn(llm, _on_chat_side(MESSAGES_RENAMES, start_chat_completion, llm, chat, metrics), values)
+    turn.omitted_tools = values["omitted_tools"]
+    return turn
 
 
 def _chat_prompt_tokens(llm, chat: dict) -> int:
@@ -10492,9 +10685,9 @@ def _chat_prompt_tokens(llm, chat: dict) -> int:
     return len(llm.tokenizer.encode(render_chat_prompt(llm, values, values["tools"])))
 
 
-def count_message_tokens(llm, body) -> dict:
+def count_message_tokens(llm, body, hosted: str = "omit") -> dict:
     """/v1/messages/count_tokens: the prompt a /v1/messages body renders, counted."""
-    values, chat = messages_chat_body(llm, body, MESSAGES_COUNT_FIELDS)
+    values, chat = messages_chat_body(llm, body, MESSAGES_COUNT_FIELDS, hosted)
     _check_model(llm, values)
     return {"input_tokens": _on_chat_side(MESSAGES_RENAMES, _chat_prompt_tokens, llm, chat)}
 
@@ -10512,6 +10705,9 @@ DEFAULT_DRAIN_TIMEOUT = 30.0       # seconds a SIGTERM lets the requests in flig
 RETRY_AFTER_SECONDS = 1            # the Retry-After of a 503 that another replica (or this one, soon) can answer
 PREFIX_HASH_HEADER = "X-Prefix-Hash"   # on every completion: the routing key of its prompt's first blocks
 PREFIX_HASH_BLOCKS = 16            # full KV blocks the routing key covers (256 tokens at the default block size)
+DEFAULT_KEEPALIVE = 5.0            # seconds a stream may go without an event before a keep-alive is sent
+SSE_PING = b'event: ping\ndata: {"type": "ping"}\n\n'    # Anthropic's keep-alive event, which its clients skip
+SSE_COMMENT = b": keep-alive\n\n"                           # an SSE comment: every SSE parser skips it
 CLIENT_CLOSED = 499                # logged and counted when the client hangs up before its answer (nginx's code)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 411: "invalid_request_error", 413: "invalid_request_error",
@@ -10593,6 +10789,33 @@ def prefix_hash_header(llm, completion) -> dict:
     inner = getattr(completion, "completion", completion)
     key = prefix_hash(llm, inner.stream.request.prompt_ids)
     return {PREFIX_HASH_HEADER: key} if key else {}
+
+
+class KeepAlive:
+    """While a stream waits for its next event (a long prompt prefilling, from the moment the request was
+    admitted), send `payload` each time `seconds` pass with nothing written, so that clients' read timeouts and
+    proxies do not cut it. The stream's own writes share handler.write_lock with it."""
+
+    def __init__(self, handler, payload: bytes, seconds: float):
+        self.handler, self.payload, self.seconds, self.stopped = handler, payload, seconds, threading.Event()
+
+    def __enter__(self):
+        threading.Thread(target=self._beat, name="pocketllm-keepalive", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.handler.write_lock:            # no keep-alive after the stream's last event
+            self.stopped.set()
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(self.seconds / 4):
+            with self.handler.write_lock:
+                if self.stopped.is_set() or time.monotonic() - self.handler.last_write < self.seconds:
+                    continue
+                try:
+                    self.handler.write_sse(self.payload)
+                except Exception:                 # the client left: the stream's next write finds out
+                    return
 
 
 # The endpoints. Each takes the handler, the path match and the raw body, and sends one response.
@@ -10685,10 +10908,29 @@ def _completions(handler, match, raw) -> None:
     handler.send_completion(start_completion(handler.server.llm, _json_body(raw), handler.server.metrics))
 
 
-def _responses(handler, match, raw) -> None:
+def _omitted_tools_header(handler, body: dict, turn: ProtocolTurn) -> dict:
+    """The header naming the hosted tools a request's turn left out ({} when none); the server logs them once
+    per distinct tool set a client sends (an agent sends the same set with every request)."""
+    if not turn.omitted_tools:
+        return {}
     server = handler.server
-    handler.send_completion(start_response(server.llm, _json_body(raw), server.responses, server.metrics),
-                            named_events=True)
+    key = (handler.endpoint, json.dumps([[tool.get("type"), tool.get("name")] for tool in body["tools"]
+                                        if isinstance(tool, dict)]))
+    with server.count_lock:
+        first = key not in server.tool_sets_logged and len(server.tool_sets_logged) < 1000
+        if first:
+            server.tool_sets_logged.add(key)
+    if first and server.log_requests:
+        sys.stderr.write(f"pocketllm: {handler.endpoint}: left out the hosted tools {', '.join(turn.omitted_tools)} "
+                         "(none runs here: the model sees only the client's own tools; --hosted-tools refuse makes "
+                         "them 400)\n")
+    return {OMITTED_TOOLS_HEADER: ", ".join(turn.omitted_tools)}
+
+
+def _responses(handler, match, raw) -> None:
+    server, body = handler.server, _json_body(raw)
+    turn = start_response(server.llm, body, server.responses, server.metrics, server.hosted_tools)
+    handler.send_completion(turn, named_events=True, headers=_omitted_tools_header(handler, body, turn))
 
 
 def _stored_id(handler, match) -> str:
@@ -10710,12 +10952,13 @@ def _response_delete(handler, match, raw) -> None:
 
 
 def _messages(handler, match, raw) -> None:
-    handler.send_completion(start_message(handler.server.llm, _json_body(raw), handler.server.metrics),
-                            named_events=True)
+    server, body = handler.server, _json_body(raw)
+    turn = start_message(server.llm, body, server.metrics, server.hosted_tools)
+    handler.send_completion(turn, named_events=True, headers=_omitted_tools_header(handler, body, turn))
 
 
 def _count_tokens(handler, match, raw) -> None:
-    handler.send_json(200, count_message_tokens(handler.server.llm, _json_body(raw)))
+    handler.send_json(200, count_message_tokens(handler.server.llm, _json_body(raw), handler.server.hosted_tools))
 
 
 def _tokenize(handler, match, raw) -> None:
@@ -11229,6 +11472,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.socket_timeout      # applied to the socket by StreamRequestHandler
+        self.write_lock, self.last_write = threading.Lock(), 0.0     # a stream's events and its keep-alives
         self.request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.server.send_buffer_bytes)
         super().setup()
 
@@ -11357,8 +11601,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.close_connection = True
         self.send_json(int(code), error_body(int(code), message or explain or "bad request"))
 
-    def send_completion(self, completion: Completion | ProtocolTurn, named_events: bool = False) -> None:
-        headers = prefix_hash_header(self.server.llm, completion)
+    def send_completion(self, completion: Completion | ProtocolTurn, named_events: bool = False,
+                        headers: dict | None = None) -> None:
+        headers = {**prefix_hash_header(self.server.llm, completion), **(headers or {})}
 
         def client_left() -> None:
             self.client_left = True
@@ -11382,17 +11627,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
+        self.last_write = time.monotonic()
+        keepalive = KeepAlive(self, SSE_PING if self.endpoint.startswith("/v1/messages") else SSE_COMMENT,
+                              self.server.keepalive_seconds)
         try:
-            while True:
-                try:
-                    chunk = next(chunks)
-                except StopIteration:
-                    break
-                except Exception as e:            # after the headers an error can only travel as an event
-                    self.send_event({"type": "error", **translate_error(e)[1]} if named_events
-                                    else translate_error(e)[1], named_events)
-                    break
-                self.send_event(chunk, named_events)
+            with keepalive:
+                while True:
+                    try:
+                        chunk = next(chunks)
+                    except StopIteration:
+                        break
+                    except Exception as e:            # after the headers an error can only travel as an event
+                        self.send_event({"type": "error", **translate_error(e)[1]} if named_events
+                                        else translate_error(e)[1], named_events)
+                        break
+                    self.send_event(chunk, named_events)
             if not named_events:
                 self.send_event("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
@@ -11408,11 +11657,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise ConnectionResetError("the client closed the connection")
         text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
         payload = (b"event: " + data["type"].encode() + b"\n" if named else b"") + b"data: " + text.encode() + b"\n\n"
+        with self.write_lock:
+            self.write_sse(payload)
+
+    def write_sse(self, payload: bytes) -> None:
+        """One chunk of the stream (the caller holds write_lock)."""
         # A reader that stops reading fills the socket buffer and blocks this write: after the socket timeout
         # the connection is cut, the stream's request aborted, and what the engine buffered for it released.
         self.server.deadlines.arm(self)
         try:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+            self.last_write = time.monotonic()
         finally:
             self.server.deadlines.disarm(self)
 
@@ -11462,7 +11717,8 @@ class PocketServer(http.server.ThreadingHTTPServer):
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
                  log_requests: bool = True, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT):
+                 send_buffer_bytes: int = DEFAULT_SEND_BUFFER, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+                 keepalive_seconds: float = DEFAULT_KEEPALIVE, hosted_tools: str = "omit"):
         if ":" in host:
             self.address_family = socket.AF_INET6
         try:
@@ -11479,6 +11735,8 @@ class PocketServer(http.server.ThreadingHTTPServer):
         self.drain_timeout, self.draining, self.in_flight = drain_timeout, False, 0
         self.phase = "ready" if llm is not None else "loading"   # then "warming up" (run_server), then "ready"
         self.idle = threading.Condition(self.count_lock)   # notified when in_flight drops to 0
+        self.keepalive_seconds, self.hosted_tools = keepalive_seconds, hosted_tools
+        self.tool_sets_logged: set[tuple] = set()  # the client tool sets whose omitted hosted tools were logged
 
     # Draining (SIGTERM, or drain()): /health says 503 at once, new requests are 503 with Retry-After, the ones
     # admitted before finish (streams included), and then the server stops.
@@ -11658,6 +11916,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="on SIGTERM: /health says 503, new requests are 503 with Retry-After, and the ones in "
                             "flight get this long to finish before the process exits 0; a second SIGTERM or Ctrl-C "
                             "stops at once (default: %(default)g)")
+    group.add_argument("--hosted-tools", choices=HOSTED_TOOL_POLICIES, default="omit",
+                       help="tools that run on the provider's side (Responses' web_search, Messages' web_search_*, "
+                            "...), which none runs here: omit leaves them out, names them in the "
+                            f"{OMITTED_TOOLS_HEADER} header and logs them; refuse makes them 400 "
+                            "(default: %(default)s)")
 
 
 def open_server(args: argparse.Namespace) -> PocketServer:
@@ -11665,7 +11928,8 @@ def open_server(args: argparse.Namespace) -> PocketServer:
     503 {"status": "loading"}), every other path 503 until run_server has warmed the engine up."""
     return PocketServer(None, args.host, args.port, args.api_key or os.environ.get("POCKETLLM_API_KEY") or None,
                         max_request_bytes=args.max_request_bytes, socket_timeout=args.socket_timeout,
-                        max_connections=args.max_connections, drain_timeout=args.drain_timeout).start()
+                        max_connections=args.max_connections, drain_timeout=args.drain_timeout,
+                        hosted_tools=args.hosted_tools).start()
 
 
 def run_server(llm, args: argparse.Namespace, server: PocketServer | None = None) -> int:
@@ -11756,11 +12020,6 @@ def vocab_bytes(cfg: ModelConfig, world: int = 1) -> int:
     """One rank's slice of the embedding, or of the lm_head (the same size): rank 0's ceil(V / world) rows at
     2 bytes (bf16, fp16 on GPUs), vocab-parallel (section 8b)."""
     return 2 * -(-cfg.vocab_size // world) * cfg.hidden_size
-
-
-def weight_bytes(cfg: ModelConfig, world: int = 1) -> int:
-    """One rank's weights as stored: its layer share and its embedding and lm_head rows (one table when tied)."""
-    return layer_bytes(cfg, world) + vocab_bytes(cfg, world) * (1 if cfg.tie_word_embeddings else 2)
 
 
 def memory_budget(cfg: ModelConfig, opts: EngineOptions, world: int = 1, *, kv_bytes: int = 2, act_bytes: int = 2,

@@ -9,8 +9,9 @@ transformers' TikTokenConverter turns them into a tokenizer.json, cached under t
 The model is a "willing model": per step random logits plus a large bonus for the next token of a valid
 document of a nested schema ($ref, nested objects, a list of objects, an enum, Optional, a pattern, integer
 bounds), so the decoder walks the states a real answer walks; --docs documents in a row share the grammar's
-caches as consecutive requests with the same schema do. Reported: the schema's compile time (first request, and
-again: grammars are cached by schema); the mask's host time per token (cursor advance + mask lookup, or the walk
+caches as consecutive requests with the same schema do. Reported: a BFCL-sized tool list's compile time and
+first mask (tool_choice required and auto); the schema's compile time (first request, and again: grammars are
+cached by schema); the mask's host time per token (cursor advance + mask lookup, or the walk
 over the vocabulary at a new state), mean, p50 and p99, wall clock and this thread's CPU time (the machine may be
 shared), for the first (cold) document and the warm ones; and a decode step on a 0.8B-class shape (hidden 1024, 248,320 logit rows: the LM head and the
 sampler) with and without the mask.
@@ -97,6 +98,45 @@ def qwen35_tokenizer() -> P.Tokenizer:
     return P.Tokenizer(out)
 
 
+def bfcl_tools(count: int = 32) -> list[dict]:
+    """A BFCL-sized tool list: `count` functions of 2-7 typed parameters each (enums, bounded integers and numbers,
+    booleans, string arrays, a nested object), as function-calling benchmarks offer them."""
+    rng = random.Random(count)
+    kinds = [{"type": "string", "description": "a name"},
+             {"type": "string", "enum": ["celsius", "fahrenheit", "kelvin"]},
+             {"type": "integer", "minimum": 1, "maximum": 100},
+             {"type": "number", "minimum": 0, "maximum": 1000},
+             {"type": "boolean"},
+             {"type": "array", "items": {"type": "string"}},
+             {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"},
+                                               "label": {"type": "string", "maxLength": 40}},
+              "required": ["lat", "lon"]}]
+    tools = []
+    for k in range(count):
+        params = {f"param_{j}": dict(rng.choice(kinds), description=f"parameter {j}") for j in range(rng.randint(2, 7))}
+        tools.append({"type": "function", "function": {
+            "name": f"tool_{k}_{rng.choice(['get', 'set', 'find', 'book'])}", "description": f"function {k}",
+            "parameters": {"type": "object", "properties": params,
+                           "required": sorted(rng.sample(sorted(params), rng.randint(1, len(params))))}}})
+    return tools
+
+
+def compile_tools(tok, eos) -> None:
+    """The compile time of a BFCL-sized tool list (first request, then cached) and its first mask (a new state)."""
+    tools = bfcl_tools()
+    for choice in ("required", "auto"):
+        took = []
+        for _ in range(2):
+            t = time.perf_counter()
+            decoder = P.structured_decoder(tok, tools=tools, tool_choice=choice, max_tokens=4096, eos_token_ids=eos)
+            took.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        decoder.token_mask([], VOCAB_ROWS, "cpu")
+        first = (time.perf_counter() - t) * 1e3
+        print(f"compile {len(tools)} tools, tool_choice {choice}: first request {took[0]:.2f} ms, cached "
+              f"{took[1]:.2f} ms; first mask {first:.2f} ms")
+
+
 def percentile(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -115,6 +155,7 @@ def main(argv=None):
     P.structured_decoder(tok, response_format={"type": "json_object"}, max_tokens=4096, eos_token_ids=eos)
     print(f"vocabulary {tok.vocab_size} tokens, {VOCAB_ROWS} logit rows; tokenizer + token facts "
           f"{time.perf_counter() - t:.1f} s (once per tokenizer)")
+    compile_tools(tok, eos)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
     for what in ("first request", "same schema again (cached grammar)"):
         t = time.perf_counter()

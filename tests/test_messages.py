@@ -134,8 +134,8 @@ def test_count_tokens_is_the_rendered_prompt(client, server, llm):
      "messages[0].content[0].type"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
      "messages[0].content[0].type"),
-    ({"max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
-     "tools[0].type"),
+    ({"max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}, {
+        "name": "f", "input_schema": {"type": "object", "required": 5}}]}, "tools[1].input_schema.required"),
     ({"max_tokens": 5, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
      "tool_choice"),
     ({"max_tokens": 50, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 50}},

@@ -140,8 +140,8 @@ def test_reasoning_items_carry_the_thinking_when_asked(client):
 
 
 @pytest.mark.parametrize("field,value,param", [
-    ("tools", [{"type": "web_search"}], "tools[0].type"),
-    ("tools", [{"type": "file_search", "vector_store_ids": ["v"]}], "tools[0].type"),
+    ("tools", [{"type": "web_search"}, {"type": "function", "name": "f", "parameters": {"required": 5}}],
+     "tools[1].parameters.required"),
     ("tools", [{"type": "function", "name": "f", "parameters": {"type": "object", "required": 5}}],
      "tools[0].parameters.required"),
     ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0].type"),

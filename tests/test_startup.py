@@ -260,8 +260,15 @@ def test_budget_weights_match_the_checkpoint_files():
             for d in t.get_shape():
                 n *= d
             stored += n * {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}[t.get_dtype()]
-    estimate = pocketllm.weight_bytes(cfg)
+    estimate = weight_bytes(cfg)
     assert abs(estimate - stored) / stored < 0.02, (estimate, stored)
+
+
+def weight_bytes(cfg, world: int = 1) -> int:
+    """One rank's weights as stored, from the budget's parts: its layer share and its embedding and lm_head rows
+    (one table when tied)."""
+    return pocketllm.layer_bytes(cfg, world) + pocketllm.vocab_bytes(cfg, world) * (1 if cfg.tie_word_embeddings
+                                                                                    else 2)
 
 
 def config_27b() -> "pocketllm.ModelConfig":

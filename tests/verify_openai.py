@@ -229,9 +229,11 @@ class Api:
     def connect(self, timeout: float | None = None) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
 
-    def send(self, conn, method: str, path: str, body=None, anthropic: bool = False) -> None:
-        """anthropic: the key as Anthropic's clients send it (x-api-key), with their version header."""
-        headers = {"Content-Type": "application/json"}
+    def send(self, conn, method: str, path: str, body=None, anthropic: bool = False,
+             extra: dict | None = None) -> None:
+        """anthropic: the key as Anthropic's clients send it (x-api-key), with their version header; extra: more
+        headers (a CLI's own)."""
+        headers = {"Content-Type": "application/json", **(extra or {})}
         if anthropic:
             headers["anthropic-version"] = "2023-06-01"
         if self.api_key:
@@ -241,12 +243,15 @@ class Api:
         conn.request(method, path, body=data, headers=headers)
 
     def request(self, method: str, path: str, body=None, timeout: float | None = None,
-                anthropic: bool = False) -> tuple[int, object]:
+                anthropic: bool = False, headers: dict | None = None) -> tuple[int, object]:
+        """headers: filled with the response's headers, when given."""
         conn = self.connect(timeout)
         try:
             self.send(conn, method, path, body, anthropic)
             resp = conn.getresponse()
             raw = resp.read()
+            if headers is not None:
+                headers.update(resp.getheaders())
         finally:
             conn.close()
         try:
@@ -328,20 +333,24 @@ def read_sse(resp) -> list[dict]:
     return chunks
 
 
-def named_events(api: Api, path: str, body: dict, anthropic: bool = False) -> list[dict]:
-    """A Responses or Messages stream: `event: TYPE` + `data: {"type": TYPE, ...}` pairs, no [DONE]; the datas."""
+def named_events(api: Api, path: str, body: dict, anthropic: bool = False, send_headers: dict | None = None,
+                 headers: dict | None = None) -> list[dict]:
+    """A Responses or Messages stream: `event: TYPE` + `data: {"type": TYPE, ...}` pairs, no [DONE], and SSE
+    comments (keep-alives); the datas. send_headers: extra request headers; headers: filled with the response's."""
     conn = api.connect()
     try:
-        api.send(conn, "POST", path, {**body, "stream": True}, anthropic)
+        api.send(conn, "POST", path, {**body, "stream": True}, anthropic, send_headers)
         resp = conn.getresponse()
         if resp.status != 200:
             raise CheckFailed(f"HTTP {resp.status}: {error_text(json_or_text(resp.read()))}")
         text = resp.read().decode("utf-8")
+        if headers is not None:
+            headers.update(resp.getheaders())
     finally:
         conn.close()
     events = []
     for block in text.split("\n\n"):
-        if not block:
+        if not block or block.startswith(":"):
             continue
         lines = block.split("\n")
         if len(lines) != 2 or not lines[0].startswith("event: ") or not lines[1].startswith("data: "):
@@ -952,6 +961,7 @@ def check_disconnect(ctx: Context) -> str:
 # The other protocols agents speak: OpenAI's Responses API and Anthropic's Messages API, over raw HTTP.
 
 RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+OMITTED = "X-Pocketllm-Omitted-Tools"          # the response header naming the hosted tools left out
 MESSAGES_TOOLS = [{"name": tool["function"]["name"], "description": tool["function"]["description"],
                    "input_schema": tool["function"]["parameters"]} for tool in TOOLS]
 
@@ -1004,12 +1014,15 @@ def check_responses(ctx: Context) -> str:
     deleted = [ctx.api.request("DELETE", f"/v1/responses/{r['id']}")[0] for r in (first, second)]
     if deleted != [200, 200] or ctx.api.request("GET", f"/v1/responses/{first['id']}")[0] != 404:
         raise CheckFailed(f"DELETE /v1/responses/{{id}}: {deleted}, then GET is not 404")
-    status, obj = ctx.api.request("POST", "/v1/responses", {"input": "Hi", "tools": [{"type": "web_search"}]})
-    if status != 400 or obj["error"]["param"] != "tools[0].type":
-        raise CheckFailed(f"a web_search tool: HTTP {status} {error_text(obj)}, not 400 naming tools[0].type")
+    headers = {}
+    status, obj = ctx.api.request("POST", "/v1/responses", {"model": ctx.api.model, "input": "Hi", "max_output_tokens":
+                                  4, "tools": [{"type": "web_search"}], "store": False}, headers=headers)
+    if status != 200 or obj["tools"] != [] or headers.get(OMITTED) != "web_search":
+        raise CheckFailed(f"a web_search tool: HTTP {status} {error_text(obj)}, {OMITTED}: {headers.get(OMITTED)}; "
+                          "not left out and named")
     return (f"{len(events)} events, sequence 0..{len(events) - 1}, stream = non-stream; {calls[0]['name']} call "
             f"answered via previous_response_id ({second['usage']['input_tokens']} input tokens); stored, read, "
-            f"deleted; web_search refused")
+            f"deleted; web_search left out and named")
 
 
 def messages(ctx: Context, path: str = "/v1/messages?beta=true", **body) -> dict:
@@ -1064,6 +1077,117 @@ def check_messages(ctx: Context) -> str:
         raise CheckFailed(f"HEAD / answered {head.status}")
     return (f"{len(events)} events, stream = non-stream; {uses[0]['name']} tool_use answered with a tool_result "
             f"({used} input tokens = count_tokens); Anthropic error shape; HEAD / 200")
+
+
+# The agent CLIs' requests (docs/api.md, "Agent CLIs, headless"): the shapes Codex CLI 0.171, Claude Code 2.1
+# and Qwen Code 0.24 send, fields, item and block kinds, tool kinds and headers as recorded, their long system
+# prompts and tool lists cut short to fit any context, and max tokens bounded. Each CLI's first request, and
+# the request that returns its shell tool's result.
+
+CLI_SHELL_OUTPUT = "Process exited with code 0\nOutput:\nhello\n"
+CODEX_HEADERS = {"originator": "codex_exec", "accept": "text/event-stream", "session-id": "s-1",
+                 "x-codex-turn-metadata": '{"turn_id": "t-1", "sandbox": "seccomp"}'}
+CODEX_TOOLS = [
+    {"type": "function", "name": "exec_command", "description": "Runs a command in a PTY.", "strict": False,
+     "parameters": {"type": "object", "properties": {"cmd": {"type": "string", "description": "Shell command."},
+                                                     "workdir": {"type": "string"}, "login": {"type": "boolean"},
+                                                     "yield_time_ms": {"type": "number"}},
+                    "required": ["cmd"], "additionalProperties": False}},
+    {"type": "namespace", "name": "multi_agent_v1", "description": "Tools for sub-agents.", "tools": [
+        {"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
+         "parameters": {"type": "object", "properties": {"target": {"type": "string"}}, "required": ["target"],
+                        "additionalProperties": False}}]},
+    {"type": "web_search", "external_web_access": False}]
+CLAUDE_HEADERS = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14", "x-app": "cli"}
+CLAUDE_TOOLS = [
+    {"name": "Bash", "description": "Executes a bash command.", "input_schema": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object", "properties": {
+            "command": {"description": "The command to execute", "type": "string"},
+            "timeout": {"description": "Optional timeout in milliseconds", "type": "number"}},
+        "required": ["command"], "additionalProperties": False}},
+    {"name": "DeferredToolPlaceholder", "description": "Reserved placeholder; never call this tool.",
+     "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}]
+QWEN_TOOLS = [{"type": "function", "function": {
+    "name": "run_shell_command", "description": "Executes a shell command.", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}, "is_background": {"type": "boolean"}},
+        "required": ["command"], "$schema": "http://json-schema.org/draft-07/schema#"}}}]
+
+
+def codex_turns(ctx: Context) -> str:
+    text = lambda role, *texts: {"type": "message", "role": role,  # noqa: E731
+                                 "content": [{"type": "input_text", "text": t} for t in texts]}
+    body = {"model": ctx.api.model, "instructions": None, "tools": CODEX_TOOLS, "tool_choice": "auto",
+            "parallel_tool_calls": True, "reasoning": {"summary": "auto"}, "store": False,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "s-1",
+            "client_metadata": {"x-codex-turn-metadata": "{}"}, "max_output_tokens": ctx.args.max_tokens,
+            "input": [text("developer", "You are Codex."), text("developer", "<permissions>", "<skills>"),
+                      text("user", "<environment_context><cwd>/tmp</cwd></environment_context>"),
+                      text("user", "Say hello.")]}
+    del body["instructions"]
+    headers = {}
+    events = named_events(ctx.api, "/v1/responses", body, send_headers=CODEX_HEADERS, headers=headers)
+    final = events[-1]["response"]
+    if headers.get(OMITTED) != "web_search" or [t["name"] for t in final["tools"]] != ["exec_command", "close_agent"]:
+        raise CheckFailed(f"Codex: {OMITTED} {headers.get(OMITTED)!r}, tools {[t['name'] for t in final['tools']]}")
+    call = {"type": "function_call", "id": "fc_1", "status": "completed", "name": "exec_command",
+            "arguments": '{"cmd": "echo hello"}', "call_id": "call_1"}
+    result = {"type": "function_call_output", "id": "fco_1", "call_id": "call_1", "output": CLI_SHELL_OUTPUT}
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Run it."}],
+                 "encrypted_content": "Run it."}
+    events = named_events(ctx.api, "/v1/responses", {**body, "input": body["input"] + [reasoning, call, result]},
+                          send_headers=CODEX_HEADERS)
+    if events[-1]["type"] not in ("response.completed", "response.incomplete"):
+        raise CheckFailed(f"Codex round trip ended with {events[-1]['type']}")
+    return f"Codex {len(events)} events"
+
+
+def claude_turns(ctx: Context) -> str:
+    ctx.api.request("HEAD", "/")
+    cached = {"type": "ephemeral"}
+    body = {"model": ctx.api.model, "max_tokens": ctx.args.max_tokens, "stream": True, "tools": CLAUDE_TOOLS,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1"},
+                       {"type": "text", "text": "You are a Claude agent.", "cache_control": cached}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>x</system-reminder>"},
+                                                      {"type": "text", "text": "Say hello.", "cache_control": cached}]},
+                         {"role": "system", "content": [{"type": "text", "text": "# Environment"}]}],
+            "metadata": {"user_id": '{"device_id": "d", "session_id": "s"}'},
+            "thinking": {"type": "adaptive", "display": "omitted"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"}}
+    events = named_events(ctx.api, "/v1/messages?beta=true", body, anthropic=True, send_headers=CLAUDE_HEADERS)
+    if [e["type"] for e in events[:2]] != ["message_start", "ping"] or events[-1]["type"] != "message_stop":
+        raise CheckFailed(f"Claude Code: events {[e['type'] for e in events][:3]} ... {events[-1]['type']}")
+    use = {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "echo hello"}}
+    result = {"tool_use_id": "toolu_1", "type": "tool_result", "content": "hello", "is_error": False,
+              "cache_control": cached}
+    turn = body["messages"] + [{"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    events = named_events(ctx.api, "/v1/messages?beta=true", {**body, "messages": turn}, anthropic=True,
+                          send_headers=CLAUDE_HEADERS)
+    if events[-1]["type"] != "message_stop":
+        raise CheckFailed(f"Claude Code round trip ended with {events[-1]['type']}")
+    return f"Claude Code {len(events)} events"
+
+
+def qwen_turns(ctx: Context) -> str:
+    parts = [{"type": "text", "text": t} for t in ("<system-reminder>skills</system-reminder>", "Say hello.")]
+    body = {"messages": [{"role": "system", "content": "You are Qwen Code."}, {"role": "user", "content": parts}],
+            "max_tokens": ctx.args.max_tokens, "stream_options": {"include_usage": True}, "tools": QWEN_TOOLS}
+    assemble(ctx.api.stream(**body))
+    call = {"id": "call_1", "type": "function", "function": {"name": "run_shell_command",
+                                                             "arguments": '{"command":"echo hello"}'}}
+    turn = body["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": "call_1",
+                                "content": [{"type": "text", "text": CLI_SHELL_OUTPUT}]}]
+    chunks = ctx.api.stream(**{**body, "messages": turn})
+    if not chunks or "usage" not in chunks[-1]:
+        raise CheckFailed("Qwen Code round trip: no usage chunk at the end")
+    return f"Qwen Code {len(chunks)} chunks"
+
+
+def check_agent_clis(ctx: Context) -> str:
+    """Each CLI's first request and its shell tool's round trip, in the CLI's shapes, answered as streams (the
+    hosted web_search that Codex attaches left out and named)."""
+    return "; ".join(turns(ctx) for turns in (codex_turns, claude_turns, qwen_turns))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1183,6 +1307,7 @@ CHECKS = {
     "disconnect": check_disconnect,
     "responses": check_responses,
     "messages": check_messages,
+    "agent_clis": check_agent_clis,
     "client_openai": check_client_openai,
     "client_langchain": check_client_langchain,
 }
