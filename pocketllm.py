@@ -11829,12 +11829,15 @@ class PocketServer(http.server.ThreadingHTTPServer):
         self.serving_thread.start()
         return self
 
-    def run(self) -> None:
+    def run(self, announce: Callable[[], None] | None = None) -> None:
         """Serve on this thread (or wait for the serving thread start() began) until Ctrl-C, or until SIGTERM has
-        drained the requests in flight."""
+        drained the requests in flight. announce: prints the address once SIGTERM is handled, so a supervisor
+        that signals as soon as it reads the address gets a drain and exit 0, never the default kill."""
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if in_main else None
         try:
+            if announce:
+                announce()                        # a SIGTERM from here on: serve_forever below returns at once
             if self.serving:
                 while self.serving_thread.is_alive():
                     self.serving_thread.join(0.5)
@@ -11946,9 +11949,11 @@ def run_server(llm, args: argparse.Namespace, server: PocketServer | None = None
     server.llm, server.phase = llm, "warming up"
     _log(llm.options, llm.warm_up())
     server.phase = "ready"
-    print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
-    print(f"pocketllm: chat page at {_chat_page_url(args.host, server.port)}", flush=True)
-    server.run()
+
+    def announce():
+        print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
+        print(f"pocketllm: chat page at {_chat_page_url(args.host, server.port)}", flush=True)
+    server.run(announce)
     return 0
 
 
