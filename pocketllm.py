@@ -2384,7 +2384,8 @@ def dummy_tensors(cfg: ModelConfig, stored: torch.dtype = torch.bfloat16, mtp: b
             linear(a + "k_proj", Hk * Dh, D), linear(a + "v_proj", Hk * Dh, D), linear(a + "o_proj", D, Hq * Dh)
             tensor(a + "q_norm.weight", (Dh,), norm), tensor(a + "k_norm.weight", (Dh,), norm)
         else:
-            Hv, Dv, C, g = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim, p + "linear_attn."
+            Hv, Dv, C = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
+            g = p + "linear_attn."
             linear(g + "in_proj_qkv", C, D), linear(g + "in_proj_z", Hv * Dv, D)
             linear(g + "in_proj_a", Hv, D), linear(g + "in_proj_b", Hv, D), linear(g + "out_proj", D, Hv * Dv)
             tensor(g + "conv1d.weight", (C, 1, cfg.linear_conv_kernel_dim), "conv")
@@ -3471,7 +3472,8 @@ class Sampler:
     def token_masks(self, rows: list[SampleRow], size: int) -> tuple[torch.Tensor | None, dict]:
         """The rows' allowed tokens, from allowed_token_ids and their logits processors that are token masks
         (structured output: a `token_mask(ids, size, device)` method), as one (B, V) bool on the device, or None
-        when no row has one; and the rows whose mask raised. Host work and cached device masks only, no synchronisation."""
+        when no row has one; and the rows whose mask raised. Host work and cached device masks only, no
+        synchronisation."""
         found, failed = {}, {}
         for r in rows:                    # every row's host work before the first copy (which waits for the forward)
             for proc in r.seq.params.logits_processors:
