@@ -10738,33 +10738,73 @@ def _client_gone(error: Exception) -> bool:
     return isinstance(error, (ConnectionError, TimeoutError))
 
 
-class DisconnectWatch:
-    """While a request waits on the engine, call on_disconnect if the client closes its socket. A stream needs
-    it as much as a single answer: between its writes (the queue, a long prefill, tokens that add no text) a
-    closed socket is noticed by nothing else, and a write only fails on the second try after the close."""
+class ClientWatch:
+    """One thread per request that watches its client while the request waits on the engine: it calls
+    on_disconnect if the client closes its socket and, while a stream keeps alive (keeping_alive), writes the
+    stream's keep-alive whenever it has been silent for its period. Between a stream's writes (the queue, a long
+    prefill, tokens that add no text) a closed socket is noticed by nothing else, a write only fails on the second
+    try after the close, and a client's read timeout or a proxy cuts a silent stream."""
 
-    def __init__(self, sock: socket.socket, on_disconnect: Callable[[], None]):
-        self.sock, self.on_disconnect, self.done = sock, on_disconnect, threading.Event()
+    POLL_S = 0.05                        # how soon a hang-up is noticed (the chat page's Stop under load)
+
+    def __init__(self, handler, on_disconnect: Callable[[], None]):
+        self.handler, self.on_disconnect, self.done = handler, on_disconnect, threading.Event()
+        self.keepalive: tuple[bytes, float] | None = None      # (payload, seconds of silence before it)
 
     def __enter__(self):
-        threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(target=self._watch, name="pocketllm-client-watch", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.done.set()
 
+    @contextlib.contextmanager
+    def keeping_alive(self, payload: bytes, seconds: float):
+        """Keep-alives for a stream whose headers are out, until its last event; its writes share
+        handler.write_lock with them."""
+        self.keepalive = (payload, seconds)
+        try:
+            yield self
+        finally:
+            with self.handler.write_lock:        # no keep-alive after the stream's last event
+                self.keepalive = None
+
     def _watch(self) -> None:
+        watching = True                          # the socket: no longer once the client's next request waits on it
         while not self.done.is_set():
-            try:
-                if not select.select([self.sock], [], [], 0.05)[0]:
-                    continue
-                if self.sock.recv(1, socket.MSG_PEEK):
-                    return                       # a pipelined next request: the client is still there
-            except (OSError, ValueError):
-                pass                             # reset or closed: gone as well
-            if not self.done.is_set():
-                self.on_disconnect()
+            if watching:
+                state = self._poll()
+            else:
+                self.done.wait(self.POLL_S)
+                state = "pipelined"
+            if state == "gone":
+                if not self.done.is_set():
+                    self.on_disconnect()
+                return
+            watching = state == "quiet"
+            self._beat()
+
+    def _poll(self) -> str:
+        """'quiet' (nothing to read), 'pipelined' (the client's next request is there: it stays) or 'gone'."""
+        sock = self.handler.connection
+        try:
+            if not select.select([sock], [], [], self.POLL_S)[0]:
+                return "quiet"
+            return "pipelined" if sock.recv(1, socket.MSG_PEEK) else "gone"
+        except (OSError, ValueError):
+            return "gone"                        # reset or closed: gone as well
+
+    def _beat(self) -> None:
+        """The keep-alive, if the stream has been silent for its period; never while it writes an event."""
+        if self.keepalive is None or not self.handler.write_lock.acquire(blocking=False):
             return
+        try:
+            if self.keepalive and time.monotonic() - self.handler.last_write >= self.keepalive[1]:
+                self.handler.write_sse(self.keepalive[0])
+        except Exception:                         # the client left: the socket or the stream's next write says so
+            self.keepalive = None
+        finally:
+            self.handler.write_lock.release()
 
 
 def prefix_hash(llm, prompt_ids: list[int]) -> str | None:
@@ -10791,33 +10831,6 @@ def prefix_hash_header(llm, completion) -> dict:
     inner = getattr(completion, "completion", completion)
     key = prefix_hash(llm, inner.stream.request.prompt_ids)
     return {PREFIX_HASH_HEADER: key} if key else {}
-
-
-class KeepAlive:
-    """While a stream waits for its next event (a long prompt prefilling, from the moment the request was
-    admitted), send `payload` each time `seconds` pass with nothing written, so that clients' read timeouts and
-    proxies do not cut it. The stream's own writes share handler.write_lock with it."""
-
-    def __init__(self, handler, payload: bytes, seconds: float):
-        self.handler, self.payload, self.seconds, self.stopped = handler, payload, seconds, threading.Event()
-
-    def __enter__(self):
-        threading.Thread(target=self._beat, name="pocketllm-keepalive", daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self.handler.write_lock:            # no keep-alive after the stream's last event
-            self.stopped.set()
-
-    def _beat(self) -> None:
-        while not self.stopped.wait(self.seconds / 4):
-            with self.handler.write_lock:
-                if self.stopped.is_set() or time.monotonic() - self.handler.last_write < self.seconds:
-                    continue
-                try:
-                    self.handler.write_sse(self.payload)
-                except Exception:                 # the client left: the stream's next write finds out
-                    return
 
 
 # The endpoints. Each takes the handler, the path match and the raw body, and sends one response.
@@ -11610,16 +11623,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
         def client_left() -> None:
             self.client_left = True
             completion.abort()
-        with DisconnectWatch(self.connection, client_left):
+        with ClientWatch(self, client_left) as watch:
             if completion.stream_mode:
-                self.send_stream(completion.chunks(), named_events, headers)
+                self.send_stream(completion.chunks(), watch, named_events, headers)
                 return
             response = completion.response()
         self.send_json(200, response, headers)
 
-    def send_stream(self, chunks: Iterator[dict], named_events: bool = False, headers: dict | None = None) -> None:
+    def send_stream(self, chunks: Iterator[dict], watch: ClientWatch, named_events: bool = False,
+                    headers: dict | None = None) -> None:
         """SSE over chunked transfer encoding, so the connection stays alive for the next request. Named events
-        (the Responses and Messages protocols) carry an `event:` line, their type, and end without [DONE]."""
+        (the Responses and Messages protocols) carry an `event:` line, their type, and end without [DONE]. From
+        the headers on, watch keeps the stream alive while it waits: Anthropic's ping on /v1/messages, an SSE
+        comment on the OpenAI streams."""
         self.answered = True
         self.server.metrics.count(self.endpoint, 200)
         self.send_response(200)
@@ -11630,10 +11646,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.end_headers()
         self.last_write = time.monotonic()
-        keepalive = KeepAlive(self, SSE_PING if self.endpoint.startswith("/v1/messages") else SSE_COMMENT,
-                              self.server.keepalive_seconds)
+        payload = SSE_PING if self.endpoint.startswith("/v1/messages") else SSE_COMMENT
         try:
-            with keepalive:
+            with watch.keeping_alive(payload, self.server.keepalive_seconds):
                 while True:
                     try:
                         chunk = next(chunks)
@@ -11655,7 +11670,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             chunks.close()                        # aborts the request if the client left
 
     def send_event(self, data: dict | str, named: bool = False) -> None:
-        if self.client_left:                      # the DisconnectWatch saw it leave: no one reads this
+        if self.client_left:                      # the ClientWatch saw it leave: no one reads this
             raise ConnectionResetError("the client closed the connection")
         text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
         payload = (b"event: " + data["type"].encode() + b"\n" if named else b"") + b"data: " + text.encode() + b"\n\n"

@@ -10,6 +10,8 @@ than the client's read timeout, so without keep-alives the client would have giv
 
 import http.client
 import json
+import socket
+import threading
 import time
 
 import anthropic
@@ -60,10 +62,17 @@ def timed_lines(port: int, path: str, body: dict) -> list[tuple[float, str]]:
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
-    lines = []
-    while (line := response.fp.readline().decode().rstrip("\r\n")) != "0":     # raw chunks, to the last one
-        lines.append((time.monotonic() - start, line))
+    lines = sse_lines(response.fp, start)
     conn.close()
+    return lines
+
+
+def sse_lines(fp, start: float, on_line=lambda line: None) -> list[tuple[float, str]]:
+    """(seconds since start, line) for the chunked SSE body read from fp, to its last chunk."""
+    lines = []
+    while (line := fp.readline().decode().rstrip("\r\n")) != "0":              # raw chunks, to the last one
+        lines.append((time.monotonic() - start, line))
+        on_line(line)
     return [(t, line) for t, line in lines if not _chunk_size(line)]
 
 
@@ -81,9 +90,8 @@ def first_token_at(lines: list[tuple[float, str]], path: str) -> float:
     return lines[-1][0]
 
 
-@pytest.mark.parametrize("path", list(BODIES))
-def test_keepalives_while_the_prompt_prefills(server, path):
-    lines = timed_lines(server.port, path, BODIES[path](long_prompt(path)))
+def check_kept_alive(lines: list[tuple[float, str]], path: str) -> None:
+    """Keep-alives every KEEPALIVE_S while the prompt prefilled, which took longer than a client's read timeout."""
     first = first_token_at(lines, path)
     assert first > READ_TIMEOUT_S, f"the prefill took {first:.2f} s, too short for this test's premise"
     waiting = [(t, line) for t, line in lines if t < first and line]
@@ -96,6 +104,49 @@ def test_keepalives_while_the_prompt_prefills(server, path):
         assert all(lines[i + 1][1] == 'data: {"type": "ping"}' for i in pings)
     else:
         assert "event: ping" not in [line for _, line in lines]
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_keepalives_while_the_prompt_prefills(server, path):
+    check_kept_alive(timed_lines(server.port, path, BODIES[path](long_prompt(path))), path)
+
+
+def _head(fp) -> tuple[int, dict]:
+    status = int(fp.readline().split()[1])
+    headers = {}
+    while line := fp.readline().decode().strip():
+        name, _, value = line.partition(":")
+        headers[name.lower()] = value.strip()
+    return status, headers
+
+
+def test_one_watcher_keeps_a_pipelined_stream_alive(server):
+    """One thread per stream both watches for the hang-up and keeps the stream alive. A client that sends its
+    next request on the connection before the stream ends (HTTP/1.1 pipelining) is no hang-up: its stream still
+    gets keep-alives, then both answers come in order."""
+    path = "/v1/chat/completions"
+    requests = b""
+    for body in (BODIES[path](long_prompt("pipelined")), {**BODIES[path]("Hi"), "stream": False}):
+        data = json.dumps(body).encode()
+        requests += (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % (path.encode(), len(data)) + data)
+    watchers = []
+
+    def count_watchers(line: str) -> None:
+        if line == ": keep-alive" and not watchers:
+            names = [thread.name for thread in threading.enumerate()]
+            watchers.append((names.count("pocketllm-client-watch"), len(names)))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        fp = sock.makefile("rb")
+        start = time.monotonic()
+        sock.sendall(requests)              # both at once: the second waits in the socket while the first streams
+        assert _head(fp)[0] == 200
+        check_kept_alive(sse_lines(fp, start, count_watchers), path)
+        assert fp.readline() == b"\r\n"
+        status, headers = _head(fp)
+        answer = json.loads(fp.read(int(headers["content-length"])))
+    assert status == 200 and answer["object"] == "chat.completion"
+    assert watchers and watchers[0][0] == 1, watchers       # the stream's one watcher, no second thread
 
 
 def test_openai_sdk_parses_kept_alive_streams(server):
