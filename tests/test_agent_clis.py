@@ -51,6 +51,7 @@ MARKER = "pocketllm-round-trip-51"
 COMMAND = f"echo {MARKER}"
 # The CLI's shell tool: (its name, the argument holding the command).
 SHELL = {"codex": ("exec_command", "cmd"), "claude": ("Bash", "command"), "qwen": ("run_shell_command", "command")}
+CODEX_PROVIDER = "codex provider"   # a settings key: lines for Codex's provider block in config.toml
 QUIET_ENV = {"NO_UPDATE_NOTIFIER": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
              "DISABLE_ERROR_REPORTING": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
              "QWEN_TELEMETRY_ENABLED": "false", "CI": "1"}
@@ -255,7 +256,9 @@ class ProxyHandler(http.server.BaseHTTPRequestHandler):
 def run_cli(name: str, tmp_path: Path, server, prompt: str, force_call: bool, adjusting: bool = True,
             timeout: float = 420, model: str = MODEL,
             settings: dict | None = None) -> tuple[subprocess.CompletedProcess, Harness]:
-    """Run one CLI headless with its documented local-server settings (and `settings`), through the harness."""
+    """Run one CLI headless with its documented local-server settings, through the harness. settings: more of the
+    CLI's documented ones, environment variables (and for Codex, lines of its provider block at CODEX_PROVIDER)."""
+    settings = dict(settings or {})
     exe = cli_or_skip(name)
     harness = Harness(server.port, SHELL[name], force_call, adjusting)
     harness.server_log = server.log
@@ -268,7 +271,7 @@ def run_cli(name: str, tmp_path: Path, server, prompt: str, force_call: bool, ad
         (home / "codex").mkdir(exist_ok=True)
         (home / "codex" / "config.toml").write_text(
             f'model = "{model}"\nmodel_provider = "pocketllm"\n\n[model_providers.pocketllm]\nname = "pocketllm"\n'
-            f'base_url = "{base}/v1"\nwire_api = "responses"\n')
+            f'base_url = "{base}/v1"\nwire_api = "responses"\n{settings.pop(CODEX_PROVIDER, "")}\n')
         env["CODEX_HOME"] = str(home / "codex")
         args = [str(exe), "exec", "--skip-git-repo-check", prompt]
     elif name == "claude":
@@ -277,7 +280,7 @@ def run_cli(name: str, tmp_path: Path, server, prompt: str, force_call: bool, ad
     else:
         env.update(OPENAI_BASE_URL=f"{base}/v1", OPENAI_API_KEY="sk-local", OPENAI_MODEL=model)
         args = [str(exe), *(["--approval-mode", "yolo"] if force_call else []), "-p", prompt]
-    env.update(settings or {})           # a CLI's own documented settings beyond these (BUNDLED_ENV)
+    env.update(settings)
     try:
         result = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=timeout,
                                 stdin=subprocess.DEVNULL)
@@ -328,9 +331,13 @@ def test_tool_round_trip(name, server, tmp_path):
 # POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN=1, passed on to the server, serves the whole context past the trained length.
 BUNDLED = ROOT / "models" / "pocket-tiny"
 BUNDLED_CONTEXT = {"codex": 32768, "claude": 65536, "qwen": 65536}
-# Qwen Code asks for max_tokens 32000 on top of its 43k-token prompt unless told less; its documented setting for
-# a capacity-bound self-hosted server makes prompt and answer fit 64k.
-BUNDLED_ENV = {"qwen": {"QWEN_CODE_MAX_OUTPUT_TOKENS": "16000"}}
+# The settings docs/serving.md gives for a CPU, each the CLI's own documented one: Qwen Code asks for max_tokens
+# 32000 on top of its 34k-token prompt (44k with its shell tool) unless told less, and 16000 fits 64k; Codex's and
+# Qwen Code's stream idle timeouts (5 and 4 minutes) count events, not the server's SSE comment keep-alives, and a
+# CPU prefill of these prompts outlasts them (the CLI then retries), so they are raised to 30 minutes.
+BUNDLED_SETTINGS = {"codex": {CODEX_PROVIDER: "stream_idle_timeout_ms = 1800000"},
+                    "qwen": {"QWEN_CODE_MAX_OUTPUT_TOKENS": "16000", "QWEN_STREAM_IDLE_TIMEOUT_MS": "1800000",
+                             "QWEN_STREAM_MAX_LIFETIME_MS": "3600000"}}
 
 
 def trained_context(path: Path) -> int:
@@ -363,7 +370,7 @@ def _refused_for_context(harness: Harness) -> str | None:
 @pytest.mark.parametrize("name", list(SHELL))
 def test_plain_exchange_with_the_bundled_model(name, bundled_server, tmp_path):
     result, harness = run_cli(name, tmp_path, bundled_server, "Say hello.", force_call=False, adjusting=False,
-                              timeout=1800, model="pocket-tiny", settings=BUNDLED_ENV.get(name))
+                              timeout=1800, model="pocket-tiny", settings=BUNDLED_SETTINGS.get(name))
     if refusal := _refused_for_context(harness):
         pytest.skip(f"pocket-tiny holds {trained_context(BUNDLED)} positions, short of {name}'s first request: "
                     f"{refusal}")
