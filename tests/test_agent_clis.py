@@ -69,8 +69,11 @@ def cli_or_skip(name: str) -> Path:
 
 def cli_installed() -> None:
     """Skip before a server starts when node or every CLI is missing."""
-    if shutil.which("node") is None or not any((BIN / name).exists() for name in SHELL):
-        cli_or_skip(next(iter(SHELL)))
+    if shutil.which("node") is None:
+        pytest.skip("needs node (and npm) for the agent CLIs")
+    if not any((BIN / name).exists() for name in SHELL):
+        pytest.skip(f"needs the agent CLIs: npm install --prefix build/agent-clis {' '.join(PINS.values())} "
+                    "(.ci/run installs them)")
 
 
 def _log_tail(path: Path, chars: int = 3000) -> str:
