@@ -3811,10 +3811,11 @@ class DeviceQueue:
         self.cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None
         self.queued: list[concurrent.futures.Future] = []     # CPU: work submitted and not yet waited for
-        self.reads = 0                                         # host reads of step results, for tests
+        self.launches = self.reads = 0                         # steps launched / host reads of results, for tests
 
     def launch(self, work: Callable[[], tuple[torch.Tensor, dict]]):
         """Queue work() -> (packed result on the device, host-side facts); read() gets them back."""
+        self.launches += 1
         if self.cuda:
             packed, facts = work()
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -4726,10 +4727,11 @@ class Engine:
 
     def _overlaps(self, plan: list[Scheduled]) -> bool:
         """A step async scheduling may launch: plain decode of every running sequence, none of which needs the
-        host between steps (a grammar's mask or a logits processor reads the last token on the host)."""
+        host between steps: a grammar's mask or a logits processor reads the last token on the host, unless it
+        says it does not (`reads_ids` false: the call-token ban of a chat request without tools)."""
         return self.overlap and {p.seq for p in plan} == set(self.scheduler.running) and all(
-            p.count == 1 and p.sample and p.start > 0 and p.seq.output_ids and not p.seq.params.logits_processors
-            for p in plan)
+            p.count == 1 and p.sample and p.start > 0 and p.seq.output_ids and
+            not any(getattr(proc, "reads_ids", True) for proc in p.seq.params.logits_processors) for p in plan)
 
     def _follow_up(self, prev: InFlight) -> list[Scheduled] | None:
         """Step N + 1's plan while step N is in flight: every sequence of N that is neither finished nor known to
@@ -8803,6 +8805,7 @@ class StructuredDecoder:
         self.max_tokens, self.budget, self.min_tokens = max_tokens, budget, min_tokens
         self.think = think and grammar is not None
         self.forced = grammar.start_after(_THINK_FORCED_CLOSE) if self.think else None
+        self.reads_ids = grammar is not None     # else the mask is the ban, whatever came before (async scheduling)
         self._cursors: dict = {}
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict = {}

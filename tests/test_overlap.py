@@ -1,0 +1,191 @@
+"""Async scheduling (--async-scheduling, issue 49 item 3): step N + 1 is planned and launched before step N's
+tokens are read, so the host's postprocessing overlaps the device's forward.
+
+- The overlap: with a forward that takes a fixed time (on the device queue's worker thread) and a host
+  postprocess that takes a fixed time, a decode step takes about the longer of the two rather than their sum, and
+  the host reads each step's result exactly once.
+- Exactness: the bundled pocket-tiny gives the same outputs with and without it, request by request (greedy,
+  seeded temperature 1 with penalties and logprobs, stop strings, tool calls, structured output, n > 1, and a
+  batch whose sequences finish at different steps), and the resources come back.
+"""
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+import pocketllm
+
+FORWARD_S, HOST_S = 0.06, 0.10          # the fixed forward and host-postprocess times of the timing test
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast for a city.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string"}, "days": {"type": "integer"}},
+                                                 "required": ["city", "days"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """pocket-tiny twice, without speculation (verify windows run one step at a time): async scheduling off, on."""
+    llms = [pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=8, max_context=1024, speculative_tokens=0,
+                          async_scheduling=flag) for flag in (False, True)]
+    assert [llm.engine.overlap for llm in llms] == [False, True]
+    yield llms
+    for llm in llms:
+        llm.close()
+
+
+def both(pair, call):
+    """call(llm) on both engines; returns (off, on, steps the async engine launched while answering)."""
+    launched = pair[1].engine.device.launches
+    off, on = call(pair[0]), call(pair[1])
+    assert pair[0].engine.device.launches == 0
+    return off, on, pair[1].engine.device.launches - launched
+
+
+def strip_ids(response):
+    """A chat response without what differs between any two calls: ids and timestamps."""
+    if isinstance(response, dict):
+        return {k: strip_ids(v) for k, v in response.items() if k not in ("id", "created")}
+    if isinstance(response, list):
+        return [strip_ids(v) for v in response]
+    return response
+
+
+def test_greedy_and_seeded_sampling_with_penalties_are_identical(pair):
+    for params in ({"temperature": 0, "max_tokens": 40},
+                   {"temperature": 1.0, "seed": 11, "max_tokens": 40, "presence_penalty": 0.6,
+                    "frequency_penalty": 0.4, "repetition_penalty": 1.3, "top_k": 50, "top_p": 0.95,
+                    "min_tokens": 6, "logprobs": 3, "logit_bias": {220: -2.0}}):
+        off, on, launched = both(pair, lambda llm: llm.generate("Once upon a time", **params))
+        assert off == on and off["completion_tokens"] >= 6
+        assert launched >= off["completion_tokens"] - 2      # every decode step but the prefill's ran overlapped
+
+
+def test_n_choices_are_identical(pair):
+    off, on, launched = both(pair, lambda llm: llm.generate("The weather in Paris", n=3, temperature=1.0, seed=5,
+                                                            max_tokens=24, frequency_penalty=0.5))
+    assert off == on and len({tuple(c["token_ids"]) for c in off["choices"]}) > 1
+    assert launched >= max(c["completion_tokens"] for c in off["choices"]) - 2
+
+
+def test_stop_strings_are_identical(pair):
+    full = pair[0].generate("Once upon a time", temperature=0, max_tokens=30, ignore_eos=True)
+    stop = full["text"][len(full["text"]) // 2:][:4]
+    assert stop.strip()
+    off, on, launched = both(pair, lambda llm: llm.generate("Once upon a time", temperature=0, max_tokens=30,
+                                                            ignore_eos=True, stop=[stop]))
+    assert off == on and off["finish_reason"] == "stop" and off["text"] == full["text"][:full["text"].find(stop)]
+    assert launched > 0
+
+
+def test_tool_calls_are_identical(pair):
+    """A chat without tools (its processor only bans the call token, whatever came before) runs overlapped; one
+    with tools decodes under its grammar (auto mode too: an opened call's arguments follow the schema), and while
+    it runs the whole batch steps one at a time. Streamed side by side, both answers are the same either way."""
+    story = [{"role": "user", "content": "Tell me a story."}]
+
+    def run(llm):
+        tools = llm.chat(ASK, tools=WEATHER, temperature=0, max_tokens=80, stream=True, **NO_THINKING)
+        text = llm.chat(story, temperature=1.0, seed=4, max_tokens=80, frequency_penalty=0.2, stream=True)
+        return [strip_ids(list(tools)), strip_ids(list(text))]
+    off, on, launched = both(pair, run)
+    assert off == on and launched > 0
+    assert any(c["choices"][0]["delta"].get("tool_calls") for c in off[0] if c.get("choices")), off[0]
+    alone, alone_on, launched = both(pair, lambda llm: llm.chat(story, temperature=0, max_tokens=40))
+    assert strip_ids(alone) == strip_ids(alone_on) and launched >= alone["usage"]["completion_tokens"] - 2
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    off, on, launched = both(pair, lambda llm: llm.chat(ASK, tools=WEATHER, tool_choice=forced, temperature=1.0,
+                                                        seed=3, max_tokens=60, **NO_THINKING))
+    assert strip_ids(off) == strip_ids(on) and off["choices"][0]["message"]["tool_calls"] and launched == 0
+
+
+def test_structured_output_is_identical(pair):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": schema, "strict": True}}
+    off, on, launched = both(pair, lambda llm: llm.chat(ASK, response_format=fmt, temperature=1.0, seed=9,
+                                                        max_tokens=60))
+    assert strip_ids(off) == strip_ids(on) and launched == 0
+    assert off["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_batch_finishing_at_different_steps_is_identical_and_frees_everything(pair):
+    """Sequences that stop (EOS), run out of max_tokens and keep going share the overlapped steps; each request's
+    events are the same, and every block and slot comes back (a finished sequence's last token was computed by
+    the step after it, and its slot was freed only once that step was read)."""
+    prompts = ["Hello, who are you?", "Once upon a time", "The weather in Paris", "1, 2, 3,", "Tell me a joke"]
+
+    def run(llm):
+        streams = [llm.submit(llm.tokenizer.encode(p), pocketllm.SamplingParams(
+            max_tokens=3 + 9 * i, temperature=1.0 if i % 2 else 0.0, seed=i, presence_penalty=0.3 * (i % 2)))
+            for i, p in enumerate(prompts)]
+        out = [[(ev.index, ev.token_ids, ev.finish_reason) for ev in s] for s in streams]
+        deadline = time.monotonic() + 10
+        while llm.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = llm.stats()
+        return out, (stats["running"], stats["slots_used"], stats["kv_blocks_used"])
+    (off, freed_off), (on, freed_on), launched = both(pair, run)
+    assert off == on and launched > 10
+    assert freed_off == freed_on == (0, 0, 0)
+    assert {e[-1][2] for e in off} == {"stop", "length"}          # both kinds of finish were in the batch
+
+
+def test_speculation_runs_one_step_at_a_time():
+    llm = pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=2, max_context=256)
+    try:
+        assert llm.engine.draft_tokens and not llm.engine.overlap
+    finally:
+        llm.close()
+
+
+def decode_period(llm, overlap: bool, steps: int = 6) -> tuple[float, int]:
+    """Seconds per decode step of a fresh engine on llm's model, its forward FORWARD_S slower and its host
+    postprocess HOST_S slower; and how many times the host read a step's result in those steps."""
+    opts = dataclasses.replace(llm.options, async_scheduling=overlap)
+    engine = pocketllm.Engine(llm.model, opts, llm.engine.eos_ids, llm.kv_dtype)
+    for i in range(4):
+        params = pocketllm.SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True,
+                                          repetition_penalty=1.1)
+        params.validate(llm.config.vocab_size)
+        engine.add(pocketllm.Request(f"r{i}", llm.tokenizer.encode(f"Story number {i}:"), params, i))
+    while not (engine.scheduler.running and all(s.output_ids for s in engine.scheduler.running)):
+        engine.step()                                    # the prefill (one step at a time either way)
+    forward, apply = engine.run_batch, engine._apply
+
+    def slow_forward(batch):
+        time.sleep(FORWARD_S)
+        return forward(batch)
+
+    def slow_host(*args):
+        time.sleep(HOST_S)
+        return apply(*args)
+    engine.run_batch, engine._apply = slow_forward, slow_host
+    engine.step()                                        # the first overlapped step only launches
+    reads, start = engine.device.reads, time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    period, reads = (time.perf_counter() - start) / steps, engine.device.reads - reads
+    engine.run_batch, engine._apply = forward, apply
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["slots_used"] == 0 and engine.blocks.used == 0
+    engine.fail_all("done")
+    return period, reads
+
+
+def test_the_step_takes_the_longer_of_forward_and_host_not_their_sum(pair):
+    """The forward sleeps FORWARD_S on the device queue's thread before the model runs (about 40 ms more here);
+    the host's postprocess sleeps HOST_S. One at a time a step takes their sum and the model's time; overlapped,
+    the longer of the host and forward + model (about 100 ms). The bounds leave 50 ms for a loaded machine."""
+    serial, serial_reads = decode_period(pair[0], overlap=False)
+    overlapped, overlapped_reads = decode_period(pair[1], overlap=True)
+    print(f"decode step: {1000 * serial:.1f} ms one at a time, {1000 * overlapped:.1f} ms overlapped "
+          f"(forward {1000 * FORWARD_S:.0f} ms + host {1000 * HOST_S:.0f} ms, + the model's own time)")
+    assert serial_reads == overlapped_reads == 6                        # one host read per step
+    assert serial >= FORWARD_S + HOST_S                                 # the sum, and the model's own time
+    assert HOST_S <= overlapped < FORWARD_S + HOST_S, (serial, overlapped)
+    assert overlapped < 0.75 * serial, (serial, overlapped)
