@@ -189,3 +189,44 @@ def test_the_step_takes_the_longer_of_forward_and_host_not_their_sum(pair):
     assert serial >= FORWARD_S + HOST_S                                 # the sum, and the model's own time
     assert HOST_S <= overlapped < FORWARD_S + HOST_S, (serial, overlapped)
     assert overlapped < 0.75 * serial, (serial, overlapped)
+
+
+def test_one_host_read_per_step_on_fake_cuda():
+    """Device honesty (tests/fake_cuda.py): on fake CUDA tensors, where every read of device data on the host is
+    counted, the overlapped steps gather their input tokens on the device and the host reads each step's result
+    once: host reads outside the forwards == forwards (short prompts: each forward samples) == the engine's
+    counted reads."""
+    from fake_cuda import CUDA, fake_cuda, model_to
+    from test_fake_cuda import cpu_model
+    ckpt, tokenizer = pocketllm.Checkpoint(pocketllm.DEFAULT_CKPT), pocketllm.Tokenizer(pocketllm.DEFAULT_CKPT)
+    eos = pocketllm._eos_ids(ckpt, tokenizer)
+    model = cpu_model((ckpt, tokenizer, eos))
+    with fake_cuda() as real:
+        options = pocketllm.EngineOptions(backend="torch", device="cuda", quiet=True, max_context=96, max_batch_size=8,
+                                          speculative_tokens=0)
+        engine = pocketllm.Engine(model_to(model, CUDA), options, eos, torch.float16)
+        assert engine.overlap and engine.device.cuda and not engine.device.events
+        forwards, run_batch = [], engine.run_batch
+
+        def counted(batch):                              # the torch backend's own reads (prefill loops) apart
+            before = len(real.host_reads)
+            logits = run_batch(batch)
+            forwards.append(len(real.host_reads) - before)
+            return logits
+        engine.run_batch = counted
+        features = [dict(temperature=0, max_tokens=6), dict(temperature=1.0, seed=3, n=2, max_tokens=9,
+                                                             presence_penalty=0.5, repetition_penalty=1.2),
+                    dict(temperature=0.8, top_k=20, top_p=0.9, logprobs=2, max_tokens=4, min_tokens=2)]
+        requests = [pocketllm.Request(f"r{i}", [5 + i, 6, 7], pocketllm.SamplingParams(ignore_eos=True, **kw), 7)
+                    for i, kw in enumerate(features)]
+        for req in requests:
+            engine.add(req)
+        while engine.has_work():
+            engine.step()
+    assert engine.device.launches >= 5
+    assert len(real.host_reads) - sum(forwards) == len(forwards) == engine.device.reads, real.host_reads
+    for req, kw in zip(requests, features):
+        events = list(req.events.queue)
+        assert all(ev.finish_reason != "error" for ev in events), [ev.error for ev in events]
+        for i in range(req.params.n):
+            assert sum(len(ev.token_ids) for ev in events if ev.index == i) == kw["max_tokens"]
