@@ -142,11 +142,57 @@ def test_speculation_runs_one_step_at_a_time():
         llm.close()
 
 
+def engine_on(llm, overlap: bool) -> pocketllm.Engine:
+    """A fresh engine on llm's model (its own cache), async scheduling off or on."""
+    return pocketllm.Engine(llm.model, dataclasses.replace(llm.options, async_scheduling=overlap),
+                            llm.engine.eos_ids, llm.kv_dtype)
+
+
+def add(engine, llm, rid: str, prompt: str, **sampling):
+    params = pocketllm.SamplingParams(**sampling)
+    params.validate(llm.config.vocab_size)
+    req = pocketllm.Request(rid, llm.tokenizer.encode(prompt), params, 5)
+    engine.add(req)
+    return req
+
+
+def test_arrivals_and_aborts_mid_chain(pair):
+    """Step by step, the same script on both engines: two requests decode, a third arrives at step 6 (the
+    overlapped chain stops so it is admitted at the same step as without overlap, and resumes once it decodes),
+    one is aborted at step 12. The others' tokens are the same; the aborted one's are a prefix of what it got
+    without overlap (its token in flight is dropped); everything is freed."""
+    results = []
+    for overlap in (False, True):
+        engine = engine_on(pair[overlap], overlap)
+        reqs = [add(engine, pair[0], "a", "Once upon a time", max_tokens=30, temperature=0, ignore_eos=True),
+                add(engine, pair[0], "b", "Tell me a joke", max_tokens=30, temperature=1.0, seed=2,
+                    frequency_penalty=0.4, ignore_eos=True)]
+        for step in range(200):
+            if step == 6:
+                reqs.append(add(engine, pair[0], "c", "1, 2, 3,", max_tokens=12, temperature=1.0, seed=4,
+                                repetition_penalty=1.2, ignore_eos=True))
+            if step == 12:
+                engine.abort("b")
+            if not engine.has_work():
+                break
+            engine.step()
+        assert engine.stats()["slots_used"] == 0 and engine.blocks.used == 0
+        results.append(([drain_tokens(r) for r in reqs], engine.device.launches))
+        engine.fail_all("done")
+    (off, _), (on, launched) = results
+    assert on[0] == off[0] and on[2] == off[2] and launched > 15
+    assert on[1][1] == off[1][1] == "abort" and off[1][0][:len(on[1][0])] == on[1][0] and len(on[1][0]) >= 8
+
+
+def drain_tokens(req) -> tuple[list[int], str]:
+    events = list(req.events.queue)
+    return [t for ev in events for t in ev.token_ids], events[-1].finish_reason
+
+
 def decode_period(llm, overlap: bool, steps: int = 6) -> tuple[float, int]:
     """Seconds per decode step of a fresh engine on llm's model, its forward FORWARD_S slower and its host
     postprocess HOST_S slower; and how many times the host read a step's result in those steps."""
-    opts = dataclasses.replace(llm.options, async_scheduling=overlap)
-    engine = pocketllm.Engine(llm.model, opts, llm.engine.eos_ids, llm.kv_dtype)
+    engine = engine_on(llm, overlap)
     for i in range(4):
         params = pocketllm.SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True,
                                           repetition_penalty=1.1)
