@@ -3211,6 +3211,15 @@ class Scheduler:
 _MASK64 = (1 << 64) - 1
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor copied to `device` without the host waiting: on a GPU a plain .to() from pageable memory
+    waits for every kernel queued before it (async scheduling would wait for the step in flight); from pinned
+    memory without blocking it is queued behind them."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():   # (not on tests' fake CUDA)
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def splitmix64(x: int) -> int:
     """SplitMix64's finaliser (Steele, Lea, Flood 2014): an integer -> 64 well-mixed bits."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -3264,7 +3273,7 @@ class RowTable:
         names = [f.name for f in dataclasses.fields(cls) if f.name != "uniform"]
         host = torch.tensor([[float(getattr(p, n)) for n in names] + [u] for p, u in zip(params, uniforms)],
                             dtype=torch.float64).reshape(len(params), len(names) + 1)   # (B, C)
-        return cls(*host.to(device).unbind(1))
+        return cls(*to_device(host, device).unbind(1))
 
     def __getitem__(self, index) -> "RowTable":
         """The rows at `index` (a (b,) tensor of row numbers)."""
@@ -3426,7 +3435,7 @@ class Sampler:
         picks = [r.logit_row for r in rows]
         raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
         table = RowTable.build([r.params for r in rows], [self._uniform(r, salt) for r in rows], self.device)
-        slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long).to(self.device)   # (B,)
+        slots = to_device(torch.tensor([r.seq.slot for r in rows], dtype=torch.long), self.device)   # (B,)
         for r in rows:
             self._own(r.seq.slot, r)
         x, failed = self.process(raw.clone(), rows, table, slots, masks)
@@ -3446,16 +3455,16 @@ class Sampler:
         """judge_drafts on the rows that have a draft. Returns (accepted (B,), tokens (B,), counted (B,) int32:
         1 for the rows whose token is emitted, i.e. every earlier row of its window accepted its draft)."""
         have = [i for i, r in enumerate(rows) if r.draft is not None]
-        at = torch.tensor(have, dtype=torch.long).to(self.device)
+        at = to_device(torch.tensor(have, dtype=torch.long), self.device)
         V = x.shape[-1]
         q = torch.stack([r.draft_probs if r.draft_probs is not None else x.new_zeros(V) for r in rows])[at]
-        drafts = torch.tensor([rows[i].draft for i in have], dtype=torch.long).to(self.device)
+        drafts = to_device(torch.tensor([rows[i].draft for i in have], dtype=torch.long), self.device)
         accept_u = torch.tensor([self._uniform(rows[i], ACCEPT_SALT) for i in have], dtype=torch.float32)
-        ok, judged = judge_drafts(x[at], table[at], tokens[at], drafts, q, accept_u.to(self.device))
+        ok, judged = judge_drafts(x[at], table[at], tokens[at], drafts, q, to_device(accept_u, self.device))
         accepted = torch.zeros_like(tokens, dtype=torch.bool).index_put((at,), ok)
         tokens = tokens.index_put((at,), judged)
         rejected = (~accepted).int().cumsum(0) - (~accepted).int()                 # (B,) rejections before a row
-        first = torch.tensor([i - len(r.ahead) for i, r in enumerate(rows)], dtype=torch.long).to(self.device)
+        first = to_device(torch.tensor([i - len(r.ahead) for i, r in enumerate(rows)], dtype=torch.long), self.device)
         return accepted, tokens, (rejected == rejected[first]).int()
 
     def unpack(self, rows: list[SampleRow], packed: torch.Tensor, failed: dict) -> SampleResult:
@@ -3483,7 +3492,7 @@ class Sampler:
             counts = self.counts[slots]                                            # (B, V)
             ahead = [(i, t) for i, r in enumerate(rows) for t in r.ahead]         # drafts count as generated
             if ahead:
-                at = torch.tensor(ahead, dtype=torch.long).to(x.device)
+                at = to_device(torch.tensor(ahead, dtype=torch.long), x.device)
                 counts = counts.index_put((at[:, 0], at[:, 1]), torch.ones_like(at[:, 0], dtype=torch.int32),
                                           accumulate=True)
             x = apply_penalties(x, counts, self.prompt_seen[slots], table)
@@ -3529,7 +3538,7 @@ class Sampler:
         if params.allowed_mask is None:
             mask = torch.zeros(size, dtype=torch.bool)
             mask[params.allowed] = True
-            params.allowed_mask = mask.to(self.device)
+            params.allowed_mask = to_device(mask, self.device)
         return params.allowed_mask
 
     @staticmethod
@@ -3546,10 +3555,11 @@ class Sampler:
         self.counts[slot] = 0
         self.prompt_seen[slot] = False
         if r.seq.output_ids:
-            out = torch.tensor(r.seq.output_ids, dtype=torch.long).to(self.device)
+            out = to_device(torch.tensor(r.seq.output_ids, dtype=torch.long), self.device)
             self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         if r.params.repetition != 1.0:
-            self.prompt_seen[slot, torch.tensor(r.seq.request.prompt_ids, dtype=torch.long).to(self.device)] = True
+            prompt = to_device(torch.tensor(r.seq.request.prompt_ids, dtype=torch.long), self.device)
+            self.prompt_seen[slot, prompt] = True
 
     @staticmethod
     def _bias_and_bans(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -3563,8 +3573,9 @@ class Sampler:
                 values += vals
         if not at_row:
             return x
-        index = torch.tensor([at_row, at_id], dtype=torch.long).to(x.device)                 # (2, E)
-        return x.index_put((index[0], index[1]), torch.tensor(values, dtype=x.dtype).to(x.device), accumulate=True)
+        index = to_device(torch.tensor([at_row, at_id], dtype=torch.long), x.device)       # (2, E)
+        values = to_device(torch.tensor(values, dtype=x.dtype), x.device)                  # (E,)
+        return x.index_put((index[0], index[1]), values, accumulate=True)
 
     @staticmethod
     def _run_processors(x: torch.Tensor, rows: list[SampleRow]) -> dict[int, Exception]:
@@ -3588,7 +3599,7 @@ class Sampler:
         want = [(i, r.seq.params.logprobs) for i, r in enumerate(rows) if r.seq.params.logprobs is not None]
         if not want:
             return []
-        index = torch.tensor([i for i, _ in want], dtype=torch.long).to(raw.device)        # (L,)
+        index = to_device(torch.tensor([i for i, _ in want], dtype=torch.long), raw.device)   # (L,)
         lp = raw[index].log_softmax(-1)                                                     # (L, V)
         top = lp.topk(max(k for _, k in want), dim=-1)                                     # (L, K)
         values = torch.cat([lp.gather(1, tokens[index, None]), top.values], dim=1)          # (L, 1 + K)
@@ -3658,10 +3669,7 @@ def batch_view(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> B
 def fields_batch(fields: list[list[int]], width: int, B: int, device) -> Batch:
     """batch_fields' lists as a Batch: built on the host, then one copy to the device (from pinned memory and
     without waiting, on a GPU)."""
-    payload = pack_fields(fields)
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():   # (not on tests' fake CUDA)
-        payload = payload.pin_memory()
-    return batch_view(payload.to(device, non_blocking=True), [len(f) for f in fields], B, width)
+    return batch_view(to_device(pack_fields(fields), device), [len(f) for f in fields], B, width)
 
 
 def make_batch(plan: list[Scheduled], block_size: int, device, unread: bool = False) -> Batch:
@@ -3806,11 +3814,13 @@ class DeviceQueue:
     On CUDA the kernels a host thread calls are queued on the stream anyway: launch runs the work (which only
     enqueues), copies its result to pinned memory without waiting and records an event, which read waits for
     (on the tests' fake CUDA, read copies it then). On the CPU torch runs each op when it is called, so one
-    worker thread plays the stream."""
+    worker thread plays the stream; `warm` runs first on it (the native backend's per-thread scratch is a torch
+    allocation, which must not happen inside a bucket's launch-list recording)."""
 
-    def __init__(self, device):
+    def __init__(self, device, warm: Callable[[], object] | None = None):
         self.cuda = torch.device(device).type == "cuda"
         self.events = self.cuda and torch.cuda.is_available()
+        self.warm = warm
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None
         self.queued: list[concurrent.futures.Future] = []     # CPU: work submitted and not yet waited for
         self.launches = self.reads = 0                         # steps launched / host reads of results, for tests
@@ -3828,7 +3838,7 @@ class DeviceQueue:
             done.record()
             return done, host, facts
         if self.worker is None:
-            self.worker = concurrent.futures.ThreadPoolExecutor(1, "pocketllm-device")
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, "pocketllm-device", initializer=self.warm)
         self.queued.append(self.worker.submit(work))
         return self.queued[-1]
 
@@ -4655,7 +4665,7 @@ class Engine:
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
         ranked = run_batch is not None            # a rank group runs the model (with call, its RankRunner calls)
         self.overlap = opts.async_scheduling and not ranked and not self.draft_tokens   # async scheduling
-        self.device = DeviceQueue(model.device)
+        self.device = DeviceQueue(model.device, lambda: model.ops.zeros((1,), torch.float32, model.device))
         self.inflight: InFlight | None = None     # async scheduling: the step launched and not yet read
         self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs,
                                    call if ranked else None, graphs=not ranked) \
@@ -4758,7 +4768,7 @@ class Engine:
         flight, device = InFlight(plan, rows), self.model.device
         if prev is not None:
             row_of = {q.seq: i for i, q in enumerate(prev.plan)}
-            where = torch.tensor([row_of[p.seq] for p in plan], dtype=torch.long).to(device)   # (B,) rows of prev
+            where = to_device(torch.tensor([row_of[p.seq] for p in plan], dtype=torch.long), device)   # (B,)
         packed = self.graphs.pack(plan, list(self.slots.free), bool(unread)) if self.graphs else None
         batch = None if packed else make_batch(plan, self.opts.kv_block_size, device, bool(unread))
 
