@@ -328,6 +328,8 @@ def report(args) -> dict:
 def overlap_report(args) -> dict:
     """Decode step time with async scheduling off and on, the two LLMs alive together and measured in turns."""
     batches = [int(b) for b in args.report_batches.split(",")]
+    if args.make_config:
+        write_config(Path(args.ckpt), args.make_config)
     llms = {flag: pocketllm.LLM(args.ckpt, backend=args.backend, device=args.device, dtype=args.dtype,
                                 load_format=args.load_format, quiet=not args.verbose, seed=args.seed,
                                 max_context=64 + 8 + args.decode + 16, max_batch_size=max(batches),
