@@ -4789,6 +4789,7 @@ class Engine:
         """Read a launched step's tokens and postprocess them while `launched` (its follow-up, if any) runs. The
         sequences that finished while `flight` ran end now; those of `launched`, once it is read."""
         packed, failed = self.device.read(flight.launched)
+        self.counters["target_forwards"] -= sum(r.seq.finished for r in flight.rows)   # their tokens are dropped
         ready, self.finishing = self.finishing, []
         self.windowed = set() if launched is None else {p.seq for p in launched.plan}
         self._advance(flight.plan)

@@ -127,10 +127,12 @@ def test_a_batch_finishing_at_different_steps_is_identical_and_frees_everything(
         while llm.engine.has_work() and time.monotonic() < deadline:
             time.sleep(0.01)
         stats = llm.stats()
-        return out, (stats["running"], stats["slots_used"], stats["kv_blocks_used"])
-    (off, freed_off), (on, freed_on), launched = both(pair, run)
+        return out, (stats["running"], stats["slots_used"], stats["kv_blocks_used"]), stats["target_forwards_total"]
+    forwards = [llm.stats()["target_forwards_total"] for llm in pair]
+    (off, freed_off, after_off), (on, freed_on, after_on), launched = both(pair, run)
     assert off == on and launched > 10
     assert freed_off == freed_on == (0, 0, 0)
+    assert after_off - forwards[0] == after_on - forwards[1]       # a dropped overlapped row is not counted
     assert {e[-1][2] for e in off} == {"stop", "length"}          # both kinds of finish were in the batch
 
 
