@@ -41,7 +41,7 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
         chat page at /; probes (/health readiness, /live liveness), the drain on SIGTERM, X-Prefix-Hash.
     14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
 
-Two features cross sections; their steps in the order they run (docs/architecture.md tells each in full):
+Three features cross sections; their steps in the order they run (docs/architecture.md tells each in full):
 
     Speculative decoding (--speculative-tokens K; the checkpoint's MTP layer drafts, the next forward verifies):
       6  Scheduler.schedule      a drafting sequence's entry: its last token and K drafts (Scheduled.drafts)
@@ -59,6 +59,13 @@ Two features cross sections; their steps in the order they run (docs/architectur
       6  Scheduler._chunk        prefill chunks end where a snapshot is wanted
       9  Engine._cache_prefix    full blocks get their keys; Engine._snapshot: 5 PrefixCache.add, the state copied
       9  Engine._release         a snapshot at the end of a generation, for the next turn
+
+    Async scheduling (--async-scheduling; decode step N + 1 is launched before step N is read):
+      9  Engine._overlaps        a plain decode step whose rows need nothing from the host goes first
+      9  Engine._follow_up       the next plan while a step runs; 6 Scheduler.extend reserves its blocks
+      9  Engine._launch          8 batch_fields with unread tokens, gathered from the last step on the device;
+                                 8 DeviceQueue.launch queues the forward and 7 Sampler.sample_on_device
+      9  Engine._settle          8 DeviceQueue.read: the step's one host read, then events, stops, finishes
 """
 
 from __future__ import annotations
