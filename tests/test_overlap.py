@@ -144,6 +144,34 @@ def test_speculation_runs_one_step_at_a_time():
         llm.close()
 
 
+def test_a_fault_in_an_overlapped_step_fails_every_request():
+    """A forward that raises on the device queue's thread (as a sticky CUDA error would) in the middle of an
+    overlapped chain surfaces at the host's read: every request ends with the error, the engine refuses new
+    ones, and nothing stays held (the sequences whose end was deferred behind the step in flight included)."""
+    from test_faults import assert_all_free, tokens
+    llm = pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=4, max_context=256, speculative_tokens=0)
+    try:
+        forward, calls = llm.engine.run_batch, []
+
+        def faulty(batch):
+            calls.append(batch.token_ids.numel())
+            if len(calls) == 8:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+            return forward(batch)
+        llm.engine.run_batch = faulty
+        streams = [llm.submit(llm.tokenizer.encode(p), pocketllm.SamplingParams(max_tokens=30, ignore_eos=True))
+                   for p in ("Once upon a time", "Tell me a joke")]
+        for stream in streams:
+            with pytest.raises(pocketllm.PocketError, match="illegal memory access"):
+                tokens(stream)
+        assert llm.engine.device.launches >= 4 and calls[-1] == 2        # the fault hit an overlapped decode step
+        with pytest.raises(pocketllm.PocketError, match="illegal memory access"):
+            llm.submit([5, 6, 7], pocketllm.SamplingParams(max_tokens=2))
+        assert_all_free(llm)
+    finally:
+        llm.close()
+
+
 def engine_on(llm, overlap: bool) -> pocketllm.Engine:
     """A fresh engine on llm's model (its own cache), async scheduling off or on."""
     return pocketllm.Engine(llm.model, dataclasses.replace(llm.options, async_scheduling=overlap),
