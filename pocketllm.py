@@ -370,7 +370,8 @@ class EngineOptions:
                                   "graphs\")", vllm="same")
     async_scheduling: bool = _option(True, "plan and launch each plain decode step before reading the one before "
                                      "it, so that the host's work (streaming, stop checks) overlaps the device's; "
-                                     "outputs are identical. Steps with prefill, speculation, a grammar (structured "
+                                     "outputs are the same (up to float rounding: a stopped sequence's dropped row "
+                                     "is still in the next step's batch). Steps with prefill, speculation, a grammar (structured "
                                      "output, tools) or logits processors, and tensor parallelism run one at a time "
                                      "(`docs/architecture.md`, \"Async scheduling\"); `--no-async-scheduling` turns "
                                      "it off", vllm="same")
