@@ -41,7 +41,7 @@ themselves: SamplingParams' rows, and the route table that /openapi.json lists):
         chat page at /; probes (/health readiness, /live liveness), the drain on SIGTERM, X-Prefix-Hash.
     14. The LLM object (the Python API), memory sizing and warm-up, and the CLI.
 
-Two features cross sections; their steps in the order they run (docs/architecture.md tells each in full):
+Three features cross sections; their steps in the order they run (docs/architecture.md tells each in full):
 
     Speculative decoding (--speculative-tokens K; the checkpoint's MTP layer drafts, the next forward verifies):
       6  Scheduler.schedule      a drafting sequence's entry: its last token and K drafts (Scheduled.drafts)
@@ -59,6 +59,13 @@ Two features cross sections; their steps in the order they run (docs/architectur
       6  Scheduler._chunk        prefill chunks end where a snapshot is wanted
       9  Engine._cache_prefix    full blocks get their keys; Engine._snapshot: 5 PrefixCache.add, the state copied
       9  Engine._release         a snapshot at the end of a generation, for the next turn
+
+    Async scheduling (--async-scheduling; decode step N + 1 is launched before step N is read):
+      9  Engine._overlaps        a plain decode step whose rows need nothing from the host goes first
+      9  Engine._follow_up       the next plan while a step runs; 6 Scheduler.extend reserves its blocks
+      9  Engine._launch          8 batch_fields with unread tokens, gathered from the last step on the device;
+                                 8 DeviceQueue.launch queues the forward and 7 Sampler.sample_on_device
+      9  Engine._settle          8 DeviceQueue.read: the step's one host read, then events, stops, finishes
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ import atexit
 import bisect
 import codecs
 import collections
+import concurrent.futures
 import contextlib
 import copy
 import ctypes
@@ -360,6 +368,13 @@ class EngineOptions:
     enforce_eager: bool = _option(False, "run every decode step op by op: no CUDA graphs (CUDA) and no launch-list "
                                   "replay (native backend) of the decode forward (`docs/architecture.md`, \"CUDA "
                                   "graphs\")", vllm="same")
+    async_scheduling: bool = _option(True, "plan and launch each plain decode step before reading the one before "
+                                     "it, so that the host's work (streaming, stop checks) overlaps the device's; "
+                                     "outputs are the same (up to float rounding: a stopped sequence's dropped row "
+                                     "is still in the next step's batch). Steps with prefill, speculation, a grammar (structured "
+                                     "output, tools) or logits processors, and tensor parallelism run one at a time "
+                                     "(`docs/architecture.md`, \"Async scheduling\"); `--no-async-scheduling` turns "
+                                     "it off", vllm="same")
     quiet: bool = _option(False, "no start-up log lines")
     collective_timeout: float = _option(30.0, "tensor parallelism: seconds an all-reduce may wait for the other "
                                         "ranks; past it the group is stopped and the engine reports it "
@@ -3138,7 +3153,16 @@ class Scheduler:
         return snap if position else None
 
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
-        return max(0, -(-(seq.num_computed + count) // self.opts.kv_block_size) - len(seq.blocks))
+        return self.blocks_short(seq, seq.num_computed + count)
+
+    def blocks_short(self, seq: Sequence, end: int) -> int:
+        """Blocks seq lacks to hold positions [0, end)."""
+        return max(0, -(-end // self.opts.kv_block_size) - len(seq.blocks))
+
+    def extend(self, seq: Sequence, end: int):
+        """Give seq the blocks it lacks for positions [0, end) (async scheduling: the caller checked they fit)."""
+        for _ in range(self.blocks_short(seq, end)):
+            seq.blocks.append(self.blocks.alloc())
 
     def _blocks_fit(self, seq: Sequence, count: int) -> bool:
         return self._blocks_needed(seq, count) <= self.blocks.available
@@ -3195,6 +3219,15 @@ class Scheduler:
 _MASK64 = (1 << 64) - 1
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor copied to `device` without the host waiting: on a GPU a plain .to() from pageable memory
+    waits for every kernel queued before it (async scheduling would wait for the step in flight); from pinned
+    memory without blocking it is queued behind them."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():   # (not on tests' fake CUDA)
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def splitmix64(x: int) -> int:
     """SplitMix64's finaliser (Steele, Lea, Flood 2014): an integer -> 64 well-mixed bits."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -3248,7 +3281,7 @@ class RowTable:
         names = [f.name for f in dataclasses.fields(cls) if f.name != "uniform"]
         host = torch.tensor([[float(getattr(p, n)) for n in names] + [u] for p, u in zip(params, uniforms)],
                             dtype=torch.float64).reshape(len(params), len(names) + 1)   # (B, C)
-        return cls(*host.to(device).unbind(1))
+        return cls(*to_device(host, device).unbind(1))
 
     def __getitem__(self, index) -> "RowTable":
         """The rows at `index` (a (b,) tensor of row numbers)."""
@@ -3325,13 +3358,20 @@ class SampleRow:
     """One token to draw this step: its sequence, the row of the step's logits it reads (forked choices
     share their parent's), and its prepared parameters. With speculative decoding a row may sit inside a verify
     window: `ahead` are the drafts before it (the hypothetical continuation its penalties, bans, processors and
-    seeding see), and `draft` the drafted token it judges, drawn from `draft_probs`."""
+    seeding see), and `draft` the drafted token it judges, drawn from `draft_probs`. `emitted` (the tokens before
+    the row's: its seeding step and min_tokens count) is fixed when the row is made: with async scheduling the
+    row is sampled while the host appends the previous step's token, which it counts already (unread = 1)."""
     seq: Sequence
     logit_row: int
     params: RowParams
     ahead: list[int] = field(default_factory=list)
     draft: int | None = None
     draft_probs: torch.Tensor | None = None             # (V,) on the logits' device; None for greedy rows
+    unread: int = 0                                     # tokens sampled on the device but not yet in output_ids
+    emitted: int = field(init=False)
+
+    def __post_init__(self):
+        self.emitted = len(self.seq.output_ids) + len(self.ahead) + self.unread
 
 
 @dataclass
@@ -3403,7 +3443,7 @@ class Sampler:
         picks = [r.logit_row for r in rows]
         raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
         table = RowTable.build([r.params for r in rows], [self._uniform(r, salt) for r in rows], self.device)
-        slots = torch.tensor([r.seq.slot for r in rows], dtype=torch.long).to(self.device)   # (B,)
+        slots = to_device(torch.tensor([r.seq.slot for r in rows], dtype=torch.long), self.device)   # (B,)
         for r in rows:
             self._own(r.seq.slot, r)
         x, failed = self.process(raw.clone(), rows, table, slots, masks)
@@ -3423,16 +3463,16 @@ class Sampler:
         """judge_drafts on the rows that have a draft. Returns (accepted (B,), tokens (B,), counted (B,) int32:
         1 for the rows whose token is emitted, i.e. every earlier row of its window accepted its draft)."""
         have = [i for i, r in enumerate(rows) if r.draft is not None]
-        at = torch.tensor(have, dtype=torch.long).to(self.device)
+        at = to_device(torch.tensor(have, dtype=torch.long), self.device)
         V = x.shape[-1]
         q = torch.stack([r.draft_probs if r.draft_probs is not None else x.new_zeros(V) for r in rows])[at]
-        drafts = torch.tensor([rows[i].draft for i in have], dtype=torch.long).to(self.device)
+        drafts = to_device(torch.tensor([rows[i].draft for i in have], dtype=torch.long), self.device)
         accept_u = torch.tensor([self._uniform(rows[i], ACCEPT_SALT) for i in have], dtype=torch.float32)
-        ok, judged = judge_drafts(x[at], table[at], tokens[at], drafts, q, accept_u.to(self.device))
+        ok, judged = judge_drafts(x[at], table[at], tokens[at], drafts, q, to_device(accept_u, self.device))
         accepted = torch.zeros_like(tokens, dtype=torch.bool).index_put((at,), ok)
         tokens = tokens.index_put((at,), judged)
         rejected = (~accepted).int().cumsum(0) - (~accepted).int()                 # (B,) rejections before a row
-        first = torch.tensor([i - len(r.ahead) for i, r in enumerate(rows)], dtype=torch.long).to(self.device)
+        first = to_device(torch.tensor([i - len(r.ahead) for i, r in enumerate(rows)], dtype=torch.long), self.device)
         return accepted, tokens, (rejected == rejected[first]).int()
 
     def unpack(self, rows: list[SampleRow], packed: torch.Tensor, failed: dict) -> SampleResult:
@@ -3460,7 +3500,7 @@ class Sampler:
             counts = self.counts[slots]                                            # (B, V)
             ahead = [(i, t) for i, r in enumerate(rows) for t in r.ahead]         # drafts count as generated
             if ahead:
-                at = torch.tensor(ahead, dtype=torch.long).to(x.device)
+                at = to_device(torch.tensor(ahead, dtype=torch.long), x.device)
                 counts = counts.index_put((at[:, 0], at[:, 1]), torch.ones_like(at[:, 0], dtype=torch.int32),
                                           accumulate=True)
             x = apply_penalties(x, counts, self.prompt_seen[slots], table)
@@ -3506,13 +3546,12 @@ class Sampler:
         if params.allowed_mask is None:
             mask = torch.zeros(size, dtype=torch.bool)
             mask[params.allowed] = True
-            params.allowed_mask = mask.to(self.device)
+            params.allowed_mask = to_device(mask, self.device)
         return params.allowed_mask
 
     @staticmethod
     def _uniform(r: SampleRow, salt: int = 0) -> float:
-        return 0.0 if r.params.temperature == 0 else draw_uniform(r.seq.seed ^ salt, r.seq.index,
-                                                                           len(r.seq.output_ids) + len(r.ahead))
+        return 0.0 if r.params.temperature == 0 else draw_uniform(r.seq.seed ^ salt, r.seq.index, r.emitted)
 
     def _own(self, slot: int, r: SampleRow):
         """Make the slot's penalty state r.seq's, rebuilt from its tokens if another sequence used it since."""
@@ -3524,25 +3563,27 @@ class Sampler:
         self.counts[slot] = 0
         self.prompt_seen[slot] = False
         if r.seq.output_ids:
-            out = torch.tensor(r.seq.output_ids, dtype=torch.long).to(self.device)
+            out = to_device(torch.tensor(r.seq.output_ids, dtype=torch.long), self.device)
             self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         if r.params.repetition != 1.0:
-            self.prompt_seen[slot, torch.tensor(r.seq.request.prompt_ids, dtype=torch.long).to(self.device)] = True
+            prompt = to_device(torch.tensor(r.seq.request.prompt_ids, dtype=torch.long), self.device)
+            self.prompt_seen[slot, prompt] = True
 
     @staticmethod
     def _bias_and_bans(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """logit_bias and the min_tokens bans (as -inf) of every row: one sparse scatter-add."""
         at_row, at_id, values = [], [], []
         for i, r in enumerate(rows):
-            banned = r.params.banned if len(r.seq.output_ids) + len(r.ahead) < r.seq.params.min_tokens else []
+            banned = r.params.banned if r.emitted < r.seq.params.min_tokens else []
             for ids, vals in ((r.params.bias_ids, r.params.bias_values), (banned, [float("-inf")] * len(banned))):
                 at_row += [i] * len(ids)
                 at_id += ids
                 values += vals
         if not at_row:
             return x
-        index = torch.tensor([at_row, at_id], dtype=torch.long).to(x.device)                 # (2, E)
-        return x.index_put((index[0], index[1]), torch.tensor(values, dtype=x.dtype).to(x.device), accumulate=True)
+        index = to_device(torch.tensor([at_row, at_id], dtype=torch.long), x.device)       # (2, E)
+        values = to_device(torch.tensor(values, dtype=x.dtype), x.device)                  # (E,)
+        return x.index_put((index[0], index[1]), values, accumulate=True)
 
     @staticmethod
     def _run_processors(x: torch.Tensor, rows: list[SampleRow]) -> dict[int, Exception]:
@@ -3566,7 +3607,7 @@ class Sampler:
         want = [(i, r.seq.params.logprobs) for i, r in enumerate(rows) if r.seq.params.logprobs is not None]
         if not want:
             return []
-        index = torch.tensor([i for i, _ in want], dtype=torch.long).to(raw.device)        # (L,)
+        index = to_device(torch.tensor([i for i, _ in want], dtype=torch.long), raw.device)   # (L,)
         lp = raw[index].log_softmax(-1)                                                     # (L, V)
         top = lp.topk(max(k for _, k in want), dim=-1)                                     # (L, K)
         values = torch.cat([lp.gather(1, tokens[index, None]), top.values], dim=1)          # (L, 1 + K)
@@ -3583,15 +3624,16 @@ _BATCH_DTYPES = (torch.long, torch.long, torch.int32, torch.int32, torch.int32, 
 
 
 def batch_fields(plan: list[Scheduled], block_size: int, pad_to: int = 0, width: int = 0,
-                 pad_slots: list[int] = ()) -> tuple[list[list[int]], int]:
+                 pad_slots: list[int] = (), unread: bool = False) -> tuple[list[list[int]], int]:
     """Batch's fields in order as int lists (block tables flattened to (B, width)), and the width. pad_to > len(plan)
     adds decode rows that change nothing anyone reads (a CUDA graph's fixed batch size): token 0 at position 0,
-    no KV slot (-1: kv_write skips it), context 1 read from block 0, and a free state slot from pad_slots."""
+    no KV slot (-1: kv_write skips it), context 1 read from block 0, and a free state slot from pad_slots.
+    unread: the plan's tokens are still on the device (async scheduling): token ids 0, overwritten there."""
     ids, pos, slots, starts, ctx, rows = [], [], [], [0], [], []
     for p in plan:
         n = len(p.seq.request.prompt_ids)                  # a decode reads its output, not prompt + output
-        ids += p.seq.output_ids[p.start - n:p.start - n + p.count] if p.start >= n else \
-            p.seq.tokens[p.start:p.start + p.count]
+        ids += [0] * p.count if unread else p.seq.output_ids[p.start - n:p.start - n + p.count] if p.start >= n \
+            else p.seq.tokens[p.start:p.start + p.count]
         ids += p.drafts                                     # a verify window: the last token, then its drafts
         positions = range(p.start, p.start + p.count)
         pos += positions
@@ -3635,15 +3677,20 @@ def batch_view(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> B
 def fields_batch(fields: list[list[int]], width: int, B: int, device) -> Batch:
     """batch_fields' lists as a Batch: built on the host, then one copy to the device (from pinned memory and
     without waiting, on a GPU)."""
-    payload = pack_fields(fields)
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():   # (not on tests' fake CUDA)
-        payload = payload.pin_memory()
-    return batch_view(payload.to(device, non_blocking=True), [len(f) for f in fields], B, width)
+    return batch_view(to_device(pack_fields(fields), device), [len(f) for f in fields], B, width)
 
 
-def make_batch(plan: list[Scheduled], block_size: int, device) -> Batch:
-    """Flatten the plan into the tensors the model reads."""
-    return fields_batch(*batch_fields(plan, block_size), len(plan), device)
+def make_batch(plan: list[Scheduled], block_size: int, device, unread: bool = False) -> Batch:
+    """Flatten the plan into the tensors the model reads (unread: see batch_fields)."""
+    return fields_batch(*batch_fields(plan, block_size, unread=unread), len(plan), device)
+
+
+def write_token_ids(payload: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """Async scheduling: the step's token ids (B,) int64, sampled on the device by the step before, written over
+    the placeholders at the start of a packed payload (token_ids is its first field) without the host."""
+    if ids is not None:
+        payload[:ids.numel() * 8].view(torch.long).copy_(ids)
+    return payload
 
 
 class DecodeGraphs:
@@ -3687,8 +3734,14 @@ class DecodeGraphs:
 
     def run(self, plan: list[Scheduled], free_slots: list[int]) -> torch.Tensor | None:
         """(B, V) logits of a decode step by replay (or by recording it), or None when this step is not one a
+        replay runs (see pack)."""
+        packed = self.pack(plan, free_slots)
+        return None if packed is None else self.replay(packed)
+
+    def pack(self, plan: list[Scheduled], free_slots: list[int], unread: bool = False) -> tuple | None:
+        """The host half of run(): (packed fields, their sizes, bucket, B), or None when this step is not one a
         replay runs: replay off, a prefill row, more sequences than the largest bucket, too few free state slots
-        to pad, a refused bucket, or a bucket's first step with graphs."""
+        to pad, a refused bucket, or a bucket's first step with graphs. unread: see batch_fields."""
         B = len(plan)
         if not self.enabled or B > self.buckets[-1] or any(p.count != 1 or p.start == 0 for p in plan):
             return None
@@ -3698,26 +3751,31 @@ class DecodeGraphs:
         if self.use_graphs and bucket not in self.seen:
             self.seen.add(bucket)
             return None
-        fields, _ = batch_fields(plan, self.block_size, bucket, self.width, free_slots)
-        host, sizes = pack_fields(fields), [len(f) for f in fields]
+        fields, _ = batch_fields(plan, self.block_size, bucket, self.width, free_slots, unread)
+        return pack_fields(fields), [len(f) for f in fields], bucket, B
+
+    def replay(self, packed: tuple, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The device half of run(): (B, V) logits of pack()'s step; ids (B,) on the device: its token ids
+        (async scheduling; one rank only)."""
+        host, sizes, bucket, B = packed
         if self.call is not None:                               # every rank's step(), rank 0's logits
             return self.call("decode", host, sizes, bucket)[:B]
-        return self.step(host, sizes, bucket)[:B]
+        return self.step(host, sizes, bucket, ids)[:B]
 
-    def step(self, host: torch.Tensor, sizes: list[int], bucket: int) -> torch.Tensor:
-        """This rank's (bucket, V) logits of a padded decode step from its packed fields: the bucket's recording
-        replayed, or made by this step; a bucket whose recording was refused runs eagerly from the payload."""
+    def step(self, host: torch.Tensor, sizes: list[int], bucket: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's (bucket, V) logits of a padded decode step from its packed fields (ids: see replay): the
+        bucket's recording replayed, or made by this step; a refused bucket runs eagerly from the payload."""
         if bucket not in self.steps and bucket not in self.refused:
-            logits = self.record(host, sizes, bucket)
+            logits = self.record(host, sizes, bucket, ids)
             if logits is not None:                              # the launch list's recording ran the step
                 return logits
         if bucket in self.refused:
-            batch = batch_view(host.to(self.model.device, copy=True), sizes, bucket, self.width)
-            return self.model.forward(batch, self.cache)
+            payload = write_token_ids(host.to(self.model.device, copy=True), ids)
+            return self.model.forward(batch_view(payload, sizes, bucket, self.width), self.cache)
         replay, payload, logits = self.steps[bucket]
         if self.use_graphs:
             host = host.pin_memory()
-        payload.copy_(host, non_blocking=True)
+        write_token_ids(payload.copy_(host, non_blocking=True), ids)
         replay()
         if self.use_graphs:
             self.graphed += 1
@@ -3725,10 +3783,11 @@ class DecodeGraphs:
             self.replayed += 1
         return logits
 
-    def record(self, host: torch.Tensor, sizes: list[int], bucket: int) -> torch.Tensor | None:
+    def record(self, host: torch.Tensor, sizes: list[int], bucket: int,
+               ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Graphs: capture the forward of a `bucket`-row decode step reading a static payload (it runs nothing:
         returns None). Launch lists: run it while recording and return its (bucket, V) logits."""
-        payload = host.to(self.model.device, copy=True)                         # the bucket's static input
+        payload = write_token_ids(host.to(self.model.device, copy=True), ids)   # the bucket's static input
         batch = batch_view(payload, sizes, bucket, self.width)
         if self.use_graphs:
             graph = torch.cuda.CUDAGraph()
@@ -3754,6 +3813,79 @@ def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size:
     fields[0] = [token for _, _, ids in entries for token in ids]
     fields[-1] = []                      # no state slot starts fresh: the MTP layer has no recurrent state
     return fields_batch(fields, width, len(plan), device)
+
+
+class DeviceQueue:
+    """The device's queue of work as async scheduling sees it (section 9): `launch` queues a step's work and
+    returns at once, `read` is the host's one read of a step's result and waits for that step only, `later` runs
+    device work the host issues while steps are in flight (a finished sequence's snapshot copy) behind them.
+    On CUDA the kernels a host thread calls are queued on the stream anyway: launch runs the work (which only
+    enqueues), copies its result to pinned memory without waiting and records an event, which read waits for
+    (on the tests' fake CUDA, read copies it then). On the CPU torch runs each op when it is called, so one
+    worker thread plays the stream; `warm` runs first on it (the native backend's per-thread scratch is a torch
+    allocation, which must not happen inside a bucket's launch-list recording)."""
+
+    def __init__(self, device, warm: Callable[[], object] | None = None):
+        self.cuda = torch.device(device).type == "cuda"
+        self.events = self.cuda and torch.cuda.is_available()
+        self.warm = warm
+        self.worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.queued: list[concurrent.futures.Future] = []     # CPU: work submitted and not yet waited for
+        self.launches = self.reads = 0                         # steps launched / host reads of results, for tests
+
+    def launch(self, work: Callable[[], tuple[torch.Tensor, dict]]):
+        """Queue work() -> (packed result on the device, host-side facts); read() gets them back."""
+        self.launches += 1
+        if self.cuda:
+            packed, facts = work()
+            if not self.events:
+                return None, packed, facts
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return done, host, facts
+        if self.worker is None:
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, "pocketllm-device", initializer=self.warm)
+        self.queued.append(self.worker.submit(work))
+        return self.queued[-1]
+
+    def read(self, launched) -> tuple[torch.Tensor, dict]:
+        """The packed result on the host, and the facts: waits for that step's work, not what came after."""
+        self.reads += 1
+        if self.cuda:
+            done, host, facts = launched
+            if done is None:
+                return host.cpu(), facts
+            done.synchronize()
+            return host, facts
+        result = launched.result()
+        self.drain(done_only=True)
+        return result
+
+    def later(self, work: Callable[[], None]):
+        if self.cuda or all(f.done() for f in self.queued):
+            work()
+        else:
+            self.queued.append(self.worker.submit(work))
+
+    def drain(self, done_only: bool = False):
+        """Wait for everything queued (before the host runs device work itself), or forget what is done; raises
+        what the work raised."""
+        queued = self.queued
+        self.queued = [f for f in queued if done_only and not f.done()]
+        for f in queued:
+            if f not in self.queued:
+                f.result()
+
+    def close(self):
+        """Wait for the queue without raising, and stop the worker."""
+        for f in self.queued:
+            f.exception()
+        self.queued = []
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
 
 
 # -----------------------------------------------------------------------------------------------
@@ -4508,6 +4640,17 @@ class Request:
         self.snapshot_at: int | None = None      # a position to snapshot besides the prefix cache's own (section 6)
 
 
+@dataclass
+class InFlight:
+    """A decode step launched by async scheduling and not yet read: its plan, its sample rows (one per plan
+    entry, in order), what the device queue returned, and its packed result on the device (set by its work, read
+    by the next step's work: the sampled tokens feed the next input without the host)."""
+    plan: list[Scheduled]
+    rows: list[SampleRow]
+    launched: object = None
+    packed: torch.Tensor | None = None        # (N,) int32 on the device: the B tokens first
+
+
 class Engine:
     """Continuous batching over a Model. Thread-safe entry points: add(), abort(); step() runs on one thread."""
 
@@ -4529,6 +4672,9 @@ class Engine:
         self.scheduler = Scheduler(opts, self.blocks, self.slots, self.prefix, self.draft_tokens)
         self.run_batch = run_batch or (lambda batch: model.forward(batch, self.cache))
         ranked = run_batch is not None            # a rank group runs the model (with call, its RankRunner calls)
+        self.overlap = opts.async_scheduling and not ranked and not self.draft_tokens   # async scheduling
+        self.device = DeviceQueue(model.device, lambda: model.ops.zeros((1,), torch.float32, model.device))
+        self.inflight: InFlight | None = None     # async scheduling: the step launched and not yet read
         self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs,
                                    call if ranked else None, graphs=not ranked) \
             if not opts.enforce_eager and DecodeGraphs.usable(model) else None
@@ -4554,15 +4700,27 @@ class Engine:
         self.inbox.put(("abort", request_id, index))
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or not self.inbox.empty())
+        return bool(self.scheduler.running or self.scheduler.waiting or not self.inbox.empty() or self.inflight)
 
     # The step.
 
     def step(self) -> None:
         self._drain_inbox()
+        if self.inflight is not None:               # async scheduling: launch the next decode, then read this one
+            follow = self._follow_up(self.inflight)
+            launched = self._launch(follow, self.inflight) if follow else None
+            self._settle(self.inflight, launched)
+            self.inflight = launched
+            if launched is not None:
+                return
+            self.device.drain()                     # the copies queued behind it ran: the host's turn
         plan = self.scheduler.schedule()
         self._run_copies()
         if not plan:
+            return
+        if self._overlaps(plan):
+            self.inflight = self._launch(plan)
+            self.windowed = {p.seq for p in plan}
             return
         if not self.draft_tokens:                   # graphs replay plain decode steps (not verify windows)
             logits = self.graphs.run(plan, self.slots.free) if self.graphs else None                # (B, V)
@@ -4578,6 +4736,74 @@ class Engine:
             self.call("rollback", [k for p, k in zip(plan, kept) if p.drafts])
         self._close_window()
         self._draft(plan, kept)
+
+    # Async scheduling (--async-scheduling): while decode step N runs, step N + 1 is planned as if every
+    # sequence goes on (its token is N's, still on the device, gathered there into N + 1's input) and launched;
+    # only then does the host read N's tokens once and postprocess them (events, stops, finishes). A sequence
+    # that finished at N is in N + 1 too: N + 1 computes its last token (KV in its reserved blocks, its state
+    # slot advanced past it, so its end snapshot covers every token) and its N + 1 token is dropped; its slot and
+    # blocks are freed once N + 1 is read (self.windowed and self.finishing, as for a verify window).
+
+    def _overlaps(self, plan: list[Scheduled]) -> bool:
+        """A step async scheduling may launch: plain decode of every running sequence, none of which needs the
+        host between steps: a grammar's mask or a logits processor reads the last token on the host, unless it
+        says it does not (`reads_ids` false: the call-token ban of a chat request without tools)."""
+        return self.overlap and {p.seq for p in plan} == set(self.scheduler.running) and all(
+            p.count == 1 and p.sample and p.start > 0 and p.seq.output_ids and
+            not any(getattr(proc, "reads_ids", True) for proc in p.seq.params.logits_processors) for p in plan)
+
+    def _follow_up(self, prev: InFlight) -> list[Scheduled] | None:
+        """Step N + 1's plan while step N is in flight: every sequence of N that is neither finished nor known to
+        end with N's token (max_tokens); None when the engine must read N first: a waiting sequence could be
+        admitted, or the blocks for N + 1 would need a preemption."""
+        s = self.scheduler
+        if s.waiting and len(s.running) < self.opts.max_batch_size and self.slots.free:
+            return None
+        plan = [Scheduled(p.seq, p.start + 1, 1, True) for p in prev.plan
+                if not p.seq.finished and len(p.seq.output_ids) + 1 < p.seq.params.max_tokens]
+        if not plan or sum(s.blocks_short(p.seq, p.start + 1) for p in plan) > self.blocks.available:
+            return None
+        for p in plan:
+            s.extend(p.seq, p.start + 1)
+        return plan
+
+    def _launch(self, plan: list[Scheduled], prev: InFlight | None = None) -> InFlight:
+        """Queue a decode step's forward and sampling on the device; prev: the step in flight whose tokens are
+        this step's input (gathered on the device). Everything the work reads from the host is taken here."""
+        unread = int(prev is not None)
+        rows = [SampleRow(p.seq, i, p.seq.request.sampling, unread=unread) for i, p in enumerate(plan)]
+        self.counters["target_forwards"] += len(rows)
+        flight, device = InFlight(plan, rows), self.model.device
+        if prev is not None:
+            row_of = {q.seq: i for i, q in enumerate(prev.plan)}
+            where = to_device(torch.tensor([row_of[p.seq] for p in plan], dtype=torch.long), device)   # (B,)
+        packed = self.graphs.pack(plan, list(self.slots.free), bool(unread)) if self.graphs else None
+        batch = None if packed else make_batch(plan, self.opts.kv_block_size, device, bool(unread))
+
+        def work() -> tuple[torch.Tensor, dict]:
+            ids = None if prev is None else prev.packed[where].long()                   # (B,) int64
+            if packed is not None:
+                logits = self.graphs.replay(packed, ids)                                # (B, V)
+            else:
+                if ids is not None:
+                    batch.token_ids.copy_(ids)
+                logits = self.run_batch(batch)
+            flight.packed, failed = self.sampler.sample_on_device(rows, logits)
+            return flight.packed, failed
+        flight.launched = self.device.launch(work)
+        return flight
+
+    def _settle(self, flight: InFlight, launched: InFlight | None):
+        """Read a launched step's tokens and postprocess them while `launched` (its follow-up, if any) runs. The
+        sequences that finished while `flight` ran end now; those of `launched`, once it is read."""
+        packed, failed = self.device.read(flight.launched)
+        self.counters["target_forwards"] -= sum(r.seq.finished for r in flight.rows)   # their tokens are dropped
+        ready, self.finishing = self.finishing, []
+        self.windowed = set() if launched is None else {p.seq for p in launched.plan}
+        self._advance(flight.plan)
+        self._apply(flight.plan, flight.rows, self.sampler.unpack(flight.rows, packed, failed))
+        for ending in ready:
+            self._end(*ending)
 
     # Speculative decoding (--speculative-tokens K): a decoding sequence's step verifies its last token and K
     # drafts in one window; _postprocess keeps the accepted drafts and one token from the target; rollback
@@ -4676,11 +4902,24 @@ class Engine:
         verify window's rows judge its drafts in order: the accepted ones are emitted, then the target's token
         at the first rejection (or after the last draft). Returns, per plan entry, its tokens that stay
         computed: the chunk, or the window's last token and accepted drafts."""
-        rows, first = [], 0
+        self._advance(plan)
+        rows = self._rows(plan)
+        if not rows:
+            return [p.count for p in plan]
+        self.device.reads += 1                    # the sampler's one read
+        return self._apply(plan, rows, self.sampler.sample(rows, logits))
+
+    def _advance(self, plan: list[Scheduled]):
+        """The plan's tokens are computed: count them, and file the blocks they filled with the prefix cache."""
         for p in plan:
             p.seq.num_computed += p.count
-            if self.prefix is not None and not p.seq.finished and not p.drafts:   # windows: once judged, below
-                self._cache_prefix(p)
+            if self.prefix is not None and p.seq.slot is not None and not p.drafts:   # windows: once judged
+                self._cache_prefix(p)             # (finished and holding its blocks: its end is deferred)
+
+    def _rows(self, plan: list[Scheduled]) -> list[SampleRow]:
+        """The rows to sample: every sequence whose chunk reached its end, forked choices' first tokens, and a
+        verify window's rows."""
+        rows, first = [], 0
         for p in plan:
             seq, r = p.seq, first
             first += 1 + len(p.drafts)
@@ -4697,10 +4936,11 @@ class Engine:
             seq.drafts, seq.draft_probs = [], None
             self.counters["target_forwards"] += 1
             self.counters["draft_tokens"] += len(p.drafts)
+        return rows
+
+    def _apply(self, plan: list[Scheduled], rows: list[SampleRow], out: SampleResult) -> list[int]:
+        """The sampled tokens to their sequences (a finished one's is dropped); returns _postprocess's kept."""
         kept = [p.count for p in plan]
-        if not rows:
-            return kept
-        out = self.sampler.sample(rows, logits)
         for i, error in out.failed.items():
             self.fail_request(rows[i].seq.request, "its logits processor", error)
         rejected = set()                                   # sequences whose window met a rejection
@@ -4755,8 +4995,8 @@ class Engine:
             self.blocks.release([copy])
 
     def _copy(self, src: int, dst: int, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
-        if slots or blocks:
-            self.copy(self.caches, src, dst, slots, blocks)
+        if slots or blocks:                  # behind the steps in flight (async scheduling), which may write them
+            self.device.later(lambda: self.copy(self.caches, src, dst, slots, blocks))
 
     def _append(self, seq: Sequence, tok: int, logprobs: tuple | None):
         params = seq.params
@@ -4843,7 +5083,8 @@ class Engine:
         Called once the engine thread has stopped stepping."""
         for seq, *_ in self.finishing:       # a step that failed inside a window: no snapshot of that state
             seq.finished = False             # so the loop below ends it with the failure and frees it
-        self.finishing, self.windowed = [], set()
+        self.finishing, self.windowed, self.inflight = [], set(), None
+        self.device.close()
         self._drain_inbox()
         for req in list(self.requests.values()):
             for seq in list(req.seqs):
@@ -8585,6 +8826,7 @@ class StructuredDecoder:
         self.max_tokens, self.budget, self.min_tokens = max_tokens, budget, min_tokens
         self.think = think and grammar is not None
         self.forced = grammar.start_after(_THINK_FORCED_CLOSE) if self.think else None
+        self.reads_ids = grammar is not None     # else the mask is the ban, whatever came before (async scheduling)
         self._cursors: dict = {}
         self._host: dict[str, torch.Tensor] = {}
         self._device: dict = {}

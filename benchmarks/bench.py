@@ -20,6 +20,12 @@ heads, MLP rows and vocabulary divided by 4, run on one device without the all-r
 serves it with random weights, so no checkpoint download is needed. Random weights reject every MTP draft: the
 report gives the cost of a speculative step (K draft passes + the K+1-token verify window) relative to a plain
 step, and the speed-up that implies at per-draft acceptance 0.6 and 0.8.
+
+Async scheduling (--overlap): ms per decode step and output tokens/s at each --report-batches size, with
+--async-scheduling off and on (speculation off: verify windows run one at a time), the two engines side by side
+in one process and measured in turns:
+
+    python benchmarks/bench.py --overlap --ckpt models/pocket-tiny --report-batches 1,8
 """
 
 import argparse
@@ -319,6 +325,38 @@ def report(args) -> dict:
     return result
 
 
+def overlap_report(args) -> dict:
+    """Decode step time with async scheduling off and on, the two LLMs alive together and measured in turns."""
+    batches = [int(b) for b in args.report_batches.split(",")]
+    if args.make_config:
+        write_config(Path(args.ckpt), args.make_config)
+    llms = {flag: pocketllm.LLM(args.ckpt, backend=args.backend, device=args.device, dtype=args.dtype,
+                                load_format=args.load_format, quiet=not args.verbose, seed=args.seed,
+                                max_context=64 + 8 + args.decode + 16, max_batch_size=max(batches),
+                                speculative_tokens=0, async_scheduling=flag) for flag in (False, True)}
+    try:
+        result = {"checkpoint": str(args.ckpt), "machine": machine(), "backend": llms[True].placement.backend,
+                  "device": str(llms[True].device), "batches": {}}
+        for b in batches:
+            rates = {flag: decode_rates(llm, b, args.decode) for flag, llm in llms.items()}
+            result["batches"][b] = {"off": rates[False], "on": rates[True],
+                                    "launched": llms[True].engine.device.launches}
+    finally:
+        for llm in llms.values():
+            llm.close()
+    return result
+
+
+def overlap_table(result: dict) -> str:
+    lines = ["| batch | ms per step, one at a time | ms per step, overlapped | ratio | tokens/s off | tokens/s on |",
+             "|---|---|---|---|---|---|"]
+    for b, r in result["batches"].items():
+        off, on = r["off"], r["on"]
+        lines.append(f"| {b} | {off['step_ms']:.1f} | {on['step_ms']:.1f} | {on['step_ms'] / off['step_ms']:.2f} | "
+                     f"{off['tok_s']:.1f} | {on['tok_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def machine() -> str:
     import platform
     if torch.cuda.is_available():
@@ -385,11 +423,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     report_args.add_argument("--ttft-lens", default="1024,8192", help="prompt lengths of the TTFT rows")
     report_args.add_argument("--json", help="also write the report's figures to this file")
     report_args.add_argument("--verbose", action="store_true", help="pocketllm's start-up lines")
+    report_args.add_argument("--overlap", action="store_true", help="decode step time with --async-scheduling off "
+                             "and on, side by side (--report-batches sizes)")
     args = ap.parse_args(argv)
-    if args.report:
+    if args.report or args.overlap:
         args.backend, args.device = args.backend or "auto", args.device or "auto"
         if not args.ckpt:
-            ap.error("--report needs --ckpt DIR")
+            ap.error("--report and --overlap need --ckpt DIR")
     else:
         args.backend, args.device = args.backend or "torch", args.device or "cpu"
     return args
@@ -399,6 +439,13 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.overlap:
+        result = overlap_report(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"pocketllm {args.ckpt}, {result['machine']}, backend {result['backend']} on {result['device']}")
+        print(overlap_table(result))
+        return
     if args.report:
         result = report(args)
         if args.json:

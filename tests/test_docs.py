@@ -90,10 +90,11 @@ def test_the_module_map_lists_every_section():
 
 
 def test_the_module_maps_feature_index_names_each_steps_section():
-    """The docstring's index of speculative decoding and the prefix cache: each 'N name' is defined in section N."""
+    """The docstring's index of speculative decoding, the prefix cache and async scheduling: each 'N name' is
+    defined in section N."""
     starts, numbers = sections()
     defs = definitions()
-    index = pocketllm.__doc__.split("Two features cross sections")[1]
+    index = pocketllm.__doc__.split("Three features cross sections")[1]
     steps = re.findall(r"(?<![\w.(+] )(?<![\w.(+])(\d+[a-c]?)\s+([A-Za-z]\w*[._]\w+)", index)   # not 'K + 1 positions'
     assert len(steps) >= 15, steps
     for section, name in steps:

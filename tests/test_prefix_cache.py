@@ -34,7 +34,10 @@ def make(path, **opts):
 class Observed:
     """An LLM whose engine is stepped here, by hand: the rows the sampler reads (logits per request and
     choice) are recorded, and with the prefix cache on, every KV write is checked to touch only blocks that
-    one sequence holds. Observation only: the model, engine and sampler are the real ones."""
+    one sequence holds. Observation only: the model, engine and sampler are the real ones. With async
+    scheduling a row is sampled before the host has its sequence's previous token (row.unread), so a row's
+    context is read once the run is over, and the row that a sequence finished before is left out (its token
+    is dropped, as the engine without overlap never samples it)."""
 
     def __init__(self, llm):
         self.llm, self.engine = llm, llm.engine
@@ -42,15 +45,13 @@ class Observed:
         self.contexts: dict[tuple[str, int], list[tuple[int, ...]]] = {}   # the tokens each row's logits follow
         self.outputs: dict[tuple[str, int], list[int]] = {}                # prompt + generated tokens per choice
         self.shared_writes: list[int] = []
-        sample = self.engine.sampler.sample
+        self.rows: list[tuple[pocketllm.SampleRow, torch.Tensor]] = []      # sampled this run, with their logits
+        sample = self.engine.sampler.sample_on_device
 
         def record(rows, logits):
-            for row in rows:
-                key = (row.seq.request.id, row.seq.index)
-                self.logits.setdefault(key, []).append(logits[row.logit_row].clone())
-                self.contexts.setdefault(key, []).append(tuple(row.seq.tokens + row.ahead))
+            self.rows += [(row, logits[row.logit_row].clone()) for row in rows]
             return sample(rows, logits)
-        self.engine.sampler.sample = record
+        self.engine.sampler.sample_on_device = record
         ops = llm.model.ops
         kv_write = ops.kv_write
 
@@ -74,6 +75,14 @@ class Observed:
             for rid, at in (abort_after or {}).items():
                 if steps == at:
                     self.engine.abort(rid)
+        for row, logits in self.rows:
+            seq, key = row.seq, (row.seq.request.id, row.seq.index)
+            if row.unread and row.emitted >= len(seq.output_ids):
+                continue                                   # sampled after its sequence finished: dropped
+            self.logits.setdefault(key, []).append(logits)
+            before = seq.output_ids[:row.emitted - len(row.ahead)]
+            self.contexts.setdefault(key, []).append(tuple(seq.request.prompt_ids + before + row.ahead))
+        self.rows = []
         out = []
         for req in requests:
             tokens = drain(req)[0]

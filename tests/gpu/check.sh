@@ -20,7 +20,8 @@
 #   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy; init and step
 #               timeouts abort the communicator (a peer that never joins, a GPU spin ahead of the step)
 #   6 parity    tests/gpu/test_gpu_parity.py: native vs torch, identical greedy tokens for 64 steps
-#   6b graphs   decode by CUDA graph replay (DecodeGraphs) == eager, token for token, greedy and sampled
+#   6b graphs   decode by CUDA graph replay (DecodeGraphs) == eager, token for token, greedy and sampled; async
+#               scheduling (on, graphed) == one step at a time, and the decode step time of both
 #   6c model27b Qwen3.5-27B with --load-format dummy (random FP8 weights of the real shapes made on the GPU from
 #               config.json: no 27 GB download): benchmarks/bench.py --report at TP1 (batch-1 TPOT against the
 #               bytes-per-token / copy-bandwidth roofline, output tokens/s at batch 8 and 32, TTFT at 1k and 8k,

@@ -633,9 +633,42 @@ def graphs(logdir: Path) -> int:
     out["buckets_captured"] = sorted(llm.engine.graphs.steps)
     ok &= bool(out["buckets_captured"])
     print(f"buckets captured: {out['buckets_captured']}")
+    out["overlap"] = overlap(llm, prompts, kinds)
+    ok &= all(v["identical"] for v in out["overlap"].values() if isinstance(v, dict)) and out["overlap"]["launched"] > 0
     llm.close()
     save(logdir, "graphs", out)
     return 0 if ok else 1
+
+
+def overlap(llm, prompts: list[list[int]], kinds: dict) -> dict:
+    """Async scheduling on the card (llm has it on, graphs replaying): its tokens == an engine without it, and ms
+    per decode step of both (3 sequences, the difference of a 72- and an 8-token run)."""
+    import time
+    import pocketllm
+    serial = pocketllm.LLM(None, backend="native", device="cuda", dtype="float16", quiet=True, max_context=512,
+                           max_batch_size=8, speculative_tokens=0, async_scheduling=False)
+    out, launched = {"launched": 0}, llm.engine.device.launches
+    for kind, params in kinds.items():
+        tokens = [[[t for ev in s for t in ev.token_ids] for s in [
+            engine.submit(p, pocketllm.SamplingParams(max_tokens=48, seed=i, ignore_eos=True, **params))
+            for i, p in enumerate(prompts)]] for engine in (serial, llm)]
+        out[kind] = {"identical": tokens[0] == tokens[1]}
+        print(f"{kind}: async scheduling {'==' if tokens[0] == tokens[1] else '!='} one step at a time", flush=True)
+    out["launched"] = llm.engine.device.launches - launched
+
+    def seconds(engine, n):
+        t0 = time.perf_counter()
+        for s in [engine.submit(p, pocketllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                  for p in prompts]:
+            list(s)
+        return time.perf_counter() - t0
+    for name, engine in (("serial", serial), ("overlapped", llm)):
+        seconds(engine, 8)
+        out[f"{name}_ms_per_step"] = min(seconds(engine, 72) - seconds(engine, 8) for _ in range(3)) * 1e3 / 64
+    print(f"decode step, 3 sequences: {out['serial_ms_per_step']:.3f} ms one at a time, "
+          f"{out['overlapped_ms_per_step']:.3f} ms overlapped", flush=True)
+    serial.close()
+    return out
 
 
 def main() -> int:

@@ -1,0 +1,392 @@
+"""Async scheduling (--async-scheduling, issue 49 item 3): step N + 1 is planned and launched before step N's
+tokens are read, so the host's postprocessing overlaps the device's forward.
+
+- The overlap: with a forward that takes a fixed time (on the device queue's worker thread) and a host
+  postprocess that takes a fixed time, a decode step takes about the longer of the two rather than their sum, and
+  the host reads each step's result exactly once.
+- Exactness: the bundled pocket-tiny gives the same outputs with and without it, request by request (greedy,
+  seeded temperature 1 with penalties and logprobs, stop strings, tool calls, structured output, n > 1, and a
+  batch whose sequences finish at different steps), and the resources come back.
+"""
+
+import dataclasses
+import random
+import time
+
+import pytest
+import torch
+
+import pocketllm
+
+FORWARD_S, HOST_S = 0.15, 0.20          # the fixed forward and host-postprocess times of the timing test
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast for a city.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string"}, "days": {"type": "integer"}},
+                                                 "required": ["city", "days"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """pocket-tiny twice, without speculation (verify windows run one step at a time): async scheduling off, on."""
+    llms = [pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=8, max_context=1024, speculative_tokens=0,
+                          async_scheduling=flag) for flag in (False, True)]
+    assert [llm.engine.overlap for llm in llms] == [False, True]
+    yield llms
+    for llm in llms:
+        llm.close()
+
+
+def both(pair, call):
+    """call(llm) on both engines; returns (off, on, steps the async engine launched while answering)."""
+    launched = pair[1].engine.device.launches
+    off, on = call(pair[0]), call(pair[1])
+    assert pair[0].engine.device.launches == 0
+    return off, on, pair[1].engine.device.launches - launched
+
+
+def strip_ids(response):
+    """A chat response without what differs between any two calls: ids and timestamps."""
+    if isinstance(response, dict):
+        return {k: strip_ids(v) for k, v in response.items() if k not in ("id", "created")}
+    if isinstance(response, list):
+        return [strip_ids(v) for v in response]
+    return response
+
+
+def test_greedy_and_seeded_sampling_with_penalties_are_identical(pair):
+    for params in ({"temperature": 0, "max_tokens": 40},
+                   {"temperature": 1.0, "seed": 11, "max_tokens": 40, "presence_penalty": 0.6,
+                    "frequency_penalty": 0.4, "repetition_penalty": 1.3, "top_k": 50, "top_p": 0.95,
+                    "min_tokens": 6, "logprobs": 3, "logit_bias": {220: -2.0}}):
+        off, on, launched = both(pair, lambda llm: llm.generate("Once upon a time", **params))
+        assert off == on and off["completion_tokens"] >= 6
+        assert launched >= off["completion_tokens"] - 2      # every decode step but the prefill's ran overlapped
+
+
+def test_n_choices_are_identical(pair):
+    off, on, launched = both(pair, lambda llm: llm.generate("The weather in Paris", n=3, temperature=1.0, seed=5,
+                                                            max_tokens=24, frequency_penalty=0.5))
+    assert off == on and len({tuple(c["token_ids"]) for c in off["choices"]}) > 1
+    assert launched >= max(c["completion_tokens"] for c in off["choices"]) - 2
+
+
+def test_stop_strings_are_identical(pair):
+    full = pair[0].generate("Once upon a time", temperature=0, max_tokens=30, ignore_eos=True)
+    stop = full["text"][len(full["text"]) // 2:][:4]
+    assert stop.strip()
+    off, on, launched = both(pair, lambda llm: llm.generate("Once upon a time", temperature=0, max_tokens=30,
+                                                            ignore_eos=True, stop=[stop]))
+    assert off == on and off["finish_reason"] == "stop" and off["text"] == full["text"][:full["text"].find(stop)]
+    assert launched > 0
+
+
+def test_tool_calls_are_identical(pair):
+    """A chat without tools (its processor only bans the call token, whatever came before) runs overlapped; one
+    with tools decodes under its grammar (auto mode too: an opened call's arguments follow the schema), and while
+    it runs the whole batch steps one at a time. Streamed side by side, both answers are the same either way."""
+    story = [{"role": "user", "content": "Tell me a story."}]
+
+    def run(llm):
+        tools = llm.chat(ASK, tools=WEATHER, temperature=0, max_tokens=80, stream=True, **NO_THINKING)
+        text = llm.chat(story, temperature=1.0, seed=4, max_tokens=80, frequency_penalty=0.2, stream=True)
+        return [strip_ids(list(tools)), strip_ids(list(text))]
+    off, on, launched = both(pair, run)
+    assert off == on and launched > 0
+    assert any(c["choices"][0]["delta"].get("tool_calls") for c in off[0] if c.get("choices")), off[0]
+    alone, alone_on, launched = both(pair, lambda llm: llm.chat(story, temperature=0, max_tokens=40))
+    assert strip_ids(alone) == strip_ids(alone_on) and launched >= alone["usage"]["completion_tokens"] - 2
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    off, on, launched = both(pair, lambda llm: llm.chat(ASK, tools=WEATHER, tool_choice=forced, temperature=1.0,
+                                                        seed=3, max_tokens=60, **NO_THINKING))
+    assert strip_ids(off) == strip_ids(on) and off["choices"][0]["message"]["tool_calls"] and launched == 0
+
+
+def test_structured_output_is_identical(pair):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": schema, "strict": True}}
+    off, on, launched = both(pair, lambda llm: llm.chat(ASK, response_format=fmt, temperature=1.0, seed=9,
+                                                        max_tokens=60))
+    assert strip_ids(off) == strip_ids(on) and launched == 0
+    assert off["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_batch_finishing_at_different_steps_is_identical_and_frees_everything(pair):
+    """Sequences that stop (EOS), run out of max_tokens and keep going share the overlapped steps; each request's
+    events are the same, and every block and slot comes back (a finished sequence's last token was computed by
+    the step after it, and its slot was freed only once that step was read)."""
+    prompts = ["Hello, who are you?", "Once upon a time", "The weather in Paris", "1, 2, 3,", "Tell me a joke"]
+
+    def run(llm):
+        streams = [llm.submit(llm.tokenizer.encode(p), pocketllm.SamplingParams(
+            max_tokens=3 + 9 * i, temperature=1.0 if i % 2 else 0.0, seed=i, presence_penalty=0.3 * (i % 2)))
+            for i, p in enumerate(prompts)]
+        out = [[(ev.index, ev.token_ids, ev.finish_reason) for ev in s] for s in streams]
+        deadline = time.monotonic() + 10
+        while llm.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = llm.stats()
+        return out, (stats["running"], stats["slots_used"], stats["kv_blocks_used"]), stats["target_forwards_total"]
+    forwards = [llm.stats()["target_forwards_total"] for llm in pair]
+    (off, freed_off, after_off), (on, freed_on, after_on), launched = both(pair, run)
+    assert off == on and launched > 10
+    assert freed_off == freed_on == (0, 0, 0)
+    assert after_off - forwards[0] == after_on - forwards[1]       # a dropped overlapped row is not counted
+    assert {e[-1][2] for e in off} == {"stop", "length"}          # both kinds of finish were in the batch
+
+
+def test_a_follow_up_resumes_from_an_overlapped_stop(pair):
+    """A generation that stops (EOS) inside an overlapped chain takes its end snapshot after the step that
+    computed its last token: a follow-up that extends it resumes there (one token later than without overlap)
+    and answers the same."""
+    prompt = pair[0].tokenizer.encode("Once upon a time")
+
+    def run(llm):
+        first = llm.generate(prompt, temperature=0, max_tokens=60)
+        hits = llm.stats()["prefix_cache_hit_tokens_total"]
+        follow = prompt + first["token_ids"] + pair[0].tokenizer.encode(" And then")
+        second = llm.generate(follow, temperature=1.0, seed=4, max_tokens=16, presence_penalty=0.5)
+        return first, second, llm.stats()["prefix_cache_hit_tokens_total"] - hits, len(follow)
+    (first, second, hit_off, n), (first_on, second_on, hit_on, _), launched = both(pair, run)
+    assert first["finish_reason"] == "stop" and (first, second) == (first_on, second_on) and launched > 10
+    assert hit_off == len(prompt) + first["completion_tokens"] - 1 and hit_on == hit_off + 1 and hit_on < n
+
+
+def test_speculation_runs_one_step_at_a_time():
+    llm = pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=2, max_context=256)
+    try:
+        assert llm.engine.draft_tokens and not llm.engine.overlap
+    finally:
+        llm.close()
+
+
+def test_a_fault_in_an_overlapped_step_fails_every_request():
+    """A forward that raises on the device queue's thread (as a sticky CUDA error would) in the middle of an
+    overlapped chain surfaces at the host's read: every request ends with the error, the engine refuses new
+    ones, and nothing stays held (the sequences whose end was deferred behind the step in flight included)."""
+    from test_faults import assert_all_free, tokens
+    llm = pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=4, max_context=256, speculative_tokens=0)
+    try:
+        forward, calls = llm.engine.run_batch, []
+
+        def faulty(batch):
+            calls.append(batch.token_ids.numel())
+            if len(calls) == 8:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+            return forward(batch)
+        llm.engine.run_batch = faulty
+        streams = [llm.submit(llm.tokenizer.encode(p), pocketllm.SamplingParams(max_tokens=30, ignore_eos=True))
+                   for p in ("Once upon a time", "Tell me a joke")]
+        for stream in streams:
+            with pytest.raises(pocketllm.PocketError, match="illegal memory access"):
+                tokens(stream)
+        assert llm.engine.device.launches >= 4 and calls[-1] == 2        # the fault hit an overlapped decode step
+        with pytest.raises(pocketllm.PocketError, match="illegal memory access"):
+            llm.submit([5, 6, 7], pocketllm.SamplingParams(max_tokens=2))
+        assert_all_free(llm)
+    finally:
+        llm.close()
+
+
+def engine_on(llm, overlap: bool) -> pocketllm.Engine:
+    """A fresh engine on llm's model (its own cache), async scheduling off or on."""
+    return pocketllm.Engine(llm.model, dataclasses.replace(llm.options, async_scheduling=overlap),
+                            llm.engine.eos_ids, llm.kv_dtype)
+
+
+def add(engine, llm, rid: str, prompt: str, **sampling):
+    params = pocketllm.SamplingParams(**sampling)
+    params.validate(llm.config.vocab_size)
+    req = pocketllm.Request(rid, llm.tokenizer.encode(prompt), params, 5)
+    engine.add(req)
+    return req
+
+
+def test_arrivals_and_aborts_mid_chain(pair):
+    """Step by step, the same script on both engines: two requests decode, a third arrives at step 6 (the
+    overlapped chain stops so it is admitted at the same step as without overlap, and resumes once it decodes),
+    one is aborted at step 12. The others' tokens are the same; the aborted one's are a prefix of what it got
+    without overlap (its token in flight is dropped); everything is freed."""
+    results = []
+    for overlap in (False, True):
+        engine = engine_on(pair[overlap], overlap)
+        reqs = [add(engine, pair[0], "a", "Once upon a time", max_tokens=30, temperature=0, ignore_eos=True),
+                add(engine, pair[0], "b", "Tell me a joke", max_tokens=30, temperature=1.0, seed=2,
+                    frequency_penalty=0.4, ignore_eos=True)]
+        for step in range(200):
+            if step == 6:
+                reqs.append(add(engine, pair[0], "c", "1, 2, 3,", max_tokens=12, temperature=1.0, seed=4,
+                                repetition_penalty=1.2, ignore_eos=True))
+            if step == 12:
+                engine.abort("b")
+            if not engine.has_work():
+                break
+            engine.step()
+        assert engine.stats()["slots_used"] == 0 and engine.blocks.used == 0
+        results.append(([drain_tokens(r) for r in reqs], engine.device.launches))
+        engine.fail_all("done")
+    (off, _), (on, launched) = results
+    assert on[0] == off[0] and on[2] == off[2] and launched > 15
+    assert on[1][1] == off[1][1] == "abort" and off[1][0][:len(on[1][0])] == on[1][0] and len(on[1][0]) >= 8
+
+
+@pytest.mark.parametrize("seed", range(1, 21))
+def test_random_batches_are_identical(pair, seed):
+    """Random requests added together (n up to 3, greedy or seeded sampling, penalties, logit_bias, min_tokens,
+    stop_token_ids among common tokens so that choices stop at different steps inside overlapped chains, logprobs,
+    a few aborted at a random step), stepped on both engines: every event of every choice has the same tokens
+    and finish, its logprobs within float32 rounding (a choice that stopped still has its dropped row in the
+    next overlapped step, and the torch backend's matmuls are not batch-invariant: ~1e-6 relative), an aborted
+    choice's tokens are a prefix of its tokens without overlap; everything is freed.
+    Seeds 1-160 were run: all pass but seed 141, where a sampled row's uniform (0.9946) fell within that 1e-6 of
+    the boundary between tokens 650 and 651 (batch 4 without overlap, 7 with: three stopped choices' dropped
+    rows), the same uniforms on both sides; seed 91 overlaps no step (every choice ends within two tokens)."""
+    rng = random.Random(seed)
+    prompts = ["Once upon a time", "Tell me a joke", "The weather in Paris", "1, 2, 3,", "Hello, who are you?"]
+    common = pair[0].tokenizer.encode(" the a, of and.")
+    script = []
+    for i in range(rng.randint(3, 6)):
+        kw = dict(max_tokens=rng.randint(3, 30) if i else 30, n=rng.choice([1, 1, 2, 3]), seed=rng.randint(0, 99),
+                  temperature=rng.choice([0.0, 0.7, 1.0]), min_tokens=rng.choice([0, 0, 3]),
+                  stop_token_ids=rng.sample(common, rng.randint(0, 2)), logprobs=rng.choice([None, 2]),
+                  presence_penalty=rng.choice([0.0, 0.5]), repetition_penalty=rng.choice([1.0, 1.2]),
+                  logit_bias={common[0]: rng.choice([0.0, 2.0])})
+        script.append((f"r{i}", rng.choice(prompts), kw, rng.choice([None, None, rng.randint(3, 12)])))
+    results = []
+    for overlap in (False, True):
+        engine = engine_on(pair[overlap], overlap)
+        reqs = [add(engine, pair[0], rid, prompt, **kw) for rid, prompt, kw, _ in script]
+        for step in range(300):
+            for rid, _, _, abort_at in script:
+                if abort_at == step:
+                    engine.abort(rid)
+            if not engine.has_work():
+                break
+            engine.step()
+        assert engine.stats()["slots_used"] == 0 and engine.blocks.used == 0
+        results.append(([[(ev.index, ev.token_ids, ev.finish_reason, ev.stop_reason, flat(ev.logprobs))
+                          for ev in r.events.queue] for r in reqs], engine.device.launches))
+        engine.fail_all("done")
+    (off, _), (on, _) = results
+    for (rid, _, kw, abort_at), events_off, events_on in zip(script, off, on):
+        for i in range(kw["n"]):
+            mine = [[e for e in events if e[0] == i] for events in (events_off, events_on)]
+            if abort_at is None:
+                assert [e[:4] for e in mine[0]] == [e[:4] for e in mine[1]], (rid, i)
+                assert sum((e[4] for e in mine[1]), []) == pytest.approx(sum((e[4] for e in mine[0]), []),
+                                                                          rel=1e-4, abs=1e-5)
+            else:
+                tokens = [[t for e in m for t in e[1]] for m in mine]
+                assert tokens[0][:len(tokens[1])] == tokens[1], (rid, i)
+
+
+def flat(logprobs) -> list[float]:
+    """An event's logprobs as numbers: the chosen token's, then the top ones' (their ids compared apart)."""
+    return [v for chosen, top in logprobs or [] for v in [chosen, *(lp for _, lp in top)]]
+
+
+def drain_tokens(req) -> tuple[list[int], str]:
+    events = list(req.events.queue)
+    return [t for ev in events for t in ev.token_ids], events[-1].finish_reason
+
+
+def decode_period(llm, overlap: bool, steps: int = 6) -> tuple[float, int, float, float]:
+    """Seconds per decode step of a fresh engine on llm's model, its forward FORWARD_S slower and its host
+    postprocess HOST_S slower; how many times the host read a step's result in those steps; and the mean seconds
+    per step of the real forward and of the real postprocess (without the sleeps)."""
+    engine = engine_on(llm, overlap)
+    for i in range(4):
+        params = pocketllm.SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True,
+                                          repetition_penalty=1.1)
+        params.validate(llm.config.vocab_size)
+        engine.add(pocketllm.Request(f"r{i}", llm.tokenizer.encode(f"Story number {i}:"), params, i))
+    while not (engine.scheduler.running and all(s.output_ids for s in engine.scheduler.running)):
+        engine.step()                                    # the prefill (one step at a time either way)
+    forward, apply, own = engine.run_batch, engine._apply, {"forward": [], "host": []}
+
+    def timed(kind, call, *args):
+        start = time.perf_counter()
+        out = call(*args)
+        own[kind].append(time.perf_counter() - start)
+        return out
+
+    def slow_forward(batch):
+        time.sleep(FORWARD_S)
+        return timed("forward", forward, batch)
+
+    def slow_host(*args):
+        time.sleep(HOST_S)
+        return timed("host", apply, *args)
+    engine.run_batch, engine._apply = slow_forward, slow_host
+    engine.step()                                        # the first overlapped step only launches
+    reads, start = engine.device.reads, time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    period, reads = (time.perf_counter() - start) / steps, engine.device.reads - reads
+    engine.run_batch, engine._apply = forward, apply
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["slots_used"] == 0 and engine.blocks.used == 0
+    engine.fail_all("done")
+    return period, reads, *(sum(own[k][-steps:]) / steps for k in ("forward", "host"))
+
+
+def test_the_step_takes_the_longer_of_forward_and_host_not_their_sum(pair):
+    """The forward sleeps FORWARD_S on the device queue's thread before the model runs; the host's postprocess
+    sleeps HOST_S. One at a time a step takes their sum (and the model's and the postprocess's own time, timed
+    here); overlapped, the longer of forward + model and host + postprocess, within 80 ms (the sampler, the
+    launch, Python's lock shared by the two threads, a loaded machine: the better of two runs each), and the
+    host reads each step's result once."""
+    serial, serial_reads, forward, host = min(decode_period(pair[0], overlap=False) for _ in range(2))
+    overlapped, overlapped_reads, forward_o, host_o = min(decode_period(pair[1], overlap=True) for _ in range(2))
+    longer = max(FORWARD_S + forward_o, HOST_S + host_o)
+    print(f"decode step: {1000 * serial:.1f} ms one at a time, {1000 * overlapped:.1f} ms overlapped; forward "
+          f"{1000 * FORWARD_S:.0f} + {1000 * forward_o:.0f} ms, host {1000 * HOST_S:.0f} + {1000 * host_o:.0f} ms")
+    assert serial_reads == overlapped_reads == 6                        # one host read per step
+    assert serial >= FORWARD_S + HOST_S + forward + host                # the sum
+    assert longer <= overlapped < longer + 0.08, (serial, overlapped, longer)
+    assert overlapped < 0.75 * serial, (serial, overlapped)
+
+
+
+def test_one_host_read_per_step_on_fake_cuda():
+    """Device honesty (tests/fake_cuda.py): on fake CUDA tensors, where every read of device data on the host is
+    counted, the overlapped steps gather their input tokens on the device and the host reads each step's result
+    once: host reads outside the forwards == forwards (short prompts: each forward samples) == the engine's
+    counted reads."""
+    from fake_cuda import CUDA, fake_cuda, model_to
+    from test_fake_cuda import cpu_model
+    ckpt, tokenizer = pocketllm.Checkpoint(pocketllm.DEFAULT_CKPT), pocketllm.Tokenizer(pocketllm.DEFAULT_CKPT)
+    eos = pocketllm._eos_ids(ckpt, tokenizer)
+    model = cpu_model((ckpt, tokenizer, eos))
+    with fake_cuda() as real:
+        options = pocketllm.EngineOptions(backend="torch", device="cuda", quiet=True, max_context=96, max_batch_size=8,
+                                          speculative_tokens=0)
+        engine = pocketllm.Engine(model_to(model, CUDA), options, eos, torch.float16)
+        assert engine.overlap and engine.device.cuda and not engine.device.events
+        forwards, run_batch = [], engine.run_batch
+
+        def counted(batch):                              # the torch backend's own reads (prefill loops) apart
+            before = len(real.host_reads)
+            logits = run_batch(batch)
+            forwards.append(len(real.host_reads) - before)
+            return logits
+        engine.run_batch = counted
+        features = [dict(temperature=0, max_tokens=6), dict(temperature=1.0, seed=3, n=2, max_tokens=9,
+                                                             presence_penalty=0.5, repetition_penalty=1.2),
+                    dict(temperature=0.8, top_k=20, top_p=0.9, logprobs=2, max_tokens=4, min_tokens=2)]
+        requests = [pocketllm.Request(f"r{i}", [5 + i, 6, 7], pocketllm.SamplingParams(ignore_eos=True, **kw), 7)
+                    for i, kw in enumerate(features)]
+        for req in requests:
+            engine.add(req)
+        while engine.has_work():
+            engine.step()
+    assert engine.device.launches >= 5
+    assert len(real.host_reads) - sum(forwards) == len(forwards) == engine.device.reads, real.host_reads
+    for req, kw in zip(requests, features):
+        events = list(req.events.queue)
+        assert all(ev.finish_reason != "error" for ev in events), [ev.error for ev in events]
+        for i in range(req.params.n):
+            assert sum(len(ev.token_ids) for ev in events if ev.index == i) == kw["max_tokens"]
