@@ -348,6 +348,11 @@ class EngineOptions:
                                "of the exact dtypes, shapes and FP8 block scales the checkpoint would hold, made on "
                                "the device from `config.json` alone (+ its tokenizer, else a built-in byte-level "
                                "one), seeded by `--seed`: benchmarks without the download", "F", vllm="same")
+    fp8_dense_memory: int = _option(4096, "MiB the torch backend may hold as dense copies of the FP8 weights, "
+                                    "dequantised once at load so that no step dequantises a weight again (in the "
+                                    "activation dtype: 4 bytes per weight on the CPU); when the copy of every FP8 "
+                                    "weight would not fit, they all stay FP8 in memory, dequantised per use (a 27B "
+                                    "checkpoint does); 0: always FP8. The start-up line says which", "MIB")
     seed: int = _option(0, "seeds the seeds drawn for requests that send no `seed`: the same `--seed`, the same "
                         "answers", "N", vllm="same")
     speculative_tokens: int = _option(2, "speculative decoding: the checkpoint's MTP layer (`mtp.*`) drafts K tokens "
@@ -2249,6 +2254,41 @@ def _to_device(weights, device, dtype: torch.dtype):
     return dataclasses.replace(weights, **{f.name: move(getattr(weights, f.name)) for f in dataclasses.fields(weights)})
 
 
+def fp8_dense_bytes(parts: list, dtype: torch.dtype) -> int:
+    """Bytes that dense copies of every FP8 Linear in parts (layer weights, Linears, lists of them) would take."""
+    total = 0
+    for part in parts:
+        if isinstance(part, list):
+            total += fp8_dense_bytes(part, dtype)
+        elif isinstance(part, Linear):
+            total += part.weight.numel() * dtype.itemsize if part.scale is not None else 0
+        elif dataclasses.is_dataclass(part):
+            total += fp8_dense_bytes([getattr(part, f.name) for f in dataclasses.fields(part)], dtype)
+    return total
+
+
+def fp8_dense_line(model, budget_mib: int) -> str:
+    """The start-up line that says whether the FP8 weights were dequantised at load, and the budget it used."""
+    size, dtype = format_bytes(model.dense_bytes), str(model.dtype).removeprefix("torch.")
+    if model.dense:
+        return f"FP8 weights dequantised once at load: a dense {dtype} copy of {size} (--fp8-dense-memory {budget_mib} MiB)"
+    return (f"FP8 weights stay FP8, dequantised per use: a dense {dtype} copy would take {size}, more than "
+            f"--fp8-dense-memory {budget_mib} MiB")
+
+
+def densify(weights, dtype: torch.dtype):
+    """weights (a Linear, a layer's dataclass, or a list of them) with every FP8 Linear dequantised to a dense
+    (N, K) `dtype` copy: the values dequantize() computes at each use, computed once."""
+    if isinstance(weights, list):
+        return [densify(w, dtype) for w in weights]
+    if isinstance(weights, Linear):
+        return Linear(dequantize(weights, dtype)) if weights.scale is not None else weights
+    if not dataclasses.is_dataclass(weights):
+        return weights
+    return dataclasses.replace(weights, **{f.name: densify(getattr(weights, f.name), dtype)
+                                           for f in dataclasses.fields(weights)})
+
+
 def linear_rows(w: Linear, r0: int, r1: int) -> Linear:
     """Rows [r0, r1) of w as a view (FP8: r0 on a scale block boundary, so its scale rows are a view too)."""
     if w.scale is None:
@@ -2490,9 +2530,10 @@ class Model:
 
     def __init__(self, ckpt: Checkpoint, ops, dtype: torch.dtype, device: torch.device, shard: Shard = Shard(),
                  num_layers: int | None = None, all_reduce: Callable | None = None, progress: bool = True,
-                 mtp: bool = False, stack: bool | None = None):
+                 mtp: bool = False, stack: bool | None = None, dense_budget: int = 0):
         """stack: stack same-input projections into one weight (fuse_projections); None: everywhere but the
-        torch backend on the CPU (tests of another device's layout pass True)."""
+        torch backend reading FP8 on the CPU (tests of another device's layout pass True). dense_budget: bytes
+        the torch backend may hold as dense copies of the FP8 weights (--fp8-dense-memory; 0: FP8 stays FP8)."""
         cfg = self.cfg = ckpt.config
         self.ops, self.dtype, self.device, self.shard = ops, dtype, device, shard
         self.all_reduce = all_reduce or (lambda x: x)
@@ -2505,18 +2546,11 @@ class Model:
         self.lm_head = load_linear(ckpt, head, (V, D), rows=[(v0, v1)],
                                    whole_blocks=shard.whole_blocks).to(device, dtype)   # (V', D)
         self.norm = load_norm(ckpt, cfg, p + "norm.weight", (D,)).to(device)
-        self.layers = []
-        t0 = time.time()
-        # On the CPU the torch backend reads FP8 weights in place from the mapped checkpoint: stacking them would
-        # copy every projection (twice the checkpoint's bytes resident). Elsewhere the weights are copies anyway.
-        if stack is None:
-            stack = not (torch.device(device).type == "cpu" and ops.name == "torch")
+        t0, layers = time.time(), []
         for i in range(n):
-            self.layers.append(fuse_projections(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype),
-                                                cfg.head_dim, stack))
+            layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype))
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
-        self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
         # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer). An
         # incomplete one is left out (no speculation): mtp_missing names the first tensor it lacks.
         self.mtp, self.mtp_missing = None, None
@@ -2525,6 +2559,18 @@ class Model:
                 self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype)
             except MissingTensorError as e:
                 self.mtp_missing = e.name
+        # FP8 -> dense once, here, when the torch backend's dense copy of every FP8 weight fits dense_budget bytes.
+        self.dense_bytes = fp8_dense_bytes(layers + [self.mtp, self.lm_head], dtype)
+        self.dense = ops.name == "torch" and 0 < self.dense_bytes <= dense_budget
+        if self.dense:
+            layers, self.mtp, self.lm_head = (densify(w, dtype) if w is not None else None
+                                              for w in (layers, self.mtp, self.lm_head))
+        # On the CPU the torch backend reads FP8 weights in place from the mapped checkpoint: stacking them would
+        # copy every projection (twice the checkpoint's bytes resident). Elsewhere the weights are copies anyway.
+        if stack is None:
+            stack = self.dense or not (torch.device(device).type == "cpu" and ops.name == "torch")
+        self.layers = [fuse_projections(L, cfg.head_dim, stack) for L in layers]
+        self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
         if self.mtp is not None:
             self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim, stack))
         self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
@@ -4078,7 +4124,8 @@ def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: in
     try:
         shard = Shard(rank, world, whole_blocks=ops.name == "native")
         return Model(ckpt, ops, dtype, device, shard=shard, num_layers=opts.smoke_layers or None,
-                     all_reduce=all_reduce, progress=not quiet, mtp=opts.speculative_tokens > 0)
+                     all_reduce=all_reduce, progress=not quiet, mtp=opts.speculative_tokens > 0,
+                     dense_budget=opts.fp8_dense_memory << 20)
     except CheckpointError as e:
         if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. native: an FP8 slice off its blocks
             raise CheckpointError(f"{e} at tensor-parallel degree {world}") from None
@@ -12196,6 +12243,8 @@ def _check_options(opts: EngineOptions, cfg: ModelConfig):
         raise PocketError(f"--max-context/--max-model-len {opts.max_context} is beyond the model's "
                           f"max_position_embeddings ({cfg.max_position_embeddings}, config.json): positions past it "
                           f"were never trained; {ALLOW_LONG_CONTEXT}=1 in the environment allows it")
+    if opts.fp8_dense_memory < 0:
+        raise PocketError("--fp8-dense-memory must be >= 0 MiB (0: FP8 weights stay FP8)")
     if opts.prefix_cache_memory < -1:
         raise PocketError("--prefix-cache-memory must be >= 0 MiB, or -1 (one snapshot per state slot)")
     for name in ("max_batch_size", "num_kv_blocks"):
@@ -12308,7 +12357,8 @@ class LLM:
             ops = NativeOps(device) if placement.backend == "native" else TorchOps()
             ckpt.device = device                   # where --load-format dummy draws the weights
             self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None,
-                               progress=not opts.quiet, mtp=opts.speculative_tokens > 0)
+                               progress=not opts.quiet, mtp=opts.speculative_tokens > 0,
+                               dense_budget=opts.fp8_dense_memory << 20)
             run_batch = None
         if opts.speculative_tokens and self.model.mtp is not None:
             _log(opts, f"speculative decoding: the MTP layer drafts {opts.speculative_tokens} tokens per step")
@@ -12317,6 +12367,8 @@ class LLM:
                 f"the checkpoint's MTP layer is incomplete (missing tensor '{self.model.mtp_missing}')"
                 if self.model.mtp_missing else "--smoke-layers runs part of the model" if has_mtp(ckpt)
                 else "the checkpoint has no MTP layer (mtp.* tensors)"))
+        if self.group is None and placement.backend == "torch" and self.model.dense_bytes:
+            _log(opts, fp8_dense_line(self.model, opts.fp8_dense_memory))
         ckpt.close()
         if sized:
             self._size_cache()
