@@ -291,6 +291,7 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
         weight_prefix=arch.weight_prefix, quant=quant)
 
 
+GPU_SPECULATIVE_TOKENS = 2     # --speculative-tokens' default on a GPU (the K that measured best there)
 MAX_SPECULATIVE_TOKENS = 8     # --speculative-tokens at most: drafts past a few are rarely all accepted
 DEFAULT_MAX_BATCH_SIZE = 16    # running sequences when not sized from GPU memory (the CPU, --devices)
 MAX_SIZED_BATCH_SIZE = 256     # the most sequences memory sizing picks (vLLM's max_num_seqs default)
@@ -355,13 +356,15 @@ class EngineOptions:
                                     "checkpoint does); 0: always FP8. The start-up line says which", "MIB")
     seed: int = _option(0, "seeds the seeds drawn for requests that send no `seed`: the same `--seed`, the same "
                         "answers", "N", vllm="same")
-    speculative_tokens: int = _option(2, "speculative decoding: the checkpoint's MTP layer (`mtp.*`) drafts K tokens "
-                                      "per sequence and step, the next forward verifies them (greedy output "
-                                      "identical, sampling distributed as the target's; `docs/architecture.md`, "
-                                      "\"Speculative decoding\"); 0 turns it off; a checkpoint without `mtp.*` runs "
-                                      "without it and says so once. The default is the K that measured best "
-                                      f"(`docs/benchmarks.md`); at most {MAX_SPECULATIVE_TOKENS}", "K",
-                                      vllm="`--num-speculative-tokens` (in `--speculative-config`)")
+    speculative_tokens: int | None = _option(None, "speculative decoding: the checkpoint's MTP layer (`mtp.*`) "
+                                             "drafts K tokens per sequence and step, the next forward verifies them "
+                                             "(greedy output identical, sampling distributed as the target's; "
+                                             "`docs/architecture.md`, \"Speculative decoding\"); 0 turns it off; a "
+                                             "checkpoint without `mtp.*` runs without it and says so once. None "
+                                             f"(the default): {GPU_SPECULATIVE_TOKENS} on a GPU, 0 on the CPU, "
+                                             "where a draft costs more than its accepted tokens save (both measured: "
+                                             f"`docs/benchmarks.md`); at most {MAX_SPECULATIVE_TOKENS}", "K",
+                                             vllm="`--num-speculative-tokens` (in `--speculative-config`)")
     enforce_eager: bool = _option(False, "run every decode step op by op: no CUDA graphs (CUDA) and no launch-list "
                                   "replay (native backend) of the decode forward (`docs/architecture.md`, \"CUDA "
                                   "graphs\")", vllm="same")
@@ -371,6 +374,20 @@ class EngineOptions:
                                         "(`docs/architecture.md`, \"Tensor parallelism\")", "S")
     collective_warmup_timeout: float = _option(300.0, "the same bound while the ranks connect and for their first "
                                                "two steps, which include kernel JIT compilation", "S")
+
+
+    def __post_init__(self):
+        if self.speculative_tokens is None:
+            self.speculative_tokens = default_speculative_tokens(self.devices or self.device)
+
+
+def default_speculative_tokens(devices: str) -> int:
+    """The draft length when none is given, by rank 0's device (--devices' first, else --device): on a GPU a
+    verify window costs about one step, so drafts pay; on the CPU the torch backend's window and drafts cost
+    more than pocket-tiny's accepted drafts save (docs/benchmarks.md, "Speculation on the CPU")."""
+    first = devices.split(",")[0].strip()
+    on_gpu = first != "cpu" and (first != "auto" or torch.cuda.is_available())
+    return GPU_SPECULATIVE_TOKENS if on_gpu else 0
 
 
 def _log(opts: EngineOptions, msg: str):
@@ -836,11 +853,13 @@ def _rope(x, cos, sin):
 
 
 def decode_delta_step(q, k, v, g, beta, S):
-    """One token of the gated delta rule for B sequences. q, k (B, H, Dk); v (B, H, Dv); S (B, H, Dk, Dv)."""
+    """One token of the gated delta rule for B sequences. q, k (B, H, Dk); v (B, H, Dv); S (B, H, Dk, Dv).
+    Matmuls of (1, Dk) rows rather than einsum: the same sums, a fraction of einsum's per-call cost."""
     S = S * g.exp()[..., None, None]
-    delta = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", S, k))     # (B, H, Dv)
-    S = S + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("bhkv,bhk->bhv", S, q), S
+    k_row = k[..., None, :]                                                 # (B, H, 1, Dk)
+    delta = beta[..., None] * (v - (k_row @ S)[..., 0, :])                  # (B, H, Dv)
+    S = S + k_row.transpose(-1, -2) * delta[..., None, :]
+    return (q[..., None, :] @ S)[..., 0, :], S
 
 
 def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
@@ -906,8 +925,15 @@ class TorchOps:
         return x
 
     def rmsnorm(self, x, w, eps):
-        xf = x.float()                                                   # zero-centred: weights are stored as (w)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)).to(x.dtype)
+        """Zero-centred: weights are stored as w, the norm multiplies by (1 + w); one fused torch op in fp32."""
+        return F.rms_norm(x.float(), w.shape, self._one_plus(w), eps).to(x.dtype)
+
+    def _one_plus(self, w):
+        """1 + w of a norm weight, made once per weight (the dict holds w, so its id stays its own)."""
+        memo = self.__dict__.setdefault("_one_plus_memo", {})
+        if id(w) not in memo:
+            memo[id(w)] = (w, 1.0 + w.float())
+        return memo[id(w)][1]
 
     def add_rmsnorm(self, x, residual, w, eps, dtype=None):
         """residual + x (x fp32 or the activation dtype) in the fp32 residual stream; the norm in `dtype`
@@ -924,7 +950,7 @@ class TorchOps:
         """x @ w^T in `dtype` (default x's); float32 computes in float32, so sums past 65504 stay finite."""
         x = x.float() if dtype == torch.float32 else x
         if w.scale is None:
-            return x @ w.weight.to(x.dtype).t()                          # (T, N)
+            return F.linear(x, w.weight.to(x.dtype))                     # (T, N)
         (n, k), bn = w.weight.shape, w.block[0]
         step = max(1, (1 << 20) // (k * bn)) * bn                        # FP8: dequantise ~1M weights at a time
         out = x.new_empty(x.shape[0], n)
@@ -959,9 +985,17 @@ class TorchOps:
 
     def qk_norm_rope(self, q, k, q_w, k_w, eps, positions, inv_freq):
         q, k = self.rmsnorm(q, q_w, eps), self.rmsnorm(k, k_w, eps)      # (T, Hq, Dh), (T, Hk, Dh)
-        angles = positions.float()[:, None] * inv_freq[None, :]          # (T, R/2)
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        cos, sin = self._cos_sin(positions, inv_freq)
         return _rope(q, cos, sin), _rope(k, cos, sin)
+
+    def _cos_sin(self, positions, inv_freq):
+        """(T, 1, R/2) cos and sin of the positions' angles: every attention layer of a step reads the same
+        positions tensor, so they are computed once per step (the memo holds the tensors it compares)."""
+        last = self.__dict__.get("_rope_memo")
+        if last is None or last[0] is not positions or last[1] is not inv_freq:
+            angles = positions.float()[:, None] * inv_freq[None, :]      # (T, R/2)
+            last = self._rope_memo = (positions, inv_freq, angles.cos()[:, None, :], angles.sin()[:, None, :])
+        return last[2], last[3]
 
     def qk_norm_rope_kv(self, q, k, v, q_w, k_w, eps, positions, inv_freq, k_cache, v_cache, slot_mapping):
         """qk_norm_rope, then kv_write of the rotated k and v: returns q."""
@@ -979,22 +1013,43 @@ class TorchOps:
         if gate is not None:
             o = self.attention(q, k_cache, v_cache, block_tables, context_lens, query_start, scale)
             return self.sigmoid_mul(o.reshape(gate.shape), gate).view_as(o)
+        if q.shape[0] == context_lens.numel():                          # decode: every sequence at once
+            return self._decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
         out = torch.empty_like(q)                                        # (T, Hq, Dh)
-        bs, hk = k_cache.shape[1], k_cache.shape[2]
+        bs = k_cache.shape[1]
         for b in range(len(context_lens)):
             q0, q1, n = int(query_start[b]), int(query_start[b + 1]), int(context_lens[b])
             blocks = block_tables[b, : -(-n // bs)].long()
-            k = k_cache[blocks].flatten(0, 1)[:n].float()                # (n, Hk, Dh)
-            v = v_cache[blocks].flatten(0, 1)[:n].float()
-            qb = q[q0:q1].float()                                        # (m, Hq, Dh)
-            rep = qb.shape[1] // hk
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            s = torch.einsum("mhd,nhd->hmn", qb, k) * scale              # (Hq, m, n)
-            m = q1 - q0                                                  # row i sees positions <= n - m + i
-            mask = torch.arange(n)[None, :] > (n - m + torch.arange(m))[:, None]
-            s.masked_fill_(mask[None].to(s.device), float("-inf"))
-            out[q0:q1] = torch.einsum("hmn,nhd->mhd", s.softmax(-1), v).to(q.dtype)
+            k = k_cache[blocks].flatten(0, 1)[:n]                        # (n, Hk, Dh)
+            v = v_cache[blocks].flatten(0, 1)[:n]
+            out[q0:q1] = self._prefill_attention(q[q0:q1], k, v, scale)
         return out
+
+    def _decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        """One query per sequence, B sequences in one batched pass over their block tables (B, nb): each reads
+        its first context_lens[b] cached positions, in fp32. q (B, Hq, Dh) -> (B, Hq, Dh)."""
+        B, Hq, Dh = q.shape
+        Hk = k_cache.shape[2]
+        blocks = block_tables.long()                                     # (B, nb)
+        k = k_cache[blocks].flatten(1, 2).float()                        # (B, L, Hk, Dh)
+        v = v_cache[blocks].flatten(1, 2).float()
+        hidden = torch.arange(k.shape[1], device=q.device) >= context_lens[:, None]   # (B, L)
+        qg = q.float().view(B, Hk, Hq // Hk, Dh)                         # query head h reads kv head h // rep
+        s = qg @ k.permute(0, 2, 3, 1) * scale                           # (B, Hk, rep, L)
+        s = s.masked_fill(hidden[:, None, None, :], float("-inf"))
+        return (s.softmax(-1) @ v.transpose(1, 2)).view(B, Hq, Dh).to(q.dtype)   # (B, Hk, rep, Dh) -> heads
+
+    def _prefill_attention(self, q, k, v, scale):
+        """m queries of one sequence, the last m of its n positions: row i sees positions <= n - m + i. torch's
+        fused attention (memory in tiles, not an (m, n) score matrix per head), in fp32; in bf16 with fp32
+        accumulation when the cache is bf16 (--kv-dtype bfloat16: its values are bf16 already).
+        q (m, Hq, Dh), k, v (n, Hk, Dh) -> (m, Hq, Dh)."""
+        m, n = q.shape[0], k.shape[0]
+        work = torch.bfloat16 if k.dtype == torch.bfloat16 else torch.float32
+        seen = torch.arange(n, device=q.device)[None, :] <= (n - m + torch.arange(m, device=q.device))[:, None]
+        qh, kh, vh = (t.to(work).transpose(0, 1) for t in (q, k, v))    # (H, m|n, Dh)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1).to(q.dtype)                             # (m, Hq, Dh)
 
     def conv1d(self, x, w, conv_state, slot_ids, query_start):
         width = w.shape[1]
@@ -1037,8 +1092,7 @@ class TorchOps:
         q = _l2norm(q.float()).repeat_interleave(rep, 1) * q.shape[-1] ** -0.5   # (T, Hv, Dk)
         k = _l2norm(k.float()).repeat_interleave(rep, 1)
         vf = v.float()
-        lens = (query_start[1:] - query_start[:-1]).tolist()
-        if all(n == 1 for n in lens):                                    # decode: one vectorised step
+        if q.shape[0] == slot_ids.numel():                               # decode: one vectorised step
             slots = slot_ids.long()
             o, state[slots] = decode_delta_step(q, k, vf, g, beta, state[slots])
             return o.to(v.dtype)
@@ -12634,7 +12688,7 @@ def _engine_flags(f: dataclasses.Field) -> list[str]:
 def add_engine_args(parser: argparse.ArgumentParser):
     parser.add_argument("--ckpt", "--model", default=None, metavar="DIR",
                         help="checkpoint directory (default: the bundled pocket-tiny)")
-    kinds = {"int": int, "float": float}
+    kinds = {"int": int, "float": float, "int | None": int}
     for f in dataclasses.fields(EngineOptions):
         text = f"{f.metadata['help'].replace('`', '').replace('%', '%%')} (default: {_option_default(f.default)})"
         if f.type == "bool":          # on by default: --NAME / --no-NAME
