@@ -929,11 +929,8 @@ class TorchOps:
         return F.rms_norm(x.float(), w.shape, self._one_plus(w), eps).to(x.dtype)
 
     def _one_plus(self, w):
-        """1 + w of a norm weight, made once per weight (the dict holds w, so its id stays its own)."""
-        memo = self.__dict__.setdefault("_one_plus_memo", {})
-        if id(w) not in memo:
-            memo[id(w)] = (w, 1.0 + w.float())
-        return memo[id(w)][1]
+        """1 + w of a norm weight, made once per weight."""
+        return self._derived(w, "1+w", lambda: 1.0 + w.float())
 
     def add_rmsnorm(self, x, residual, w, eps, dtype=None):
         """residual + x (x fp32 or the activation dtype) in the fp32 residual stream; the norm in `dtype`
@@ -984,9 +981,14 @@ class TorchOps:
         return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
     def qk_norm_rope(self, q, k, q_w, k_w, eps, positions, inv_freq):
-        q, k = self.rmsnorm(q, q_w, eps), self.rmsnorm(k, k_w, eps)      # (T, Hq, Dh), (T, Hk, Dh)
-        cos, sin = self._cos_sin(positions, inv_freq)
-        return _rope(q, cos, sin), _rope(k, cos, sin)
+        """q (T, Hq, Dh) and k (T, Hk, Dh) normed per head and rotated, as one (T, Hq + Hk, Dh) tensor: the
+        norm's weight is (1 + q_w) on q's heads and (1 + k_w) on k's."""
+        Hq, Hk = q.shape[1], k.shape[1]
+        w = self._derived(q_w, ("qk", id(k_w), Hq, Hk), lambda: torch.cat(
+            [self._one_plus(q_w).expand(Hq, -1), self._one_plus(k_w).expand(Hk, -1)]))   # (Hq + Hk, Dh)
+        qk = F.rms_norm(torch.cat([q, k], 1).float(), q_w.shape, None, eps) * w
+        qk = _rope(qk, *self._cos_sin(positions, inv_freq))
+        return qk[:, :Hq].to(q.dtype), qk[:, Hq:].to(k.dtype)
 
     def _cos_sin(self, positions, inv_freq):
         """(T, 1, R/2) cos and sin of the positions' angles: every attention layer of a step reads the same
@@ -1079,7 +1081,8 @@ class TorchOps:
         return (qkv, z, *self.gdn_gates_linear(x, w_ab, A_log, dt_bias))
 
     def gdn_gates(self, a, b, A_log, dt_bias):
-        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # (T, Hv) fp32
+        decay = self._derived(A_log, "decay", lambda: -A_log.float().exp())   # (Hv,) -exp(A_log), once
+        g = decay * F.softplus(a.float() + dt_bias.float())              # (T, Hv) fp32
         return g, torch.sigmoid(b.float())
 
     def gdn_gates_linear(self, x, w_ab: Linear, A_log, dt_bias):
@@ -1089,8 +1092,8 @@ class TorchOps:
 
     def gated_delta(self, q, k, v, g, beta, state, slot_ids, query_start):
         rep = v.shape[1] // k.shape[1]                                   # value head h reads key head h // rep
-        q = _l2norm(q.float()).repeat_interleave(rep, 1) * q.shape[-1] ** -0.5   # (T, Hv, Dk)
-        k = _l2norm(k.float()).repeat_interleave(rep, 1)
+        q = self._l2norm(q.float(), 1.0).repeat_interleave(rep, 1)      # (T, Hv, Dk), scaled by Dk^-0.5
+        k = self._l2norm(k.float(), 0.5).repeat_interleave(rep, 1)
         vf = v.float()
         if q.shape[0] == slot_ids.numel():                               # decode: one vectorised step
             slots = slot_ids.long()
@@ -1108,9 +1111,23 @@ class TorchOps:
         return self.gated_rmsnorm(self.gated_delta(q, k, v, g, beta, state, slot_ids, query_start), z, w, eps)
 
     def gated_rmsnorm(self, x, z, w, eps):
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (w.float() * y * F.silu(z.float())).to(x.dtype)
+        return (F.rms_norm(x.float(), w.shape, w.float(), eps) * F.silu(z.float())).to(x.dtype)
+
+    def _l2norm(self, x, power: float, eps: float = 1e-6):
+        """x * rsqrt(sum(x^2) + eps) * D^-(power - 0.5) over the last dim D: as one rms_norm, whose mean over D
+        is the sum / D (hence eps / D) and whose weight carries the D^-0.5 factors (q's extra scale)."""
+        D = x.shape[-1]
+        w = self._derived(x.device, ("l2norm", D, power), lambda: torch.full((D,), D ** -power, device=x.device))
+        return F.rms_norm(x, (D,), w, eps / D)
+
+    def _derived(self, source, key, make):
+        """A value made once from a weight (by its id: the dict holds the weight, so the id stays its own) or from
+        a device (by value), and kept."""
+        memo = self.__dict__.setdefault("_derived_memo", {})
+        k = (id(source) if isinstance(source, torch.Tensor) else source, key)
+        if k not in memo:
+            memo[k] = (source, make())
+        return memo[k][1]
 
     def copy_rows(self, src_t, dst_t, src, dst):
         """dst_t[dst[i]] = src_t[src[i]] in place, rows of the first dimension (state slots, KV blocks) of two

@@ -83,10 +83,11 @@ def bench_decode(llm, batch: int, decode: int, prompt_len: int = 16) -> float:
     return later / (end - start) if end > start else float("nan")
 
 
-def reference_model(ckpt_dir: Path):
-    """transformers' model on the checkpoint's weights (FP8 dequantised), float32."""
+def reference_model(ckpt_dir: Path, load_format: str = "auto", seed: int = 0):
+    """transformers' model on the checkpoint's weights (FP8 dequantised), float32; with --load-format dummy the
+    same random weights the engine draws (seeded by name). Tied embeddings: lm_head is the embedding."""
     import transformers
-    ckpt = pocketllm.Checkpoint(ckpt_dir)
+    ckpt = pocketllm.open_checkpoint(ckpt_dir, load_format, seed=seed)
     raw = ckpt.raw_config
     text = dict(raw.get("text_config", raw))
     text.pop("quantization_config", None)
@@ -99,6 +100,8 @@ def reference_model(ckpt_dir: Path):
     state = {}
     for name in model.state_dict():
         stored = prefix + name[len("model."):] if name.startswith("model.") else name
+        if name == "lm_head.weight" and ckpt.config.tie_word_embeddings:
+            stored = prefix + "embed_tokens.weight"
         if name.endswith(".weight") and ckpt.has(stored[:-len(".weight")] + ".weight_scale_inv"):
             w = pocketllm.load_linear(ckpt, stored[:-len(".weight")], tuple(ckpt.shape(stored)))
             state[name] = pocketllm.dequantize(w, torch.float32)
@@ -171,10 +174,38 @@ def rank_shapes(raw: dict, world: int) -> dict:
     return raw
 
 
-def write_config(path: Path, name: str):
-    """--make-config 27b | 27b-tp4: DIR/config.json (and nothing else: --load-format dummy makes the weights)."""
+SHAPE_0_8B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                  linear_key_head_dim=128, linear_value_head_dim=128)   # benchmarks/prefix_cache.py's 0.8B class
+
+
+def qwen35_08b_config(layers: int, tied: bool) -> dict:
+    """A 0.8B-class Qwen3.5 config (SHAPE_0_8B: Qwen3.5-0.8B's widths and 248,320-row vocabulary), FP8 like
+    pocket-tiny, with one MTP layer, `layers` of its 24 layers in the real pattern (three Gated DeltaNet layers,
+    then one full attention), the embedding tied to the lm_head or not."""
+    raw = json.loads((TINY / "config.json").read_text())
+    layer_types = ((["linear_attention"] * 3 + ["full_attention"]) * 6)[:layers]
+    raw["text_config"].update(SHAPE_0_8B, num_hidden_layers=layers, layer_types=layer_types, full_attention_interval=4,
+                              max_position_embeddings=262144, eos_token_id=248046, pad_token_id=248044,
+                              tie_word_embeddings=tied, mtp_num_hidden_layers=1)
+    raw["tie_word_embeddings"] = tied
+    raw["text_config"]["rope_parameters"].update(rope_theta=10000000.0, mrope_section=[11, 11, 10])
+    gdn = [f"model.language_model.layers.{i}.linear_attn.{m}" for i, t in enumerate(layer_types)
+           if t == "linear_attention" for m in ("conv1d", "in_proj_b", "in_proj_a")]
+    raw["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.language_model.embed_tokens"] + gdn + \
+        ["mtp.fc"]
+    return raw
+
+
+CONFIGS = ("27b", "27b-tp4", "0.8b", "0.8b-untied")
+
+
+def write_config(path: Path, name: str, layers: int = 24):
+    """--make-config 27b | 27b-tp4 | 0.8b | 0.8b-untied: DIR/config.json (and nothing else: --load-format dummy
+    makes the weights); the 0.8B class with --layers of its 24."""
     path.mkdir(parents=True, exist_ok=True)
-    raw = rank_shapes(qwen35_27b_config(), {"27b": 1, "27b-tp4": 4}[name])
+    raw = qwen35_08b_config(layers, name == "0.8b") if name.startswith("0.8b") else \
+        rank_shapes(qwen35_27b_config(), {"27b": 1, "27b-tp4": 4}[name])
     (path / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
 
 
@@ -305,8 +336,9 @@ def implied_speedup(cost: float, k: int, acceptance: float) -> float:
 def report(args) -> dict:
     if args.make_config:
         write_config(Path(args.ckpt), args.make_config)
+    k = 2 if args.speculative_tokens is None else args.speculative_tokens
     off = measure(args, 0)
-    on = measure(args, args.speculative_tokens) if args.speculative_tokens else None
+    on = measure(args, k) if k else None
     result = {"checkpoint": str(args.ckpt), "load_format": args.load_format, "off": off, "on": on,
               "machine": machine()}
     k = on["speculative_tokens"] if on else 0
@@ -367,18 +399,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="with --reference: rounds of pocketllm then "
+                    "transformers at batch 1; the medians and the median of each round's ratio")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--backend", default=None, help="default: torch; with --report, auto (what the server picks)")
     ap.add_argument("--device", default=None, help="default: cpu; with --report, auto")
     report_args = ap.add_argument_group("the serving report (--report)")
     report_args.add_argument("--report", action="store_true", help="TPOT, TTFT, output tokens/s, step time and "
                              "peak memory, speculation off and on, in vLLM's terms")
-    report_args.add_argument("--make-config", choices=("27b", "27b-tp4"), help="write --ckpt DIR/config.json first: "
-                             "Qwen3.5-27B FP8, or one TP4 rank's shapes of it")
+    report_args.add_argument("--make-config", choices=CONFIGS, help="write --ckpt DIR/config.json first: "
+                             "Qwen3.5-27B FP8, or one TP4 rank's shapes of it, or a 0.8B-class Qwen3.5 (FP8, "
+                             "tied embeddings or untied) of --layers layers; use with --load-format dummy")
+    report_args.add_argument("--layers", type=int, default=24, help="with --make-config 0.8b*: decoder layers")
     report_args.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     report_args.add_argument("--dtype", default="auto")
     report_args.add_argument("--seed", type=int, default=0)
-    report_args.add_argument("--speculative-tokens", type=int, default=2, help="K when speculation is on; 0: "
+    report_args.add_argument("--speculative-tokens", type=int, default=None, help="the engine's K (default: the "
+                             "engine's, by device); with --report K when speculation is on (default 2), 0: "
                              "measure with speculation off only")
     report_args.add_argument("--ttft-repeats", type=int, default=2, help="TTFT is the best of this many prompts")
     report_args.add_argument("--report-batches", default="8,32", help="batch sizes of the output tokens/s rows")
@@ -399,6 +436,9 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.make_config:
+        write_config(Path(args.ckpt), args.make_config, args.layers)
+        args.make_config = None
     if args.report:
         result = report(args)
         if args.json:
@@ -412,23 +452,31 @@ def main():
     ckpt = Path(args.ckpt or args.synthetic)
     batches = [int(b) for b in args.batches.split(",")]
     llm = pocketllm.LLM(ckpt, backend=args.backend, device=args.device, quiet=True, max_batch_size=max(batches),
-                        max_context=args.prompt_len + args.decode + 16)
+                        max_context=args.prompt_len + args.decode + 16, load_format=args.load_format,
+                        seed=args.seed, speculative_tokens=args.speculative_tokens)
     params = sum((w.weight if isinstance(w, pocketllm.Linear) else w).numel()
                  for L in llm.model.layers for _, w in pocketllm.named_weights(L)) + \
         llm.model.embed_tokens.numel() + llm.model.lm_head.weight.numel()
     result = {"checkpoint": str(ckpt), "params_M": round(params / 1e6, 1), "threads": torch.get_num_threads(),
-              "backend": args.backend}
+              "backend": args.backend, "speculative_tokens": llm.engine.draft_tokens,
+              "fp8_dequantised_at_load": llm.model.dense}
     bench_decode(llm, 1, 4)                                                 # warm-up
     ttft, prefill = bench_prefill(llm, args.prompt_len)
     result.update(ttft_s=round(ttft, 3), prefill_tok_s=round(prefill, 1))
     for b in batches:
         result[f"decode_tok_s_batch{b}"] = round(bench_decode(llm, b, args.decode), 1)
-    result["peak_rss_mb_after_pocketllm"] = round(peak_rss_mb())
-    if args.reference:
-        del llm
-        ref = reference_model(ckpt)
-        result["transformers_decode_tok_s_batch1"] = round(bench_reference(ref, args.decode), 1)
-        result["ratio_batch1"] = round(result["decode_tok_s_batch1"] / result["transformers_decode_tok_s_batch1"], 2)
+    if args.reference:                       # rounds of ours then transformers': each round's ratio, same noise
+        ref = reference_model(ckpt, args.load_format, args.seed)
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            ours.append(bench_decode(llm, 1, args.decode))
+            theirs.append(bench_reference(ref, args.decode))
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        result["decode_tok_s_batch1"] = round(statistics.median(ours), 1)
+        result["transformers_decode_tok_s_batch1"] = round(statistics.median(theirs), 1)
+        result["ratio_batch1"] = round(statistics.median(ratios), 2)
+        result["ratio_batch1_rounds"] = [round(r, 2) for r in ratios]
+    result["peak_rss_mb"] = round(peak_rss_mb())
     print(json.dumps(result, indent=1))
 
 
