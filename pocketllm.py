@@ -80,6 +80,7 @@ import dataclasses
 import datetime
 import errno
 import fractions
+import functools
 import gc
 import hashlib
 import hmac
@@ -947,7 +948,7 @@ class TorchOps:
         """x @ w^T in `dtype` (default x's); float32 computes in float32, so sums past 65504 stay finite."""
         x = x.float() if dtype == torch.float32 else x
         if w.scale is None:
-            return F.linear(x, w.weight.to(x.dtype))                     # (T, N)
+            return F.linear(x, w.weight if w.weight.dtype == x.dtype else w.weight.to(x.dtype))   # (T, N)
         (n, k), bn = w.weight.shape, w.block[0]
         step = max(1, (1 << 20) // (k * bn)) * bn                        # FP8: dequantise ~1M weights at a time
         out = x.new_empty(x.shape[0], n)
@@ -2595,6 +2596,20 @@ def open_checkpoint(path: str | os.PathLike, load_format: str = "auto", device="
     return Checkpoint(path)
 
 
+def torch_inference(method):
+    """A Model entry point that runs under torch.inference_mode with the torch backend on the CPU (no autograd
+    bookkeeping per op: about a tenth of a small model's decode step there). Its returned tensors are copied out
+    of it, so callers may change them in place; nested calls run as they are."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.ops.name != "torch" or self.device.type != "cpu" or torch.is_inference_mode_enabled():
+            return method(self, *args, **kwargs)
+        with torch.inference_mode():
+            out = method(self, *args, **kwargs)
+        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone() if out is not None else None
+    return run
+
+
 class Model:
     """The decoder: embedding, layers, final norm, lm_head. forward(batch) -> logits of batch.logit_rows.
     With tensor parallelism each rank holds a shard and `all_reduce` sums the row-parallel outputs."""
@@ -2650,12 +2665,14 @@ class Model:
 
     # The forward pass, one named path per mixer; prefill and decode differ only inside the ops.
 
+    @torch_inference
     def forward(self, batch: Batch, cache: Cache) -> torch.Tensor:
         h = self.hidden(batch, cache)                                      # (T, D)
         if not (batch.is_decode and batch.logit_rows.numel() == h.shape[0]):   # decode: every row, in order
             h = h[batch.logit_rows]                                        # (R, D)
         return self.head(h)                                                # (R, V) fp32
 
+    @torch_inference
     def hidden(self, batch: Batch, cache: Cache) -> torch.Tensor:
         """The final-normed hidden state of every token (T, D): the lm_head's input, and the MTP layer's."""
         if batch.fresh_slots.numel():                                      # a slot's previous owner's state
@@ -2677,6 +2694,7 @@ class Model:
 
     # Speculative decoding: the MTP layer drafts, the target verifies a window of K+1 tokens per sequence.
 
+    @torch_inference
     def draft(self, batch: Batch, cache: Cache, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over a batch whose token at position i is t_{i+1}, with hidden (T, D) the state that
         predicted it (the target's, or the MTP's own for a chained draft). Returns the MTP's normed output
@@ -2696,6 +2714,7 @@ class Model:
             window.conv[i], window.ssm[i] = cache.conv[i][window.slots], cache.ssm[i][window.slots]
         cache.window = window
 
+    @torch_inference
     def rollback(self, cache: Cache, kept: list[int]) -> None:
         """Leave each window sequence's GDN states after its first kept[s] tokens (1 <= kept[s] <= lens[s]):
         restore the states from before the step and replay the kept tokens' conv and delta rule."""
@@ -2727,6 +2746,7 @@ class Model:
         x = self.ops.embed_shard(ids, self.embed_tokens, self.vocab[0], torch.float32)   # (T, D), zero rows
         return self.all_reduce(x)                                                       # for others' ids
 
+    @torch_inference
     def head(self, h: torch.Tensor) -> torch.Tensor:
         if self.shard.world == 1:
             return self.ops.linear(h, self.lm_head, torch.float32)        # (R, V)
