@@ -473,7 +473,7 @@ def main():
         llm.model.embed_tokens.numel() + llm.model.lm_head.weight.numel()
     result = {"checkpoint": str(ckpt), "params_M": round(params / 1e6, 1), "threads": torch.get_num_threads(),
               "backend": args.backend, "speculative_tokens": llm.engine.draft_tokens,
-              "fp8_dequantised_at_load": llm.model.dense}
+              "fp8_dequantised_at_load": getattr(llm.model, "dense", False)}
     bench_decode(llm, 1, 4)                                                 # warm-up
     ttft, prefill = bench_prefill(llm, args.prompt_len)
     result.update(ttft_s=round(ttft, 3), prefill_tok_s=round(prefill, 1))
