@@ -298,6 +298,15 @@ DEFAULT_MAX_BATCH_SIZE = 16    # running sequences when not sized from GPU memor
 MAX_SIZED_BATCH_SIZE = 256     # the most sequences memory sizing picks (vLLM's max_num_seqs default)
 
 
+def default_speculative_tokens(devices: str) -> int:
+    """The draft length when none is given, by rank 0's device (--devices' first, else --device): on a GPU a
+    verify window costs about one step, so drafts pay; on the CPU the torch backend's window and drafts cost
+    more than pocket-tiny's accepted drafts save (docs/benchmarks.md, "Speculation on the CPU")."""
+    first = devices.split(",")[0].strip()
+    on_gpu = first != "cpu" and (first != "auto" or torch.cuda.is_available())
+    return GPU_SPECULATIVE_TOKENS if on_gpu else 0
+
+
 def _option(default, help: str, metavar: str = "", vllm: str = "", alias: str = ""):
     """An EngineOptions field with its one description: `--help`, and docs/api.md's option and flag tables, read
     it. vllm: docs' "vLLM's name" column; alias: a vLLM flag parsed as this one."""
@@ -380,15 +389,6 @@ class EngineOptions:
     def __post_init__(self):
         if self.speculative_tokens is None:
             self.speculative_tokens = default_speculative_tokens(self.devices or self.device)
-
-
-def default_speculative_tokens(devices: str) -> int:
-    """The draft length when none is given, by rank 0's device (--devices' first, else --device): on a GPU a
-    verify window costs about one step, so drafts pay; on the CPU the torch backend's window and drafts cost
-    more than pocket-tiny's accepted drafts save (docs/benchmarks.md, "Speculation on the CPU")."""
-    first = devices.split(",")[0].strip()
-    on_gpu = first != "cpu" and (first != "auto" or torch.cuda.is_available())
-    return GPU_SPECULATIVE_TOKENS if on_gpu else 0
 
 
 def _log(opts: EngineOptions, msg: str):
@@ -2341,7 +2341,7 @@ def fp8_dense_bytes(parts: list, dtype: torch.dtype) -> int:
 
 def fp8_dense_line(model, budget_mib: int) -> str:
     """The start-up line that says whether the FP8 weights were dequantised at load, and the budget it used."""
-    size, dtype = format_bytes(model.dense_bytes), str(model.dtype).removeprefix("torch.")
+    size, dtype = f"{model.dense_bytes / 2 ** 20:.1f} MiB", str(model.dtype).removeprefix("torch.")
     if model.dense:
         return f"FP8 weights dequantised once at load: a dense {dtype} copy of {size} (--fp8-dense-memory {budget_mib} MiB)"
     return (f"FP8 weights stay FP8, dequantised per use: a dense {dtype} copy would take {size}, more than "

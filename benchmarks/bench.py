@@ -467,7 +467,8 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     llm = pocketllm.LLM(ckpt, backend=args.backend, device=args.device, quiet=True, max_batch_size=max(batches),
                         max_context=args.prompt_len + args.decode + 16, load_format=args.load_format,
-                        seed=args.seed, speculative_tokens=args.speculative_tokens)
+                        seed=args.seed, **({} if args.speculative_tokens is None else
+                                           {"speculative_tokens": args.speculative_tokens}))
     params = sum((w.weight if isinstance(w, pocketllm.Linear) else w).numel()
                  for L in llm.model.layers for _, w in pocketllm.named_weights(L)) + \
         llm.model.embed_tokens.numel() + llm.model.lm_head.weight.numel()
