@@ -1030,17 +1030,15 @@ class TorchOps:
 
     def _decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
         """One query per sequence, B sequences in one batched pass over their block tables (B, nb): each reads
-        its first context_lens[b] cached positions, in fp32. q (B, Hq, Dh) -> (B, Hq, Dh)."""
-        B, Hq, Dh = q.shape
-        Hk = k_cache.shape[2]
+        its first context_lens[b] cached positions, in fp32 (torch's fused attention, one call for the scores,
+        the softmax and the sum). q (B, Hq, Dh) -> (B, Hq, Dh)."""
         blocks = block_tables.long()                                     # (B, nb)
-        k = k_cache[blocks].flatten(1, 2).float()                        # (B, L, Hk, Dh)
-        v = v_cache[blocks].flatten(1, 2).float()
-        hidden = torch.arange(k.shape[1], device=q.device) >= context_lens[:, None]   # (B, L)
-        qg = q.float().view(B, Hk, Hq // Hk, Dh)                         # query head h reads kv head h // rep
-        s = qg @ k.permute(0, 2, 3, 1) * scale                           # (B, Hk, rep, L)
-        s = s.masked_fill(hidden[:, None, None, :], float("-inf"))
-        return (s.softmax(-1) @ v.transpose(1, 2)).view(B, Hq, Dh).to(q.dtype)   # (B, Hk, rep, Dh) -> heads
+        k = k_cache[blocks].flatten(1, 2).float().transpose(1, 2)        # (B, Hk, L, Dh)
+        v = v_cache[blocks].flatten(1, 2).float().transpose(1, 2)
+        seen = torch.arange(k.shape[2], device=q.device) < context_lens[:, None]   # (B, L)
+        o = F.scaled_dot_product_attention(q.float()[:, :, None], k, v, attn_mask=seen[:, None, None, :],
+                                           scale=scale, enable_gqa=True)  # (B, Hq, 1, Dh)
+        return o[:, :, 0].to(q.dtype)
 
     def _prefill_attention(self, q, k, v, scale):
         """m queries of one sequence, the last m of its n positions: row i sees positions <= n - m + i. torch's
