@@ -1048,9 +1048,9 @@ class TorchOps:
         m, n = q.shape[0], k.shape[0]
         work = torch.bfloat16 if k.dtype == torch.bfloat16 else torch.float32
         seen = torch.arange(n, device=q.device)[None, :] <= (n - m + torch.arange(m, device=q.device))[:, None]
-        qh, kh, vh = (t.to(work).transpose(0, 1) for t in (q, k, v))    # (H, m|n, Dh)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1).to(q.dtype)                             # (m, Hq, Dh)
+        qh, kh, vh = (t.to(work).transpose(0, 1)[None] for t in (q, k, v))   # (1, H, m|n, Dh): 4-D, or torch
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)  # takes its
+        return o[0].transpose(0, 1).to(q.dtype)                          # slow path; (m, Hq, Dh)
 
     def conv1d(self, x, w, conv_state, slot_ids, query_start):
         width = w.shape[1]
