@@ -159,13 +159,21 @@ ACCEPTANCE = (0.6, 0.8)        # per-draft acceptance rates the speculative spee
 def qwen35_27b_config() -> dict:
     """Qwen3.5-27B FP8's config.json (docs/qwen-facts.md sections 2-4): pocket-tiny's (same family, FP8, one MTP
     layer) with the 27B's shapes."""
+    return qwen35_config(64, vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+                         num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                         linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+def qwen35_config(layers: int, tied: bool = False, **shape) -> dict:
+    """pocket-tiny's config.json (Qwen3.5, FP8, one MTP layer) with these shapes and `layers` layers in the real
+    pattern (three Gated DeltaNet layers, then one full attention); the GDN's conv1d, a and b, the embedding, the
+    lm_head and mtp.fc stay unquantised, as in Qwen's FP8 checkpoints."""
     raw = json.loads((TINY / "config.json").read_text())
-    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 16
-    raw["text_config"].update(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-        linear_key_head_dim=128, linear_value_head_dim=128, layer_types=layer_types, full_attention_interval=4,
-        max_position_embeddings=262144, eos_token_id=248046, pad_token_id=248044, mtp_num_hidden_layers=1)
+    layer_types = ((["linear_attention"] * 3 + ["full_attention"]) * 16)[:layers]
+    raw["text_config"].update(shape, num_hidden_layers=layers, layer_types=layer_types, full_attention_interval=4,
+                              max_position_embeddings=262144, eos_token_id=248046, pad_token_id=248044,
+                              tie_word_embeddings=tied, mtp_num_hidden_layers=1)
+    raw["tie_word_embeddings"] = tied
     raw["text_config"]["rope_parameters"].update(rope_theta=10000000.0, mrope_section=[11, 11, 10])
     gdn = [f"model.language_model.layers.{i}.linear_attn.{m}" for i, t in enumerate(layer_types)
            if t == "linear_attention" for m in ("conv1d", "in_proj_b", "in_proj_a")]
@@ -195,20 +203,8 @@ SHAPE_0_8B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, n
 
 def qwen35_08b_config(layers: int, tied: bool) -> dict:
     """A 0.8B-class Qwen3.5 config (SHAPE_0_8B: Qwen3.5-0.8B's widths and 248,320-row vocabulary), FP8 like
-    pocket-tiny, with one MTP layer, `layers` of its 24 layers in the real pattern (three Gated DeltaNet layers,
-    then one full attention), the embedding tied to the lm_head or not."""
-    raw = json.loads((TINY / "config.json").read_text())
-    layer_types = ((["linear_attention"] * 3 + ["full_attention"]) * 6)[:layers]
-    raw["text_config"].update(SHAPE_0_8B, num_hidden_layers=layers, layer_types=layer_types, full_attention_interval=4,
-                              max_position_embeddings=262144, eos_token_id=248046, pad_token_id=248044,
-                              tie_word_embeddings=tied, mtp_num_hidden_layers=1)
-    raw["tie_word_embeddings"] = tied
-    raw["text_config"]["rope_parameters"].update(rope_theta=10000000.0, mrope_section=[11, 11, 10])
-    gdn = [f"model.language_model.layers.{i}.linear_attn.{m}" for i, t in enumerate(layer_types)
-           if t == "linear_attention" for m in ("conv1d", "in_proj_b", "in_proj_a")]
-    raw["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.language_model.embed_tokens"] + gdn + \
-        ["mtp.fc"]
-    return raw
+    pocket-tiny, with one MTP layer, `layers` of its 24 layers, the embedding tied to the lm_head or not."""
+    return qwen35_config(layers, tied, **SHAPE_0_8B)
 
 
 CONFIGS = ("27b", "27b-tp4", "0.8b", "0.8b-untied")
