@@ -2341,7 +2341,8 @@ def fp8_dense_line(model, budget_mib: int) -> str:
     """The start-up line that says whether the FP8 weights were dequantised at load, and the budget it used."""
     size, dtype = f"{model.dense_bytes / 2 ** 20:.1f} MiB", str(model.dtype).removeprefix("torch.")
     if model.dense:
-        return f"FP8 weights dequantised once at load: a dense {dtype} copy of {size} (--fp8-dense-memory {budget_mib} MiB)"
+        return (f"FP8 weights dequantised once at load: a dense {dtype} copy of {size} "
+                f"(--fp8-dense-memory {budget_mib} MiB)")
     return (f"FP8 weights stay FP8, dequantised per use: a dense {dtype} copy would take {size}, more than "
             f"--fp8-dense-memory {budget_mib} MiB")
 
