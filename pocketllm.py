@@ -301,7 +301,7 @@ MAX_SIZED_BATCH_SIZE = 256     # the most sequences memory sizing picks (vLLM's 
 def default_speculative_tokens(devices: str) -> int:
     """The draft length when none is given, by rank 0's device (--devices' first, else --device): on a GPU a
     verify window costs about one step, so drafts pay; on the CPU the torch backend's window and drafts cost
-    more than pocket-tiny's accepted drafts save (docs/benchmarks.md, "Speculation on the CPU")."""
+    more than pocket-tiny's accepted drafts save (docs/benchmarks.md, "CPU decode against transformers")."""
     first = devices.split(",")[0].strip()
     on_gpu = first != "cpu" and (first != "auto" or torch.cuda.is_available())
     return GPU_SPECULATIVE_TOKENS if on_gpu else 0
@@ -385,9 +385,8 @@ class EngineOptions:
     collective_warmup_timeout: float = _option(300.0, "the same bound while the ranks connect and for their first "
                                                "two steps, which include kernel JIT compilation", "S")
 
-
     def __post_init__(self):
-        if self.speculative_tokens is None:
+        if self.speculative_tokens is None:                    # the per-device default
             self.speculative_tokens = default_speculative_tokens(self.devices or self.device)
 
 
