@@ -88,6 +88,7 @@ import dataclasses
 import datetime
 import errno
 import fractions
+import functools
 import gc
 import hashlib
 import hmac
@@ -299,9 +300,19 @@ def parse_model_config(raw: dict, path: Path) -> ModelConfig:
         weight_prefix=arch.weight_prefix, quant=quant)
 
 
+GPU_SPECULATIVE_TOKENS = 2     # --speculative-tokens' default on a GPU (the K that measured best there)
 MAX_SPECULATIVE_TOKENS = 8     # --speculative-tokens at most: drafts past a few are rarely all accepted
 DEFAULT_MAX_BATCH_SIZE = 16    # running sequences when not sized from GPU memory (the CPU, --devices)
 MAX_SIZED_BATCH_SIZE = 256     # the most sequences memory sizing picks (vLLM's max_num_seqs default)
+
+
+def default_speculative_tokens(devices: str) -> int:
+    """The draft length when none is given, by rank 0's device (--devices' first, else --device): on a GPU a
+    verify window costs about one step, so drafts pay; on the CPU the torch backend's window and drafts cost
+    more than pocket-tiny's accepted drafts save (docs/benchmarks.md, "CPU decode against transformers")."""
+    first = devices.split(",")[0].strip()
+    on_gpu = first != "cpu" and (first != "auto" or torch.cuda.is_available())
+    return GPU_SPECULATIVE_TOKENS if on_gpu else 0
 
 
 def _option(default, help: str, metavar: str = "", vllm: str = "", alias: str = ""):
@@ -356,15 +367,22 @@ class EngineOptions:
                                "of the exact dtypes, shapes and FP8 block scales the checkpoint would hold, made on "
                                "the device from `config.json` alone (+ its tokenizer, else a built-in byte-level "
                                "one), seeded by `--seed`: benchmarks without the download", "F", vllm="same")
+    fp8_dense_memory: int = _option(4096, "MiB the torch backend may hold as dense copies of the FP8 weights, "
+                                    "dequantised once at load so that no step dequantises a weight again (in the "
+                                    "activation dtype: 4 bytes per weight on the CPU); when the copy of every FP8 "
+                                    "weight would not fit, they all stay FP8 in memory, dequantised per use (a 27B "
+                                    "checkpoint does); 0: always FP8. The start-up line says which", "MIB")
     seed: int = _option(0, "seeds the seeds drawn for requests that send no `seed`: the same `--seed`, the same "
                         "answers", "N", vllm="same")
-    speculative_tokens: int = _option(2, "speculative decoding: the checkpoint's MTP layer (`mtp.*`) drafts K tokens "
-                                      "per sequence and step, the next forward verifies them (greedy output "
-                                      "identical, sampling distributed as the target's; `docs/architecture.md`, "
-                                      "\"Speculative decoding\"); 0 turns it off; a checkpoint without `mtp.*` runs "
-                                      "without it and says so once. The default is the K that measured best "
-                                      f"(`docs/benchmarks.md`); at most {MAX_SPECULATIVE_TOKENS}", "K",
-                                      vllm="`--num-speculative-tokens` (in `--speculative-config`)")
+    speculative_tokens: int | None = _option(None, "speculative decoding: the checkpoint's MTP layer (`mtp.*`) "
+                                             "drafts K tokens per sequence and step, the next forward verifies them "
+                                             "(greedy output identical, sampling distributed as the target's; "
+                                             "`docs/architecture.md`, \"Speculative decoding\"); 0 turns it off; a "
+                                             "checkpoint without `mtp.*` runs without it and says so once. None "
+                                             f"(the default): {GPU_SPECULATIVE_TOKENS} on a GPU, 0 on the CPU, "
+                                             "where a draft costs more than its accepted tokens save (both measured: "
+                                             f"`docs/benchmarks.md`); at most {MAX_SPECULATIVE_TOKENS}", "K",
+                                             vllm="`--num-speculative-tokens` (in `--speculative-config`)")
     enforce_eager: bool = _option(False, "run every decode step op by op: no CUDA graphs (CUDA) and no launch-list "
                                   "replay (native backend) of the decode forward (`docs/architecture.md`, \"CUDA "
                                   "graphs\")", vllm="same")
@@ -381,6 +399,10 @@ class EngineOptions:
                                         "(`docs/architecture.md`, \"Tensor parallelism\")", "S")
     collective_warmup_timeout: float = _option(300.0, "the same bound while the ranks connect and for their first "
                                                "two steps, which include kernel JIT compilation", "S")
+
+    def __post_init__(self):
+        if self.speculative_tokens is None:                    # the per-device default
+            self.speculative_tokens = default_speculative_tokens(self.devices or self.device)
 
 
 def _log(opts: EngineOptions, msg: str):
@@ -846,11 +868,13 @@ def _rope(x, cos, sin):
 
 
 def decode_delta_step(q, k, v, g, beta, S):
-    """One token of the gated delta rule for B sequences. q, k (B, H, Dk); v (B, H, Dv); S (B, H, Dk, Dv)."""
+    """One token of the gated delta rule for B sequences. q, k (B, H, Dk); v (B, H, Dv); S (B, H, Dk, Dv).
+    Matmuls of (1, Dk) rows rather than einsum: the same sums, a fraction of einsum's per-call cost."""
     S = S * g.exp()[..., None, None]
-    delta = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", S, k))     # (B, H, Dv)
-    S = S + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("bhkv,bhk->bhv", S, q), S
+    k_row = k[..., None, :]                                                 # (B, H, 1, Dk)
+    delta = beta[..., None] * (v - (k_row @ S)[..., 0, :])                  # (B, H, Dv)
+    S = S + k_row.transpose(-1, -2) * delta[..., None, :]
+    return (q[..., None, :] @ S)[..., 0, :], S
 
 
 def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
@@ -916,8 +940,12 @@ class TorchOps:
         return x
 
     def rmsnorm(self, x, w, eps):
-        xf = x.float()                                                   # zero-centred: weights are stored as (w)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)).to(x.dtype)
+        """Zero-centred: weights are stored as w, the norm multiplies by (1 + w); one fused torch op in fp32."""
+        return F.rms_norm(x.float(), w.shape, self._one_plus(w), eps).to(x.dtype)
+
+    def _one_plus(self, w):
+        """1 + w of a norm weight, made once per weight."""
+        return self._derived(w, "1+w", lambda: 1.0 + w.float())
 
     def add_rmsnorm(self, x, residual, w, eps, dtype=None):
         """residual + x (x fp32 or the activation dtype) in the fp32 residual stream; the norm in `dtype`
@@ -934,7 +962,7 @@ class TorchOps:
         """x @ w^T in `dtype` (default x's); float32 computes in float32, so sums past 65504 stay finite."""
         x = x.float() if dtype == torch.float32 else x
         if w.scale is None:
-            return x @ w.weight.to(x.dtype).t()                          # (T, N)
+            return F.linear(x, w.weight if w.weight.dtype == x.dtype else w.weight.to(x.dtype))   # (T, N)
         (n, k), bn = w.weight.shape, w.block[0]
         step = max(1, (1 << 20) // (k * bn)) * bn                        # FP8: dequantise ~1M weights at a time
         out = x.new_empty(x.shape[0], n)
@@ -968,10 +996,23 @@ class TorchOps:
         return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
     def qk_norm_rope(self, q, k, q_w, k_w, eps, positions, inv_freq):
-        q, k = self.rmsnorm(q, q_w, eps), self.rmsnorm(k, k_w, eps)      # (T, Hq, Dh), (T, Hk, Dh)
-        angles = positions.float()[:, None] * inv_freq[None, :]          # (T, R/2)
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        return _rope(q, cos, sin), _rope(k, cos, sin)
+        """q (T, Hq, Dh) and k (T, Hk, Dh) normed per head and rotated, as one (T, Hq + Hk, Dh) tensor: the
+        norm's weight is (1 + q_w) on q's heads and (1 + k_w) on k's."""
+        Hq, Hk = q.shape[1], k.shape[1]
+        w = self._derived(q_w, ("qk", id(k_w), Hq, Hk), lambda: torch.cat(
+            [self._one_plus(q_w).expand(Hq, -1), self._one_plus(k_w).expand(Hk, -1)]))   # (Hq + Hk, Dh)
+        qk = F.rms_norm(torch.cat([q, k], 1).float(), q_w.shape, None, eps) * w
+        qk = _rope(qk, *self._cos_sin(positions, inv_freq))
+        return qk[:, :Hq].to(q.dtype), qk[:, Hq:].to(k.dtype)
+
+    def _cos_sin(self, positions, inv_freq):
+        """(T, 1, R/2) cos and sin of the positions' angles: every attention layer of a step reads the same
+        positions tensor, so they are computed once per step (the memo holds the tensors it compares)."""
+        last = self.__dict__.get("_rope_memo")
+        if last is None or last[0] is not positions or last[1] is not inv_freq:
+            angles = positions.float()[:, None] * inv_freq[None, :]      # (T, R/2)
+            last = self._rope_memo = (positions, inv_freq, angles.cos()[:, None, :], angles.sin()[:, None, :])
+        return last[2], last[3]
 
     def qk_norm_rope_kv(self, q, k, v, q_w, k_w, eps, positions, inv_freq, k_cache, v_cache, slot_mapping):
         """qk_norm_rope, then kv_write of the rotated k and v: returns q."""
@@ -989,22 +1030,41 @@ class TorchOps:
         if gate is not None:
             o = self.attention(q, k_cache, v_cache, block_tables, context_lens, query_start, scale)
             return self.sigmoid_mul(o.reshape(gate.shape), gate).view_as(o)
+        if q.shape[0] == context_lens.numel():                          # decode: every sequence at once
+            return self._decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
         out = torch.empty_like(q)                                        # (T, Hq, Dh)
-        bs, hk = k_cache.shape[1], k_cache.shape[2]
+        bs = k_cache.shape[1]
         for b in range(len(context_lens)):
             q0, q1, n = int(query_start[b]), int(query_start[b + 1]), int(context_lens[b])
             blocks = block_tables[b, : -(-n // bs)].long()
-            k = k_cache[blocks].flatten(0, 1)[:n].float()                # (n, Hk, Dh)
-            v = v_cache[blocks].flatten(0, 1)[:n].float()
-            qb = q[q0:q1].float()                                        # (m, Hq, Dh)
-            rep = qb.shape[1] // hk
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            s = torch.einsum("mhd,nhd->hmn", qb, k) * scale              # (Hq, m, n)
-            m = q1 - q0                                                  # row i sees positions <= n - m + i
-            mask = torch.arange(n)[None, :] > (n - m + torch.arange(m))[:, None]
-            s.masked_fill_(mask[None].to(s.device), float("-inf"))
-            out[q0:q1] = torch.einsum("hmn,nhd->mhd", s.softmax(-1), v).to(q.dtype)
+            k = k_cache[blocks].flatten(0, 1)[:n]                        # (n, Hk, Dh)
+            v = v_cache[blocks].flatten(0, 1)[:n]
+            out[q0:q1] = self._prefill_attention(q[q0:q1], k, v, scale)
         return out
+
+    def _decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        """One query per sequence, B sequences in one batched pass over their block tables (B, nb): each reads
+        its first context_lens[b] cached positions, in fp32 (torch's fused attention, one call for the scores,
+        the softmax and the sum). q (B, Hq, Dh) -> (B, Hq, Dh)."""
+        blocks = block_tables.long()                                     # (B, nb)
+        k = k_cache[blocks].flatten(1, 2).float().transpose(1, 2)        # (B, Hk, L, Dh)
+        v = v_cache[blocks].flatten(1, 2).float().transpose(1, 2)
+        seen = torch.arange(k.shape[2], device=q.device) < context_lens[:, None]   # (B, L)
+        o = F.scaled_dot_product_attention(q.float()[:, :, None], k, v, attn_mask=seen[:, None, None, :],
+                                           scale=scale, enable_gqa=True)  # (B, Hq, 1, Dh)
+        return o[:, :, 0].to(q.dtype)
+
+    def _prefill_attention(self, q, k, v, scale):
+        """m queries of one sequence, the last m of its n positions: row i sees positions <= n - m + i. torch's
+        fused attention (memory in tiles, not an (m, n) score matrix per head), in fp32; in bf16 with fp32
+        accumulation when the cache is bf16 (--kv-dtype bfloat16: its values are bf16 already).
+        q (m, Hq, Dh), k, v (n, Hk, Dh) -> (m, Hq, Dh)."""
+        m, n = q.shape[0], k.shape[0]
+        work = torch.bfloat16 if k.dtype == torch.bfloat16 else torch.float32
+        seen = torch.arange(n, device=q.device)[None, :] <= (n - m + torch.arange(m, device=q.device))[:, None]
+        qh, kh, vh = (t.to(work).transpose(0, 1)[None] for t in (q, k, v))   # (1, H, m|n, Dh): 4-D, or torch
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)  # takes its
+        return o[0].transpose(0, 1).to(q.dtype)                          # slow path; (m, Hq, Dh)
 
     def conv1d(self, x, w, conv_state, slot_ids, query_start):
         width = w.shape[1]
@@ -1034,7 +1094,8 @@ class TorchOps:
         return (qkv, z, *self.gdn_gates_linear(x, w_ab, A_log, dt_bias))
 
     def gdn_gates(self, a, b, A_log, dt_bias):
-        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # (T, Hv) fp32
+        decay = self._derived(A_log, "decay", lambda: -A_log.float().exp())   # (Hv,) -exp(A_log), once
+        g = decay * F.softplus(a.float() + dt_bias.float())              # (T, Hv) fp32
         return g, torch.sigmoid(b.float())
 
     def gdn_gates_linear(self, x, w_ab: Linear, A_log, dt_bias):
@@ -1044,11 +1105,10 @@ class TorchOps:
 
     def gated_delta(self, q, k, v, g, beta, state, slot_ids, query_start):
         rep = v.shape[1] // k.shape[1]                                   # value head h reads key head h // rep
-        q = _l2norm(q.float()).repeat_interleave(rep, 1) * q.shape[-1] ** -0.5   # (T, Hv, Dk)
-        k = _l2norm(k.float()).repeat_interleave(rep, 1)
+        q = self._l2norm(q.float(), 1.0).repeat_interleave(rep, 1)      # (T, Hv, Dk), scaled by Dk^-0.5
+        k = self._l2norm(k.float(), 0.5).repeat_interleave(rep, 1)
         vf = v.float()
-        lens = (query_start[1:] - query_start[:-1]).tolist()
-        if all(n == 1 for n in lens):                                    # decode: one vectorised step
+        if q.shape[0] == slot_ids.numel():                               # decode: one vectorised step
             slots = slot_ids.long()
             o, state[slots] = decode_delta_step(q, k, vf, g, beta, state[slots])
             return o.to(v.dtype)
@@ -1064,9 +1124,23 @@ class TorchOps:
         return self.gated_rmsnorm(self.gated_delta(q, k, v, g, beta, state, slot_ids, query_start), z, w, eps)
 
     def gated_rmsnorm(self, x, z, w, eps):
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (w.float() * y * F.silu(z.float())).to(x.dtype)
+        return (F.rms_norm(x.float(), w.shape, w.float(), eps) * F.silu(z.float())).to(x.dtype)
+
+    def _l2norm(self, x, power: float, eps: float = 1e-6):
+        """x * rsqrt(sum(x^2) + eps) * D^-(power - 0.5) over the last dim D: as one rms_norm, whose mean over D
+        is the sum / D (hence eps / D) and whose weight carries the D^-0.5 factors (q's extra scale)."""
+        D = x.shape[-1]
+        w = self._derived(x.device, ("l2norm", D, power), lambda: torch.full((D,), D ** -power, device=x.device))
+        return F.rms_norm(x, (D,), w, eps / D)
+
+    def _derived(self, source, key, make):
+        """A value made once from a weight (by its id: the dict holds the weight, so the id stays its own) or from
+        a device (by value), and kept."""
+        memo = self.__dict__.setdefault("_derived_memo", {})
+        k = (id(source) if isinstance(source, torch.Tensor) else source, key)
+        if k not in memo:
+            memo[k] = (source, make())
+        return memo[k][1]
 
     def copy_rows(self, src_t, dst_t, src, dst):
         """dst_t[dst[i]] = src_t[src[i]] in place, rows of the first dimension (state slots, KV blocks) of two
@@ -2264,6 +2338,42 @@ def _to_device(weights, device, dtype: torch.dtype):
     return dataclasses.replace(weights, **{f.name: move(getattr(weights, f.name)) for f in dataclasses.fields(weights)})
 
 
+def fp8_dense_bytes(parts: list, dtype: torch.dtype) -> int:
+    """Bytes that dense copies of every FP8 Linear in parts (layer weights, Linears, lists of them) would take."""
+    total = 0
+    for part in parts:
+        if isinstance(part, list):
+            total += fp8_dense_bytes(part, dtype)
+        elif isinstance(part, Linear):
+            total += part.weight.numel() * dtype.itemsize if part.scale is not None else 0
+        elif dataclasses.is_dataclass(part):
+            total += fp8_dense_bytes([getattr(part, f.name) for f in dataclasses.fields(part)], dtype)
+    return total
+
+
+def fp8_dense_line(model, budget_mib: int) -> str:
+    """The start-up line that says whether the FP8 weights were dequantised at load, and the budget it used."""
+    size, dtype = f"{model.dense_bytes / 2 ** 20:.1f} MiB", str(model.dtype).removeprefix("torch.")
+    if model.dense:
+        return (f"FP8 weights dequantised once at load: a dense {dtype} copy of {size} "
+                f"(--fp8-dense-memory {budget_mib} MiB)")
+    return (f"FP8 weights stay FP8, dequantised per use: a dense {dtype} copy would take {size}, more than "
+            f"--fp8-dense-memory {budget_mib} MiB")
+
+
+def densify(weights, dtype: torch.dtype):
+    """weights (a Linear, a layer's dataclass, or a list of them) with every FP8 Linear dequantised to a dense
+    (N, K) `dtype` copy: the values dequantize() computes at each use, computed once."""
+    if isinstance(weights, list):
+        return [densify(w, dtype) for w in weights]
+    if isinstance(weights, Linear):
+        return Linear(dequantize(weights, dtype)) if weights.scale is not None else weights
+    if not dataclasses.is_dataclass(weights):
+        return weights
+    return dataclasses.replace(weights, **{f.name: densify(getattr(weights, f.name), dtype)
+                                           for f in dataclasses.fields(weights)})
+
+
 def linear_rows(w: Linear, r0: int, r1: int) -> Linear:
     """Rows [r0, r1) of w as a view (FP8: r0 on a scale block boundary, so its scale rows are a view too)."""
     if w.scale is None:
@@ -2499,15 +2609,30 @@ def open_checkpoint(path: str | os.PathLike, load_format: str = "auto", device="
     return Checkpoint(path)
 
 
+def torch_inference(method):
+    """A Model entry point that runs under torch.inference_mode with the torch backend on the CPU (no autograd
+    bookkeeping per op: about a tenth of a small model's decode step there). Its returned tensors are copied out
+    of it, so callers may change them in place; nested calls run as they are."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.ops.name != "torch" or self.device.type != "cpu" or torch.is_inference_mode_enabled():
+            return method(self, *args, **kwargs)
+        with torch.inference_mode():
+            out = method(self, *args, **kwargs)
+        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone() if out is not None else None
+    return run
+
+
 class Model:
     """The decoder: embedding, layers, final norm, lm_head. forward(batch) -> logits of batch.logit_rows.
     With tensor parallelism each rank holds a shard and `all_reduce` sums the row-parallel outputs."""
 
     def __init__(self, ckpt: Checkpoint, ops, dtype: torch.dtype, device: torch.device, shard: Shard = Shard(),
                  num_layers: int | None = None, all_reduce: Callable | None = None, progress: bool = True,
-                 mtp: bool = False, stack: bool | None = None):
+                 mtp: bool = False, stack: bool | None = None, dense_budget: int = 0):
         """stack: stack same-input projections into one weight (fuse_projections); None: everywhere but the
-        torch backend on the CPU (tests of another device's layout pass True)."""
+        torch backend reading FP8 on the CPU (tests of another device's layout pass True). dense_budget: bytes
+        the torch backend may hold as dense copies of the FP8 weights (--fp8-dense-memory; 0: FP8 stays FP8)."""
         cfg = self.cfg = ckpt.config
         self.ops, self.dtype, self.device, self.shard = ops, dtype, device, shard
         self.all_reduce = all_reduce or (lambda x: x)
@@ -2520,18 +2645,11 @@ class Model:
         self.lm_head = load_linear(ckpt, head, (V, D), rows=[(v0, v1)],
                                    whole_blocks=shard.whole_blocks).to(device, dtype)   # (V', D)
         self.norm = load_norm(ckpt, cfg, p + "norm.weight", (D,)).to(device)
-        self.layers = []
-        t0 = time.time()
-        # On the CPU the torch backend reads FP8 weights in place from the mapped checkpoint: stacking them would
-        # copy every projection (twice the checkpoint's bytes resident). Elsewhere the weights are copies anyway.
-        if stack is None:
-            stack = not (torch.device(device).type == "cpu" and ops.name == "torch")
+        t0, layers = time.time(), []
         for i in range(n):
-            self.layers.append(fuse_projections(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype),
-                                                cfg.head_dim, stack))
+            layers.append(_to_device(load_layer(ckpt, cfg, i, shard), device, dtype))
             if progress and time.time() - t0 > 2.0:
                 print(f"\rpocketllm: loading layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
-        self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
         # The MTP draft layer, when asked for and present (and the whole model runs: it reads the last layer). An
         # incomplete one is left out (no speculation): mtp_missing names the first tensor it lacks.
         self.mtp, self.mtp_missing = None, None
@@ -2540,6 +2658,18 @@ class Model:
                 self.mtp = _to_device(load_mtp(ckpt, cfg, shard), device, dtype)
             except MissingTensorError as e:
                 self.mtp_missing = e.name
+        # FP8 -> dense once, here, when the torch backend's dense copy of every FP8 weight fits dense_budget bytes.
+        self.dense_bytes = fp8_dense_bytes(layers + [self.mtp, self.lm_head], dtype)
+        self.dense = ops.name == "torch" and 0 < self.dense_bytes <= dense_budget
+        if self.dense:
+            layers, self.mtp, self.lm_head = (densify(w, dtype) if w is not None else None
+                                              for w in (layers, self.mtp, self.lm_head))
+        # On the CPU the torch backend reads FP8 weights in place from the mapped checkpoint: stacking them would
+        # copy every projection (twice the checkpoint's bytes resident). Elsewhere the weights are copies anyway.
+        if stack is None:
+            stack = self.dense or not (torch.device(device).type == "cpu" and ops.name == "torch")
+        self.layers = [fuse_projections(L, cfg.head_dim, stack) for L in layers]
+        self.mixers = [getattr(self, MIXERS[L.kind].forward) for L in self.layers]   # one method per layer
         if self.mtp is not None:
             self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim, stack))
         self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
@@ -2548,12 +2678,14 @@ class Model:
 
     # The forward pass, one named path per mixer; prefill and decode differ only inside the ops.
 
+    @torch_inference
     def forward(self, batch: Batch, cache: Cache) -> torch.Tensor:
         h = self.hidden(batch, cache)                                      # (T, D)
         if not (batch.is_decode and batch.logit_rows.numel() == h.shape[0]):   # decode: every row, in order
             h = h[batch.logit_rows]                                        # (R, D)
         return self.head(h)                                                # (R, V) fp32
 
+    @torch_inference
     def hidden(self, batch: Batch, cache: Cache) -> torch.Tensor:
         """The final-normed hidden state of every token (T, D): the lm_head's input, and the MTP layer's."""
         if batch.fresh_slots.numel():                                      # a slot's previous owner's state
@@ -2575,6 +2707,7 @@ class Model:
 
     # Speculative decoding: the MTP layer drafts, the target verifies a window of K+1 tokens per sequence.
 
+    @torch_inference
     def draft(self, batch: Batch, cache: Cache, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over a batch whose token at position i is t_{i+1}, with hidden (T, D) the state that
         predicted it (the target's, or the MTP's own for a chained draft). Returns the MTP's normed output
@@ -2594,6 +2727,7 @@ class Model:
             window.conv[i], window.ssm[i] = cache.conv[i][window.slots], cache.ssm[i][window.slots]
         cache.window = window
 
+    @torch_inference
     def rollback(self, cache: Cache, kept: list[int]) -> None:
         """Leave each window sequence's GDN states after its first kept[s] tokens (1 <= kept[s] <= lens[s]):
         restore the states from before the step and replay the kept tokens' conv and delta rule."""
@@ -2625,6 +2759,7 @@ class Model:
         x = self.ops.embed_shard(ids, self.embed_tokens, self.vocab[0], torch.float32)   # (T, D), zero rows
         return self.all_reduce(x)                                                       # for others' ids
 
+    @torch_inference
     def head(self, h: torch.Tensor) -> torch.Tensor:
         if self.shard.world == 1:
             return self.ops.linear(h, self.lm_head, torch.float32)        # (R, V)
@@ -4210,7 +4345,8 @@ def _load_rank_model(ckpt_dir, opts: EngineOptions, ops, dtype, device, rank: in
     try:
         shard = Shard(rank, world, whole_blocks=ops.name == "native")
         return Model(ckpt, ops, dtype, device, shard=shard, num_layers=opts.smoke_layers or None,
-                     all_reduce=all_reduce, progress=not quiet, mtp=opts.speculative_tokens > 0)
+                     all_reduce=all_reduce, progress=not quiet, mtp=opts.speculative_tokens > 0,
+                     dense_budget=opts.fp8_dense_memory << 20)
     except CheckpointError as e:
         if world > 1 and "tensor-parallel degree" not in str(e):   # e.g. native: an FP8 slice off its blocks
             raise CheckpointError(f"{e} at tensor-parallel degree {world}") from None
@@ -12453,6 +12589,8 @@ def _check_options(opts: EngineOptions, cfg: ModelConfig):
         raise PocketError(f"--max-context/--max-model-len {opts.max_context} is beyond the model's "
                           f"max_position_embeddings ({cfg.max_position_embeddings}, config.json): positions past it "
                           f"were never trained; {ALLOW_LONG_CONTEXT}=1 in the environment allows it")
+    if opts.fp8_dense_memory < 0:
+        raise PocketError("--fp8-dense-memory must be >= 0 MiB (0: FP8 weights stay FP8)")
     if opts.prefix_cache_memory < -1:
         raise PocketError("--prefix-cache-memory must be >= 0 MiB, or -1 (one snapshot per state slot)")
     for name in ("max_batch_size", "num_kv_blocks"):
@@ -12565,7 +12703,8 @@ class LLM:
             ops = NativeOps(device) if placement.backend == "native" else TorchOps()
             ckpt.device = device                   # where --load-format dummy draws the weights
             self.model = Model(ckpt, ops, self.dtype, device, num_layers=opts.smoke_layers or None,
-                               progress=not opts.quiet, mtp=opts.speculative_tokens > 0)
+                               progress=not opts.quiet, mtp=opts.speculative_tokens > 0,
+                               dense_budget=opts.fp8_dense_memory << 20)
             run_batch = None
         if opts.speculative_tokens and self.model.mtp is not None:
             _log(opts, f"speculative decoding: the MTP layer drafts {opts.speculative_tokens} tokens per step")
@@ -12574,6 +12713,8 @@ class LLM:
                 f"the checkpoint's MTP layer is incomplete (missing tensor '{self.model.mtp_missing}')"
                 if self.model.mtp_missing else "--smoke-layers runs part of the model" if has_mtp(ckpt)
                 else "the checkpoint has no MTP layer (mtp.* tensors)"))
+        if self.group is None and placement.backend == "torch" and self.model.dense_bytes:
+            _log(opts, fp8_dense_line(self.model, opts.fp8_dense_memory))
         ckpt.close()
         if sized:
             self._size_cache()
@@ -12839,7 +12980,7 @@ def _engine_flags(f: dataclasses.Field) -> list[str]:
 def add_engine_args(parser: argparse.ArgumentParser):
     parser.add_argument("--ckpt", "--model", default=None, metavar="DIR",
                         help="checkpoint directory (default: the bundled pocket-tiny)")
-    kinds = {"int": int, "float": float}
+    kinds = {"int": int, "float": float, "int | None": int}
     for f in dataclasses.fields(EngineOptions):
         text = f"{f.metadata['help'].replace('`', '').replace('%', '%%')} (default: {_option_default(f.default)})"
         if f.type == "bool":          # on by default: --NAME / --no-NAME

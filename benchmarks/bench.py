@@ -89,10 +89,11 @@ def bench_decode(llm, batch: int, decode: int, prompt_len: int = 16) -> float:
     return later / (end - start) if end > start else float("nan")
 
 
-def reference_model(ckpt_dir: Path):
-    """transformers' model on the checkpoint's weights (FP8 dequantised), float32."""
+def reference_model(ckpt_dir: Path, load_format: str = "auto", seed: int = 0):
+    """transformers' model on the checkpoint's weights (FP8 dequantised), float32; with --load-format dummy the
+    same random weights the engine draws (seeded by name). Tied embeddings: lm_head is the embedding."""
     import transformers
-    ckpt = pocketllm.Checkpoint(ckpt_dir)
+    ckpt = pocketllm.open_checkpoint(ckpt_dir, load_format, seed=seed)
     raw = ckpt.raw_config
     text = dict(raw.get("text_config", raw))
     text.pop("quantization_config", None)
@@ -105,6 +106,8 @@ def reference_model(ckpt_dir: Path):
     state = {}
     for name in model.state_dict():
         stored = prefix + name[len("model."):] if name.startswith("model.") else name
+        if name == "lm_head.weight" and ckpt.config.tie_word_embeddings:
+            stored = prefix + "embed_tokens.weight"
         if name.endswith(".weight") and ckpt.has(stored[:-len(".weight")] + ".weight_scale_inv"):
             w = pocketllm.load_linear(ckpt, stored[:-len(".weight")], tuple(ckpt.shape(stored)))
             state[name] = pocketllm.dequantize(w, torch.float32)
@@ -114,17 +117,31 @@ def reference_model(ckpt_dir: Path):
     return model.float().eval()
 
 
-def bench_reference(model, decode: int, prompt_len: int = 16) -> float:
+def bench_reference(model, decode: int, prompt_len: int = 16, clock=time.perf_counter) -> float:
     ids = torch.tensor([prompt_ids(prompt_len, model.config.vocab_size, 100)])
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, **kw)                        # warm-up
-        t0 = time.perf_counter()
+        t0 = clock()
         model.generate(ids, max_new_tokens=1, **kw)
-        t1 = time.perf_counter()
+        t1 = clock()
         model.generate(ids, max_new_tokens=decode, **kw)
-        t2 = time.perf_counter()
+        t2 = clock()
     return (decode - 1) / ((t2 - t1) - (t1 - t0))
+
+
+def bench_ours(llm, decode: int, prompt_len: int = 16, clock=time.perf_counter) -> float:
+    """bench_reference's measure on the engine: batch 1, a decode-token and a one-token generation of the same
+    prompt length (fresh prompts: no prefix-cache hit), the difference's tokens/s. With clock=time.process_time
+    the CPU time of every thread of the process (the engine's and this one): on a shared, loaded machine the
+    cost of the work itself, where wall time also counts the waits for a core."""
+    def run(n: int, seed: int) -> float:
+        t0 = clock()
+        llm.generate(prompt_ids(prompt_len, llm.config.vocab_size, seed), max_tokens=n, temperature=0,
+                     ignore_eos=True)
+        return clock() - t0
+    run(2, 90)                                                              # warm-up
+    return (decode - 1) / (run(decode, 92) - run(1, 91))
 
 
 def make_synthetic(path: Path, fp8: bool):
@@ -148,13 +165,21 @@ ACCEPTANCE = (0.6, 0.8)        # per-draft acceptance rates the speculative spee
 def qwen35_27b_config() -> dict:
     """Qwen3.5-27B FP8's config.json (docs/qwen-facts.md sections 2-4): pocket-tiny's (same family, FP8, one MTP
     layer) with the 27B's shapes."""
+    return qwen35_config(64, vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
+                         num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                         linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+def qwen35_config(layers: int, tied: bool = False, **shape) -> dict:
+    """pocket-tiny's config.json (Qwen3.5, FP8, one MTP layer) with these shapes and `layers` layers in the real
+    pattern (three Gated DeltaNet layers, then one full attention); the GDN's conv1d, a and b, the embedding, the
+    lm_head and mtp.fc stay unquantised, as in Qwen's FP8 checkpoints."""
     raw = json.loads((TINY / "config.json").read_text())
-    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 16
-    raw["text_config"].update(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-        linear_key_head_dim=128, linear_value_head_dim=128, layer_types=layer_types, full_attention_interval=4,
-        max_position_embeddings=262144, eos_token_id=248046, pad_token_id=248044, mtp_num_hidden_layers=1)
+    layer_types = ((["linear_attention"] * 3 + ["full_attention"]) * 16)[:layers]
+    raw["text_config"].update(shape, num_hidden_layers=layers, layer_types=layer_types, full_attention_interval=4,
+                              max_position_embeddings=262144, eos_token_id=248046, pad_token_id=248044,
+                              tie_word_embeddings=tied, mtp_num_hidden_layers=1)
+    raw["tie_word_embeddings"] = tied
     raw["text_config"]["rope_parameters"].update(rope_theta=10000000.0, mrope_section=[11, 11, 10])
     gdn = [f"model.language_model.layers.{i}.linear_attn.{m}" for i, t in enumerate(layer_types)
            if t == "linear_attention" for m in ("conv1d", "in_proj_b", "in_proj_a")]
@@ -177,10 +202,26 @@ def rank_shapes(raw: dict, world: int) -> dict:
     return raw
 
 
-def write_config(path: Path, name: str):
-    """--make-config 27b | 27b-tp4: DIR/config.json (and nothing else: --load-format dummy makes the weights)."""
+SHAPE_0_8B = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                  linear_key_head_dim=128, linear_value_head_dim=128)   # benchmarks/prefix_cache.py's 0.8B class
+
+
+def qwen35_08b_config(layers: int, tied: bool) -> dict:
+    """A 0.8B-class Qwen3.5 config (SHAPE_0_8B: Qwen3.5-0.8B's widths and 248,320-row vocabulary), FP8 like
+    pocket-tiny, with one MTP layer, `layers` of its 24 layers, the embedding tied to the lm_head or not."""
+    return qwen35_config(layers, tied, **SHAPE_0_8B)
+
+
+CONFIGS = ("27b", "27b-tp4", "0.8b", "0.8b-untied")
+
+
+def write_config(path: Path, name: str, layers: int = 24):
+    """--make-config 27b | 27b-tp4 | 0.8b | 0.8b-untied: DIR/config.json (and nothing else: --load-format dummy
+    makes the weights); the 0.8B class with --layers of its 24."""
     path.mkdir(parents=True, exist_ok=True)
-    raw = rank_shapes(qwen35_27b_config(), {"27b": 1, "27b-tp4": 4}[name])
+    raw = qwen35_08b_config(layers, name == "0.8b") if name.startswith("0.8b") else \
+        rank_shapes(qwen35_27b_config(), {"27b": 1, "27b-tp4": 4}[name])
     (path / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
 
 
@@ -311,8 +352,9 @@ def implied_speedup(cost: float, k: int, acceptance: float) -> float:
 def report(args) -> dict:
     if args.make_config:
         write_config(Path(args.ckpt), args.make_config)
+    k = 2 if args.speculative_tokens is None else args.speculative_tokens
     off = measure(args, 0)
-    on = measure(args, args.speculative_tokens) if args.speculative_tokens else None
+    on = measure(args, k) if k else None
     result = {"checkpoint": str(args.ckpt), "load_format": args.load_format, "off": off, "on": on,
               "machine": machine()}
     k = on["speculative_tokens"] if on else 0
@@ -405,18 +447,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="with --reference: rounds of pocketllm then "
+                    "transformers at batch 1; the medians and the median of each round's ratio")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--backend", default=None, help="default: torch; with --report, auto (what the server picks)")
     ap.add_argument("--device", default=None, help="default: cpu; with --report, auto")
     report_args = ap.add_argument_group("the serving report (--report)")
     report_args.add_argument("--report", action="store_true", help="TPOT, TTFT, output tokens/s, step time and "
                              "peak memory, speculation off and on, in vLLM's terms")
-    report_args.add_argument("--make-config", choices=("27b", "27b-tp4"), help="write --ckpt DIR/config.json first: "
-                             "Qwen3.5-27B FP8, or one TP4 rank's shapes of it")
+    report_args.add_argument("--make-config", choices=CONFIGS, help="write --ckpt DIR/config.json first: "
+                             "Qwen3.5-27B FP8, or one TP4 rank's shapes of it, or a 0.8B-class Qwen3.5 (FP8, "
+                             "tied embeddings or untied) of --layers layers; use with --load-format dummy")
+    report_args.add_argument("--layers", type=int, default=24, help="with --make-config 0.8b*: decoder layers")
     report_args.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     report_args.add_argument("--dtype", default="auto")
     report_args.add_argument("--seed", type=int, default=0)
-    report_args.add_argument("--speculative-tokens", type=int, default=2, help="K when speculation is on; 0: "
+    report_args.add_argument("--speculative-tokens", type=int, default=None, help="the engine's K (default: the "
+                             "engine's, by device); with --report K when speculation is on (default 2), 0: "
                              "measure with speculation off only")
     report_args.add_argument("--ttft-repeats", type=int, default=2, help="TTFT is the best of this many prompts")
     report_args.add_argument("--report-batches", default="8,32", help="batch sizes of the output tokens/s rows")
@@ -439,6 +486,9 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.make_config:
+        write_config(Path(args.ckpt), args.make_config, args.layers)
+        args.make_config = None
     if args.overlap:
         result = overlap_report(args)
         if args.json:
@@ -459,23 +509,33 @@ def main():
     ckpt = Path(args.ckpt or args.synthetic)
     batches = [int(b) for b in args.batches.split(",")]
     llm = pocketllm.LLM(ckpt, backend=args.backend, device=args.device, quiet=True, max_batch_size=max(batches),
-                        max_context=args.prompt_len + args.decode + 16)
+                        max_context=args.prompt_len + args.decode + 16, load_format=args.load_format,
+                        seed=args.seed, **({} if args.speculative_tokens is None else
+                                           {"speculative_tokens": args.speculative_tokens}))
     params = sum((w.weight if isinstance(w, pocketllm.Linear) else w).numel()
                  for L in llm.model.layers for _, w in pocketllm.named_weights(L)) + \
         llm.model.embed_tokens.numel() + llm.model.lm_head.weight.numel()
     result = {"checkpoint": str(ckpt), "params_M": round(params / 1e6, 1), "threads": torch.get_num_threads(),
-              "backend": args.backend}
+              "backend": args.backend, "speculative_tokens": llm.engine.draft_tokens,
+              "fp8_dequantised_at_load": getattr(llm.model, "dense", False)}
     bench_decode(llm, 1, 4)                                                 # warm-up
     ttft, prefill = bench_prefill(llm, args.prompt_len)
     result.update(ttft_s=round(ttft, 3), prefill_tok_s=round(prefill, 1))
     for b in batches:
         result[f"decode_tok_s_batch{b}"] = round(bench_decode(llm, b, args.decode), 1)
-    result["peak_rss_mb_after_pocketllm"] = round(peak_rss_mb())
-    if args.reference:
-        del llm
-        ref = reference_model(ckpt)
-        result["transformers_decode_tok_s_batch1"] = round(bench_reference(ref, args.decode), 1)
-        result["ratio_batch1"] = round(result["decode_tok_s_batch1"] / result["transformers_decode_tok_s_batch1"], 2)
+    if args.reference:                       # rounds of ours then transformers': each round's ratio, same noise
+        ref = reference_model(ckpt, args.load_format, args.seed)
+        for name, clock in (("", time.perf_counter), ("cpu_time_", time.process_time)):
+            ours, theirs = [], []
+            for _ in range(args.repeats):
+                ours.append(bench_ours(llm, args.decode, clock=clock))
+                theirs.append(bench_reference(ref, args.decode, clock=clock))
+            ratios = [a / b for a, b in zip(ours, theirs)]
+            result[f"{name}decode_tok_s_batch1"] = round(statistics.median(ours), 1)
+            result[f"{name}transformers_decode_tok_s_batch1"] = round(statistics.median(theirs), 1)
+            result[f"{name}ratio_batch1"] = round(statistics.median(ratios), 2)
+            result[f"{name}ratio_batch1_rounds"] = [round(r, 2) for r in ratios]
+    result["peak_rss_mb"] = round(peak_rss_mb())
     print(json.dumps(result, indent=1))
 
 

@@ -138,11 +138,12 @@ def memory_line(text: str) -> str:
 def test_llm_serves_a_config_only_directory_with_the_real_memory_line(tmp_path, capsys):
     """LLM(load_format="dummy") on config.json alone: the built-in tokenizer, the MTP layer drafting, tokens out,
     and the same memory line as the real pocket-tiny."""
-    real = pocketllm.LLM(TINY, device="cpu", max_context=256, max_batch_size=2)
+    real = pocketllm.LLM(TINY, device="cpu", max_context=256, max_batch_size=2, speculative_tokens=2)
     real.close()
     want = memory_line(capsys.readouterr().err)
     directory = config_only(TINY, tmp_path / "tiny")
-    llm = pocketllm.LLM(directory, device="cpu", max_context=256, max_batch_size=2, load_format="dummy")
+    llm = pocketllm.LLM(directory, device="cpu", max_context=256, max_batch_size=2, load_format="dummy",
+                        speculative_tokens=2)
     try:
         assert [p.name for p in directory.iterdir()] == ["config.json"]          # nothing written beside it
         err = capsys.readouterr().err

@@ -472,7 +472,9 @@ def test_pocket_tiny_speculated_follow_up_resumes():
     """pocket-tiny speculates with its trained MTP layer (drafts accepted and rejected as they come): a
     generation's follow-up that resends it whole resumes at its end, and answers as without the cache."""
     on, off = (Observed(pocketllm.LLM(None, backend="torch", dtype="float32", quiet=True, max_context=512,
-                                      max_batch_size=2, prefix_cache=cache)) for cache in (True, False))
+                                      max_batch_size=2, prefix_cache=cache,
+                                      speculative_tokens=pocketllm.GPU_SPECULATIVE_TOKENS))   # off on the CPU
+               for cache in (True, False))
     assert on.engine.draft_tokens > 0
     tok = on.llm.tokenizer
     p1 = tok.encode("<|im_start|>user\nWhat is the weather in Paris for 3 days?<|im_end|>\n<|im_start|>assistant\n")

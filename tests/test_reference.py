@@ -55,14 +55,48 @@ def test_greedy_tokens_match_transformers_generate(loaded, mt, fp8):
     assert got["finish_reason"] == "length" and got["completion_tokens"] == 40
 
 
-def test_fp8_weights_stay_fp8(loaded):
-    llm, _ = loaded("qwen3_5", True)
+def test_fp8_weights_stay_fp8(ckpt_factory):
+    path, _ = ckpt_factory("qwen3_5", fp8=True)
+    llm = pocketllm.LLM(path, backend="torch", quiet=True, max_context=256, max_batch_size=4, fp8_dense_memory=0)
     L = llm.model.layers[0]
+    assert not llm.model.dense
     assert L.mixer.in_proj_qkv.weight.dtype == torch.float8_e4m3fn and L.mixer.in_proj_qkv.scale is not None
     assert L.mlp.gate_proj.weight.dtype == torch.float8_e4m3fn
     # unquantised linears take the activation dtype (float32 here); the embedding stays as stored
     assert L.mixer.in_proj_a.weight.dtype == torch.float32 and L.mixer.in_proj_a.scale is None
     assert llm.model.lm_head.weight.dtype == torch.float32 and llm.model.embed_tokens.dtype == torch.bfloat16
+    llm.close()
+
+
+def test_fp8_dequantised_once_gives_the_logits_of_dequantising_per_use(loaded, ckpt_factory):
+    """Under --fp8-dense-memory the FP8 weights are dense copies (stacked, as on a GPU) and the logits are those
+    of dequantising each weight at each use; one byte under the dense copy's size, every weight stays FP8."""
+    dense, _ = loaded("qwen3_5", True)
+    path, _ = ckpt_factory("qwen3_5", fp8=True)
+    per_use = pocketllm.LLM(path, backend="torch", quiet=True, max_context=256, max_batch_size=4, fp8_dense_memory=0)
+    L = dense.model.layers[0]
+    assert dense.model.dense and L.mixer.in_proj_qkv.scale is None and L.mixer.in_proj_qkv.weight.dtype == torch.float32
+    assert len(L.mixer.in_proj.groups) == 1 and len(L.mlp.gate_up.groups) == 1     # stacked: one matmul each
+    fp8 = fp8_linears(per_use.model)
+    copies = {(i, n): w for i, L in enumerate(dense.model.layers) for n, w in pocketllm.named_weights(L)}
+    same = [k for k, w in fp8 if torch.equal(copies[k].weight, pocketllm.dequantize(w, torch.float32))]
+    assert fp8 and same == [k for k, _ in fp8 if k[1] != "mixer.q_proj"]   # q_proj's rows regrouped [q | gate]
+    # the same weights; stacked matmuls sum in another order (float32 rounding, ~1e-6)
+    assert rel_err(dense.logits(IDS), per_use.logits(IDS)) <= 1e-5
+    assert rel_err(dense.logits(IDS, chunk_size=1), per_use.logits(IDS, chunk_size=1)) <= 1e-5   # decode path
+    got = dense.generate(IDS[:12], max_tokens=24, temperature=0, ignore_eos=True)["token_ids"]
+    assert got == per_use.generate(IDS[:12], max_tokens=24, temperature=0, ignore_eos=True)["token_ids"]
+    per_use.close()
+    ckpt = pocketllm.Checkpoint(path)
+    load = lambda budget: pocketllm.Model(ckpt, pocketllm.TorchOps(), torch.float32, torch.device("cpu"),  # noqa: E731
+                                          progress=False, dense_budget=budget)
+    assert load(dense.model.dense_bytes).dense and not load(dense.model.dense_bytes - 1).dense
+    assert dense.model.dense_bytes == 4 * sum(w.weight.numel() for _, w in fp8)
+
+
+def fp8_linears(model):
+    return [((i, n), w) for i, L in enumerate(model.layers) for n, w in pocketllm.named_weights(L)
+            if isinstance(w, pocketllm.Linear) and w.scale is not None]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -355,12 +355,23 @@ def test_window_rows_see_their_drafts_as_generated():
 
 # ---- The bundled pocket-tiny, with its trained MTP layer -----------------------------------------------------
 
-def test_pocket_tiny_speculates_by_default_and_matches():
-    llm = pl.LLM(quiet=True, gpu_memory_utilization=0.1)
+def test_speculation_default_is_per_device():
+    """On by default on a GPU, off on the CPU (docs/benchmarks.md measures both); an explicit K is kept."""
+    assert pl.EngineOptions(device="cuda:1").speculative_tokens == pl.GPU_SPECULATIVE_TOKENS > 0
+    assert pl.EngineOptions(devices="0,1").speculative_tokens == pl.GPU_SPECULATIVE_TOKENS
+    assert pl.EngineOptions(device="cpu").speculative_tokens == 0
+    assert pl.EngineOptions(devices="cpu,cpu").speculative_tokens == 0
+    assert pl.EngineOptions(device="cpu", speculative_tokens=2).speculative_tokens == 2
+    flags = pl.engine_options(pl.parse_command_line(["--device", "cpu"]))
+    assert flags["speculative_tokens"] is None                        # resolved by EngineOptions, as above
+
+
+def test_pocket_tiny_speculates_at_the_gpu_default_and_matches():
+    llm = pl.LLM(quiet=True, gpu_memory_utilization=0.1, speculative_tokens=pl.GPU_SPECULATIVE_TOKENS)
     if llm.model.mtp is None:
         llm.close()
         pytest.fail("models/pocket-tiny has no MTP layer: run tests/fixtures/train_pocket_tiny.py --mtp-only")
-    assert llm.engine.draft_tokens == pl.EngineOptions().speculative_tokens > 0
+    assert llm.engine.draft_tokens == pl.GPU_SPECULATIVE_TOKENS
     messages = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]

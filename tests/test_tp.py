@@ -272,9 +272,10 @@ def test_fp8_slices_off_block_boundaries_are_refused_by_the_native_backend(ckpt_
 def test_ragged_fp8_split_matches_tp1(ckpt_factory):
     """intermediate 200 at TP2 on the torch backend: each rank keeps the scales that cover its 100 rows (and
     down_proj's 100 columns), on a 4-element grid inside the stored 128-blocks; logits and greedy tokens
-    equal TP1's."""
+    equal TP1's. FP8 kept FP8 (--fp8-dense-memory 0): the scales are what this checks."""
     path = ckpt_factory("qwen3_5", fp8=True, **HEADS)[0]
-    tp1, tp2 = pocketllm.LLM(path, **ENGINE), pocketllm.LLM(path, devices=cpu_ranks(2), **ENGINE)
+    tp1 = pocketllm.LLM(path, fp8_dense_memory=0, **ENGINE)
+    tp2 = pocketllm.LLM(path, devices=cpu_ranks(2), fp8_dense_memory=0, **ENGINE)
     try:
         gate = tp2.model.layers[0].mlp.gate_proj
         assert gate.shape[0] == 100 and gate.block[0] == 4 and gate.scale.shape[0] == 25
