@@ -155,7 +155,7 @@ def test_a_follow_up_resumes_from_an_overlapped_stop(pair):
 
 
 def test_speculation_runs_one_step_at_a_time():
-    llm = pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=2, max_context=256)
+    llm = pocketllm.LLM(None, backend="torch", quiet=True, max_batch_size=2, max_context=256, speculative_tokens=2)
     try:
         assert llm.engine.draft_tokens and not llm.engine.overlap
     finally:
