@@ -82,10 +82,50 @@ def test_stop_strings_are_identical(pair):
     assert launched > 0
 
 
-def test_tool_calls_are_identical(pair):
-    """A chat without tools (its processor only bans the call token, whatever came before) runs overlapped; one
-    with tools decodes under its grammar (auto mode too: an opened call's arguments follow the schema), and while
-    it runs the whole batch steps one at a time. Streamed side by side, both answers are the same either way."""
+def test_a_chat_without_tools_overlaps_whole_steps(pair):
+    """A chat without tools (its processor only bans the call token, whatever came before) is sampled in the
+    forward's step: none of its steps is split."""
+    story = [{"role": "user", "content": "Tell me a story."}]
+    off, on, launched = both(pair, lambda llm: llm.chat(story, temperature=0, max_tokens=40))
+    assert strip_ids(off) == strip_ids(on) and launched >= off["usage"]["completion_tokens"] - 2
+
+
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+STRICT = [{"type": "function", "function": {**WEATHER[0]["function"], "strict": True}}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+          "required": ["city", "days"], "additionalProperties": False}
+GRAMMARS = {"auto": dict(tools=WEATHER, **NO_THINKING), "required": dict(tools=WEATHER, tool_choice="required",
+                                                                          **NO_THINKING),
+            "named": dict(tools=WEATHER, tool_choice=FORCED, **NO_THINKING), "strict": dict(tools=STRICT, **NO_THINKING),
+            "json_schema": dict(response_format={"type": "json_schema", "json_schema": {
+                "name": "forecast", "schema": SCHEMA, "strict": True}})}
+SAMPLINGS = {"greedy": dict(temperature=0, max_tokens=80),
+             "seeded": dict(temperature=1.0, seed=3, max_tokens=60, presence_penalty=0.5, frequency_penalty=0.3,
+                            repetition_penalty=1.2, n=2, logprobs=True, top_logprobs=2),
+             "stop": dict(temperature=1.0, seed=7, max_tokens=60, stop=['",', "Paris"])}
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("grammar", GRAMMARS)
+def test_requests_under_a_grammar_are_identical(pair, grammar, sampling):
+    """Tool calls (auto, required, named, strict) and structured output decode under a grammar whose mask reads
+    the last token on the host: their overlapped steps are split (the forward launched before the host reads the
+    last token, the sampling after it built the masks), and the answers are the same as one step at a time,
+    streamed too (greedy; seeded temperature 1 with penalties, n = 2 and logprobs; stop strings)."""
+    kw = {**GRAMMARS[grammar], **SAMPLINGS[sampling]}
+    off, on, launched = both(pair, lambda llm: llm.chat(ASK, **kw))
+    assert strip_ids(off) == strip_ids(on)
+    assert launched >= off["usage"]["completion_tokens"] // kw.get("n", 1) - 2 or sampling == "stop", launched
+    if grammar in ("required", "named"):
+        assert all(c["message"]["tool_calls"] for c in off["choices"]), off
+    if sampling == "greedy":
+        streamed = both(pair, lambda llm: strip_ids(list(llm.chat(ASK, stream=True, **kw))))
+        assert streamed[0] == streamed[1] and streamed[2] > 0
+
+
+def test_a_grammar_request_batched_with_plain_ones_is_identical(pair):
+    """A tool-calling chat and a plain chat streamed side by side: the steps they share are split (the plain
+    rows are sampled with the grammar's, after the host's read), and both answers are the same."""
     story = [{"role": "user", "content": "Tell me a story."}]
 
     def run(llm):
@@ -93,24 +133,8 @@ def test_tool_calls_are_identical(pair):
         text = llm.chat(story, temperature=1.0, seed=4, max_tokens=80, frequency_penalty=0.2, stream=True)
         return [strip_ids(list(tools)), strip_ids(list(text))]
     off, on, launched = both(pair, run)
-    assert off == on and launched > 0
+    assert off == on and launched > 20
     assert any(c["choices"][0]["delta"].get("tool_calls") for c in off[0] if c.get("choices")), off[0]
-    alone, alone_on, launched = both(pair, lambda llm: llm.chat(story, temperature=0, max_tokens=40))
-    assert strip_ids(alone) == strip_ids(alone_on) and launched >= alone["usage"]["completion_tokens"] - 2
-    forced = {"type": "function", "function": {"name": "get_weather"}}
-    off, on, launched = both(pair, lambda llm: llm.chat(ASK, tools=WEATHER, tool_choice=forced, temperature=1.0,
-                                                        seed=3, max_tokens=60, **NO_THINKING))
-    assert strip_ids(off) == strip_ids(on) and off["choices"][0]["message"]["tool_calls"] and launched == 0
-
-
-def test_structured_output_is_identical(pair):
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-              "required": ["city", "days"], "additionalProperties": False}
-    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": schema, "strict": True}}
-    off, on, launched = both(pair, lambda llm: llm.chat(ASK, response_format=fmt, temperature=1.0, seed=9,
-                                                        max_tokens=60))
-    assert strip_ids(off) == strip_ids(on) and launched == 0
-    assert off["choices"][0]["finish_reason"] == "stop"
 
 
 def test_a_batch_finishing_at_different_steps_is_identical_and_frees_everything(pair):
