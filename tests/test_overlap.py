@@ -137,6 +137,13 @@ def test_a_grammar_request_batched_with_plain_ones_is_identical(pair):
     assert any(c["choices"][0]["delta"].get("tool_calls") for c in off[0] if c.get("choices")), off[0]
 
 
+def idle(llm, seconds: float = 10):
+    """Wait (up to `seconds`) until llm's engine thread has nothing left to do."""
+    deadline = time.monotonic() + seconds
+    while llm.engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_a_batch_finishing_at_different_steps_is_identical_and_frees_everything(pair):
     """Sequences that stop (EOS), run out of max_tokens and keep going share the overlapped steps; each request's
     events are the same, and every block and slot comes back (a finished sequence's last token was computed by
@@ -148,11 +155,11 @@ def test_a_batch_finishing_at_different_steps_is_identical_and_frees_everything(
             max_tokens=3 + 9 * i, temperature=1.0 if i % 2 else 0.0, seed=i, presence_penalty=0.3 * (i % 2)))
             for i, p in enumerate(prompts)]
         out = [[(ev.index, ev.token_ids, ev.finish_reason) for ev in s] for s in streams]
-        deadline = time.monotonic() + 10
-        while llm.engine.has_work() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        idle(llm)
         stats = llm.stats()
         return out, (stats["running"], stats["slots_used"], stats["kv_blocks_used"]), stats["target_forwards_total"]
+    for llm in pair:                                              # an earlier test's aborted choice still ending
+        idle(llm)
     forwards = [llm.stats()["target_forwards_total"] for llm in pair]
     (off, freed_off, after_off), (on, freed_on, after_on), launched = both(pair, run)
     assert off == on and launched > 10
