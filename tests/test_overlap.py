@@ -386,7 +386,8 @@ def test_one_host_read_per_step_on_fake_cuda():
     """Device honesty (tests/fake_cuda.py): on fake CUDA tensors, where every read of device data on the host is
     counted, the overlapped steps gather their input tokens on the device and the host reads each step's result
     once: host reads outside the forwards == forwards (short prompts: each forward samples) == the engine's
-    counted reads."""
+    counted reads. Two requests decode under grammars (tools in auto mode, json_schema): their steps are split,
+    and still read once."""
     from fake_cuda import CUDA, fake_cuda, model_to
     from test_fake_cuda import cpu_model
     ckpt, tokenizer = pocketllm.Checkpoint(pocketllm.DEFAULT_CKPT), pocketllm.Tokenizer(pocketllm.DEFAULT_CKPT)
@@ -405,19 +406,29 @@ def test_one_host_read_per_step_on_fake_cuda():
             forwards.append(len(real.host_reads) - before)
             return logits
         engine.run_batch = counted
+        grammar = dict(tokenizer=tokenizer, max_tokens=16, eos_token_ids=eos)   # split steps: the masks read ids
+        fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": SCHEMA, "strict": True}}
         features = [dict(temperature=0, max_tokens=6), dict(temperature=1.0, seed=3, n=2, max_tokens=9,
                                                              presence_penalty=0.5, repetition_penalty=1.2),
-                    dict(temperature=0.8, top_k=20, top_p=0.9, logprobs=2, max_tokens=4, min_tokens=2)]
+                    dict(temperature=0.8, top_k=20, top_p=0.9, logprobs=2, max_tokens=4, min_tokens=2),
+                    dict(temperature=1.0, seed=5, max_tokens=16, logits_processors=[
+                        pocketllm.structured_decoder(tools=WEATHER, tool_choice="auto", **grammar)]),
+                    dict(temperature=0, max_tokens=16, logits_processors=[
+                        pocketllm.structured_decoder(response_format=fmt, **grammar)])]
         requests = [pocketllm.Request(f"r{i}", [5 + i, 6, 7], pocketllm.SamplingParams(ignore_eos=True, **kw), 7)
                     for i, kw in enumerate(features)]
+        grammar_steps = []
+        split_sample = engine._sample
+        engine._sample = lambda flight: (grammar_steps.append(len(flight.rows)), split_sample(flight))
         for req in requests:
             engine.add(req)
         while engine.has_work():
             engine.step()
-    assert engine.device.launches >= 5
+    assert engine.device.launches >= 5 and len(grammar_steps) >= 5          # split steps among them
     assert len(real.host_reads) - sum(forwards) == len(forwards) == engine.device.reads, real.host_reads
     for req, kw in zip(requests, features):
         events = list(req.events.queue)
         assert all(ev.finish_reason != "error" for ev in events), [ev.error for ev in events]
         for i in range(req.params.n):
-            assert sum(len(ev.token_ids) for ev in events if ev.index == i) == kw["max_tokens"]
+            count = sum(len(ev.token_ids) for ev in events if ev.index == i)
+            assert count == kw["max_tokens"] or kw.get("logits_processors") and events[-1].finish_reason == "stop"
