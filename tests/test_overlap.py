@@ -323,63 +323,85 @@ def drain_tokens(req) -> tuple[list[int], str]:
     return [t for ev in events for t in ev.token_ids], events[-1].finish_reason
 
 
-def decode_period(llm, overlap: bool, steps: int = 6) -> tuple[float, int, float, float]:
-    """Seconds per decode step of a fresh engine on llm's model, its forward FORWARD_S slower and its host
-    postprocess HOST_S slower; how many times the host read a step's result in those steps; and the mean seconds
-    per step of the real forward and of the real postprocess (without the sleeps)."""
+def decode_period(llm, overlap: bool, grammar: bool = False, steps: int = 6) -> dict[str, float]:
+    """Seconds per decode step ("period") of a fresh engine on llm's model, its forward FORWARD_S slower and its
+    host work HOST_S slower: the postprocess, or with `grammar` (four tool-calling requests in auto mode) the
+    masks; how many times the host read a step's result in those steps ("reads"); and the mean seconds per step
+    of the real forward, postprocess ("apply"), masks and sampling on the device (without the sleeps)."""
     engine = engine_on(llm, overlap)
     for i in range(4):
+        procs = [pocketllm.structured_decoder(llm.tokenizer, tools=WEATHER, tool_choice="auto", max_tokens=40,
+                                              eos_token_ids=engine.eos_ids)] if grammar else []
         params = pocketllm.SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True,
-                                          repetition_penalty=1.1)
+                                          repetition_penalty=1.1, logits_processors=procs)
         params.validate(llm.config.vocab_size)
         engine.add(pocketllm.Request(f"r{i}", llm.tokenizer.encode(f"Story number {i}:"), params, i))
     while not (engine.scheduler.running and all(s.output_ids for s in engine.scheduler.running)):
         engine.step()                                    # the prefill (one step at a time either way)
-    forward, apply, own = engine.run_batch, engine._apply, {"forward": [], "host": []}
+    sampler = engine.sampler
+    real = {"forward": engine.run_batch, "apply": engine._apply, "masks": sampler.token_masks,
+            "sample": sampler.sample_on_device}
+    own = {k: [] for k in real}
 
-    def timed(kind, call, *args):
-        start = time.perf_counter()
-        out = call(*args)
-        own[kind].append(time.perf_counter() - start)
-        return out
-
-    def slow_forward(batch):
-        time.sleep(FORWARD_S)
-        return timed("forward", forward, batch)
-
-    def slow_host(*args):
-        time.sleep(HOST_S)
-        return timed("host", apply, *args)
-    engine.run_batch, engine._apply = slow_forward, slow_host
+    def timed(kind, sleep=0.0):
+        def call(*args):
+            time.sleep(sleep)
+            start = time.perf_counter()
+            out = real[kind](*args)
+            own[kind].append(time.perf_counter() - start)
+            return out
+        return call
+    engine.run_batch, engine._apply = timed("forward", FORWARD_S), timed("apply", 0.0 if grammar else HOST_S)
+    sampler.token_masks, sampler.sample_on_device = timed("masks", HOST_S if grammar else 0.0), timed("sample")
     engine.step()                                        # the first overlapped step only launches
     reads, start = engine.device.reads, time.perf_counter()
     for _ in range(steps):
         engine.step()
-    period, reads = (time.perf_counter() - start) / steps, engine.device.reads - reads
-    engine.run_batch, engine._apply = forward, apply
+    found = {"period": (time.perf_counter() - start) / steps, "reads": engine.device.reads - reads}
+    found.update({k: sum(v[-steps:]) / steps for k, v in own.items()})
+    engine.run_batch, engine._apply = real["forward"], real["apply"]
+    sampler.token_masks, sampler.sample_on_device = real["masks"], real["sample"]
     while engine.has_work():
         engine.step()
     assert engine.stats()["slots_used"] == 0 and engine.blocks.used == 0
     engine.fail_all("done")
-    return period, reads, *(sum(own[k][-steps:]) / steps for k in ("forward", "host"))
+    return found
 
 
 def test_the_step_takes_the_longer_of_forward_and_host_not_their_sum(pair):
     """The forward sleeps FORWARD_S on the device queue's thread before the model runs; the host's postprocess
     sleeps HOST_S. One at a time a step takes their sum (and the model's and the postprocess's own time, timed
-    here); overlapped, the longer of forward + model and host + postprocess, within 80 ms (the sampler, the
+    here); overlapped, the longer of forward + model + sampling and host + postprocess, within 80 ms (the
     launch, Python's lock shared by the two threads, a loaded machine: the better of two runs each), and the
     host reads each step's result once."""
-    serial, serial_reads, forward, host = min(decode_period(pair[0], overlap=False) for _ in range(2))
-    overlapped, overlapped_reads, forward_o, host_o = min(decode_period(pair[1], overlap=True) for _ in range(2))
-    longer = max(FORWARD_S + forward_o, HOST_S + host_o)
-    print(f"decode step: {1000 * serial:.1f} ms one at a time, {1000 * overlapped:.1f} ms overlapped; forward "
-          f"{1000 * FORWARD_S:.0f} + {1000 * forward_o:.0f} ms, host {1000 * HOST_S:.0f} + {1000 * host_o:.0f} ms")
-    assert serial_reads == overlapped_reads == 6                        # one host read per step
-    assert serial >= FORWARD_S + HOST_S + forward + host                # the sum
-    assert longer <= overlapped < longer + 0.08, (serial, overlapped, longer)
-    assert overlapped < 0.75 * serial, (serial, overlapped)
+    serial = min((decode_period(pair[0], overlap=False) for _ in range(2)), key=lambda f: f["period"])
+    overlapped = min((decode_period(pair[1], overlap=True) for _ in range(2)), key=lambda f: f["period"])
+    longer = max(FORWARD_S + overlapped["forward"] + overlapped["sample"], HOST_S + overlapped["apply"])
+    print(f"decode step: {1000 * serial['period']:.1f} ms one at a time, {1000 * overlapped['period']:.1f} ms "
+          f"overlapped; forward {1000 * FORWARD_S:.0f} + {1000 * overlapped['forward']:.0f} ms, host "
+          f"{1000 * HOST_S:.0f} + {1000 * overlapped['apply']:.0f} ms")
+    assert serial["reads"] == overlapped["reads"] == 6                  # one host read per step
+    assert serial["period"] >= FORWARD_S + HOST_S + serial["forward"] + serial["apply"]    # the sum
+    assert longer <= overlapped["period"] < longer + 0.08, (serial, overlapped, longer)
+    assert overlapped["period"] < 0.75 * serial["period"], (serial, overlapped)
 
+
+def test_a_grammar_step_overlaps_its_masks_with_the_forward(pair):
+    """Four tool-calling requests (auto mode: the grammar's masks read the last token on the host): the forward
+    sleeps FORWARD_S and the host's mask work HOST_S. One at a time a step takes their sum; split, the mask
+    work overlaps the forward and then the sampling runs: the longer of forward + model and host + masks +
+    postprocess, plus the sampling, within 80 ms (as above); one host read per step."""
+    serial = min((decode_period(pair[0], False, True) for _ in range(2)), key=lambda f: f["period"])
+    split = min((decode_period(pair[1], True, True) for _ in range(2)), key=lambda f: f["period"])
+    longer = max(FORWARD_S + split["forward"], HOST_S + split["masks"] + split["apply"]) + split["sample"]
+    print(f"grammar decode step: {1000 * serial['period']:.1f} ms one at a time, {1000 * split['period']:.1f} ms "
+          f"split; forward {1000 * FORWARD_S:.0f} + {1000 * split['forward']:.0f} ms, masks {1000 * HOST_S:.0f} + "
+          f"{1000 * split['masks']:.0f} ms, postprocess {1000 * split['apply']:.0f} ms, sampling "
+          f"{1000 * split['sample']:.0f} ms")
+    assert serial["reads"] == split["reads"] == 6
+    assert serial["period"] >= FORWARD_S + HOST_S + serial["forward"] + serial["masks"]
+    assert longer <= split["period"] < longer + 0.08, (serial, split, longer)
+    assert split["period"] < 0.8 * serial["period"], (serial, split)
 
 
 def test_one_host_read_per_step_on_fake_cuda():
