@@ -94,9 +94,10 @@ FORCED = {"type": "function", "function": {"name": "get_weather"}}
 STRICT = [{"type": "function", "function": {**WEATHER[0]["function"], "strict": True}}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
           "required": ["city", "days"], "additionalProperties": False}
-GRAMMARS = {"auto": dict(tools=WEATHER, **NO_THINKING), "required": dict(tools=WEATHER, tool_choice="required",
-                                                                          **NO_THINKING),
-            "named": dict(tools=WEATHER, tool_choice=FORCED, **NO_THINKING), "strict": dict(tools=STRICT, **NO_THINKING),
+GRAMMARS = {"auto": dict(tools=WEATHER, **NO_THINKING),
+            "required": dict(tools=WEATHER, tool_choice="required", **NO_THINKING),
+            "named": dict(tools=WEATHER, tool_choice=FORCED, **NO_THINKING),
+            "strict": dict(tools=STRICT, **NO_THINKING),
             "json_schema": dict(response_format={"type": "json_schema", "json_schema": {
                 "name": "forecast", "schema": SCHEMA, "strict": True}})}
 SAMPLINGS = {"greedy": dict(temperature=0, max_tokens=80),
