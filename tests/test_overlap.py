@@ -405,12 +405,10 @@ def test_a_grammar_step_overlaps_its_masks_with_the_forward(pair):
     assert split["period"] < 0.8 * serial["period"], (serial, split)
 
 
-def test_one_host_read_per_step_on_fake_cuda():
-    """Device honesty (tests/fake_cuda.py): on fake CUDA tensors, where every read of device data on the host is
-    counted, the overlapped steps gather their input tokens on the device and the host reads each step's result
-    once: host reads outside the forwards == forwards (short prompts: each forward samples) == the engine's
-    counted reads. Two requests decode under grammars (tools in auto mode, json_schema): their steps are split,
-    and still read once."""
+def fake_cuda_run(overlap: bool) -> tuple[list, list[dict], int, int, list[int], int]:
+    """Five requests (two under grammars: tools in auto mode, json_schema) on fake CUDA tensors, async scheduling
+    off or on: (the requests, their features, launches, the engine's counted reads, host reads inside each
+    forward, split steps); the total host reads are checked by the caller."""
     from fake_cuda import CUDA, fake_cuda, model_to
     from test_fake_cuda import cpu_model
     ckpt, tokenizer = pocketllm.Checkpoint(pocketllm.DEFAULT_CKPT), pocketllm.Tokenizer(pocketllm.DEFAULT_CKPT)
@@ -418,10 +416,10 @@ def test_one_host_read_per_step_on_fake_cuda():
     model = cpu_model((ckpt, tokenizer, eos))
     with fake_cuda() as real:
         options = pocketllm.EngineOptions(backend="torch", device="cuda", quiet=True, max_context=96, max_batch_size=8,
-                                          speculative_tokens=0)
+                                          speculative_tokens=0, async_scheduling=overlap)
         engine = pocketllm.Engine(model_to(model, CUDA), options, eos, torch.float16)
-        assert engine.overlap and engine.device.cuda and not engine.device.events
-        forwards, run_batch = [], engine.run_batch
+        assert engine.overlap == overlap and engine.device.cuda and not engine.device.events
+        forwards, run_batch, split, sample = [], engine.run_batch, [], engine._sample
 
         def counted(batch):                              # the torch backend's own reads (prefill loops) apart
             before = len(real.host_reads)
@@ -429,6 +427,7 @@ def test_one_host_read_per_step_on_fake_cuda():
             forwards.append(len(real.host_reads) - before)
             return logits
         engine.run_batch = counted
+        engine._sample = lambda flight: (split.append(1), sample(flight))
         grammar = dict(tokenizer=tokenizer, max_tokens=16, eos_token_ids=eos)   # split steps: the masks read ids
         fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": SCHEMA, "strict": True}}
         features = [dict(temperature=0, max_tokens=6), dict(temperature=1.0, seed=3, n=2, max_tokens=9,
@@ -440,18 +439,30 @@ def test_one_host_read_per_step_on_fake_cuda():
                         pocketllm.structured_decoder(response_format=fmt, **grammar)])]
         requests = [pocketllm.Request(f"r{i}", [5 + i, 6, 7], pocketllm.SamplingParams(ignore_eos=True, **kw), 7)
                     for i, kw in enumerate(features)]
-        grammar_steps = []
-        split_sample = engine._sample
-        engine._sample = lambda flight: (grammar_steps.append(len(flight.rows)), split_sample(flight))
         for req in requests:
             engine.add(req)
         while engine.has_work():
             engine.step()
-    assert engine.device.launches >= 5 and len(grammar_steps) >= 5          # split steps among them
-    assert len(real.host_reads) - sum(forwards) == len(forwards) == engine.device.reads, real.host_reads
-    for req, kw in zip(requests, features):
+    assert len(real.host_reads) - sum(forwards) == len(forwards), real.host_reads
+    return requests, features, engine.device.launches, engine.device.reads, forwards, len(split)
+
+
+def test_one_host_read_per_step_on_fake_cuda():
+    """Device honesty (tests/fake_cuda.py): on fake CUDA tensors, where every read of device data on the host is
+    counted, the overlapped steps gather their input tokens on the device and the host reads each step's result
+    once: host reads outside the forwards == forwards (short prompts: each forward samples) == the engine's
+    counted reads. Two requests decode under grammars (tools in auto mode, json_schema): their steps are split,
+    and still read once. On fake CUDA the launched work runs before the host reads the step before (on the CPU's
+    worker thread it may run after), so a mask built from stale tokens would show: the tokens equal those
+    without overlap."""
+    requests, features, launches, reads, forwards, split = fake_cuda_run(overlap=True)
+    assert launches >= 5 and split >= 5 and len(forwards) == reads
+    reference, _, launches_off, _, _, _ = fake_cuda_run(overlap=False)
+    assert launches_off == 0
+    for req, ref, kw in zip(requests, reference, features):
         events = list(req.events.queue)
         assert all(ev.finish_reason != "error" for ev in events), [ev.error for ev in events]
         for i in range(req.params.n):
-            count = sum(len(ev.token_ids) for ev in events if ev.index == i)
-            assert count == kw["max_tokens"] or kw.get("logits_processors") and events[-1].finish_reason == "stop"
+            tokens = [t for ev in events if ev.index == i for t in ev.token_ids]
+            assert tokens == [t for ev in ref.events.queue if ev.index == i for t in ev.token_ids], (req.id, i)
+            assert len(tokens) == kw["max_tokens"] or kw.get("logits_processors") and events[-1].finish_reason == "stop"
