@@ -3558,11 +3558,12 @@ class Sampler:
         packed, failed = self.sample_on_device(rows, logits)
         return self.unpack(rows, packed.cpu(), failed)
 
-    def sample_on_device(self, rows: list[SampleRow], logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def sample_on_device(self, rows: list[SampleRow], logits: torch.Tensor, masks=None) -> tuple[torch.Tensor, dict]:
         """logits (R, V) fp32 -> (packed (N,) int32 on their device: the B sampled ids, [with drafts: B accepted
         flags,] then the requested logprobs as float32 bits and their top-k ids; the rows whose processors
-        raised). Everything before the host transfer, so that tests can run it under FakeTensorMode."""
-        raw, x, table, slots, failed = self.scores(rows, logits)
+        raised). Everything before the host transfer, so that tests can run it under FakeTensorMode. masks:
+        token_masks' result when the host built it already (async scheduling's split step)."""
+        raw, x, table, slots, failed = self.scores(rows, logits, masks=masks)
         tokens = draw_tokens(x, table)                                             # (B,) int64
         counted, flags = torch.ones_like(tokens, dtype=torch.int32), []
         if any(r.draft is not None for r in rows):
@@ -3571,10 +3572,11 @@ class Sampler:
         self.counts.index_put_((slots, tokens), counted, accumulate=True)
         return torch.cat([tokens.int(), *flags, *self._logprobs(raw, tokens, rows)]), failed
 
-    def scores(self, rows: list[SampleRow], logits: torch.Tensor, salt: int = 0):
+    def scores(self, rows: list[SampleRow], logits: torch.Tensor, salt: int = 0, masks=None):
         """The rows' logits through every stage before the draw: (raw (B, V) the model's own, x (B, V) scaled and
         filtered, the RowTable with uniforms salted by `salt`, slots (B,), failed rows)."""
-        masks = self.token_masks(rows, logits.shape[-1])          # host work first: on a GPU the forward still runs
+        if masks is None:                         # host work first: on a GPU the forward still runs
+            masks = self.token_masks(rows, logits.shape[-1])
         picks = [r.logit_row for r in rows]
         raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V) the model's own
         table = RowTable.build([r.params for r in rows], [self._uniform(r, salt) for r in rows], self.device)
@@ -3952,8 +3954,9 @@ def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size:
 
 class DeviceQueue:
     """The device's queue of work as async scheduling sees it (section 9): `launch` queues a step's work and
-    returns at once, `read` is the host's one read of a step's result and waits for that step only, `later` runs
-    device work the host issues while steps are in flight (a finished sequence's snapshot copy) behind them.
+    returns at once, `read` is the host's one read of a step's result and waits for that step only, `run` queues
+    work whose result only later work reads (a split step's forward), `later` runs device work the host issues
+    while steps are in flight (a finished sequence's snapshot copy) behind them.
     On CUDA the kernels a host thread calls are queued on the stream anyway: launch runs the work (which only
     enqueues), copies its result to pinned memory without waiting and records an event, which read waits for
     (on the tests' fake CUDA, read copies it then). On the CPU torch runs each op when it is called, so one
@@ -3980,6 +3983,12 @@ class DeviceQueue:
             done = torch.cuda.Event()
             done.record()
             return done, host, facts
+        return self.run(work)
+
+    def run(self, work: Callable[[], object]):
+        """Queue work() behind what is queued, without a result for the host (CUDA: it only enqueues kernels)."""
+        if self.cuda:
+            return work()
         if self.worker is None:
             self.worker = concurrent.futures.ThreadPoolExecutor(1, "pocketllm-device", initializer=self.warm)
         self.queued.append(self.worker.submit(work))
@@ -3994,15 +4003,15 @@ class DeviceQueue:
                 return host.cpu(), facts
             done.synchronize()
             return host, facts
-        result = launched.result()
-        self.drain(done_only=True)
-        return result
+        concurrent.futures.wait([launched])
+        self.drain(done_only=True)          # raises what failed first (a split step's forward before its sampling)
+        return launched.result()
 
     def later(self, work: Callable[[], None]):
         if self.cuda or all(f.done() for f in self.queued):
             work()
         else:
-            self.queued.append(self.worker.submit(work))
+            self.run(work)
 
     def drain(self, done_only: bool = False):
         """Wait for everything queued (before the host runs device work itself), or forget what is done; raises
@@ -4779,12 +4788,15 @@ class Request:
 @dataclass
 class InFlight:
     """A decode step launched by async scheduling and not yet read: its plan, its sample rows (one per plan
-    entry, in order), what the device queue returned, and its packed result on the device (set by its work, read
-    by the next step's work: the sampled tokens feed the next input without the host)."""
+    entry, in order; a split step's only once sampled, without the sequences that finished meanwhile), what the
+    device queue returned, and its packed result on the device (set by its work, read by the next step's work:
+    the sampled tokens feed the next input without the host). A split step's forward leaves its logits."""
     plan: list[Scheduled]
     rows: list[SampleRow]
     launched: object = None
-    packed: torch.Tensor | None = None        # (N,) int32 on the device: the B tokens first
+    packed: torch.Tensor | None = None        # (N,) int32 on the device: the rows' tokens first
+    split: bool = False                       # sampled only once the host has read the step before (_sample)
+    logits: torch.Tensor | None = None        # (B, V) a split step's, until it is sampled
 
 
 class Engine:
@@ -4846,6 +4858,8 @@ class Engine:
             follow = self._follow_up(self.inflight)
             launched = self._launch(follow, self.inflight) if follow else None
             self._settle(self.inflight, launched)
+            if launched is not None and launched.split:
+                self._sample(launched)
             self.inflight = launched
             if launched is not None:
                 return
@@ -4879,14 +4893,21 @@ class Engine:
     # that finished at N is in N + 1 too: N + 1 computes its last token (KV in its reserved blocks, its state
     # slot advanced past it, so its end snapshot covers every token) and its N + 1 token is dropped; its slot and
     # blocks are freed once N + 1 is read (self.windowed and self.finishing, as for a verify window).
+    # A step with a row whose logits processor reads the last token on the host (a grammar's mask: tools,
+    # response_format) is split, as vLLM does for structured output: N + 1's forward is launched at once, and its
+    # sampling once the host has read N and built N + 1's masks (_sample), so the grammar's work overlaps the
+    # forward; a sequence that finished at N gets no row.
 
     def _overlaps(self, plan: list[Scheduled]) -> bool:
-        """A step async scheduling may launch: plain decode of every running sequence, none of which needs the
-        host between steps: a grammar's mask or a logits processor reads the last token on the host, unless it
-        says it does not (`reads_ids` false: the call-token ban of a chat request without tools)."""
+        """A step async scheduling may launch: plain decode of every running sequence."""
         return self.overlap and {p.seq for p in plan} == set(self.scheduler.running) and all(
-            p.count == 1 and p.sample and p.start > 0 and p.seq.output_ids and
-            not any(getattr(proc, "reads_ids", True) for proc in p.seq.params.logits_processors) for p in plan)
+            p.count == 1 and p.sample and p.start > 0 and p.seq.output_ids for p in plan)
+
+    @staticmethod
+    def _reads_ids(seq: Sequence) -> bool:
+        """Its logits processors read the last token on the host, unless one says it does not (`reads_ids` false:
+        the call-token ban of a chat request without tools)."""
+        return any(getattr(proc, "reads_ids", True) for proc in seq.params.logits_processors)
 
     def _follow_up(self, prev: InFlight) -> list[Scheduled] | None:
         """Step N + 1's plan while step N is in flight: every sequence of N that is neither finished nor known to
@@ -4905,29 +4926,53 @@ class Engine:
 
     def _launch(self, plan: list[Scheduled], prev: InFlight | None = None) -> InFlight:
         """Queue a decode step's forward and sampling on the device; prev: the step in flight whose tokens are
-        this step's input (gathered on the device). Everything the work reads from the host is taken here."""
+        this step's input (gathered on the device). Everything the work reads from the host is taken here. A
+        split step (see above) queues only its forward."""
         unread = int(prev is not None)
-        rows = [SampleRow(p.seq, i, p.seq.request.sampling, unread=unread) for i, p in enumerate(plan)]
-        self.counters["target_forwards"] += len(rows)
-        flight, device = InFlight(plan, rows), self.model.device
+        flight, device = InFlight(plan, []), self.model.device
+        flight.split = prev is not None and any(self._reads_ids(p.seq) for p in plan)
+        if not flight.split:
+            flight.rows = [SampleRow(p.seq, i, p.seq.request.sampling, unread=unread) for i, p in enumerate(plan)]
+            self.counters["target_forwards"] += len(plan)
         if prev is not None:
-            row_of = {q.seq: i for i, q in enumerate(prev.plan)}
+            row_of = {r.seq: i for i, r in enumerate(prev.rows)}
             where = to_device(torch.tensor([row_of[p.seq] for p in plan], dtype=torch.long), device)   # (B,)
         packed = self.graphs.pack(plan, list(self.slots.free), bool(unread)) if self.graphs else None
         batch = None if packed else make_batch(plan, self.opts.kv_block_size, device, bool(unread))
 
-        def work() -> tuple[torch.Tensor, dict]:
+        def forward() -> torch.Tensor:
             ids = None if prev is None else prev.packed[where].long()                   # (B,) int64
             if packed is not None:
-                logits = self.graphs.replay(packed, ids)                                # (B, V)
-            else:
-                if ids is not None:
-                    batch.token_ids.copy_(ids)
-                logits = self.run_batch(batch)
-            flight.packed, failed = self.sampler.sample_on_device(rows, logits)
+                return self.graphs.replay(packed, ids)                                  # (B, V)
+            if ids is not None:
+                batch.token_ids.copy_(ids)
+            return self.run_batch(batch)
+
+        def work() -> tuple[torch.Tensor, dict]:
+            flight.packed, failed = self.sampler.sample_on_device(flight.rows, forward())
+            return flight.packed, failed
+        if flight.split:
+            self.device.run(lambda: setattr(flight, "logits", forward()))
+        else:
+            flight.launched = self.device.launch(work)
+        return flight
+
+    def _sample(self, flight: InFlight):
+        """The second half of a split step, once the step before it is read: its rows (the sequences that did not
+        finish meanwhile), their masks built here on the host while the forward runs, then the sampling queued
+        behind the forward."""
+        flight.rows = [SampleRow(p.seq, i, p.seq.request.sampling) for i, p in enumerate(flight.plan)
+                       if not p.seq.finished]
+        self.counters["target_forwards"] += len(flight.rows)
+        masks = self.sampler.token_masks(flight.rows, self.model.cfg.vocab_size) if flight.rows else None
+
+        def work() -> tuple[torch.Tensor, dict]:
+            if not flight.rows:
+                return torch.zeros(0, dtype=torch.int32, device=self.model.device), {}
+            flight.packed, failed = self.sampler.sample_on_device(flight.rows, flight.logits, masks)
+            flight.logits = None
             return flight.packed, failed
         flight.launched = self.device.launch(work)
-        return flight
 
     def _settle(self, flight: InFlight, launched: InFlight | None):
         """Read a launched step's tokens and postprocess them while `launched` (its follow-up, if any) runs. The

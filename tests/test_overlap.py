@@ -82,10 +82,51 @@ def test_stop_strings_are_identical(pair):
     assert launched > 0
 
 
-def test_tool_calls_are_identical(pair):
-    """A chat without tools (its processor only bans the call token, whatever came before) runs overlapped; one
-    with tools decodes under its grammar (auto mode too: an opened call's arguments follow the schema), and while
-    it runs the whole batch steps one at a time. Streamed side by side, both answers are the same either way."""
+def test_a_chat_without_tools_overlaps_whole_steps(pair):
+    """A chat without tools (its processor only bans the call token, whatever came before) is sampled in the
+    forward's step: none of its steps is split."""
+    story = [{"role": "user", "content": "Tell me a story."}]
+    off, on, launched = both(pair, lambda llm: llm.chat(story, temperature=0, max_tokens=40))
+    assert strip_ids(off) == strip_ids(on) and launched >= off["usage"]["completion_tokens"] - 2
+
+
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+STRICT = [{"type": "function", "function": {**WEATHER[0]["function"], "strict": True}}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+          "required": ["city", "days"], "additionalProperties": False}
+GRAMMARS = {"auto": dict(tools=WEATHER, **NO_THINKING),
+            "required": dict(tools=WEATHER, tool_choice="required", **NO_THINKING),
+            "named": dict(tools=WEATHER, tool_choice=FORCED, **NO_THINKING),
+            "strict": dict(tools=STRICT, **NO_THINKING),
+            "json_schema": dict(response_format={"type": "json_schema", "json_schema": {
+                "name": "forecast", "schema": SCHEMA, "strict": True}})}
+SAMPLINGS = {"greedy": dict(temperature=0, max_tokens=80),
+             "seeded": dict(temperature=1.0, seed=3, max_tokens=60, presence_penalty=0.5, frequency_penalty=0.3,
+                            repetition_penalty=1.2, n=2, logprobs=True, top_logprobs=2),
+             "stop": dict(temperature=1.0, seed=7, max_tokens=60, stop=['",', "Paris"])}
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("grammar", GRAMMARS)
+def test_requests_under_a_grammar_are_identical(pair, grammar, sampling):
+    """Tool calls (auto, required, named, strict) and structured output decode under a grammar whose mask reads
+    the last token on the host: their overlapped steps are split (the forward launched before the host reads the
+    last token, the sampling after it built the masks), and the answers are the same as one step at a time,
+    streamed too (greedy; seeded temperature 1 with penalties, n = 2 and logprobs; stop strings)."""
+    kw = {**GRAMMARS[grammar], **SAMPLINGS[sampling]}
+    off, on, launched = both(pair, lambda llm: llm.chat(ASK, **kw))
+    assert strip_ids(off) == strip_ids(on)
+    assert launched >= off["usage"]["completion_tokens"] // kw.get("n", 1) - 2 or sampling == "stop", launched
+    if grammar in ("required", "named"):
+        assert all(c["message"]["tool_calls"] for c in off["choices"]), off
+    if sampling == "greedy":
+        streamed = both(pair, lambda llm: strip_ids(list(llm.chat(ASK, stream=True, **kw))))
+        assert streamed[0] == streamed[1] and streamed[2] > 0
+
+
+def test_a_grammar_request_batched_with_plain_ones_is_identical(pair):
+    """A tool-calling chat and a plain chat streamed side by side: the steps they share are split (the plain
+    rows are sampled with the grammar's, after the host's read), and both answers are the same."""
     story = [{"role": "user", "content": "Tell me a story."}]
 
     def run(llm):
@@ -93,24 +134,15 @@ def test_tool_calls_are_identical(pair):
         text = llm.chat(story, temperature=1.0, seed=4, max_tokens=80, frequency_penalty=0.2, stream=True)
         return [strip_ids(list(tools)), strip_ids(list(text))]
     off, on, launched = both(pair, run)
-    assert off == on and launched > 0
+    assert off == on and launched > 20
     assert any(c["choices"][0]["delta"].get("tool_calls") for c in off[0] if c.get("choices")), off[0]
-    alone, alone_on, launched = both(pair, lambda llm: llm.chat(story, temperature=0, max_tokens=40))
-    assert strip_ids(alone) == strip_ids(alone_on) and launched >= alone["usage"]["completion_tokens"] - 2
-    forced = {"type": "function", "function": {"name": "get_weather"}}
-    off, on, launched = both(pair, lambda llm: llm.chat(ASK, tools=WEATHER, tool_choice=forced, temperature=1.0,
-                                                        seed=3, max_tokens=60, **NO_THINKING))
-    assert strip_ids(off) == strip_ids(on) and off["choices"][0]["message"]["tool_calls"] and launched == 0
 
 
-def test_structured_output_is_identical(pair):
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-              "required": ["city", "days"], "additionalProperties": False}
-    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": schema, "strict": True}}
-    off, on, launched = both(pair, lambda llm: llm.chat(ASK, response_format=fmt, temperature=1.0, seed=9,
-                                                        max_tokens=60))
-    assert strip_ids(off) == strip_ids(on) and launched == 0
-    assert off["choices"][0]["finish_reason"] == "stop"
+def idle(llm, seconds: float = 10):
+    """Wait (up to `seconds`) until llm's engine thread has nothing left to do."""
+    deadline = time.monotonic() + seconds
+    while llm.engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_a_batch_finishing_at_different_steps_is_identical_and_frees_everything(pair):
@@ -124,11 +156,11 @@ def test_a_batch_finishing_at_different_steps_is_identical_and_frees_everything(
             max_tokens=3 + 9 * i, temperature=1.0 if i % 2 else 0.0, seed=i, presence_penalty=0.3 * (i % 2)))
             for i, p in enumerate(prompts)]
         out = [[(ev.index, ev.token_ids, ev.finish_reason) for ev in s] for s in streams]
-        deadline = time.monotonic() + 10
-        while llm.engine.has_work() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        idle(llm)
         stats = llm.stats()
         return out, (stats["running"], stats["slots_used"], stats["kv_blocks_used"]), stats["target_forwards_total"]
+    for llm in pair:                                              # an earlier test's aborted choice still ending
+        idle(llm)
     forwards = [llm.stats()["target_forwards_total"] for llm in pair]
     (off, freed_off, after_off), (on, freed_on, after_on), launched = both(pair, run)
     assert off == on and launched > 10
@@ -292,70 +324,91 @@ def drain_tokens(req) -> tuple[list[int], str]:
     return [t for ev in events for t in ev.token_ids], events[-1].finish_reason
 
 
-def decode_period(llm, overlap: bool, steps: int = 6) -> tuple[float, int, float, float]:
-    """Seconds per decode step of a fresh engine on llm's model, its forward FORWARD_S slower and its host
-    postprocess HOST_S slower; how many times the host read a step's result in those steps; and the mean seconds
-    per step of the real forward and of the real postprocess (without the sleeps)."""
+def decode_period(llm, overlap: bool, grammar: bool = False, steps: int = 6) -> dict[str, float]:
+    """Seconds per decode step ("period") of a fresh engine on llm's model, its forward FORWARD_S slower and its
+    host work HOST_S slower: the postprocess, or with `grammar` (four tool-calling requests in auto mode) the
+    masks; how many times the host read a step's result in those steps ("reads"); and the mean seconds per step
+    of the real forward, postprocess ("apply"), masks and sampling on the device (without the sleeps)."""
     engine = engine_on(llm, overlap)
     for i in range(4):
+        procs = [pocketllm.structured_decoder(llm.tokenizer, tools=WEATHER, tool_choice="auto", max_tokens=40,
+                                              eos_token_ids=engine.eos_ids)] if grammar else []
         params = pocketllm.SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True,
-                                          repetition_penalty=1.1)
+                                          repetition_penalty=1.1, logits_processors=procs)
         params.validate(llm.config.vocab_size)
         engine.add(pocketllm.Request(f"r{i}", llm.tokenizer.encode(f"Story number {i}:"), params, i))
     while not (engine.scheduler.running and all(s.output_ids for s in engine.scheduler.running)):
         engine.step()                                    # the prefill (one step at a time either way)
-    forward, apply, own = engine.run_batch, engine._apply, {"forward": [], "host": []}
+    sampler = engine.sampler
+    real = {"forward": engine.run_batch, "apply": engine._apply, "masks": sampler.token_masks,
+            "sample": sampler.sample_on_device}
+    own = {k: [] for k in real}
 
-    def timed(kind, call, *args):
-        start = time.perf_counter()
-        out = call(*args)
-        own[kind].append(time.perf_counter() - start)
-        return out
-
-    def slow_forward(batch):
-        time.sleep(FORWARD_S)
-        return timed("forward", forward, batch)
-
-    def slow_host(*args):
-        time.sleep(HOST_S)
-        return timed("host", apply, *args)
-    engine.run_batch, engine._apply = slow_forward, slow_host
+    def timed(kind, sleep=0.0):
+        def call(*args):
+            time.sleep(sleep)
+            start = time.perf_counter()
+            out = real[kind](*args)
+            own[kind].append(time.perf_counter() - start)
+            return out
+        return call
+    engine.run_batch, engine._apply = timed("forward", FORWARD_S), timed("apply", 0.0 if grammar else HOST_S)
+    sampler.token_masks, sampler.sample_on_device = timed("masks", HOST_S if grammar else 0.0), timed("sample")
     engine.step()                                        # the first overlapped step only launches
     reads, start = engine.device.reads, time.perf_counter()
     for _ in range(steps):
         engine.step()
-    period, reads = (time.perf_counter() - start) / steps, engine.device.reads - reads
-    engine.run_batch, engine._apply = forward, apply
+    found = {"period": (time.perf_counter() - start) / steps, "reads": engine.device.reads - reads}
+    found.update({k: sum(v[-steps:]) / steps for k, v in own.items()})
+    engine.run_batch, engine._apply = real["forward"], real["apply"]
+    sampler.token_masks, sampler.sample_on_device = real["masks"], real["sample"]
     while engine.has_work():
         engine.step()
     assert engine.stats()["slots_used"] == 0 and engine.blocks.used == 0
     engine.fail_all("done")
-    return period, reads, *(sum(own[k][-steps:]) / steps for k in ("forward", "host"))
+    return found
 
 
 def test_the_step_takes_the_longer_of_forward_and_host_not_their_sum(pair):
     """The forward sleeps FORWARD_S on the device queue's thread before the model runs; the host's postprocess
     sleeps HOST_S. One at a time a step takes their sum (and the model's and the postprocess's own time, timed
-    here); overlapped, the longer of forward + model and host + postprocess, within 80 ms (the sampler, the
+    here); overlapped, the longer of forward + model + sampling and host + postprocess, within 80 ms (the
     launch, Python's lock shared by the two threads, a loaded machine: the better of two runs each), and the
     host reads each step's result once."""
-    serial, serial_reads, forward, host = min(decode_period(pair[0], overlap=False) for _ in range(2))
-    overlapped, overlapped_reads, forward_o, host_o = min(decode_period(pair[1], overlap=True) for _ in range(2))
-    longer = max(FORWARD_S + forward_o, HOST_S + host_o)
-    print(f"decode step: {1000 * serial:.1f} ms one at a time, {1000 * overlapped:.1f} ms overlapped; forward "
-          f"{1000 * FORWARD_S:.0f} + {1000 * forward_o:.0f} ms, host {1000 * HOST_S:.0f} + {1000 * host_o:.0f} ms")
-    assert serial_reads == overlapped_reads == 6                        # one host read per step
-    assert serial >= FORWARD_S + HOST_S + forward + host                # the sum
-    assert longer <= overlapped < longer + 0.08, (serial, overlapped, longer)
-    assert overlapped < 0.75 * serial, (serial, overlapped)
+    serial = min((decode_period(pair[0], overlap=False) for _ in range(2)), key=lambda f: f["period"])
+    overlapped = min((decode_period(pair[1], overlap=True) for _ in range(2)), key=lambda f: f["period"])
+    longer = max(FORWARD_S + overlapped["forward"] + overlapped["sample"], HOST_S + overlapped["apply"])
+    print(f"decode step: {1000 * serial['period']:.1f} ms one at a time, {1000 * overlapped['period']:.1f} ms "
+          f"overlapped; forward {1000 * FORWARD_S:.0f} + {1000 * overlapped['forward']:.0f} ms, host "
+          f"{1000 * HOST_S:.0f} + {1000 * overlapped['apply']:.0f} ms")
+    assert serial["reads"] == overlapped["reads"] == 6                  # one host read per step
+    assert serial["period"] >= FORWARD_S + HOST_S + serial["forward"] + serial["apply"]    # the sum
+    assert longer <= overlapped["period"] < longer + 0.08, (serial, overlapped, longer)
+    assert overlapped["period"] < 0.75 * serial["period"], (serial, overlapped)
 
 
+def test_a_grammar_step_overlaps_its_masks_with_the_forward(pair):
+    """Four tool-calling requests (auto mode: the grammar's masks read the last token on the host): the forward
+    sleeps FORWARD_S and the host's mask work HOST_S. One at a time a step takes their sum; split, the mask
+    work overlaps the forward and then the sampling runs: the longer of forward + model and host + masks +
+    postprocess, plus the sampling, within 80 ms (as above); one host read per step."""
+    serial = min((decode_period(pair[0], False, True) for _ in range(2)), key=lambda f: f["period"])
+    split = min((decode_period(pair[1], True, True) for _ in range(2)), key=lambda f: f["period"])
+    longer = max(FORWARD_S + split["forward"], HOST_S + split["masks"] + split["apply"]) + split["sample"]
+    print(f"grammar decode step: {1000 * serial['period']:.1f} ms one at a time, {1000 * split['period']:.1f} ms "
+          f"split; forward {1000 * FORWARD_S:.0f} + {1000 * split['forward']:.0f} ms, masks {1000 * HOST_S:.0f} + "
+          f"{1000 * split['masks']:.0f} ms, postprocess {1000 * split['apply']:.0f} ms, sampling "
+          f"{1000 * split['sample']:.0f} ms")
+    assert serial["reads"] == split["reads"] == 6
+    assert serial["period"] >= FORWARD_S + HOST_S + serial["forward"] + serial["masks"]
+    assert longer <= split["period"] < longer + 0.08, (serial, split, longer)
+    assert split["period"] < 0.8 * serial["period"], (serial, split)
 
-def test_one_host_read_per_step_on_fake_cuda():
-    """Device honesty (tests/fake_cuda.py): on fake CUDA tensors, where every read of device data on the host is
-    counted, the overlapped steps gather their input tokens on the device and the host reads each step's result
-    once: host reads outside the forwards == forwards (short prompts: each forward samples) == the engine's
-    counted reads."""
+
+def fake_cuda_run(overlap: bool) -> tuple[list, list[dict], int, int, list[int], int]:
+    """Five requests (two under grammars: tools in auto mode, json_schema) on fake CUDA tensors, async scheduling
+    off or on: (the requests, their features, launches, the engine's counted reads, host reads inside each
+    forward, split steps); the total host reads are checked by the caller."""
     from fake_cuda import CUDA, fake_cuda, model_to
     from test_fake_cuda import cpu_model
     ckpt, tokenizer = pocketllm.Checkpoint(pocketllm.DEFAULT_CKPT), pocketllm.Tokenizer(pocketllm.DEFAULT_CKPT)
@@ -363,10 +416,10 @@ def test_one_host_read_per_step_on_fake_cuda():
     model = cpu_model((ckpt, tokenizer, eos))
     with fake_cuda() as real:
         options = pocketllm.EngineOptions(backend="torch", device="cuda", quiet=True, max_context=96, max_batch_size=8,
-                                          speculative_tokens=0)
+                                          speculative_tokens=0, async_scheduling=overlap)
         engine = pocketllm.Engine(model_to(model, CUDA), options, eos, torch.float16)
-        assert engine.overlap and engine.device.cuda and not engine.device.events
-        forwards, run_batch = [], engine.run_batch
+        assert engine.overlap == overlap and engine.device.cuda and not engine.device.events
+        forwards, run_batch, split, sample = [], engine.run_batch, [], engine._sample
 
         def counted(batch):                              # the torch backend's own reads (prefill loops) apart
             before = len(real.host_reads)
@@ -374,19 +427,42 @@ def test_one_host_read_per_step_on_fake_cuda():
             forwards.append(len(real.host_reads) - before)
             return logits
         engine.run_batch = counted
+        engine._sample = lambda flight: (split.append(1), sample(flight))
+        grammar = dict(tokenizer=tokenizer, max_tokens=16, eos_token_ids=eos)   # split steps: the masks read ids
+        fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": SCHEMA, "strict": True}}
         features = [dict(temperature=0, max_tokens=6), dict(temperature=1.0, seed=3, n=2, max_tokens=9,
                                                              presence_penalty=0.5, repetition_penalty=1.2),
-                    dict(temperature=0.8, top_k=20, top_p=0.9, logprobs=2, max_tokens=4, min_tokens=2)]
+                    dict(temperature=0.8, top_k=20, top_p=0.9, logprobs=2, max_tokens=4, min_tokens=2),
+                    dict(temperature=1.0, seed=5, max_tokens=16, logits_processors=[
+                        pocketllm.structured_decoder(tools=WEATHER, tool_choice="auto", **grammar)]),
+                    dict(temperature=0, max_tokens=16, logits_processors=[
+                        pocketllm.structured_decoder(response_format=fmt, **grammar)])]
         requests = [pocketllm.Request(f"r{i}", [5 + i, 6, 7], pocketllm.SamplingParams(ignore_eos=True, **kw), 7)
                     for i, kw in enumerate(features)]
         for req in requests:
             engine.add(req)
         while engine.has_work():
             engine.step()
-    assert engine.device.launches >= 5
-    assert len(real.host_reads) - sum(forwards) == len(forwards) == engine.device.reads, real.host_reads
-    for req, kw in zip(requests, features):
+    assert len(real.host_reads) - sum(forwards) == len(forwards), real.host_reads
+    return requests, features, engine.device.launches, engine.device.reads, forwards, len(split)
+
+
+def test_one_host_read_per_step_on_fake_cuda():
+    """Device honesty (tests/fake_cuda.py): on fake CUDA tensors, where every read of device data on the host is
+    counted, the overlapped steps gather their input tokens on the device and the host reads each step's result
+    once: host reads outside the forwards == forwards (short prompts: each forward samples) == the engine's
+    counted reads. Two requests decode under grammars (tools in auto mode, json_schema): their steps are split,
+    and still read once. On fake CUDA the launched work runs before the host reads the step before (on the CPU's
+    worker thread it may run after), so a mask built from stale tokens would show: the tokens equal those
+    without overlap."""
+    requests, features, launches, reads, forwards, split = fake_cuda_run(overlap=True)
+    assert launches >= 5 and split >= 5 and len(forwards) == reads
+    reference, _, launches_off, _, _, _ = fake_cuda_run(overlap=False)
+    assert launches_off == 0
+    for req, ref, kw in zip(requests, reference, features):
         events = list(req.events.queue)
         assert all(ev.finish_reason != "error" for ev in events), [ev.error for ev in events]
         for i in range(req.params.n):
-            assert sum(len(ev.token_ids) for ev in events if ev.index == i) == kw["max_tokens"]
+            tokens = [t for ev in events if ev.index == i for t in ev.token_ids]
+            assert tokens == [t for ev in ref.events.queue if ev.index == i for t in ev.token_ids], (req.id, i)
+            assert len(tokens) == kw["max_tokens"] or kw.get("logits_processors") and events[-1].finish_reason == "stop"
