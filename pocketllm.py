@@ -389,8 +389,9 @@ class EngineOptions:
     async_scheduling: bool = _option(True, "plan and launch each plain decode step before reading the one before "
                                      "it, so that the host's work (streaming, stop checks) overlaps the device's; "
                                      "outputs are the same (up to float rounding: a stopped sequence's dropped row "
-                                     "is still in the next step's batch). Steps with prefill, speculation, a grammar (structured "
-                                     "output, tools) or logits processors, and tensor parallelism run one at a time "
+                                     "is still in the next step's batch). Steps with prefill, speculation or tensor "
+                                     "parallelism run one at a time; a step with a grammar (structured output, tools) is split: "
+                                     "its forward launches at once, its sampling after the host's read "
                                      "(`docs/architecture.md`, \"Async scheduling\"); `--no-async-scheduling` turns "
                                      "it off", vllm="same")
     quiet: bool = _option(False, "no start-up log lines")
