@@ -3,7 +3,7 @@ thousands of prompt tokens, and on a CPU the prefill outlasts its read timeout. 
 request is admitted, a stream that has written nothing for `keepalive_seconds` gets a keep-alive: Anthropic's
 `ping` event on /v1/messages, an SSE comment line (`: keep-alive`) on the OpenAI streams.
 
-The bundled pocket-tiny, served by the real engine with a small prefill budget, so that a ~1000-token prompt
+The bundled pocket-tiny, served by the real engine with a small prefill budget, so that a ~2000-token prompt
 prefills in many steps (seconds on one CPU thread). Each test checks its own premise: the prefill took longer
 than the client's read timeout, so without keep-alives the client would have given up.
 """
@@ -22,12 +22,12 @@ import pocketllm
 
 KEEPALIVE_S = 0.25             # the server's keep-alive period here
 READ_TIMEOUT_S = 1.0           # the clients' read timeout: shorter than every prefill below
-PROMPT_WORDS = 330             # ~1000 prompt tokens: 60 prefill steps of 16 tokens
+PROMPT_WORDS = 660             # ~2000 prompt tokens: 250 prefill steps of 8 tokens
 
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = pocketllm.LLM(None, backend="torch", quiet=True, max_context=2048, prefill_token_budget=16)
+    llm = pocketllm.LLM(None, backend="torch", quiet=True, max_context=4096, prefill_token_budget=8)
     yield llm
     llm.close()
 
@@ -40,7 +40,7 @@ def server(llm):
 
 
 def long_prompt(seed: str) -> str:
-    """A prompt of ~1000 tokens that shares no prefix with another seed's (so nothing comes from the cache)."""
+    """A prompt of ~2000 tokens that shares no prefix with another seed's (so nothing comes from the cache)."""
     words = ["alpha", "river", "stone", "cloud", "seven", "green", "table", "north", "quiet", "paper"]
     return seed + " " + " ".join(words[(i * 7 + len(seed)) % len(words)] for i in range(PROMPT_WORDS))
 
