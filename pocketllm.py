@@ -3270,6 +3270,8 @@ class Scheduler:
         tokens = seq.tokens
         keys = self.prefix.block_keys(tokens, seq.block_keys)
         position, shared, snap = self.prefix.match(tokens, keys)
+        # the matched full blocks are shared first: the tail's alloc below may evict any block still cached
+        seq.blocks = [self.blocks.share(self.blocks.by_key[k]) for k in keys[:shared]]
         if position and snap is not None and snap.tail:
             source = self.blocks.by_key[snap.key]
             self.blocks.share(source)          # pinned until the copy ran: no alloc may take it before
@@ -3278,13 +3280,12 @@ class Scheduler:
                 self.blocks.release([source])
                 position, snap = shared * self.opts.kv_block_size, None
                 if self.prefix.state:          # the full blocks alone are no resume point with state
-                    position, shared = 0, 0
+                    position = 0
+                    self.blocks.release(seq.blocks)
             else:
                 self.copies.pinned.append(source)
                 self.copies.blocks.append((source, block))
-        seq.blocks = [self.blocks.share(self.blocks.by_key[k]) for k in keys[:shared]]
-        if position and snap is not None and snap.tail:
-            seq.blocks.append(self.copies.blocks[-1][1])
+                seq.blocks.append(block)
         seq.num_computed = position
         return snap if position else None
 
