@@ -562,3 +562,25 @@ def test_usage_reports_cached_tokens_over_http(server, llm):
         samples["pocketllm_prefix_cache_hit_tokens_total"])
     assert int(samples["pocketllm_prefix_cache_snapshot_bytes"]) > 0
     assert "pocketllm_prefix_cache_evictions_total" in samples
+
+
+def test_a_resume_shares_its_matched_blocks_before_the_tail_copy_may_evict_one():
+    """Regression (found by test_fuzz): the scheduler took a block for the copy of a snapshot's partial tail before
+    sharing the matched full blocks, and with no free block that alloc evicted one of them from the cache, so the
+    admission raised KeyError and the engine went down. Now the match is pinned first; with no block left for the
+    tail the sequence starts from 0 (GDN state: full blocks alone are no resume point) and holds nothing."""
+    bs = 4
+    blocks = pocketllm.BlockPool(3)
+    prefix = pocketllm.PrefixCache(blocks, bs, "test", range(2), state=True)
+    tokens = list(range(10, 20))                                     # 2 full blocks + a 2-token tail
+    keys = prefix.block_keys(tokens, [])
+    held = [blocks.alloc() for _ in range(3)]
+    snap = prefix.add(tokens, len(tokens), keys)
+    for b, key in zip(held, keys + [snap.key]):
+        blocks.register(b, key)
+    blocks.release(list(held))                                      # all cached, none free: alloc must evict
+    opts = pocketllm.EngineOptions(kv_block_size=bs, max_batch_size=2, max_context=64)
+    scheduler = pocketllm.Scheduler(opts, blocks, pocketllm.SlotPool(2), prefix)
+    seq = pocketllm.Sequence(pocketllm.Request("r", tokens + [99], pocketllm.SamplingParams(max_tokens=4), 0), 0)
+    assert scheduler._resume(seq) is None and seq.num_computed == 0 and seq.blocks == []
+    assert blocks.available == 3 and all(r == 0 for r in blocks.refs) and set(blocks.by_key) == set(keys + [snap.key])
