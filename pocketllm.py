@@ -390,8 +390,9 @@ class EngineOptions:
                                      "it, so that the host's work (streaming, stop checks) overlaps the device's; "
                                      "outputs are the same (up to float rounding: a stopped sequence's dropped row "
                                      "is still in the next step's batch). Steps with prefill, speculation or tensor "
-                                     "parallelism run one at a time; a step with a grammar (structured output, tools) is split: "
-                                     "its forward launches at once, its sampling after the host's read "
+                                     "parallelism run one at a time; a step with a grammar (structured output, "
+                                     "tools) is split: its forward launches at once, its sampling after the host's "
+                                     "read "
                                      "(`docs/architecture.md`, \"Async scheduling\"); `--no-async-scheduling` turns "
                                      "it off", vllm="same")
     quiet: bool = _option(False, "no start-up log lines")
