@@ -870,13 +870,15 @@ def _rope(x, cos, sin):
 
 
 def decode_delta_step(q, k, v, g, beta, S):
-    """One token of the gated delta rule for B sequences. q, k (B, H, Dk); v (B, H, Dv); S (B, H, Dk, Dv).
-    Matmuls of (1, Dk) rows rather than einsum: the same sums, a fraction of einsum's per-call cost."""
-    S = S * g.exp()[..., None, None]
-    k_row = k[..., None, :]                                                 # (B, H, 1, Dk)
-    delta = beta[..., None] * (v - (k_row @ S)[..., 0, :])                  # (B, H, Dv)
-    S = S + k_row.transpose(-1, -2) * delta[..., None, :]
-    return (q[..., None, :] @ S)[..., 0, :], S
+    """One token of the gated delta rule for B sequences, updating S in place. q, k (B, H, Dk); v (B, H, Dv);
+    g, beta (B, H); S (B, H, Dk, Dv) fp32 -> o (B, H, Dv). Batched (1, Dk) x (Dk, Dv) matmuls over the B * H
+    heads: v - k S and S + k^T delta are one baddbmm each (einsum's own overhead was a third of the step)."""
+    B, H, Dk, Dv = S.shape
+    S3 = S.view(B * H, Dk, Dv).mul_(g.exp().view(B * H, 1, 1))            # decayed
+    k_row = k.reshape(B * H, 1, Dk)
+    delta = torch.baddbmm(v.reshape(B * H, 1, Dv), k_row, S3, alpha=-1).mul_(beta.reshape(B * H, 1, 1))
+    S3.baddbmm_(k_row.transpose(1, 2), delta)                              # (B*H, Dk, Dv)
+    return torch.bmm(q.reshape(B * H, 1, Dk), S3).view(B, H, Dv)
 
 
 def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
@@ -904,6 +906,11 @@ def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
         last = cum[:, -1:]                                                 # (H, 1)
         S = S * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
     return out, S
+
+
+def _as(x, dtype):
+    """x in dtype, without a torch call when it is already (x.to(dtype) costs a dispatch even then)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _l2norm(x, eps: float = 1e-6):
@@ -942,8 +949,15 @@ class TorchOps:
         return x
 
     def rmsnorm(self, x, w, eps):
-        """Zero-centred: weights are stored as w, the norm multiplies by (1 + w); one fused torch op in fp32."""
-        return F.rms_norm(x.float(), w.shape, self._one_plus(w), eps).to(x.dtype)
+        """Zero-centred: weights are stored as w, the norm multiplies by (1 + w); in fp32. A decode step's few rows
+        take rsqrt(mean(x^2) + eps) from one vector norm (torch's rms_norm runs ~6 kernels on any size)."""
+        if x.shape[0] > 8:
+            return _as(F.rms_norm(x.float(), w.shape, self._one_plus(w), eps), x.dtype)
+        xf = x.float()
+        n = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)             # (T, 1)
+        r = torch.addcmul(self._derived(xf.device, ("eps", eps), lambda: torch.tensor(eps, device=xf.device)), n, n,
+                          value=1.0 / xf.shape[-1]).rsqrt_()
+        return _as((xf * r).mul_(self._one_plus(w)), x.dtype)
 
     def _one_plus(self, w):
         """1 + w of a norm weight, made once per weight."""
@@ -953,7 +967,7 @@ class TorchOps:
         """residual + x (x fp32 or the activation dtype) in the fp32 residual stream; the norm in `dtype`
         (default x's)."""
         residual = residual + x.float()                                  # the residual stream stays fp32
-        return self.rmsnorm(residual, w, eps).to(dtype or x.dtype), residual
+        return _as(self.rmsnorm(residual, w, eps), dtype or x.dtype), residual
 
     def prenorm(self, x, residual, w, eps, dtype=None):
         """add_rmsnorm whose output feeds only projections (linear, linear_parts, mlp, gdn_gates_linear): the
@@ -995,7 +1009,7 @@ class TorchOps:
         return self.silu_mul_linear(g, u, down, dtype)
 
     def sigmoid_mul(self, x, gate):
-        return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
+        return _as(x.float() * torch.sigmoid(gate.float()), x.dtype)
 
     def qk_norm_rope(self, q, k, q_w, k_w, eps, positions, inv_freq):
         """q (T, Hq, Dh) and k (T, Hk, Dh) normed per head and rotated, as one (T, Hq + Hk, Dh) tensor: the
@@ -1003,9 +1017,33 @@ class TorchOps:
         Hq, Hk = q.shape[1], k.shape[1]
         w = self._derived(q_w, ("qk", id(k_w), Hq, Hk), lambda: torch.cat(
             [self._one_plus(q_w).expand(Hq, -1), self._one_plus(k_w).expand(Hk, -1)]))   # (Hq + Hk, Dh)
-        qk = F.rms_norm(torch.cat([q, k], 1).float(), q_w.shape, None, eps) * w
-        qk = _rope(qk, *self._cos_sin(positions, inv_freq))
-        return qk[:, :Hq].to(q.dtype), qk[:, Hq:].to(k.dtype)
+        qk = torch.cat([q, k], 1).float()                                # (T, Hq + Hk, Dh)
+        if qk.shape[0] > 8:
+            qk = _rope(F.rms_norm(qk, q_w.shape, None, eps) * w, *self._cos_sin(positions, inv_freq))
+        else:                                                            # a decode step's few rows
+            n = torch.linalg.vector_norm(qk, dim=-1, keepdim=True)         # (T, H, 1)
+            r = torch.addcmul(self._derived(qk.device, ("eps", eps), lambda: torch.tensor(eps, device=qk.device)),
+                              n, n, value=1.0 / qk.shape[-1]).rsqrt_()
+            qk = (qk * r).mul_(w)
+            rot = qk[..., :self._rotation(positions, inv_freq).shape[-1]]  # (T, H, R) rotated in place
+            rot.copy_(torch.bmm(rot, self._rotation(positions, inv_freq)))
+        return _as(qk[:, :Hq], q.dtype), _as(qk[:, Hq:], k.dtype)
+
+    def _rotation(self, positions, inv_freq):
+        """(T, R, R) RoPE of a decode step's few positions as matrices: [x1 | x2] @ M = [x1 cos - x2 sin |
+        x2 cos + x1 sin], one batched matmul per layer instead of ~12 calls; made once per step."""
+        last = self.__dict__.get("_rotation_memo")
+        if last is None or last[0] is not positions or last[1] is not inv_freq:
+            cos, sin = (t[:, 0] for t in self._cos_sin(positions, inv_freq))    # (T, R/2)
+            T, r = cos.shape
+            i = torch.arange(r, device=cos.device)
+            M = cos.new_zeros(T, 2 * r, 2 * r)
+            M[:, i, i] = cos
+            M[:, i + r, i + r] = cos
+            M[:, i, i + r] = sin
+            M[:, i + r, i] = -sin
+            last = self._rotation_memo = (positions, inv_freq, M)
+        return last[2]
 
     def _cos_sin(self, positions, inv_freq):
         """(T, 1, R/2) cos and sin of the positions' angles: every attention layer of a step reads the same
@@ -1024,8 +1062,8 @@ class TorchOps:
 
     def kv_write(self, k, v, k_cache, v_cache, slot_mapping):
         nb, bs = k_cache.shape[:2]
-        k_cache.view(nb * bs, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
-        v_cache.view(nb * bs, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+        k_cache.view(nb * bs, *k_cache.shape[2:])[slot_mapping] = _as(k, k_cache.dtype)
+        v_cache.view(nb * bs, *v_cache.shape[2:])[slot_mapping] = _as(v, v_cache.dtype)
 
     def attention(self, q, k_cache, v_cache, block_tables, context_lens, query_start, scale, gate=None):
         """Paged causal attention (T, Hq, Dh); with gate (T, Hq * Dh), times sigmoid(gate) (gated attention)."""
@@ -1048,13 +1086,20 @@ class TorchOps:
         """One query per sequence, B sequences in one batched pass over their block tables (B, nb): each reads
         its first context_lens[b] cached positions, in fp32 (torch's fused attention, one call for the scores,
         the softmax and the sum). q (B, Hq, Dh) -> (B, Hq, Dh)."""
+        if q.shape[0] == 1:                                              # one sequence: its n positions, no mask
+            n = int(context_lens[0])
+            blocks = block_tables[0, :-(-n // k_cache.shape[1])]          # (nb,)
+            k = k_cache[blocks].flatten(0, 1)[None, :n].float().transpose(1, 2)   # (1, Hk, n, Dh)
+            v = v_cache[blocks].flatten(0, 1)[None, :n].float().transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.float()[:, :, None], k, v, scale=scale, enable_gqa=True)
+            return _as(o[:, :, 0], q.dtype)
         blocks = block_tables.long()                                     # (B, nb)
         k = k_cache[blocks].flatten(1, 2).float().transpose(1, 2)        # (B, Hk, L, Dh)
         v = v_cache[blocks].flatten(1, 2).float().transpose(1, 2)
         seen = torch.arange(k.shape[2], device=q.device) < context_lens[:, None]   # (B, L)
         o = F.scaled_dot_product_attention(q.float()[:, :, None], k, v, attn_mask=seen[:, None, None, :],
                                            scale=scale, enable_gqa=True)  # (B, Hq, 1, Dh)
-        return o[:, :, 0].to(q.dtype)
+        return _as(o[:, :, 0], q.dtype)
 
     def _prefill_attention(self, q, k, v, scale):
         """m queries of one sequence, the last m of its n positions: row i sees positions <= n - m + i. torch's
@@ -1071,10 +1116,10 @@ class TorchOps:
     def conv1d(self, x, w, conv_state, slot_ids, query_start):
         width = w.shape[1]
         if x.shape[0] == slot_ids.numel():                               # decode: one token per sequence
-            slots = slot_ids.long()
-            xs = torch.cat([conv_state[slots].to(x.dtype), x[:, :, None]], -1).float()   # (B, C, W)
-            conv_state[slots] = xs[:, :, 1:].to(conv_state.dtype)
-            return F.silu((xs * w.float()).sum(-1)).to(x.dtype)
+            rows, put = self._state_rows(conv_state, slot_ids)            # (B, C, W-1), the cache's dtype
+            xs = torch.cat([_as(rows, x.dtype), x[:, :, None]], -1)       # (B, C, W)
+            put(rows.copy_(xs[:, :, 1:]))
+            return _as(F.silu((xs.float() * w.float()).sum(-1)), x.dtype)
         out = torch.empty_like(x)                                        # (T, C)
         for b in range(len(slot_ids)):
             q0, q1, s = int(query_start[b]), int(query_start[b + 1]), int(slot_ids[b])
@@ -1107,13 +1152,16 @@ class TorchOps:
 
     def gated_delta(self, q, k, v, g, beta, state, slot_ids, query_start):
         rep = v.shape[1] // k.shape[1]                                   # value head h reads key head h // rep
+        if q.shape[0] == slot_ids.numel():                               # decode: one vectorised step
+            q = self._unit_rows(q.float(), q.shape[-1] ** -0.5).repeat_interleave(rep, 1)   # (B, Hv, Dk)
+            k = self._unit_rows(k.float()).repeat_interleave(rep, 1)
+            S, put = self._state_rows(state, slot_ids)                   # (B, Hv, Dk, Dv), updated in place
+            o = decode_delta_step(q, k, v.float(), g, beta, S)
+            put(S)
+            return _as(o, v.dtype)
         q = self._l2norm(q.float(), 1.0).repeat_interleave(rep, 1)      # (T, Hv, Dk), scaled by Dk^-0.5
         k = self._l2norm(k.float(), 0.5).repeat_interleave(rep, 1)
         vf = v.float()
-        if q.shape[0] == slot_ids.numel():                               # decode: one vectorised step
-            slots = slot_ids.long()
-            o, state[slots] = decode_delta_step(q, k, vf, g, beta, state[slots])
-            return o.to(v.dtype)
         out = torch.empty_like(vf)
         for b, s in enumerate(slot_ids.tolist()):
             q0, q1 = int(query_start[b]), int(query_start[b + 1])
@@ -1126,7 +1174,7 @@ class TorchOps:
         return self.gated_rmsnorm(self.gated_delta(q, k, v, g, beta, state, slot_ids, query_start), z, w, eps)
 
     def gated_rmsnorm(self, x, z, w, eps):
-        return (F.rms_norm(x.float(), w.shape, w.float(), eps) * F.silu(z.float())).to(x.dtype)
+        return _as(F.rms_norm(x.float(), w.shape, w.float(), eps) * F.silu(z.float()), x.dtype)
 
     def _l2norm(self, x, power: float, eps: float = 1e-6):
         """x * rsqrt(sum(x^2) + eps) * D^-(power - 0.5) over the last dim D: as one rms_norm, whose mean over D
@@ -1134,6 +1182,22 @@ class TorchOps:
         D = x.shape[-1]
         w = self._derived(x.device, ("l2norm", D, power), lambda: torch.full((D,), D ** -power, device=x.device))
         return F.rms_norm(x, (D,), w, eps / D)
+
+    def _unit_rows(self, x, scale: float = 1.0):
+        """_l2norm for a decode step's few rows, in fewer torch calls: x * rsqrt(sum(x^2) + eps) * scale."""
+        n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)              # (..., 1)
+        r = torch.addcmul(self._derived(x.device, ("eps", 1e-6), lambda: torch.tensor(1e-6, device=x.device)), n, n)
+        return x * (r.rsqrt_() if scale == 1.0 else r.rsqrt_().mul_(scale))
+
+    @staticmethod
+    def _state_rows(state, slot_ids):
+        """(the sequences' rows of a state tensor, put(rows) that stores them back): one sequence's row is a view,
+        updated in place (put does nothing); several are gathered and scattered back."""
+        if slot_ids.numel() == 1:
+            s = int(slot_ids[0])
+            return state[s:s + 1], lambda rows: None
+        slots = slot_ids.long()
+        return state[slots], lambda rows: state.index_put_((slots,), rows)
 
     def _derived(self, source, key, make):
         """A value made once from a weight (by its id: the dict holds the weight, so the id stays its own) or from
