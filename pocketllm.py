@@ -655,6 +655,7 @@ class Linear:
     weight: torch.Tensor               # (N, K) float8_e4m3fn, or dense bf16/fp16/fp32
     scale: torch.Tensor | None = None  # (ceil(N/128), ceil(K/128)) fp32 multipliers, None when dense
     block: tuple[int, int] = (128, 128)
+    packed: Any = None                 # dense fp16 weight: torch's fp16 GEMM copy of it (CPU, pack_half)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -977,6 +978,8 @@ class TorchOps:
     def linear(self, x, w: Linear, dtype=None):
         """x @ w^T in `dtype` (default x's); float32 computes in float32, so sums past 65504 stay finite."""
         x = x.float() if dtype == torch.float32 else x
+        if w.packed is not None and x.dtype == torch.float32 and x.shape[0]:
+            return torch.ops.quantized.linear_dynamic_fp16(x, w.packed)  # (T, N): fp16 weights, fp32 sums
         if w.scale is None:
             return F.linear(x, w.weight if w.weight.dtype == x.dtype else w.weight.to(x.dtype))   # (T, N)
         (n, k), bn = w.weight.shape, w.block[0]
@@ -2440,6 +2443,23 @@ def densify(weights, dtype: torch.dtype):
                                            for f in dataclasses.fields(weights)})
 
 
+HALF_PACK_MIN = 1 << 20   # weights; smaller matrices run faster in fp32 (the fp16 GEMM's per-call cost)
+
+
+def pack_half(w: Linear) -> Linear:
+    """A dense float32 weight of at least HALF_PACK_MIN values that fp16 holds (exactly where |w| >= 2^-14, as
+    every bf16 weight in that range; at most 2^-25 off below it) as fp16 with torch's fp16 GEMM copy (fbgemm:
+    fp16 weights, fp32 inputs and sums), which reads half the bytes: on the CPU a large GEMV is bound by them.
+    Anything else is returned as it is, so the logits do not change beyond the sums' order."""
+    if w.scale is not None or w.weight.dtype != torch.float32 or w.weight.numel() < HALF_PACK_MIN or \
+            w.weight.device.type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
+        return w
+    half = w.weight.to(torch.float16)
+    if not bool(((half.float() - w.weight).abs() <= 2.0 ** -25).all()):
+        return w
+    return Linear(half, None, w.block, torch.ops.quantized.linear_prepack_fp16(w.weight, None))
+
+
 def linear_rows(w: Linear, r0: int, r1: int) -> Linear:
     """Rows [r0, r1) of w as a view (FP8: r0 on a scale block boundary, so its scale rows are a view too)."""
     if w.scale is None:
@@ -2739,6 +2759,8 @@ class Model:
         if self.mtp is not None:
             self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim, stack))
         self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
+        if ops.name == "torch" and dtype == torch.float32:                 # (V', D) in fp16 when exact: half the
+            self.lm_head = pack_half(self.lm_head)                         # bytes of the largest GEMV
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
         self.inv_freq = inv.float().to(device)                             # (R/2,)
 
@@ -3630,6 +3652,8 @@ class Sampler:
         flags,] then the requested logprobs as float32 bits and their top-k ids; the rows whose processors
         raised). Everything before the host transfer, so that tests can run it under FakeTensorMode. masks:
         token_masks' result when the host built it already (async scheduling's split step)."""
+        if masks is None and all(self._plain_greedy(r) for r in rows):
+            return self._greedy(rows, logits), {}
         raw, x, table, slots, failed = self.scores(rows, logits, masks=masks)
         tokens = draw_tokens(x, table)                                             # (B,) int64
         counted, flags = torch.ones_like(tokens, dtype=torch.int32), []
@@ -3638,6 +3662,24 @@ class Sampler:
             flags = [accepted.int()]
         self.counts.index_put_((slots, tokens), counted, accumulate=True)
         return torch.cat([tokens.int(), *flags, *self._logprobs(raw, tokens, rows)]), failed
+
+    @staticmethod
+    def _plain_greedy(r: SampleRow) -> bool:
+        """A row that is the argmax of the model's logits: greedy, and nothing else changes its logits or asks
+        for more (no penalties, bias, bans, allowed ids, processors, logprobs or draft)."""
+        p = r.params
+        return (p.temperature == 0 and not p.penalties and not p.bias_ids and p.allowed is None and r.draft is None
+                and not (p.banned and r.emitted < r.seq.params.min_tokens) and not r.seq.params.logits_processors
+                and r.seq.params.logprobs is None)
+
+    def _greedy(self, rows: list[SampleRow], logits: torch.Tensor) -> torch.Tensor:
+        """sample_on_device's packed result for plain greedy rows: their argmax, in two torch calls. Their slots'
+        penalty counts are not kept (a row without penalties never reads them; _own rebuilds them for one with)."""
+        for r in rows:
+            self._own(r.seq.slot, r)
+        picks = [r.logit_row for r in rows]
+        raw = logits if picks == list(range(logits.shape[0])) else logits[picks]   # (B, V)
+        return raw.argmax(-1).int()                                                # (B,) int32
 
     def scores(self, rows: list[SampleRow], logits: torch.Tensor, salt: int = 0, masks=None):
         """The rows' logits through every stage before the draw: (raw (B, V) the model's own, x (B, V) scaled and
