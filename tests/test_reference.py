@@ -94,6 +94,24 @@ def test_fp8_dequantised_once_gives_the_logits_of_dequantising_per_use(loaded, c
     assert dense.model.dense_bytes == 4 * sum(w.weight.numel() for _, w in fp8)
 
 
+def test_large_bf16_weight_runs_as_fp16_gemm_with_the_fp32_result():
+    """pack_half: a large float32 weight that holds bf16 values (an lm_head) runs as torch's fp16 GEMM with the
+    float32 result; weights fp16 cannot hold (FP8 x scale products) and small ones stay float32."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1024, 1024, generator=g) * 0.05).bfloat16().float()          # (N, K) bf16 values
+    w[0, :4] = torch.tensor([1e-6, -3e-7, 2.0 ** -14, 300.0])                        # below fp16's normal range too
+    x = torch.randn(3, 1024, generator=g)
+    packed = pocketllm.pack_half(pocketllm.Linear(w))
+    assert packed.packed is not None and packed.weight.dtype == torch.float16
+    assert (packed.weight.float() - w).abs().max() <= 2.0 ** -25                    # exact above 2^-14
+    want = x.double() @ w.double().t()
+    assert rel_err(pocketllm.TorchOps().linear(x, packed, torch.float32), want) <= 1e-5   # float32 sums
+    assert pocketllm.TorchOps().linear(x, packed, torch.float32).dtype == torch.float32
+    inexact = torch.randn(1024, 1024, generator=g) * 0.05                             # 24-bit mantissas
+    assert pocketllm.pack_half(pocketllm.Linear(inexact)).packed is None
+    assert pocketllm.pack_half(pocketllm.Linear(w[:512])).packed is None             # under HALF_PACK_MIN
+
+
 def fp8_linears(model):
     return [((i, n), w) for i, L in enumerate(model.layers) for n, w in pocketllm.named_weights(L)
             if isinstance(w, pocketllm.Linear) and w.scale is not None]
