@@ -1093,7 +1093,7 @@ class TorchOps:
         """One query per sequence, B sequences in one batched pass over their block tables (B, nb): each reads
         its first context_lens[b] cached positions, in fp32 (torch's fused attention, one call for the scores,
         the softmax and the sum). q (B, Hq, Dh) -> (B, Hq, Dh)."""
-        if q.shape[0] == 1:                                              # one sequence: its n positions, no mask
+        if q.shape[0] == 1 and q.device.type == "cpu":                  # one sequence: its n positions, no mask
             n = context_lens.item()
             blocks = block_tables[0, :-(-n // k_cache.shape[1])]          # (nb,): index_select, not k_cache[blocks]
             k = k_cache.index_select(0, blocks).flatten(0, 1)[None, :n].float().transpose(1, 2)   # (1, Hk, n, Dh)
@@ -1201,9 +1201,10 @@ class TorchOps:
 
     @staticmethod
     def _state_rows(state, slot_ids):
-        """(the sequences' rows of a state tensor, put(rows) that stores them back): one sequence's row is a view,
-        updated in place (put does nothing); several are gathered and scattered back."""
-        if slot_ids.numel() == 1:
+        """(the sequences' rows of a state tensor, put(rows) that stores them back): one sequence's row on the CPU
+        is a view, updated in place (put does nothing; elsewhere its slot number would wait for the device); else
+        they are gathered and scattered back."""
+        if slot_ids.numel() == 1 and slot_ids.device.type == "cpu":
             s = slot_ids.item()
             return state[s:s + 1], lambda rows: None
         return state.index_select(0, slot_ids), lambda rows: state.index_copy_(0, slot_ids.long(), rows)
