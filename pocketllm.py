@@ -3937,8 +3937,8 @@ class DecodeGraphs:
     parameters ride in the same payload and the step returns the (B,) sampled tokens instead of the (B, V)
     logits. A CUDA graph then covers forward and sampling, one graph per (bucket, stages), all in one memory
     pool (one step replays at a time, and each step's result is read before the next replay); a launch list
-    holds native launches only, so there the sampling runs after the replay, from the same payload. Counted in
-    `sampled`.
+    holds native launches only, so there the sampling runs after the replay, from the same payload (one
+    recording per (bucket, stages) too: the payload's size depends on the stages). Counted in `sampled`.
 
     With tensor parallelism rank 0's DecodeGraphs picks the bucket and packs the payload, and `call` sends it to
     every rank (RankRunner.decode), where each rank's own DecodeGraphs records and replays its shard's forward
@@ -4037,7 +4037,7 @@ class DecodeGraphs:
                 else:
                     static[:len(rows)].copy_(allowed)
                     static[len(rows):].fill_(True)
-        key = (bucket, stages) if self.use_graphs and stages is not None else bucket   # launch lists: forwards only
+        key = bucket if stages is None else (bucket, stages)    # the payload's size and, in a graph, the kernels
         if key not in self.steps and bucket not in self.refused:
             payload, out = self.record(host, sizes, key, stages, ids)
             if out is not None:                                 # the recording ran the step

@@ -14,6 +14,10 @@ CUDA build without a GPU, FakeTensorMode swaps torch's CUDA guard for c10's no-o
 no CUDA guard to swap ("PyTorch is not linked with support for cuda devices"), so no_op_cuda_guard() compiles
 and registers that same no-op guard (c10::impl::NoOpDeviceGuardImpl<CUDA>): both builds then run the fake
 device through the same guard.
+
+OpGraph stands in for torch.cuda.CUDAGraph (DecodeGraphs(graph=...)): it records a captured step's torch ops,
+refuses host reads and uploads inside the capture, and replays the ops on the same tensors
+(tests/test_graph_sampler.py).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import torch
 
 import pocketllm
 from fake_cuda import OpGraph
+from test_overlap import strip_ids
 
 STORY = [{"role": "user", "content": "Tell me a story."}]
 
@@ -64,14 +65,6 @@ def trio():
     yield llms
     for llm in llms:
         llm.close()
-
-
-def strip_ids(response):
-    if isinstance(response, dict):
-        return {k: strip_ids(v) for k, v in response.items() if k not in ("id", "created")}
-    if isinstance(response, list):
-        return [strip_ids(v) for v in response]
-    return response
 
 
 def all_three(trio, call):
@@ -197,15 +190,12 @@ def fake_cuda_steps(graphs: bool):
     """Four requests decoding on fake CUDA tensors (tests/fake_cuda.py), async scheduling on, the decode steps
     replayed from OpGraph recordings with the sampler inside (graphs) or eager: (their tokens, steps, host reads
     outside the forwards, the DecodeGraphs)."""
-    from fake_cuda import CUDA, fake_cuda, model_to
-    from test_fake_cuda import cpu_model
-    ckpt, tokenizer = pocketllm.Checkpoint(pocketllm.DEFAULT_CKPT), pocketllm.Tokenizer(pocketllm.DEFAULT_CKPT)
-    eos = pocketllm._eos_ids(ckpt, tokenizer)
-    model = cpu_model((ckpt, tokenizer, eos))
+    from fake_cuda import fake_cuda
+    from test_fake_cuda import cpu_model, overlap_engine, tiny_parts
+    tiny = tiny_parts()
+    model = cpu_model(tiny)
     with fake_cuda() as real:
-        options = pocketllm.EngineOptions(backend="torch", device="cuda", quiet=True, max_context=96, max_batch_size=8,
-                                          speculative_tokens=0, async_scheduling=True)
-        engine = pocketllm.Engine(model_to(model, CUDA), options, eos, torch.float16)
+        engine = overlap_engine(model, tiny[2], overlap=True)
         inside, forward = [], model.forward
 
         def counted(*args):                      # the torch backend's own reads (its forward is not captured)
