@@ -3613,6 +3613,13 @@ class SampleResult:
     accepted: list[bool] | None = None                  # per row: its draft was accepted (rows with drafts only)
 
 
+# The payload of the sampler inside a decode step's graph (Sampler.static_fields): the row table's columns (the
+# uniform, then 1 for a live row, 0 for padding), the entry table's ids and values; rows with more logit_bias
+# entries and bans than STATIC_EDITS sample eagerly.
+SAMPLE_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "presence", "frequency", "repetition", "uniform", "live")
+SAMPLE_DTYPES = (torch.float64, torch.long, torch.float64)
+STATIC_EDITS = 256
+
 # Counter-based uniforms of one (seed, choice, step) for the other draws of speculative decoding.
 DRAFT_SALT, ACCEPT_SALT = 0x5BD1E995, 0x27D4EB2F
 
@@ -3827,11 +3834,10 @@ class Sampler:
         """logit_bias and the min_tokens bans (as -inf) of every row: one sparse scatter-add."""
         at_row, at_id, values = [], [], []
         for i, r in enumerate(rows):
-            banned = r.params.banned if r.emitted < r.seq.params.min_tokens else []
-            for ids, vals in ((r.params.bias_ids, r.params.bias_values), (banned, [float("-inf")] * len(banned))):
-                at_row += [i] * len(ids)
-                at_id += ids
-                values += vals
+            ids, vals = Sampler._edits(r)
+            at_row += [i] * len(ids)
+            at_id += ids
+            values += vals
         if not at_row:
             return x
         index = to_device(torch.tensor([at_row, at_id], dtype=torch.long), x.device)       # (2, E)
@@ -3852,6 +3858,80 @@ class Sampler:
                     failed[i] = e
                     break
         return failed
+
+    # The sampler inside the decode step's CUDA graph (DecodeGraphs, section 8). A graph replays fixed kernels on
+    # fixed addresses, so the host writes each step's row parameters into a static payload before the replay
+    # (static_fields: one (bucket, SAMPLE_COLUMNS) float64 table, with the uniforms, and a fixed-width table of
+    # logit_bias and min_tokens ban entries), and the captured sample_static reads only that payload, the slots'
+    # penalty state and a static mask buffer: no host read, no shape that depends on values. The batch-wide
+    # choices the eager sampler makes per step (skip the penalties, the sort, min-p, the masks) are the graph's
+    # key (`stages`), so a captured step computes exactly what the eager one does. Rows that need host-side
+    # work inside the sampling (drafts, logprobs, a logits processor that is not a token mask) sample eagerly.
+
+    def static_stages(self, rows: list[SampleRow]) -> tuple | None:
+        """The stages a captured step of `rows` runs, (penalties, sort, min_p, E entries of bias and bans per row,
+        masks), or None when a row cannot be sampled inside a graph."""
+        if any(r.draft is not None or r.ahead or r.seq.params.logprobs is not None or
+               any(not hasattr(proc, "token_mask") for proc in r.seq.params.logits_processors) for r in rows):
+            return None
+        edits = max(len(self._edits(r)[0]) for r in rows)
+        if edits > STATIC_EDITS:
+            return None
+        width = 0 if not edits else max(8, 1 << (edits - 1).bit_length())      # few widths: few graphs
+        return (any(r.params.penalties for r in rows), any(r.params.sorts for r in rows),
+                any(r.params.min_p > 0 for r in rows), width,
+                any(r.params.allowed is not None or r.seq.params.logits_processors for r in rows))
+
+    def static_fields(self, rows: list[SampleRow], bucket: int, stages: tuple) -> list[list]:
+        """The payload sample_static reads, as lists in SAMPLE_DTYPES: the (bucket, C) table (padding rows are
+        greedy, penalties off, not counted), then the (bucket, E) entry ids and values (padding: token 0, + 0)."""
+        width, table, ids, values = stages[3], [], [], []
+        for r in rows:
+            p = r.params
+            table += [p.temperature, p.top_k, p.top_p, p.min_p, p.presence, p.frequency, p.repetition,
+                      self._uniform(r), 1.0]
+            at, by = self._edits(r)
+            ids += at + [0] * (width - len(at))
+            values += by + [0.0] * (width - len(by))
+        pad = bucket - len(rows)
+        table += [0.0, float(self.counts.shape[1]), 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0] * pad
+        return [table, ids + [0] * (width * pad), values + [0.0] * (width * pad)]
+
+    def prepare_static(self, rows: list[SampleRow], stages: tuple) -> tuple[torch.Tensor | None, dict]:
+        """The device work before a captured step's replay: the rows' slots made theirs (_own), and their masks
+        (token_masks: (B, V) bool or None; the rows whose mask raised)."""
+        for r in rows:
+            self._own(r.seq.slot, r)
+        return self.token_masks(rows, self.counts.shape[1]) if stages[4] else (None, {})
+
+    def sample_static(self, logits: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, edit_ids: torch.Tensor,
+                      edit_values: torch.Tensor, allowed: torch.Tensor | None, stages: tuple) -> torch.Tensor:
+        """Capture-safe sampling of a padded step: logits (bucket, V) fp32, slots (bucket,) the rows' state slots,
+        table (bucket, C) float64 (static_fields), edit_ids (bucket, E) int64 and edit_values (bucket, E)
+        float64, allowed (bucket, V) bool or None -> (bucket,) int32 tokens; counts the live rows' tokens.
+        The same stages in the same order as sample_on_device, so the tokens are the same."""
+        penalties, sort, min_p, width, masks = stages
+        rows = RowTable(*table[:, :-1].unbind(1))
+        x = logits
+        if penalties:
+            x = apply_penalties(x, self.counts[slots], self.prompt_seen[slots], rows)
+        if width:                                                   # as _bias_and_bans' sparse add
+            x = x.scatter_add(1, edit_ids, edit_values.to(x.dtype))
+        if masks:
+            x = apply_token_masks(x, allowed)
+        x = scale_by_temperature(x, rows)
+        if sort or min_p:
+            x = filter_logits(x, rows, sort, min_p)
+        tokens = draw_tokens(x, rows)                                              # (bucket,) int64
+        at = slots.long() * self.counts.shape[1] + tokens                          # (bucket,) into counts' (S * V)
+        self.counts.view(-1).scatter_add_(0, at, table[:, -1].int())              # padding: + 0
+        return tokens.int()
+
+    @staticmethod
+    def _edits(r: SampleRow) -> tuple[list[int], list[float]]:
+        """The row's logit_bias entries, then its min_tokens bans as -inf (as _bias_and_bans adds them)."""
+        banned = r.params.banned if r.emitted < r.seq.params.min_tokens else []
+        return r.params.bias_ids + banned, r.params.bias_values + [float("-inf")] * len(banned)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[torch.Tensor]:
@@ -3905,24 +3985,34 @@ def batch_fields(plan: list[Scheduled], block_size: int, pad_to: int = 0, width:
     return [ids, pos, starts, ctx, tables, slots, state_slots, rows, fresh], width
 
 
-def pack_fields(fields: list[list[int]]) -> torch.Tensor:
-    """Batch's fields (batch_fields' lists) as one host byte buffer: each field in its dtype (_BATCH_DTYPES),
-    starting on an 8-byte boundary, so one copy moves a step's whole input and batch_view reads it in place."""
+_ARRAY_CODES = {torch.long: "q", torch.int32: "i", torch.float64: "d"}
+
+
+def pack_fields(fields: list[list], dtypes: tuple = _BATCH_DTYPES) -> torch.Tensor:
+    """Batch's fields (batch_fields' lists; after them, those of the sampler in a graph: SAMPLE_DTYPES) as one
+    host byte buffer: each field in its dtype, starting on an 8-byte boundary, so one copy moves a step's whole
+    input and field_views reads it in place."""
     buf = bytearray()
-    for values, dtype in zip(fields, _BATCH_DTYPES):
-        buf += array.array("q" if dtype == torch.long else "i", values).tobytes()
+    for values, dtype in zip(fields, dtypes):
+        buf += array.array(_ARRAY_CODES[dtype], values).tobytes()
         buf += bytes(-len(buf) % 8)
     return torch.frombuffer(buf, dtype=torch.uint8)                              # (bytes,)
 
 
-def batch_view(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> Batch:
-    """The Batch whose fields are views of pack_fields' buffer (sizes: each field's length): no conversion, so a
-    recorded or captured forward reads the buffer that each step refreshes."""
+def field_views(payload: torch.Tensor, sizes: list[int], dtypes: tuple = _BATCH_DTYPES) -> list[torch.Tensor]:
+    """pack_fields' fields as views of its buffer (sizes: each field's length), without conversion."""
     parts, at = [], 0
-    for n, dtype in zip(sizes, _BATCH_DTYPES):
-        nbytes = n * (8 if dtype == torch.long else 4)
+    for n, dtype in zip(sizes, dtypes):
+        nbytes = n * dtype.itemsize
         parts.append(payload[at:at + nbytes].view(dtype))
         at += nbytes + -nbytes % 8
+    return parts
+
+
+def batch_view(payload: torch.Tensor, sizes: list[int], B: int, width: int) -> Batch:
+    """The Batch whose fields are views of pack_fields' buffer: no conversion, so a recorded or captured forward
+    reads the buffer that each step refreshes."""
+    parts = field_views(payload, sizes[:len(_BATCH_DTYPES)])
     parts[4] = parts[4].view(B, width)                                          # block tables (B, width)
     return Batch(*parts)
 
@@ -3947,13 +4037,21 @@ def write_token_ids(payload: torch.Tensor, ids: torch.Tensor | None) -> torch.Te
 
 
 class DecodeGraphs:
-    """The decode forward replayed per batch-size bucket: a pure decode step (one new token per sequence) of B
+    """The decode step replayed per batch-size bucket: a pure decode step (one new token per sequence) of B
     sequences is padded to the next bucket, its fields copied into the bucket's static payload in one upload,
-    and the bucket's recorded forward replayed: the host's cost of a step is one copy plus either one CUDA graph
+    and the bucket's recorded step replayed: the host's cost of a step is one copy plus either one CUDA graph
     launch (CUDA, counted in `graphed`) or one cffi call per native launch (launch-list replay, LaunchRecording:
     the CPU build, and every rank under tensor parallelism; counted in `replayed`) instead of a Python call per
     op. Prefill and mixed steps and speculative verify windows run eagerly. Padding rows write only free state
     slots, whose next owner zeroes them.
+
+    The sampler is in the step too (`sampler`, one rank only; `sampling = False` leaves it out): when pack() is
+    given the step's sample rows and the sampler can take them in a graph (Sampler.static_stages), their
+    parameters ride in the same payload and the step returns the (B,) sampled tokens instead of the (B, V)
+    logits. A CUDA graph then covers forward and sampling, one graph per (bucket, stages), all in one memory
+    pool (one step replays at a time, and each step's result is read before the next replay); a launch list
+    holds native launches only, so there the sampling runs after the replay, from the same payload (one
+    recording per (bucket, stages) too: the payload's size depends on the stages). Counted in `sampled`.
 
     With tensor parallelism rank 0's DecodeGraphs picks the bucket and packs the payload, and `call` sends it to
     every rank (RankRunner.decode), where each rank's own DecodeGraphs records and replays its shard's forward
@@ -3965,68 +4063,103 @@ class DecodeGraphs:
     that shape) and the second is captured (capture runs nothing) and replayed; with launch lists, the first
     step runs eagerly while recording and is itself the result. A recording that met a torch op that launches a
     kernel is `refused` (bucket -> the op's name) and that bucket stays eager. `enabled = False` (the engine's
-    --enforce-eager) switches both off."""
+    --enforce-eager) switches both off. `graph`: the graph class (torch.cuda.CUDAGraph; the tests' stand-in
+    records and replays torch ops, and runs the step while it captures: `runs_on_capture`)."""
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
     def __init__(self, model: "Model", cache: Cache | None, max_batch_size: int, max_context: int, block_size: int,
-                 call: Callable | None = None, graphs: bool = True):
+                 call: Callable | None = None, graphs: bool = True, sampler: Sampler | None = None,
+                 graph: Callable | None = None):
         self.model, self.cache, self.block_size, self.call = model, cache, block_size, call
         self.width = -(-max_context // block_size)             # block-table width: every bucket reads the same
         self.buckets = [b for b in self.BUCKETS if b < max_batch_size] + [max_batch_size]
         # CUDA graphs without a rank group; launch lists elsewhere (NCCL inside a captured graph: not yet run)
-        self.use_graphs = graphs and model.device.type == "cuda" and torch.cuda.is_available()
-        self.steps: dict[int, tuple] = {}                       # bucket -> (replay(), static payload, logits)
-        self.seen: set[int] = set()                             # graphs: buckets run eagerly once
+        cuda = model.device.type == "cuda" and torch.cuda.is_available()
+        self.graph = graph or (torch.cuda.CUDAGraph if cuda else None)
+        self.use_graphs = graphs and self.graph is not None
+        self.pool = None                                        # the graphs' shared memory pool, made at capture
+        self.sampler = sampler if call is None else None        # under tensor parallelism rank 0 samples eagerly
+        self.sampling = True
+        self.steps: dict = {}                                   # bucket or (bucket, stages) -> (replay(), payload, out)
+        self.seen: set = set()                                  # graphs: keys run eagerly once
         self.refused: dict[int, str] = {}                       # bucket -> the torch op that refused its recording
-        self.replayed = self.graphed = 0                        # steps run from a launch list / a CUDA graph
+        self.allowed: dict[int, torch.Tensor] = {}              # bucket -> (bucket, V) bool: the rows' token masks
+        self.replayed = self.graphed = self.sampled = 0         # steps from a launch list / a graph / with sampling
         self.enabled = True
 
     @staticmethod
     def usable(model: "Model") -> bool:
         return model.ops.name == "native"
 
-    def run(self, plan: list[Scheduled], free_slots: list[int]) -> torch.Tensor | None:
-        """(B, V) logits of a decode step by replay (or by recording it), or None when this step is not one a
-        replay runs (see pack)."""
-        packed = self.pack(plan, free_slots)
+    def buckets_recorded(self) -> list[int]:
+        return sorted({k if isinstance(k, int) else k[0] for k in self.steps})
+
+    def run(self, plan: list[Scheduled], free_slots: list[int], rows: list[SampleRow] | None = None):
+        """A decode step by replay (or by recording it): see replay; None when this step is not one a replay
+        runs (see pack)."""
+        packed = self.pack(plan, free_slots, rows=rows)
         return None if packed is None else self.replay(packed)
 
-    def pack(self, plan: list[Scheduled], free_slots: list[int], unread: bool = False) -> tuple | None:
-        """The host half of run(): (packed fields, their sizes, bucket, B), or None when this step is not one a
-        replay runs: replay off, a prefill row, more sequences than the largest bucket, too few free state slots
-        to pad, a refused bucket, or a bucket's first step with graphs. unread: see batch_fields."""
+    def pack(self, plan: list[Scheduled], free_slots: list[int], unread: bool = False,
+             rows: list[SampleRow] | None = None) -> tuple | None:
+        """The host half of run(): (packed fields, their sizes, bucket, B, stages, rows), or None when this step
+        is not one a replay runs: replay off, a prefill row, more sequences than the largest bucket, too few
+        free state slots to pad, a refused bucket, or a key's first step with graphs. unread: see batch_fields.
+        rows: the step's sample rows, one per plan entry in order, to sample inside the step (stages: None when
+        the sampler cannot or is off, and the step returns logits)."""
         B = len(plan)
         if not self.enabled or B > self.buckets[-1] or any(p.count != 1 or p.start == 0 for p in plan):
             return None
         bucket = next(b for b in self.buckets if b >= B)
         if len(free_slots) < bucket - B or bucket in self.refused:
             return None
-        if self.use_graphs and bucket not in self.seen:
-            self.seen.add(bucket)
+        stages = self.sampler.static_stages(rows) if rows and self.sampler and self.sampling else None
+        if self.use_graphs and (bucket, stages) not in self.seen:
+            self.seen.add((bucket, stages))
             return None
         fields, _ = batch_fields(plan, self.block_size, bucket, self.width, free_slots, unread)
-        return pack_fields(fields), [len(f) for f in fields], bucket, B
+        if stages is not None:
+            fields += self.sampler.static_fields(rows, bucket, stages)
+        return pack_fields(fields, _BATCH_DTYPES + SAMPLE_DTYPES), [len(f) for f in fields], bucket, B, stages, rows
 
-    def replay(self, packed: tuple, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The device half of run(): (B, V) logits of pack()'s step; ids (B,) on the device: its token ids
-        (async scheduling; one rank only)."""
-        host, sizes, bucket, B = packed
+    def replay(self, packed: tuple, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict | None]:
+        """The device half of run(): ((B, V) logits, None) of pack()'s step, or with the sampler in it ((B,) int32
+        tokens, the rows whose mask raised); ids (B,) on the device: its token ids (async scheduling; one rank
+        only)."""
+        host, sizes, bucket, B, stages, rows = packed
         if self.call is not None:                               # every rank's step(), rank 0's logits
-            return self.call("decode", host, sizes, bucket)[:B]
-        return self.step(host, sizes, bucket, ids)[:B]
+            return self.call("decode", host, sizes, bucket)[:B], None
+        out, failed = self.step(host, sizes, bucket, ids, stages, rows)
+        return out[:B], failed
 
-    def step(self, host: torch.Tensor, sizes: list[int], bucket: int, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's (bucket, V) logits of a padded decode step from its packed fields (ids: see replay): the
-        bucket's recording replayed, or made by this step; a refused bucket runs eagerly from the payload."""
-        if bucket not in self.steps and bucket not in self.refused:
-            logits = self.record(host, sizes, bucket, ids)
-            if logits is not None:                              # the launch list's recording ran the step
-                return logits
+    def step(self, host: torch.Tensor, sizes: list[int], bucket: int, ids: torch.Tensor | None = None,
+             stages: tuple | None = None, rows: list[SampleRow] = ()) -> tuple[torch.Tensor, dict | None]:
+        """This rank's (bucket, V) logits of a padded decode step from its packed fields (ids: see replay), or
+        with `stages` its (bucket,) tokens and the rows whose mask raised: the key's recording replayed, or made
+        by this step; a refused bucket runs eagerly from the payload."""
+        failed = None
+        if stages is not None:                                  # device work queued before the replay
+            allowed, failed = self.sampler.prepare_static(rows, stages)
+            if stages[4]:
+                static = self.allowed.get(bucket)
+                if static is None:
+                    static = self.allowed[bucket] = torch.ones(bucket, self.sampler.counts.shape[1], dtype=torch.bool,
+                                                               device=self.model.device)   # (bucket, V)
+                if allowed is None:
+                    static.fill_(True)
+                else:
+                    static[:len(rows)].copy_(allowed)
+                    static[len(rows):].fill_(True)
+        key = bucket if stages is None else (bucket, stages)    # the payload's size and, in a graph, the kernels
+        if key not in self.steps and bucket not in self.refused:
+            payload, out = self.record(host, sizes, key, stages, ids)
+            if out is not None:                                 # the recording ran the step
+                return self._after(payload, sizes, bucket, stages, out), failed
         if bucket in self.refused:
             payload = write_token_ids(host.to(self.model.device, copy=True), ids)
-            return self.model.forward(batch_view(payload, sizes, bucket, self.width), self.cache)
-        replay, payload, logits = self.steps[bucket]
-        if self.use_graphs:
+            return self._whole(payload, sizes, bucket, stages), failed
+        replay, payload, out = self.steps[key]
+        if self.use_graphs and torch.cuda.is_available():
             host = host.pin_memory()
         write_token_ids(payload.copy_(host, non_blocking=True), ids)
         replay()
@@ -4034,28 +4167,58 @@ class DecodeGraphs:
             self.graphed += 1
         else:
             self.replayed += 1
-        return logits
+        return self._after(payload, sizes, bucket, stages, out), failed
 
-    def record(self, host: torch.Tensor, sizes: list[int], bucket: int,
-               ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Graphs: capture the forward of a `bucket`-row decode step reading a static payload (it runs nothing:
-        returns None). Launch lists: run it while recording and return its (bucket, V) logits."""
-        payload = write_token_ids(host.to(self.model.device, copy=True), ids)   # the bucket's static input
-        batch = batch_view(payload, sizes, bucket, self.width)
+    def record(self, host: torch.Tensor, sizes: list[int], key, stages: tuple | None,
+               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Graphs: capture a `bucket`-row decode step (forward, and sampling with `stages`) reading a static
+        payload (it runs nothing: returns (payload, None)). Launch lists: run the forward while recording and
+        return (payload, its (bucket, V) logits)."""
+        payload = write_token_ids(host.to(self.model.device, copy=True), ids)   # the key's static input
+        bucket = key if isinstance(key, int) else key[0]
         if self.use_graphs:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):   # other threads may use CUDA
-                logits = self.model.forward(batch, self.cache)                 # (bucket, V)
-            self.steps[bucket] = (graph.replay, payload, logits)
-            return None
+            graph = self.graph()
+            if getattr(graph, "runs_on_capture", False):
+                with graph.capture():
+                    out = self._whole(payload, sizes, bucket, stages)
+                self.steps[key] = (graph.replay, payload, out)
+                return payload, out
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):   # other threads
+                out = self._whole(payload, sizes, bucket, stages)                        # may use CUDA
+            self.steps[key] = (graph.replay, payload, out)
+            return payload, None
         recording = LaunchRecording(self.model.ops.lib)
         with recording:
-            logits = self.model.forward(batch, self.cache)                     # (bucket, V)
+            logits = self._whole(payload, sizes, bucket, None)                 # (bucket, V)
         if recording.refused:
             self.refused[bucket] = recording.refused
         else:
-            self.steps[bucket] = (recording.replay, payload, logits)
-        return logits
+            self.steps[key] = (recording.replay, payload, logits)
+        return payload, logits
+
+    def _whole(self, payload: torch.Tensor, sizes: list[int], bucket: int, stages: tuple | None) -> torch.Tensor:
+        """The step from its payload: (bucket, V) logits, or with `stages` the (bucket,) sampled tokens."""
+        logits = self.model.forward(batch_view(payload, sizes, bucket, self.width), self.cache)   # (bucket, V)
+        return logits if stages is None else self._sample(payload, sizes, bucket, stages, logits)
+
+    def _after(self, payload: torch.Tensor, sizes: list[int], bucket: int, stages: tuple | None,
+               out: torch.Tensor) -> torch.Tensor:
+        """A replayed step's result: a graph's as it is; after a launch list's forward, the sampling."""
+        if stages is not None:
+            self.sampled += 1
+            if not self.use_graphs:
+                return self._sample(payload, sizes, bucket, stages, out)
+        return out
+
+    def _sample(self, payload: torch.Tensor, sizes: list[int], bucket: int, stages: tuple,
+                logits: torch.Tensor) -> torch.Tensor:
+        parts = field_views(payload, sizes, _BATCH_DTYPES + SAMPLE_DTYPES)
+        table, ids, values = parts[len(_BATCH_DTYPES):]
+        return self.sampler.sample_static(logits, parts[6], table.view(bucket, len(SAMPLE_COLUMNS)),
+                                          ids.view(bucket, stages[3]), values.view(bucket, stages[3]),
+                                          self.allowed.get(bucket) if stages[4] else None, stages)
 
 
 def make_draft_batch(entries: list[tuple[Sequence, int, list[int]]], block_size: int, device) -> Batch:
@@ -4212,7 +4375,7 @@ class RankRunner:
             o = self.opts
             self.graphs = DecodeGraphs(self.model, self.caches[ENGINE_CACHE], o.max_batch_size, o.max_context,
                                        o.kv_block_size, graphs=False)
-        return self.graphs.step(host, sizes, bucket)
+        return self.graphs.step(host, sizes, bucket)[0]
 
     def replay_stats(self) -> list[tuple[int, int, int]]:
         """Every rank's decode replays as (buckets recorded, buckets refused, steps replayed), gathered to rank 0
@@ -4940,7 +5103,7 @@ class Engine:
         self.device = DeviceQueue(model.device, lambda: model.ops.zeros((1,), torch.float32, model.device))
         self.inflight: InFlight | None = None     # async scheduling: the step launched and not yet read
         self.graphs = DecodeGraphs(model, self.cache, opts.max_batch_size, opts.max_context, bs,
-                                   call if ranked else None, graphs=not ranked) \
+                                   call if ranked else None, graphs=not ranked, sampler=self.sampler) \
             if not opts.enforce_eager and DecodeGraphs.usable(model) else None
         self.copy = copy or (lambda caches, src, dst, slots, blocks:      # with tensor parallelism: every rank's
                              copy_cache(caches[src], caches[dst], model.ops, slots, blocks))
@@ -4989,10 +5152,10 @@ class Engine:
             self.windowed = {p.seq for p in plan}
             return
         if not self.draft_tokens:                   # graphs replay plain decode steps (not verify windows)
-            logits = self.graphs.run(plan, self.slots.free) if self.graphs else None                # (B, V)
-            if logits is None:
-                logits = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device))
-            self._postprocess(plan, logits)
+            out = self.graphs.run(plan, self.slots.free, self._step_rows(plan)) if self.graphs else None
+            if out is None:
+                out = self.run_batch(make_batch(plan, self.opts.kv_block_size, self.model.device)), None
+            self._postprocess(plan, *out)          # (B, V) logits, or the graph's (B,) tokens and failed rows
             return
         batch = make_batch(plan, self.opts.kv_block_size, self.model.device)
         window = self._window(plan)
@@ -5053,22 +5216,27 @@ class Engine:
         if prev is not None:
             row_of = {r.seq: i for i, r in enumerate(prev.rows)}
             where = to_device(torch.tensor([row_of[p.seq] for p in plan], dtype=torch.long), device)   # (B,)
-        packed = self.graphs.pack(plan, list(self.slots.free), bool(unread)) if self.graphs else None
+        packed = self.graphs.pack(plan, list(self.slots.free), bool(unread), flight.rows) if self.graphs else None
         batch = None if packed else make_batch(plan, self.opts.kv_block_size, device, bool(unread))
 
-        def forward() -> torch.Tensor:
+        def forward() -> tuple[torch.Tensor, dict | None]:
+            """((B, V) logits, None), or the graph's ((B,) sampled tokens, the rows whose mask raised)."""
             ids = None if prev is None else prev.packed[where].long()                   # (B,) int64
             if packed is not None:
-                return self.graphs.replay(packed, ids)                                  # (B, V)
+                return self.graphs.replay(packed, ids)
             if ids is not None:
                 batch.token_ids.copy_(ids)
-            return self.run_batch(batch)
+            return self.run_batch(batch), None
 
         def work() -> tuple[torch.Tensor, dict]:
-            flight.packed, failed = self.sampler.sample_on_device(flight.rows, forward())
+            out, failed = forward()
+            if failed is None:
+                flight.packed, failed = self.sampler.sample_on_device(flight.rows, out)
+            else:                                   # the graph's static output: the next replay writes over it
+                flight.packed = out.clone()
             return flight.packed, failed
         if flight.split:
-            self.device.run(lambda: setattr(flight, "logits", forward()))
+            self.device.run(lambda: setattr(flight, "logits", forward()[0]))
         else:
             flight.launched = self.device.launch(work)
         return flight
@@ -5194,17 +5362,27 @@ class Engine:
             return
         self.scheduler.add(req.seqs[0])
 
-    def _postprocess(self, plan: list[Scheduled], logits: torch.Tensor) -> list[int]:
+    def _postprocess(self, plan: list[Scheduled], logits: torch.Tensor, failed: dict | None = None) -> list[int]:
         """Sample every sequence whose chunk reached its end (and the first token of forked choices) at once. A
         verify window's rows judge its drafts in order: the accepted ones are emitted, then the target's token
         at the first rejection (or after the last draft). Returns, per plan entry, its tokens that stay
-        computed: the chunk, or the window's last token and accepted drafts."""
+        computed: the chunk, or the window's last token and accepted drafts. With `failed` (a dict) the rows
+        were sampled inside the step's graph (_step_rows): `logits` is their packed tokens."""
         self._advance(plan)
         rows = self._rows(plan)
         if not rows:
             return [p.count for p in plan]
         self.device.reads += 1                    # the sampler's one read
-        return self._apply(plan, rows, self.sampler.sample(rows, logits))
+        out = self.sampler.sample(rows, logits) if failed is None else self.sampler.unpack(rows, logits.cpu(), failed)
+        return self._apply(plan, rows, out)
+
+    @staticmethod
+    def _step_rows(plan: list[Scheduled]) -> list[SampleRow] | None:
+        """A decode step's sample rows made before its launch, for the sampler inside the step's graph: one per
+        plan entry, as _rows will make them; None when _rows makes others (a window, a fork, a finished one)."""
+        if all(p.sample and p.seq.output_ids and not p.drafts and not p.seq.finished for p in plan):
+            return [SampleRow(p.seq, i, p.seq.request.sampling) for i, p in enumerate(plan)]
+        return None
 
     def _advance(self, plan: list[Scheduled]):
         """The plan's tokens are computed: count them, and file the blocks they filled with the prefix cache."""

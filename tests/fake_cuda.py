@@ -14,6 +14,10 @@ CUDA build without a GPU, FakeTensorMode swaps torch's CUDA guard for c10's no-o
 no CUDA guard to swap ("PyTorch is not linked with support for cuda devices"), so no_op_cuda_guard() compiles
 and registers that same no-op guard (c10::impl::NoOpDeviceGuardImpl<CUDA>): both builds then run the fake
 device through the same guard.
+
+OpGraph stands in for torch.cuda.CUDAGraph (DecodeGraphs(graph=...)): it records a captured step's torch ops,
+refuses host reads and uploads inside the capture, and replays the ops on the same tensors
+(tests/test_graph_sampler.py).
 """
 
 from __future__ import annotations
@@ -109,14 +113,14 @@ class RealValues(TorchDispatchMode):
 
     @staticmethod
     def _reads_host(func, args, kwargs) -> bool:
+        if func is torch.ops.aten.copy_.default:                 # copy_(destination, source)
+            return args[0].device.type == "cpu" and args[1].device.type == "cuda"
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if src is None or src.device.type != "cuda":
             return False
         if func is torch.ops.aten._local_scalar_dense.default:
             return True
-        return func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and \
-            (kwargs.get("device") or (args[1].device if len(args) > 1 and isinstance(args[1], torch.Tensor)
-                                      else src.device)).type == "cpu"
+        return func is torch.ops.aten._to_copy.default and (kwargs.get("device") or src.device).type == "cpu"
 
 
 @contextlib.contextmanager
@@ -134,3 +138,85 @@ def model_to(model: pocketllm.Model, device: torch.device) -> pocketllm.Model:
     model.lm_head = model.lm_head.to(device, model.dtype)
     model.norm, model.inv_freq, model.device = model.norm.to(device), model.inv_freq.to(device), device
     return model
+
+
+class HostWorkInCapture(AssertionError):
+    """An op inside a captured step that a CUDA graph could not replay with fresh data: a read of device data
+    on the host, or a copy from host memory (baked into the graph at capture)."""
+
+
+class OpGraph:
+    """A stand-in for torch.cuda.CUDAGraph, for DecodeGraphs(graph=...) on the CPU and on fake CUDA: capture()
+    records every torch op the step dispatches, with its very tensors (a graph's kernels and addresses), and
+    refuses host reads and host-to-device copies inside it (HostWorkInCapture); replay() runs the recorded ops
+    again on those tensors, writing each op's result into the tensor it made at capture. So a step whose replay
+    gives the eager step's results read only its static inputs, as a CUDA graph requires; a value taken from
+    the host at capture would be replayed stale. Unlike CUDA's capture this one runs the step
+    (runs_on_capture). `opaque(fn)`: a call recorded whole and rerun at replay (the torch backend's forward,
+    which reads the host; the native one is captured for real on a GPU). `real`: fake_cuda's RealValues."""
+    runs_on_capture = True
+    capturing: "OpGraph | None" = None
+
+    def __init__(self, real: RealValues | None = None):
+        self.real, self.ops, self.paused = real, [], False
+
+    @contextlib.contextmanager
+    def capture(self):
+        OpGraph.capturing = self
+        try:
+            with _Recorder(self):
+                yield
+        finally:
+            OpGraph.capturing = None
+
+    def replay(self):
+        for func, args, kwargs, out in self.ops:
+            fresh = func(*args, **kwargs)
+            if not isinstance(func, torch._ops.OpOverload) or all(r.alias_info is None for r in func._schema.returns):
+                self._copy_into(out, fresh)        # views and in-place ops: their recorded tensors saw it already
+
+    def _value(self, t: torch.Tensor) -> torch.Tensor:
+        return self.real.value(t) if isinstance(t, FakeTensor) else t
+
+    def _copy_into(self, recorded, fresh):
+        for old, new in zip(tree_flatten(recorded)[0], tree_flatten(fresh)[0]):
+            if isinstance(old, torch.Tensor) and old is not new:
+                with _disable_current_modes():
+                    self._value(old).copy_(self._value(new))
+
+    @staticmethod
+    def opaque(fn):
+        def call(*args, **kwargs):
+            graph = OpGraph.capturing
+            if graph is None or graph.paused:
+                return fn(*args, **kwargs)
+            graph.paused = True
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                graph.paused = False
+            graph.ops.append((fn, args, kwargs, out))
+            return out
+        return call
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: OpGraph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.graph.paused:
+            return func(*args, **kwargs)
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in flat}
+        if isinstance(kwargs.get("device"), torch.device):
+            devices.add(kwargs["device"].type)
+        if func is torch.ops.aten._local_scalar_dense.default or RealValues._reads_host(func, args, kwargs):
+            raise HostWorkInCapture(f"{func} reads device data on the host inside a captured step")
+        if "cuda" in devices and any(t.device.type == "cpu" and t.dim() > 0 for t in flat):
+            raise HostWorkInCapture(f"{func} copies host memory into a captured step")
+        out = func(*args, **kwargs)
+        self.graph.ops.append((func, args, kwargs, out))
+        return out

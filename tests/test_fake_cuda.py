@@ -16,12 +16,16 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def tiny_parts():
     ckpt = pocketllm.Checkpoint(TINY)
     tokenizer = pocketllm.Tokenizer(TINY)
     eos = pocketllm._eos_ids(ckpt, tokenizer)
     return ckpt, tokenizer, eos
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_parts()
 
 
 def cpu_model(tiny):
@@ -30,6 +34,14 @@ def cpu_model(tiny):
     interleaved, as a GPU loads them). Every op runs twice here, fake and real: two layers keep it quick."""
     return pocketllm.Model(tiny[0], pocketllm.TorchOps(), torch.float16, torch.device("cpu"), num_layers=2,
                            progress=False, stack=True)
+
+
+def overlap_engine(model, eos, overlap: bool) -> pocketllm.Engine:
+    """Inside fake_cuda: an Engine on CUDA for the async scheduling tests (tests/test_overlap.py,
+    tests/test_graph_sampler.py): speculation off, `--async-scheduling` on or off."""
+    options = pocketllm.EngineOptions(backend="torch", device="cuda", quiet=True, max_context=96, max_batch_size=8,
+                                      speculative_tokens=0, async_scheduling=overlap)
+    return pocketllm.Engine(model_to(model, CUDA), options, eos, torch.float16)
 
 
 def fake_engine(tiny, model, **opts):

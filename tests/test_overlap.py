@@ -14,7 +14,6 @@ import random
 import time
 
 import pytest
-import torch
 
 import pocketllm
 
@@ -409,15 +408,13 @@ def fake_cuda_run(overlap: bool) -> tuple[list, list[dict], int, int, list[int],
     """Five requests (two under grammars: tools in auto mode, json_schema) on fake CUDA tensors, async scheduling
     off or on: (the requests, their features, launches, the engine's counted reads, host reads inside each
     forward, split steps); the total host reads are checked by the caller."""
-    from fake_cuda import CUDA, fake_cuda, model_to
-    from test_fake_cuda import cpu_model
-    ckpt, tokenizer = pocketllm.Checkpoint(pocketllm.DEFAULT_CKPT), pocketllm.Tokenizer(pocketllm.DEFAULT_CKPT)
-    eos = pocketllm._eos_ids(ckpt, tokenizer)
-    model = cpu_model((ckpt, tokenizer, eos))
+    from fake_cuda import fake_cuda
+    from test_fake_cuda import cpu_model, overlap_engine, tiny_parts
+    tiny = tiny_parts()
+    _, tokenizer, eos = tiny
+    model = cpu_model(tiny)
     with fake_cuda() as real:
-        options = pocketllm.EngineOptions(backend="torch", device="cuda", quiet=True, max_context=96, max_batch_size=8,
-                                          speculative_tokens=0, async_scheduling=overlap)
-        engine = pocketllm.Engine(model_to(model, CUDA), options, eos, torch.float16)
+        engine = overlap_engine(model, eos, overlap)
         assert engine.overlap == overlap and engine.device.cuda and not engine.device.events
         forwards, run_batch, split, sample = [], engine.run_batch, [], engine._sample
 

@@ -158,6 +158,25 @@ def test_replay_equals_eager(llms, eager_tokens):
     assert graphs.replayed >= 8
 
 
+def test_the_sampler_runs_from_the_replayed_payload(llms):
+    """Requests without logprobs are sampled from the replayed step's payload (DecodeGraphs with the sampler:
+    Sampler.sample_static after the launch list; on CUDA inside the graph): the eager engine's tokens."""
+    def run(engine):
+        sampling = SAMPLING[1:] + [dict(temperature=1.0, seed=5, max_tokens=9, min_tokens=4, stop_token_ids=[11, 13],
+                                        logit_bias={11: 3.0, 13: 3.0, 30: -2.0})]
+        requests = [pocketllm.Request(f"s{i}", p, pocketllm.SamplingParams(ignore_eos=True, **s), default_seed=i)
+                    for i, (p, s) in enumerate(zip(PROMPTS[1:] + [[9, 8, 7]], sampling))]
+        for req in requests:
+            engine.add(req)
+        while engine.has_work():
+            engine.step()
+        return [drain(req)[0] for req in requests]
+    graphs = llms[0].engine.graphs
+    sampled, replayed = graphs.sampled, graphs.replayed
+    assert run(llms[0].engine) == run(llms[1].engine)
+    assert graphs.sampled - sampled >= 6 and graphs.replayed - replayed >= 6
+
+
 def test_refused_recording_stays_eager(llms, eager_tokens, monkeypatch):
     engine = llms[0].engine
     fresh = pocketllm.DecodeGraphs(engine.model, engine.cache, 6, 96, BS)

@@ -20,8 +20,10 @@
 #   5 nccl      a one-rank communicator: unique id, init, all-reduce fp16/fp32, destroy; init and step
 #               timeouts abort the communicator (a peer that never joins, a GPU spin ahead of the step)
 #   6 parity    tests/gpu/test_gpu_parity.py: native vs torch, identical greedy tokens for 64 steps
-#   6b graphs   decode by CUDA graph replay (DecodeGraphs) == eager, token for token, greedy and sampled; async
-#               scheduling (on, graphed) == one step at a time, and the decode step time of both
+#   6b graphs   decode by CUDA graph replay (DecodeGraphs) == eager, token for token, greedy and sampled (penalties,
+#               top-k/top-p/min-p, logit_bias, min_tokens, n=2), the graph holding the forward only and the
+#               forward with the sampler (Sampler.sample_static); async scheduling (on, graphed) == one step at a
+#               time, and the decode step time one at a time, overlapped, and overlapped with the sampler eager
 #   6c model27b Qwen3.5-27B with --load-format dummy (random FP8 weights of the real shapes made on the GPU from
 #               config.json: no 27 GB download): benchmarks/bench.py --report at TP1 (batch-1 TPOT against the
 #               bytes-per-token / copy-bandwidth roofline, output tokens/s at batch 8 and 32, TTFT at 1k and 8k,
@@ -36,7 +38,8 @@
 #  10 verify    tests/verify_openai.py against pocket-tiny on the GPU, with the published clients
 #  11 bench     kernel bandwidth vs measured copy bandwidth on the 27B decode shapes
 #  12 decode    decode tokens/s at batch 1, 8 and 32 sampled at temperature 1, 27B shapes with 4 layers,
-#               extrapolated to 64 (stated so), eager and as CUDA graphs, and with the decode fusions switched
+#               extrapolated to 64 (stated so), eager, as CUDA graphs with the sampler inside and with the sampler
+#               eager after the graph, and with the decode fusions switched
 #               off one by one; then a torch.profiler table of batch-1 steps (LOGDIR/profile.txt)
 #  13 speculative  tests/test_speculative.py on the GPU (LLM's defaults: cuda, native): MTP drafts verified
 #               exactly against unspeculated greedy output, oracle drafts, stop/max_tokens inside windows,
@@ -116,7 +119,7 @@ export -f sm75_ops
 run ptx_sm75 150 bash -c sm75_ops
 run nccl 120 "$PY" tests/gpu/gpu_check.py nccl "$LOG"
 run parity 120 "$PY" -m pytest -q tests/gpu/test_gpu_parity.py -p no:cacheprovider
-run graphs 90 "$PY" tests/gpu/gpu_check.py graphs "$LOG"
+run graphs 120 "$PY" tests/gpu/gpu_check.py graphs "$LOG"
 run model27b 240 "$PY" tests/gpu/gpu_check.py model27b "$LOG"
 export POCKETLLM_SYNTH=${TMPDIR:-/tmp}/pocketllm-synth-27b-shapes
 run synth 150 "$PY" tests/gpu/serve_check.py synth "$POCKETLLM_SYNTH"

@@ -478,11 +478,14 @@ def decode(logdir: Path) -> int:
         shipped = (ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens)
         variants = {"default": shipped + (0,), "no split-K": shipped + (-1,),
                     "3-launch MLP at 1 token": (shipped[0], 0, shipped[2], 0)}
-        runs = [(B, g, "default") for B in (1, 8, 32) for g in (False, True)] + \
+        # graphs: False (eager), True (forward and sampler in one CUDA graph per bucket), "forward" (the graph
+        # holds the forward only and the sampler runs eagerly after it, as before the sampler was captured)
+        runs = [(B, g, "default") for B in (1, 8, 32) for g in (False, True, "forward")] + \
             [(B, True, "no split-K") for B in (1, 8)] + [(1, True, "3-launch MLP at 1 token")]
         current = variants["default"]
         for B, graphs, variant in runs:
-            llm.engine.graphs.enabled = graphs
+            llm.engine.graphs.enabled = bool(graphs)
+            llm.engine.graphs.sampling = graphs is True
             if current != variants[variant]:
                 current = variants[variant]
                 ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = current[:3]
@@ -504,12 +507,14 @@ def decode(logdir: Path) -> int:
             step_ms = statistics.median((run(32) - run(8)) / 24 * 1e3 for _ in range(3))
             # 4 of 64 layers: the per-layer part scales by 16 (the 3:1 GDN:attention pattern is the model's);
             # embedding, sampling and engine overhead are counted 16 times too, so this is a lower bound.
-            how = ("graphs" if graphs else "eager") + ("" if variant == "default" else f" ({variant})")
+            how = {False: "eager", True: "graphs", "forward": "graphs, sampler eager"}[graphs] + \
+                ("" if variant == "default" else f" ({variant})")
             result[f"batch{B}_{how}"] = {"step_ms_4_layers": step_ms, "step_ms_64_layers_est": step_ms * 16,
                                          "tok_per_s_est": B * 1e3 / (step_ms * 16)}
             print(f"batch {B} {how}: {step_ms:.2f} ms per step with 4 layers -> ~{step_ms * 16:.1f} ms with 64 "
                   f"-> ~{B * 1e3 / (step_ms * 16):.1f} tok/s (lm_head of the real vocab not included)", flush=True)
-        result["graphs_captured"] = sorted(llm.engine.graphs.steps)
+        result["graphs_captured"] = llm.engine.graphs.buckets_recorded()
+        result["steps_sampled_in_graph"] = llm.engine.graphs.sampled
         ops.prologue_tokens, ops.glu_tokens, ops.mlp_tokens = shipped
         ops.lib.call("pl_set_gemv_tuning", 0, 0)
         llm.engine.graphs.steps.clear()
@@ -610,34 +615,56 @@ def model27b(logdir: Path, cpu: bool = False) -> int:
 # ---- CUDA graphs: the decode step replayed from a graph gives the eager step's tokens, greedy and sampled ----
 
 def graphs(logdir: Path) -> int:
+    """Graph replay == eager, token for token: the eager step, the graph of the forward with the sampler after it,
+    and the whole step (forward and sampler) in one graph (the sampler's parameters in the static payload:
+    Sampler.static_fields), for every sampler stage a graph captures (penalties, top-k/top-p sort, min-p,
+    logit_bias and min_tokens bans, n > 1)."""
     import pocketllm
     prompts = [[5, 6, 7, 8], list(range(20, 45)), [100, 3, 9]]          # 3 sequences: padded to the 4-bucket
     kinds = {"greedy": dict(temperature=0), "sampled": dict(temperature=1.0, top_p=0.95, presence_penalty=0.5,
-                                                            frequency_penalty=0.3)}
+                                                            frequency_penalty=0.3),
+             "filters": dict(temperature=0.8, top_k=40, min_p=0.02, repetition_penalty=1.2, min_tokens=8,
+                             stop_token_ids=[11, 13], logit_bias={11: 2.0, 13: 2.0, 220: -1.5}),
+             "n=2": dict(n=2, temperature=1.0, top_p=0.9, frequency_penalty=0.2)}
+    modes = {"eager": (False, False), "graph, sampler eager": (True, False), "graph with the sampler": (True, True)}
     out, ok = {}, True
     llm = pocketllm.LLM(None, backend="native", device="cuda", dtype="float16", quiet=True, max_context=512,
                         max_batch_size=8, speculative_tokens=0)       # graphs replay plain decode steps only
-    assert llm.engine.graphs is not None, "no DecodeGraphs on the native CUDA engine"
+    g = llm.engine.graphs
+    assert g is not None, "no DecodeGraphs on the native CUDA engine"
     for kind, params in kinds.items():
-        tokens = {}
-        for on in (False, True):
-            llm.engine.graphs.enabled = on
+        tokens, sampled = {}, g.sampled
+        for mode, (g.enabled, g.sampling) in modes.items():
             streams = [llm.submit(p, pocketllm.SamplingParams(max_tokens=48, seed=i, ignore_eos=True, **params))
                        for i, p in enumerate(prompts)]
-            tokens[on] = [[t for ev in s for t in ev.token_ids] for s in streams]
-        same = tokens[False] == tokens[True]
-        first = next((i for i, (a, b) in enumerate(zip(tokens[False][0], tokens[True][0])) if a != b), None)
-        out[kind] = {"identical": same, "first_difference_seq0": first}
-        ok &= same
-        print(f"{kind}: graph replay {'==' if same else '!='} eager over 3 x 48 tokens", flush=True)
-    out["buckets_captured"] = sorted(llm.engine.graphs.steps)
-    ok &= bool(out["buckets_captured"])
-    print(f"buckets captured: {out['buckets_captured']}")
+            tokens[mode] = [choice_tokens(s) for s in streams]
+        out[kind] = {"steps_sampled_in_graph": g.sampled - sampled}
+        for mode in list(modes)[1:]:
+            same = tokens["eager"] == tokens[mode]
+            first = next((i for i, (a, b) in enumerate(zip(tokens["eager"][0][0], tokens[mode][0][0])) if a != b), None)
+            out[kind][mode] = {"identical": same, "first_difference_seq0": first}
+            ok &= same
+            print(f"{kind}: {mode} {'==' if same else '!='} eager over 3 x 48 tokens", flush=True)
+        ok &= out[kind]["steps_sampled_in_graph"] > 0
+    g.enabled = g.sampling = True
+    out["buckets_captured"] = g.buckets_recorded()
+    out["graphs_with_the_sampler"] = sorted(str(k) for k in g.steps if not isinstance(k, int))
+    ok &= bool(out["buckets_captured"]) and bool(out["graphs_with_the_sampler"])
+    print(f"buckets captured: {out['buckets_captured']}; graphs with the sampler (bucket, stages): "
+          f"{len(out['graphs_with_the_sampler'])}")
     out["overlap"] = overlap(llm, prompts, kinds)
     ok &= all(v["identical"] for v in out["overlap"].values() if isinstance(v, dict)) and out["overlap"]["launched"] > 0
     llm.close()
     save(logdir, "graphs", out)
     return 0 if ok else 1
+
+
+def choice_tokens(stream) -> list[list[int]]:
+    """A request's tokens, choice by choice."""
+    found: dict[int, list[int]] = {}
+    for ev in stream:
+        found.setdefault(ev.index, []).extend(ev.token_ids)
+    return [found[i] for i in sorted(found)]
 
 
 def overlap(llm, prompts: list[list[int]], kinds: dict) -> dict:
@@ -649,7 +676,7 @@ def overlap(llm, prompts: list[list[int]], kinds: dict) -> dict:
                            max_batch_size=8, speculative_tokens=0, async_scheduling=False)
     out, launched = {"launched": 0}, llm.engine.device.launches
     for kind, params in kinds.items():
-        tokens = [[[t for ev in s for t in ev.token_ids] for s in [
+        tokens = [[choice_tokens(s) for s in [
             engine.submit(p, pocketllm.SamplingParams(max_tokens=48, seed=i, ignore_eos=True, **params))
             for i, p in enumerate(prompts)]] for engine in (serial, llm)]
         out[kind] = {"identical": tokens[0] == tokens[1]}
@@ -662,11 +689,16 @@ def overlap(llm, prompts: list[list[int]], kinds: dict) -> dict:
                   for p in prompts]:
             list(s)
         return time.perf_counter() - t0
-    for name, engine in (("serial", serial), ("overlapped", llm)):
+    for name, engine, sampling in (("serial", serial, True), ("overlapped", llm, True),
+                                   ("overlapped_sampler_eager", llm, False)):
+        engine.engine.graphs.sampling = sampling
         seconds(engine, 8)
         out[f"{name}_ms_per_step"] = min(seconds(engine, 72) - seconds(engine, 8) for _ in range(3)) * 1e3 / 64
+    llm.engine.graphs.sampling = True
     print(f"decode step, 3 sequences: {out['serial_ms_per_step']:.3f} ms one at a time, "
-          f"{out['overlapped_ms_per_step']:.3f} ms overlapped", flush=True)
+          f"{out['overlapped_ms_per_step']:.3f} ms overlapped, "
+          f"{out['overlapped_sampler_eager_ms_per_step']:.3f} ms overlapped with the sampler outside the graph",
+          flush=True)
     serial.close()
     return out
 
