@@ -1038,10 +1038,11 @@ class TorchOps:
 
     def _rotation(self, positions, inv_freq):
         """(T, R, R) RoPE of a decode step's few positions as matrices: [x1 | x2] @ M = [x1 cos - x2 sin |
-        x2 cos + x1 sin], one batched matmul per layer instead of ~12 calls; made once per step."""
-        last = self.__dict__.get("_rotation_memo")
-        if last is None or last[0] is not positions or last[1] is not inv_freq:
-            cos, sin = (t[:, 0] for t in self._cos_sin(positions, inv_freq))    # (T, R/2)
+        x2 cos + x1 sin], one batched matmul per layer instead of ~12 calls; made once per step (from _cos_sin's
+        memo, so forgetting that one forgets both)."""
+        last, cos_sin = self.__dict__.get("_rotation_memo"), self._cos_sin(positions, inv_freq)
+        if last is None or last[0] is not cos_sin[0]:
+            cos, sin = (t[:, 0] for t in cos_sin)                        # (T, R/2)
             T, r = cos.shape
             i = torch.arange(r, device=cos.device)
             M = cos.new_zeros(T, 2 * r, 2 * r)
@@ -1049,8 +1050,8 @@ class TorchOps:
             M[:, i + r, i + r] = cos
             M[:, i, i + r] = sin
             M[:, i + r, i] = -sin
-            last = self._rotation_memo = (positions, inv_freq, M)
-        return last[2]
+            last = self._rotation_memo = (cos_sin[0], M)
+        return last[1]
 
     def _cos_sin(self, positions, inv_freq):
         """(T, 1, R/2) cos and sin of the positions' angles: every attention layer of a step reads the same
