@@ -906,6 +906,16 @@ def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
     return out, S
 
 
+def merge_attention(parts):
+    """Softmax attention over disjoint sets of keys, combined exactly: parts [(out (H, m, D), logsumexp (H, m))],
+    each out weighted by exp(its logsumexp - the logsumexp of them all). -> (H, m, D) fp32."""
+    if len(parts) == 1:
+        return parts[0][0].float()
+    lse = torch.stack([l for _, l in parts])                             # (P, H, m)
+    w = torch.softmax(lse, 0)[..., None]                                 # (P, H, m, 1)
+    return sum(o.float() * w[p] for p, (o, _) in enumerate(parts))
+
+
 def _l2norm(x, eps: float = 1e-6):
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
@@ -1035,13 +1045,9 @@ class TorchOps:
         if q.shape[0] == context_lens.numel():                          # decode: every sequence at once
             return self._decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
         out = torch.empty_like(q)                                        # (T, Hq, Dh)
-        bs = k_cache.shape[1]
         for b in range(len(context_lens)):
             q0, q1, n = int(query_start[b]), int(query_start[b + 1]), int(context_lens[b])
-            blocks = block_tables[b, : -(-n // bs)].long()
-            k = k_cache[blocks].flatten(0, 1)[:n]                        # (n, Hk, Dh)
-            v = v_cache[blocks].flatten(0, 1)[:n]
-            out[q0:q1] = self._prefill_attention(q[q0:q1], k, v, scale)
+            out[q0:q1] = self._prefill_attention(q[q0:q1], k_cache, v_cache, block_tables[b], n, scale)
         return out
 
     def _decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -1056,17 +1062,78 @@ class TorchOps:
                                            scale=scale, enable_gqa=True)  # (B, Hq, 1, Dh)
         return o[:, :, 0].to(q.dtype)
 
-    def _prefill_attention(self, q, k, v, scale):
-        """m queries of one sequence, the last m of its n positions: row i sees positions <= n - m + i. torch's
-        fused attention (memory in tiles, not an (m, n) score matrix per head), in fp32; in bf16 with fp32
-        accumulation when the cache is bf16 (--kv-dtype bfloat16: its values are bf16 already).
-        q (m, Hq, Dh), k, v (n, Hk, Dh) -> (m, Hq, Dh)."""
+    def _prefill_attention(self, q, k_cache, v_cache, table, n, scale):
+        """m queries of one sequence, the last m of its n positions: row i sees positions <= n - m + i.
+        q (m, Hq, Dh); table (nb,) the sequence's block table -> (m, Hq, Dh).
+
+        On the CPU, two kinds of call to torch's flash kernel, neither with a mask (a mask costs a float (m, n)
+        copy per chunk and keeps the kernel from skipping tiles): the chunk's own m positions, causal, and the
+        n - m before them, which every row sees whole, read in place where the block table runs through
+        consecutive blocks. Their outputs merge exactly by their log-sum-exps (merge_attention). Elsewhere one
+        masked call over a gathered copy (torch's CPU flash kernel is the one that returns the log-sum-exp)."""
+        m = q.shape[0]
+        if q.device.type != "cpu":
+            return self._masked_attention(q, *self._gather_kv(k_cache, v_cache, table, 0, n), scale)
+        parts = [self._flash_cpu(q, *self._gather_kv(k_cache, v_cache, table, n - m, n), scale, causal=True)]
+        parts += [self._flash_cpu(q, k, v, scale) for k, v in self._kv_spans(k_cache, v_cache, table, n - m)]
+        return merge_attention(parts).transpose(0, 1).to(q.dtype)
+
+    @staticmethod
+    def _gather_kv(k_cache, v_cache, table, start, stop):
+        """Positions [start, stop) of a sequence's paged K and V, copied: (stop - start, Hk, Dh) each."""
+        bs = k_cache.shape[1]
+        blocks = table[start // bs: -(-stop // bs)].long()
+        skip = start % bs
+        return tuple(c[blocks].flatten(0, 1)[skip: skip + stop - start] for c in (k_cache, v_cache))
+
+    @staticmethod
+    def _kv_spans(k_cache, v_cache, table, n, max_spans: int = 8):
+        """Positions [0, n) of a sequence's paged K and V as pieces (k, v), each (L, Hk, Dh), in order: views of
+        the cache where the block table runs through consecutive blocks (a fresh pool hands them out in order,
+        so a long prompt is one piece: no copy of its K and V per chunk), one gathered copy when the table has
+        more than max_spans runs."""
+        if n == 0:
+            return []
+        bs = k_cache.shape[1]
+        blocks = table[: -(-n // bs)].long()                             # (nb,)
+        cuts = ((blocks[1:] != blocks[:-1] + 1).nonzero()[:, 0] + 1).tolist()   # where a run of blocks ends
+        if len(cuts) >= max_spans:
+            return [TorchOps._gather_kv(k_cache, v_cache, table, 0, n)]
+        pieces = []
+        for a, b in zip([0] + cuts, cuts + [len(blocks)]):
+            first, size = int(blocks[a]), min(n, b * bs) - a * bs          # tokens of this run
+            pieces.append(tuple(c[first: first + b - a].flatten(0, 1)[:size] for c in (k_cache, v_cache)))
+        return pieces
+
+    @staticmethod
+    def _flash_cpu(q, k, v, scale, causal: bool = False):
+        """torch's CPU flash attention of q (m, Hq, Dh) over k, v (L, Hk, Dh): every row over all L positions,
+        or causal (L == m). -> (out (Hq, m, Dh), logsumexp (Hq, m) fp32). In fp32, or in bf16 with fp32
+        accumulation when the cache is bf16 (--kv-dtype bfloat16: its values are bf16 already). Unmasked, the q
+        heads of one KV head go in as one query of rep * m rows: the kernel reads each K tile once for all of
+        them, in larger query tiles. Causal, K and V are repeated per q head (m rows: the kernel's own GQA is
+        not in every torch this file supports)."""
+        work = torch.bfloat16 if k.dtype == torch.bfloat16 else torch.float32
+        (m, Hq, Dh), Hk = q.shape, k.shape[1]
+        qh = q.to(work).transpose(0, 1)                                  # (Hq, m, Dh)
+        kh, vh = (t.to(work).transpose(0, 1) for t in (k, v))            # (Hk, L, Dh), strided views
+        if causal:
+            kh, vh = kh.repeat_interleave(Hq // Hk, 0), vh.repeat_interleave(Hq // Hk, 0)
+        else:
+            qh = qh.reshape(Hk, Hq // Hk * m, Dh)                        # q head h reads KV head h // rep
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh[None], kh[None], vh[None], is_causal=causal, scale=scale)
+        return o[0].reshape(Hq, m, Dh), lse[0].reshape(Hq, m)
+
+    def _masked_attention(self, q, k, v, scale):
+        """_prefill_attention off the CPU, over its gathered k, v (n, Hk, Dh): torch's fused attention with a
+        boolean mask (memory in tiles, not an (m, n) score matrix per head), 4-D inputs."""
         m, n = q.shape[0], k.shape[0]
         work = torch.bfloat16 if k.dtype == torch.bfloat16 else torch.float32
         seen = torch.arange(n, device=q.device)[None, :] <= (n - m + torch.arange(m, device=q.device))[:, None]
-        qh, kh, vh = (t.to(work).transpose(0, 1)[None] for t in (q, k, v))   # (1, H, m|n, Dh): 4-D, or torch
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)  # takes its
-        return o[0].transpose(0, 1).to(q.dtype)                          # slow path; (m, Hq, Dh)
+        qh, kh, vh = (t.to(work).transpose(0, 1)[None] for t in (q, k, v))   # (1, H, m|n, Dh)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1).to(q.dtype)                          # (m, Hq, Dh)
 
     def conv1d(self, x, w, conv_state, slot_ids, query_start):
         width = w.shape[1]
