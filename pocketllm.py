@@ -886,27 +886,48 @@ def prefill_delta_chunked(q, k, v, g, beta, S, chunk: int = 64):
     """The gated delta rule over m tokens of one sequence in chunks (the WY/UT form).
     q, k (m, H, Dk) normalised; v (m, H, Dv); g, beta (m, H); S (H, Dk, Dv) fp32 initial state.
     Within a chunk with cumulative log-decay c: the corrections u = (I + L)^-1 (beta v - beta k_decayed S),
-    where L is the strictly lower part of (beta k k^T) * exp(c_i - c_j); outputs read S and the chunk's u."""
-    m = q.shape[0]
-    out = torch.empty_like(v)
-    for c0 in range(0, m, chunk):
-        qc, kc, vc = (t[c0:c0 + chunk].transpose(0, 1) for t in (q, k, v))  # (H, C, D)
-        gc, bc = g[c0:c0 + chunk].t(), beta[c0:c0 + chunk].t()              # (H, C)
-        cum = gc.cumsum(-1)                                                 # (H, C)
-        n = cum.shape[-1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # (H, C, C)
-        kb = kc * bc[..., None]
-        lower = (kb @ kc.transpose(-1, -2) * decay).tril(-1)
-        eye = torch.eye(n, device=q.device).expand_as(lower)
-        rhs = torch.cat([vc * bc[..., None], kb * cum.exp()[..., None]], -1)  # (H, C, Dv + Dk)
-        sol = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
-        u = sol[..., :vc.shape[-1]] - sol[..., vc.shape[-1]:] @ S          # (H, C, Dv): delta-rule corrections
-        attn = (qc @ kc.transpose(-1, -2)) * decay                         # (H, C, C) causal, incl. diagonal
-        out[c0:c0 + chunk] = ((qc * cum.exp()[..., None]) @ S + attn @ u).transpose(0, 1)
-        last = cum[:, -1:]                                                 # (H, 1)
-        S = S * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
-    return out, S
+    where L is the strictly lower part of (beta k k^T) * exp(c_i - c_j); outputs read S and the chunk's u.
+    Everything that does not read S is computed for all N chunks at once, (N, H, C, .) tensors; the loop over
+    chunks is the state's recurrence alone (a few matmuls each: per-call cost, not arithmetic, is what a CPU
+    prefill of small heads pays). The last chunk is padded with tokens of g = beta = k = v = 0, which leave S,
+    the decay and the real tokens' outputs as they are."""
+    m, H, Dv = v.shape
+    pad = -m % chunk
+    N = (m + pad) // chunk
+
+    def split(t):                                                          # (m, H, ...) -> (N, H, C, ...)
+        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+        return t.view(N, chunk, *t.shape[1:]).transpose(1, 2)
+    qc, kc, vc, gc, bc = (split(t) for t in (q, k, v, g, beta))           # (N, H, C, D), gc, bc (N, H, C)
+    cum = gc.cumsum(-1)                                                     # (N, H, C)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (N, H, C, C)
+    kb = kc * bc[..., None]
+    lower = (kb @ kc.transpose(-1, -2) * decay).tril(-1)                    # L; solved as I + L (unitriangular)
+    rhs = torch.cat([vc * bc[..., None], kb * cum.exp()[..., None]], -1)    # (N, H, C, Dv + Dk)
+    sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    sol_v, sol_k = sol[..., :Dv], sol[..., Dv:]                             # u = sol_v - sol_k @ S
+    attn = (qc @ kc.transpose(-1, -2)) * decay                              # (N, H, C, C) causal, incl. diagonal
+    last = cum[..., -1:]                                                    # (N, H, 1)
+    q_decayed = qc * cum.exp()[..., None]
+    k_to_end = (kc * (last - cum).exp()[..., None]).transpose(-1, -2)      # (N, H, Dk, C)
+    fade = last.exp()[..., None]                                            # (N, H, 1, 1)
+    out = v.new_empty(N, H, chunk, Dv)
+    for i in range(N):
+        u = sol_v[i] - sol_k[i] @ S                                         # (H, C, Dv): delta-rule corrections
+        out[i] = q_decayed[i] @ S + attn[i] @ u
+        S = S * fade[i] + k_to_end[i] @ u
+    return out.transpose(1, 2).reshape(N * chunk, H, Dv)[:m], S
+
+
+def merge_attention(parts):
+    """Softmax attention over disjoint sets of keys, combined exactly: parts [(out (H, m, D), logsumexp (H, m))],
+    each out weighted by exp(its logsumexp - the logsumexp of them all). -> (H, m, D) fp32."""
+    if len(parts) == 1:
+        return parts[0][0].float()
+    lse = torch.stack([l for _, l in parts])                             # (P, H, m)
+    w = torch.softmax(lse, 0)[..., None]                                 # (P, H, m, 1)
+    return sum(o.float() * w[p] for p, (o, _) in enumerate(parts))
 
 
 def _as(x, dtype):
@@ -1081,13 +1102,9 @@ class TorchOps:
         if q.shape[0] == context_lens.numel():                          # decode: every sequence at once
             return self._decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
         out = torch.empty_like(q)                                        # (T, Hq, Dh)
-        bs = k_cache.shape[1]
         for b in range(len(context_lens)):
             q0, q1, n = int(query_start[b]), int(query_start[b + 1]), int(context_lens[b])
-            blocks = block_tables[b, : -(-n // bs)].long()
-            k = k_cache[blocks].flatten(0, 1)[:n]                        # (n, Hk, Dh)
-            v = v_cache[blocks].flatten(0, 1)[:n]
-            out[q0:q1] = self._prefill_attention(q[q0:q1], k, v, scale)
+            out[q0:q1] = self._prefill_attention(q[q0:q1], k_cache, v_cache, block_tables[b], n, scale)
         return out
 
     def _decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -1110,17 +1127,78 @@ class TorchOps:
                                            scale=scale, enable_gqa=True)  # (B, Hq, 1, Dh)
         return _as(o[:, :, 0], q.dtype)
 
-    def _prefill_attention(self, q, k, v, scale):
-        """m queries of one sequence, the last m of its n positions: row i sees positions <= n - m + i. torch's
-        fused attention (memory in tiles, not an (m, n) score matrix per head), in fp32; in bf16 with fp32
-        accumulation when the cache is bf16 (--kv-dtype bfloat16: its values are bf16 already).
-        q (m, Hq, Dh), k, v (n, Hk, Dh) -> (m, Hq, Dh)."""
+    def _prefill_attention(self, q, k_cache, v_cache, table, n, scale):
+        """m queries of one sequence, the last m of its n positions: row i sees positions <= n - m + i.
+        q (m, Hq, Dh); table (nb,) the sequence's block table -> (m, Hq, Dh).
+
+        On the CPU, two kinds of call to torch's flash kernel, neither with a mask (a mask costs a float (m, n)
+        copy per chunk and keeps the kernel from skipping tiles): the chunk's own m positions, causal, and the
+        n - m before them, which every row sees whole, read in place where the block table runs through
+        consecutive blocks. Their outputs merge exactly by their log-sum-exps (merge_attention). Elsewhere one
+        masked call over a gathered copy (torch's CPU flash kernel is the one that returns the log-sum-exp)."""
+        m = q.shape[0]
+        if q.device.type != "cpu":
+            return self._masked_attention(q, *self._gather_kv(k_cache, v_cache, table, 0, n), scale)
+        parts = [self._flash_cpu(q, *self._gather_kv(k_cache, v_cache, table, n - m, n), scale, causal=True)]
+        parts += [self._flash_cpu(q, k, v, scale) for k, v in self._kv_spans(k_cache, v_cache, table, n - m)]
+        return merge_attention(parts).transpose(0, 1).to(q.dtype)
+
+    @staticmethod
+    def _gather_kv(k_cache, v_cache, table, start, stop):
+        """Positions [start, stop) of a sequence's paged K and V, copied: (stop - start, Hk, Dh) each."""
+        bs = k_cache.shape[1]
+        blocks = table[start // bs: -(-stop // bs)].long()
+        skip = start % bs
+        return tuple(c[blocks].flatten(0, 1)[skip: skip + stop - start] for c in (k_cache, v_cache))
+
+    @staticmethod
+    def _kv_spans(k_cache, v_cache, table, n, max_spans: int = 8):
+        """Positions [0, n) of a sequence's paged K and V as pieces (k, v), each (L, Hk, Dh), in order: views of
+        the cache where the block table runs through consecutive blocks (a fresh pool hands them out in order,
+        so a long prompt is one piece: no copy of its K and V per chunk), one gathered copy when the table has
+        more than max_spans runs."""
+        if n == 0:
+            return []
+        bs = k_cache.shape[1]
+        blocks = table[: -(-n // bs)].long()                             # (nb,)
+        cuts = ((blocks[1:] != blocks[:-1] + 1).nonzero()[:, 0] + 1).tolist()   # where a run of blocks ends
+        if len(cuts) >= max_spans:
+            return [TorchOps._gather_kv(k_cache, v_cache, table, 0, n)]
+        pieces = []
+        for a, b in zip([0] + cuts, cuts + [len(blocks)]):
+            first, size = int(blocks[a]), min(n, b * bs) - a * bs          # tokens of this run
+            pieces.append(tuple(c[first: first + b - a].flatten(0, 1)[:size] for c in (k_cache, v_cache)))
+        return pieces
+
+    @staticmethod
+    def _flash_cpu(q, k, v, scale, causal: bool = False):
+        """torch's CPU flash attention of q (m, Hq, Dh) over k, v (L, Hk, Dh): every row over all L positions,
+        or causal (L == m). -> (out (Hq, m, Dh), logsumexp (Hq, m) fp32). In fp32, or in bf16 with fp32
+        accumulation when the cache is bf16 (--kv-dtype bfloat16: its values are bf16 already). Unmasked, the q
+        heads of one KV head go in as one query of rep * m rows: the kernel reads each K tile once for all of
+        them, in larger query tiles. Causal, K and V are repeated per q head (m rows: the kernel's own GQA is
+        not in every torch this file supports)."""
+        work = torch.bfloat16 if k.dtype == torch.bfloat16 else torch.float32
+        (m, Hq, Dh), Hk = q.shape, k.shape[1]
+        qh = q.to(work).transpose(0, 1)                                  # (Hq, m, Dh)
+        kh, vh = (t.to(work).transpose(0, 1) for t in (k, v))            # (Hk, L, Dh), strided views
+        if causal:
+            kh, vh = kh.repeat_interleave(Hq // Hk, 0), vh.repeat_interleave(Hq // Hk, 0)
+        else:
+            qh = qh.reshape(Hk, Hq // Hk * m, Dh)                        # q head h reads KV head h // rep
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh[None], kh[None], vh[None], is_causal=causal, scale=scale)
+        return o[0].reshape(Hq, m, Dh), lse[0].reshape(Hq, m)
+
+    def _masked_attention(self, q, k, v, scale):
+        """_prefill_attention off the CPU, over its gathered k, v (n, Hk, Dh): torch's fused attention with a
+        boolean mask (memory in tiles, not an (m, n) score matrix per head), 4-D inputs."""
         m, n = q.shape[0], k.shape[0]
         work = torch.bfloat16 if k.dtype == torch.bfloat16 else torch.float32
         seen = torch.arange(n, device=q.device)[None, :] <= (n - m + torch.arange(m, device=q.device))[:, None]
-        qh, kh, vh = (t.to(work).transpose(0, 1)[None] for t in (q, k, v))   # (1, H, m|n, Dh): 4-D, or torch
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)  # takes its
-        return o[0].transpose(0, 1).to(q.dtype)                          # slow path; (m, Hq, Dh)
+        qh, kh, vh = (t.to(work).transpose(0, 1)[None] for t in (q, k, v))   # (1, H, m|n, Dh)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1).to(q.dtype)                          # (m, Hq, Dh)
 
     def conv1d(self, x, w, conv_state, slot_ids, query_start):
         width = w.shape[1]
@@ -12731,29 +12809,50 @@ def workspace_bytes(cfg: ModelConfig, prefill_token_budget: int, max_batch_size:
     return prefill_token_budget * per_token + max(max_batch_size, 1) * cfg.vocab_size * 4 * 4 + 256 * (1 << 20)
 
 
+def layer_matrices(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
+    """(rows, cols) of the weight matrices of each kind of layer, its MLP's included: the FP8 ones of an FP8
+    checkpoint (the GDN a/b projections and the vectors are not matrices here)."""
+    D, I, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * Dh * (2 if cfg.gated_attention else 1), cfg.num_key_value_heads * Dh
+    v_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    mlp = [(I, D), (I, D), (D, I)]
+    return {"full_attention": [(q_rows, D), (kv_rows, D), (kv_rows, D), (D, cfg.num_attention_heads * Dh)] + mlp,
+            "linear_attention": [(cfg.linear_conv_dim, D), (v_dim, D), (D, v_dim)] + mlp}
+
+
 def layer_bytes(cfg: ModelConfig, world: int = 1) -> int:
     """One rank's share of the layers' weights from the config: FP8 matrices at 1 byte plus an fp32 scale per
     128x128 block (bf16 ones at 2 bytes), vectors and the small GDN a/b projections at 2 bytes; split `world`
     ways."""
-    D, I, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    fp8 = cfg.quant is not None
+    D, Dh = cfg.hidden_size, cfg.head_dim
 
     def matrix(rows: int, cols: int) -> int:
-        if not fp8:
+        if cfg.quant is None:
             return 2 * rows * cols
         br, bc = cfg.quant.block
         return rows * cols + 4 * -(-rows // br) * -(-cols // bc)
-    per_layer = {
-        "full_attention": matrix(cfg.num_attention_heads * Dh * (2 if cfg.gated_attention else 1), D)
-        + 2 * matrix(cfg.num_key_value_heads * Dh, D) + matrix(D, cfg.num_attention_heads * Dh) + 2 * 2 * Dh,
-        "linear_attention": matrix(cfg.linear_conv_dim, D)
-        + matrix(cfg.linear_num_value_heads * cfg.linear_value_head_dim, D)
-        + 2 * 2 * cfg.linear_num_value_heads * D + 2 * cfg.linear_conv_dim * cfg.linear_conv_kernel_dim
-        + matrix(D, cfg.linear_num_value_heads * cfg.linear_value_head_dim)
-        + 2 * 2 * cfg.linear_num_value_heads + 2 * cfg.linear_value_head_dim}
-    mlp = 2 * matrix(I, D) + matrix(D, I) + 2 * 2 * D
-    layers = sum(per_layer[t] + mlp for t in cfg.layer_types[:cfg.num_hidden_layers])
+    vectors = {"full_attention": 2 * 2 * Dh,
+               "linear_attention": 2 * 2 * cfg.linear_num_value_heads * D
+               + 2 * cfg.linear_conv_dim * cfg.linear_conv_kernel_dim
+               + 2 * 2 * cfg.linear_num_value_heads + 2 * cfg.linear_value_head_dim}
+    matrices = layer_matrices(cfg)
+    layers = sum(sum(matrix(*m) for m in matrices[t]) + vectors[t] + 2 * 2 * D      # + the MLP's two norms
+                 for t in cfg.layer_types[:cfg.num_hidden_layers])
     return -(-layers // world) + 2 * D                                  # + the final norm
+
+
+def fp8_dense_copy_bytes(cfg: ModelConfig, opts: EngineOptions, world: int = 1, act_bytes: int = 2,
+                         mtp_layers: int = 0) -> int:
+    """One rank's share of the dense copy the torch backend makes of an FP8 checkpoint's matrices when it fits
+    --fp8-dense-memory (Model.dense), from the config: every layer's matrices, and the MTP layers' (a full-
+    attention layer each) when loaded, at act_bytes per value; 0 when it makes none. On the CPU the copy is
+    memory of its own (the FP8 weights stay in the mapped file); on a GPU the FP8 ones are freed after it."""
+    if cfg.quant is None or opts.backend != "torch":
+        return 0
+    matrices = layer_matrices(cfg)
+    kinds = list(cfg.layer_types[:cfg.num_hidden_layers]) + ["full_attention"] * mtp_layers
+    dense = -(-sum(r * c for t in kinds for r, c in matrices[t]) // world) * act_bytes
+    return dense if dense <= opts.fp8_dense_memory << 20 else 0
 
 
 def vocab_bytes(cfg: ModelConfig, world: int = 1) -> int:
@@ -12765,10 +12864,12 @@ def vocab_bytes(cfg: ModelConfig, world: int = 1) -> int:
 def memory_budget(cfg: ModelConfig, opts: EngineOptions, world: int = 1, *, kv_bytes: int = 2, act_bytes: int = 2,
                   mtp_layers: int = 0) -> dict[str, int]:
     """Bytes per GPU (rank) of each part under the engine options `opts`: the layers' weights, the embedding and
-    lm_head slices (each rank loads both, also when tied), KV cache (kv_cache_blocks), recurrent state (one slot
+    lm_head slices (each rank loads both, also when tied), the torch backend's dense copy of FP8 weights
+    (fp8_dense_copy_bytes; opts.backend names the backend), KV cache (kv_cache_blocks), recurrent state (one slot
     per sequence of --max-batch-size; 0, sized from memory on a GPU, counts as the CPU's 16), the prefix cache's
     state snapshots (snapshot_count), workspace, and their total. Heads and vocabulary split `world` ways (at
-    least one head each). mtp_layers: MTP draft layers whose KV shares the blocks (their weights not counted).
+    least one head each). mtp_layers: MTP draft layers whose KV shares the blocks (their weights not counted,
+    their dense copy is).
 
     >>> cfg = ModelConfig("qwen3", 1000, 64, 128, 2, 4, 2, 16, 1e-6, False, ["full_attention"] * 2, 1e4, 16,
     ...                   4096, False, False)
@@ -12785,7 +12886,8 @@ def memory_budget(cfg: ModelConfig, opts: EngineOptions, world: int = 1, *, kv_b
     per_slot = cfg.num_linear_layers * (v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
                                         + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
     parts = {"layers": layer_bytes(cfg, world), "embedding": vocab_bytes(cfg, world),
-             "lm_head": vocab_bytes(cfg, world), "kv_cache": kv, "recurrent_state": opts.max_batch_size * per_slot,
+             "lm_head": vocab_bytes(cfg, world),
+             "fp8_dense_copy": fp8_dense_copy_bytes(cfg, opts, world, act_bytes, mtp_layers), "kv_cache": kv, "recurrent_state": opts.max_batch_size * per_slot,
              "prefix_cache": snapshot_count(opts, per_slot) * per_slot,
              "workspace": workspace_bytes(cfg, opts.prefill_token_budget, opts.max_batch_size, act_bytes)}
     return {**parts, "total": sum(parts.values())}
@@ -12868,7 +12970,11 @@ def memory_fix(opts: EngineOptions, need: dict[str, int], sized: bool) -> str:
     """The flags that size the largest of the cache's parts and the workspace in `need` (memory_budget), and
     their values: what to lower when they do not fit."""
     batch = f"--max-batch-size/--max-num-seqs (now {opts.max_batch_size or 1})"
-    part = max(("kv_cache", "recurrent_state", "prefix_cache", "workspace"), key=need.get)
+    part = max(("kv_cache", "recurrent_state", "prefix_cache", "workspace", "fp8_dense_copy"),
+               key=lambda name: need.get(name, 0))
+    if part == "fp8_dense_copy":
+        return (f"lower --fp8-dense-memory (now {opts.fp8_dense_memory} MiB) below the dense copy's "
+                f"{format_bytes(need[part])} (FP8 weights then stay FP8, dequantised per use)")
     if part == "kv_cache":
         return (f"lower --num-kv-blocks (now {opts.num_kv_blocks})" if opts.num_kv_blocks else
                 f"lower --max-context/--max-model-len (now {opts.max_context})" + ("" if sized else f" or {batch}"))
@@ -12885,8 +12991,9 @@ def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch
     its devices may use. A GPU: --gpu-memory-utilization of the card, at most what is free (instance_budget), for
     the whole budget. Free memory is asked of rank 0's device only (this process's); the other ranks' cards count
     as wholly free from their properties, since asking them would leave a CUDA context of this process on each.
-    The CPU: what the machine has available (host_memory) for every CPU rank's cache and workspace (the weights
-    are read from the mapped checkpoint files, whose pages the kernel counts as available). A cache sized from
+    The CPU: what the machine has available (host_memory) for every CPU rank's cache, workspace and dense FP8 copy
+    (the weights are read from the mapped checkpoint files, whose pages the kernel counts as available; the dense
+    copy is memory of its own). A cache sized from
     memory (`sized`) needs at least one sequence of --max-context; otherwise the cache holds --max-batch-size of
     them (or --num-kv-blocks)."""
     world = len(devices)
@@ -12898,7 +13005,8 @@ def check_memory_fits(cfg: ModelConfig, opts: EngineOptions, devices: list[torch
     cpu_ranks = sum(device.type == "cpu" for device in devices)
     available = host_memory() if cpu_ranks else None
     if available is not None and cpu_ranks * (need["total"] - weights) > available:
-        parts = {name: need[name] for name in ("kv_cache", "recurrent_state", "prefix_cache", "workspace")}
+        parts = {name: need[name] for name in ("fp8_dense_copy", "kv_cache", "recurrent_state", "prefix_cache",
+                                               "workspace")}
         raise PocketError(f"the CPU has {format_bytes(available)} available (MemAvailable), but {cpu_ranks} rank(s) "
                           f"need {format_bytes(need['total'] - weights)} each besides the weights "
                           f"({format_budget(parts)}); {memory_fix(opts, need, sized)}")

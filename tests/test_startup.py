@@ -2,6 +2,7 @@
 monkeypatched, so the GPU decisions are tested on this CPU-only machine), the cache sized from memory, the
 config-based memory budget against the cache pocketllm really allocates, and the warm-up run for real."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -283,6 +284,16 @@ def config_27b() -> "pocketllm.ModelConfig":
     return pocketllm.parse_model_config(raw, Path("27b/config.json"))
 
 
+def config_08b() -> "pocketllm.ModelConfig":
+    """A 0.8B-class Qwen3.5 (benchmarks/bench.py's SHAPE_0_8B, its 24 layers), FP8 like the bundled model."""
+    raw = json.loads((TINY / "config.json").read_text())
+    raw["text_config"].update(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                              num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                              linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6)
+    return pocketllm.parse_model_config(raw, Path("0.8b/config.json"))
+
+
 def weights(budget: dict) -> int:
     return budget["layers"] + budget["embedding"] + budget["lm_head"]
 
@@ -387,13 +398,49 @@ def test_the_cpu_cache_is_checked_against_the_ram_available_before_any_weight_lo
                                                                "(now 1000000)")):
         with pytest.raises(pocketllm.PocketError, match=re.escape(f"; lower {flag}") + "$"):
             pocketllm.LLM(TINY, quiet=True, **options)
-    with pytest.raises(pocketllm.PocketError, match=r"2 rank\(s\) need 554\.3 MiB each"):   # one machine's RAM
+    with pytest.raises(pocketllm.PocketError, match=r"2 rank\(s\) need 558\.2 MiB each besides the weights "
+                                                    r"\(fp8 dense copy 3\.9 MiB, "):   # one machine's RAM
         pocketllm.LLM(TINY, quiet=True, devices="cpu,cpu", max_context=6144)
     with pytest.raises(AssertionError, match="a weight was loaded"):   # under 1 GiB: past the check, loading starts
         pocketllm.LLM(TINY, quiet=True, max_context=4096)
     monkeypatch.setattr(pocketllm, "host_memory", lambda: None)       # unknown (no /proc/meminfo, no sysconf)
     with pytest.raises(AssertionError, match="a weight was loaded"):
         pocketllm.LLM(TINY, quiet=True, max_context=10 ** 6)
+
+
+def test_the_budget_counts_the_dense_fp8_copy_the_torch_backend_makes():
+    """pocket-tiny on the CPU: the config's estimate of the dense copy equals what Model dequantised, with and
+    without the MTP layer (loaded when speculating)."""
+    for spec in (0, 1):
+        llm = pocketllm.LLM(TINY, quiet=True, max_context=256, max_batch_size=2, speculative_tokens=spec)
+        try:
+            mtp = len(llm.model.cache_layers) - len(llm.model.layers)
+            assert llm.model.dense and mtp == spec
+            b = pocketllm.memory_budget(llm.config, llm.options, kv_bytes=4, act_bytes=4, mtp_layers=mtp)
+            assert b["fp8_dense_copy"] == llm.model.dense_bytes
+        finally:
+            llm.close()
+
+
+def test_the_cpu_check_counts_the_dense_fp8_copy(monkeypatch):
+    """The torch backend dequantises the FP8 weights once at load when the copy fits --fp8-dense-memory: on the
+    CPU memory of its own (the FP8 weights stay in the mapped file), 1.85 GiB in fp32 for the 0.8B class. With RAM
+    for everything else and half the copy, the check refuses, naming the flag; with the copy over
+    --fp8-dense-memory (FP8 stays FP8), or on the native backend, there is no copy and the same RAM suffices."""
+    cfg, cpu = config_08b(), [torch.device("cpu")]
+    opts = pocketllm.EngineOptions(backend="torch", max_context=4096, max_batch_size=1)
+    need = pocketllm.memory_budget(cfg, opts, kv_bytes=4, act_bytes=4)
+    dense = need["fp8_dense_copy"]
+    assert dense == 6 * 331350016                                   # Model.dense_bytes of its first 4 layers, x 6
+    rest = need["total"] - weights(need) - dense
+    monkeypatch.setattr(pocketllm, "host_memory", lambda: rest + dense // 2)
+    with pytest.raises(pocketllm.PocketError, match=r"\(fp8 dense copy 1\.\d\d GiB, kv cache .*; lower "
+                                                    r"--fp8-dense-memory \(now 4096 MiB\) below the dense copy's"):
+        pocketllm.check_memory_fits(cfg, opts, cpu, torch.float32, torch.float32, sized=False)
+    for other in ({"fp8_dense_memory": 1024}, {"backend": "native"}):
+        without = dataclasses.replace(opts, **other)
+        assert pocketllm.memory_budget(cfg, without, kv_bytes=4, act_bytes=4)["fp8_dense_copy"] == 0
+        pocketllm.check_memory_fits(cfg, without, cpu, torch.float32, torch.float32, sized=False)
 
 
 def test_the_ram_available_is_memavailable():
