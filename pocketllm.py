@@ -12887,7 +12887,8 @@ def memory_budget(cfg: ModelConfig, opts: EngineOptions, world: int = 1, *, kv_b
                                         + conv_dim * (cfg.linear_conv_kernel_dim - 1) * kv_bytes)
     parts = {"layers": layer_bytes(cfg, world), "embedding": vocab_bytes(cfg, world),
              "lm_head": vocab_bytes(cfg, world),
-             "fp8_dense_copy": fp8_dense_copy_bytes(cfg, opts, world, act_bytes, mtp_layers), "kv_cache": kv, "recurrent_state": opts.max_batch_size * per_slot,
+             "fp8_dense_copy": fp8_dense_copy_bytes(cfg, opts, world, act_bytes, mtp_layers), "kv_cache": kv,
+             "recurrent_state": opts.max_batch_size * per_slot,
              "prefix_cache": snapshot_count(opts, per_slot) * per_slot,
              "workspace": workspace_bytes(cfg, opts.prefill_token_budget, opts.max_batch_size, act_bytes)}
     return {**parts, "total": sum(parts.values())}
