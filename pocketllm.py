@@ -1053,8 +1053,9 @@ class TorchOps:
             qk = _rope(F.rms_norm(qk, q_w.shape, None, eps) * w, *self._cos_sin(positions, inv_freq))
         else:                                                            # a decode step's few rows
             qk = (qk * self._inv_rms(qk, eps, qk.shape[-1])).mul_(w)     # (T, H, Dh)
-            rot = qk[..., :self._rotation(positions, inv_freq).shape[-1]]  # (T, H, R) rotated in place
-            rot.copy_(torch.bmm(rot, self._rotation(positions, inv_freq)))
+            M = self._rotation(positions, inv_freq)                       # (T, R, R)
+            rot = qk[..., :M.shape[-1]]                                  # (T, H, R) rotated in place
+            rot.copy_(torch.bmm(rot, M))
         return _as(qk[:, :Hq], q.dtype), _as(qk[:, Hq:], k.dtype)
 
     def _rotation(self, positions, inv_freq):
