@@ -975,7 +975,7 @@ class TorchOps:
         take rsqrt(mean(x^2) + eps) from one vector norm (torch's rms_norm runs ~6 kernels on any size)."""
         if x.shape[0] > 8:
             return _as(F.rms_norm(x.float(), w.shape, self._one_plus(w), eps), x.dtype)
-        xf = x.float()
+        xf = _as(x, torch.float32)
         return _as((xf * self._inv_rms(xf, eps, xf.shape[-1])).mul_(self._one_plus(w)), x.dtype)
 
     def _inv_rms(self, x, eps: float, divisor: float):
@@ -983,19 +983,23 @@ class TorchOps:
         torch's rms_norm runs ~6 kernels on any size."""
         n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         consts = self.__dict__.setdefault("_eps", {})
-        e = consts.get((eps, x.device))
-        if e is None:
-            e = consts[eps, x.device] = torch.tensor(eps, device=x.device)
+        e = consts.get(eps)
+        if e is None or e.device != x.device:
+            e = consts[eps] = torch.tensor(eps, device=x.device)
         return torch.addcmul(e, n, n, value=1.0 / divisor).rsqrt_()
 
     def _one_plus(self, w):
         """1 + w of a norm weight, made once per weight."""
         return self._derived(w, "1+w", lambda: 1.0 + w.float())
 
+    def _f32(self, w):
+        """A small bf16 weight (conv taps, dt_bias, a norm's weight) in fp32, converted once, not at every step."""
+        return w if w.dtype == torch.float32 else self._derived(w, "fp32", lambda: w.float())
+
     def add_rmsnorm(self, x, residual, w, eps, dtype=None):
         """residual + x (x fp32 or the activation dtype) in the fp32 residual stream; the norm in `dtype`
         (default x's)."""
-        residual = residual + x.float()                                  # the residual stream stays fp32
+        residual = residual + _as(x, torch.float32)                      # the residual stream stays fp32
         return _as(self.rmsnorm(residual, w, eps), dtype or x.dtype), residual
 
     def prenorm(self, x, residual, w, eps, dtype=None):
@@ -1005,7 +1009,7 @@ class TorchOps:
 
     def linear(self, x, w: Linear, dtype=None):
         """x @ w^T in `dtype` (default x's); float32 computes in float32, so sums past 65504 stay finite."""
-        x = x.float() if dtype == torch.float32 else x
+        x = _as(x, torch.float32) if dtype == torch.float32 else x
         if w.packed is not None and x.dtype == torch.float32 and x.shape[0]:
             return torch.ops.quantized.linear_dynamic_fp16(x, w.packed)  # (T, N): fp16 weights, fp32 sums
         if w.scale is None:
@@ -1020,7 +1024,7 @@ class TorchOps:
 
     def linear_parts(self, x, w: Linear, sizes: list[int], dtype=None) -> tuple[torch.Tensor, ...]:
         """linear() of stacked projections, split into their (T, N_p) outputs (views here)."""
-        return self.linear(x, w, dtype).split(sizes, -1)
+        return self.linear(x, w, dtype).split_with_sizes(sizes, -1)     # (Tensor.split's wrapper is Python)
 
     def silu_mul(self, g, u):
         return (F.silu(g.float()) * u.float()).to(g.dtype)
@@ -1028,7 +1032,7 @@ class TorchOps:
     def silu_mul_linear(self, g, u, w: Linear, dtype):
         """down_proj(silu(g) * u) -> (T, N) fp32, g, u (T, I) fp32. The intermediate is held in `dtype`; in fp16
         each row is first divided by its safe_row_scale and the output row multiplied back (as the kernels do)."""
-        h = F.silu(g.float()) * u.float()                                # (T, I) fp32
+        h = F.silu(_as(g, torch.float32)).mul_(_as(u, torch.float32))    # (T, I) fp32
         if dtype == torch.float32:
             return self.linear(h, w, torch.float32)
         s = safe_row_scale(h)                                            # (T, 1)
@@ -1040,7 +1044,7 @@ class TorchOps:
         return self.silu_mul_linear(g, u, down, dtype)
 
     def sigmoid_mul(self, x, gate):
-        return _as(x.float() * torch.sigmoid(gate.float()), x.dtype)
+        return _as(_as(x, torch.float32) * torch.sigmoid(_as(gate, torch.float32)), x.dtype)
 
     def qk_norm_rope(self, q, k, q_w, k_w, eps, positions, inv_freq):
         """q (T, Hq, Dh) and k (T, Hk, Dh) normed per head and rotated, as one (T, Hq + Hk, Dh) tensor: the
@@ -1205,9 +1209,9 @@ class TorchOps:
         width = w.shape[1]
         if x.shape[0] == slot_ids.numel():                               # decode: one token per sequence
             rows, put = self._state_rows(conv_state, slot_ids)            # (B, C, W-1), the cache's dtype
-            xs = torch.cat([_as(rows, x.dtype), x[:, :, None]], -1)       # (B, C, W)
-            put(rows.copy_(xs[:, :, 1:]))
-            return _as(F.silu((xs.float() * w.float()).sum(-1)), x.dtype)
+            xs = torch.cat([_as(rows, x.dtype), x.unsqueeze(2)], -1)      # (B, C, W)
+            put(rows.copy_(xs.narrow(2, 1, width - 1)))
+            return _as(F.silu(torch.linalg.vecdot(_as(xs, torch.float32), self._f32(w))), x.dtype)   # (B, C)
         out = torch.empty_like(x)                                        # (T, C)
         for b in range(len(slot_ids)):
             q0, q1, s = int(query_start[b]), int(query_start[b + 1]), int(slot_ids[b])
@@ -1230,8 +1234,8 @@ class TorchOps:
 
     def gdn_gates(self, a, b, A_log, dt_bias):
         decay = self._derived(A_log, "decay", lambda: -A_log.float().exp())   # (Hv,) -exp(A_log), once
-        g = decay * F.softplus(a.float() + dt_bias.float())              # (T, Hv) fp32
-        return g, torch.sigmoid(b.float())
+        g = F.softplus(_as(a, torch.float32) + self._f32(dt_bias)).mul_(decay)   # (T, Hv) fp32
+        return g, torch.sigmoid(_as(b, torch.float32))
 
     def gdn_gates_linear(self, x, w_ab: Linear, A_log, dt_bias):
         """gdn_gates of the projections a|b (rows stacked in w_ab), computed from x; a, b kept in fp32."""
@@ -1241,10 +1245,9 @@ class TorchOps:
     def gated_delta(self, q, k, v, g, beta, state, slot_ids, query_start):
         rep = v.shape[1] // k.shape[1]                                   # value head h reads key head h // rep
         if q.shape[0] == slot_ids.numel():                               # decode: one vectorised step
-            q = self._unit_rows(q.float(), q.shape[-1] ** -0.5).repeat_interleave(rep, 1)   # (B, Hv, Dk)
-            k = self._unit_rows(k.float()).repeat_interleave(rep, 1)
+            q, k = self._unit_qk(q, k, rep)                              # (B, Hv, Dk) each
             S, put = self._state_rows(state, slot_ids)                   # (B, Hv, Dk, Dv), updated in place
-            o = decode_delta_step(q, k, v.float(), g, beta, S)
+            o = decode_delta_step(q, k, _as(v, torch.float32), g, beta, S)
             put(S)
             return _as(o, v.dtype)
         q = self._l2norm(q.float(), 1.0).repeat_interleave(rep, 1)      # (T, Hv, Dk), scaled by Dk^-0.5
@@ -1262,10 +1265,11 @@ class TorchOps:
         return self.gated_rmsnorm(self.gated_delta(q, k, v, g, beta, state, slot_ids, query_start), z, w, eps)
 
     def gated_rmsnorm(self, x, z, w, eps):
-        xf = x.float()
+        xf = _as(x, torch.float32)
         if xf.shape[0] > 8:
             return _as(F.rms_norm(xf, w.shape, w.float(), eps) * F.silu(z.float()), x.dtype)
-        return _as((xf * self._inv_rms(xf, eps, xf.shape[-1])).mul_(w).mul_(F.silu(z.float())), x.dtype)
+        gate = F.silu(_as(z, torch.float32)).mul_(self._f32(w))              # (T, H, D)
+        return _as(gate.mul_(self._inv_rms(xf, eps, xf.shape[-1])).mul_(xf), x.dtype)
 
     def _l2norm(self, x, power: float, eps: float = 1e-6):
         """x * rsqrt(sum(x^2) + eps) * D^-(power - 0.5) over the last dim D: as one rms_norm, whose mean over D
@@ -1274,19 +1278,27 @@ class TorchOps:
         w = self._derived(x.device, ("l2norm", D, power), lambda: torch.full((D,), D ** -power, device=x.device))
         return F.rms_norm(x, (D,), w, eps / D)
 
-    def _unit_rows(self, x, scale: float = 1.0):
-        """_l2norm for a decode step's few rows, in fewer torch calls: x * rsqrt(sum(x^2) + eps) * scale."""
-        r = self._inv_rms(x, 1e-6, 1.0)                                     # (..., 1)
-        return x * (r if scale == 1.0 else r.mul_(scale))
+    def _unit_qk(self, q, k, rep: int):
+        """_l2norm for a decode step's few rows: q, k (B, Hk, Dk) times rsqrt(sum(x^2) + eps) (q also by Dk^-0.5),
+        normed together in one set of calls and repeated for the rep value heads of each key head: -> (B, Hk * rep,
+        Dk) each."""
+        B, Hk, Dk = q.shape
+        qk = torch.stack([q, k], 1) if q.dtype == torch.float32 else torch.stack([q, k], 1).float()  # (B, 2, Hk, Dk)
+        scale = self._derived(q.device, ("qk-scale", Dk), lambda: torch.tensor(
+            [[Dk ** -0.5], [1.0]], device=q.device)[:, None])              # (2, 1, 1): q's rows, k's rows
+        qk = qk * self._inv_rms(qk, 1e-6, 1.0).mul_(scale)
+        return (qk.repeat_interleave(rep, 2) if rep > 1 else qk).unbind(1)
 
-    @staticmethod
-    def _state_rows(state, slot_ids):
+    def _state_rows(self, state, slot_ids):
         """(the sequences' rows of a state tensor, put(rows) that stores them back): one sequence's row on the CPU
         is a view, updated in place (put does nothing; elsewhere its slot number would wait for the device); else
-        they are gathered and scattered back."""
+        they are gathered and scattered back. The slot number is read once per step (every GDN layer reads the
+        same slot_ids tensor; the memo compares the tensor and its version, so a write into it is seen)."""
         if slot_ids.numel() == 1 and slot_ids.device.type == "cpu":
-            s = slot_ids.item()
-            return state[s:s + 1], lambda rows: None
+            last = self.__dict__.get("_slot_memo")
+            if last is None or last[0] is not slot_ids or last[1] != slot_ids._version:
+                last = self._slot_memo = (slot_ids, slot_ids._version, slot_ids.item())
+            return state.narrow(0, last[2], 1), lambda rows: None
         return state.index_select(0, slot_ids), lambda rows: state.index_copy_(0, slot_ids.long(), rows)
 
     def _derived(self, source, key, make):
@@ -3004,9 +3016,8 @@ class Model:
         if conv:
             qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], slots, query_start)   # (T, C')
         nk = w.k_heads * Dk                                                # views: the ops pack them if strided
-        q = qkv[:, :nk].view(T, w.k_heads, Dk)                             # (T, Hk', Dk)
-        k = qkv[:, nk:2 * nk].view(T, w.k_heads, Dk)
-        v = qkv[:, 2 * nk:].view(T, w.v_heads, Dv)                         # (T, Hv', Dv)
+        q, k, v = qkv.split_with_sizes([nk, nk, w.v_heads * Dv], 1)
+        q, k, v = q.view(T, w.k_heads, Dk), k.view(T, w.k_heads, Dk), v.view(T, w.v_heads, Dv)   # (T, H', D)
         if z is not None:
             return ops.gated_delta_rmsnorm(q, k, v, g, beta, cache.ssm[L.index], slots, query_start, z, w.norm,
                                            cfg.rms_norm_eps)
@@ -4084,7 +4095,7 @@ def field_views(payload: torch.Tensor, sizes: list[int], dtypes: tuple = _BATCH_
     parts, at = [], 0
     for n, dtype in zip(sizes, dtypes):
         nbytes = n * dtype.itemsize
-        parts.append(payload[at:at + nbytes].view(dtype))
+        parts.append(payload.narrow(0, at, nbytes).view(dtype))               # (narrow: no Python indexing)
         at += nbytes + -nbytes % 8
     return parts
 
