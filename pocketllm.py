@@ -1052,7 +1052,7 @@ class TorchOps:
         Hq, Hk = q.shape[1], k.shape[1]
         w = self._derived(q_w, ("qk", id(k_w), Hq, Hk), lambda: torch.cat(
             [self._one_plus(q_w).expand(Hq, -1), self._one_plus(k_w).expand(Hk, -1)]))   # (Hq + Hk, Dh)
-        qk = torch.cat([q, k], 1).float()                                # (T, Hq + Hk, Dh)
+        qk = _as(torch.cat([q, k], 1), torch.float32)                   # (T, Hq + Hk, Dh)
         if qk.shape[0] > 8:
             qk = _rope(F.rms_norm(qk, q_w.shape, None, eps) * w, *self._cos_sin(positions, inv_freq))
         else:                                                            # a decode step's few rows
@@ -1068,16 +1068,22 @@ class TorchOps:
         memo, so forgetting that one forgets both)."""
         last, cos_sin = self.__dict__.get("_rotation_memo"), self._cos_sin(positions, inv_freq)
         if last is None or last[0] is not cos_sin[0]:
-            cos, sin = (t[:, 0] for t in cos_sin)                        # (T, R/2)
-            T, r = cos.shape
-            i = torch.arange(r, device=cos.device)
-            M = cos.new_zeros(T, 2 * r, 2 * r)
-            M[:, i, i] = cos
-            M[:, i + r, i + r] = cos
-            M[:, i, i + r] = sin
-            M[:, i + r, i] = -sin
+            (T, _, r), device = cos_sin[0].shape, cos_sin[0].device
+            basis = self._derived(device, ("rotation", r), lambda: self._rotation_basis(r, device))   # (R, R * R)
+            M = torch.cat(cos_sin, -1).view(T, 2 * r).mm(basis).view(T, 2 * r, 2 * r)   # [cos | sin] (T, R) @ basis
             last = self._rotation_memo = (cos_sin[0], M)
         return last[1]
+
+    @staticmethod
+    def _rotation_basis(r: int, device) -> torch.Tensor:
+        """(2r, 4r^2): row i (a cos) and row r + i (a sin) put their value where the rotation matrix M holds it,
+        so M's entries are one matmul of a step's [cos | sin] by it: M[i, i] = M[r+i, r+i] = cos_i, M[i, r+i] = sin_i,
+        M[r+i, i] = -sin_i (exact: every entry is one value times 1 or -1)."""
+        basis = torch.zeros(2 * r, 2 * r, 2 * r)
+        i = torch.arange(r)
+        basis[i, i, i] = basis[i, i + r, i + r] = 1.0
+        basis[i + r, i, i + r], basis[i + r, i + r, i] = 1.0, -1.0
+        return basis.view(2 * r, 4 * r * r).to(device)
 
     def _cos_sin(self, positions, inv_freq):
         """(T, 1, R/2) cos and sin of the positions' angles: every attention layer of a step reads the same
