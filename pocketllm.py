@@ -1058,9 +1058,9 @@ class TorchOps:
         else:                                                            # a decode step's few rows
             qk = (qk * self._inv_rms(qk, eps, qk.shape[-1])).mul_(w)     # (T, H, Dh)
             M = self._rotation(positions, inv_freq)                       # (T, R, R)
-            rot = qk[..., :M.shape[-1]]                                  # (T, H, R) rotated in place
+            rot = qk.narrow(2, 0, M.shape[-1])                           # (T, H, R) rotated in place
             rot.copy_(torch.bmm(rot, M))
-        return _as(qk[:, :Hq], q.dtype), _as(qk[:, Hq:], k.dtype)
+        return _as(qk.narrow(1, 0, Hq), q.dtype), _as(qk.narrow(1, Hq, Hk), k.dtype)
 
     def _rotation(self, positions, inv_freq):
         """(T, R, R) RoPE of a decode step's few positions as matrices: [x1 | x2] @ M = [x1 cos - x2 sin |
@@ -1101,9 +1101,8 @@ class TorchOps:
         return q
 
     def kv_write(self, k, v, k_cache, v_cache, slot_mapping):
-        nb, bs = k_cache.shape[:2]
-        k_cache.view(nb * bs, *k_cache.shape[2:])[slot_mapping] = _as(k, k_cache.dtype)
-        v_cache.view(nb * bs, *v_cache.shape[2:])[slot_mapping] = _as(v, v_cache.dtype)
+        for cache, x in ((k_cache, k), (v_cache, v)):                  # index_put_: no Python indexing
+            cache.view(-1, *cache.shape[2:]).index_put_((slot_mapping,), _as(x, cache.dtype))   # (nb * bs, ...)
 
     def attention(self, q, k_cache, v_cache, block_tables, context_lens, query_start, scale, gate=None):
         """Paged causal attention (T, Hq, Dh); with gate (T, Hq * Dh), times sigmoid(gate) (gated attention)."""
@@ -1124,11 +1123,11 @@ class TorchOps:
         the softmax and the sum). q (B, Hq, Dh) -> (B, Hq, Dh)."""
         if q.shape[0] == 1 and q.device.type == "cpu":                  # one sequence: its n positions, no mask
             n = context_lens.item()
-            blocks = block_tables[0, :-(-n // k_cache.shape[1])]          # (nb,): index_select, not k_cache[blocks]
-            k = k_cache.index_select(0, blocks).flatten(0, 1)[None, :n].float().transpose(1, 2)   # (1, Hk, n, Dh)
-            v = v_cache.index_select(0, blocks).flatten(0, 1)[None, :n].float().transpose(1, 2)   # (3x faster)
-            o = F.scaled_dot_product_attention(q.float()[:, :, None], k, v, scale=scale, enable_gqa=True)
-            return _as(o[:, :, 0], q.dtype)
+            blocks = block_tables.select(0, 0).narrow(0, 0, -(-n // k_cache.shape[1]))   # (nb,): index_select,
+            k, v = (_as(c.index_select(0, blocks).flatten(0, 1).narrow(0, 0, n), torch.float32)   # not c[blocks]
+                    .transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))             # (1, Hk, n, Dh)
+            o = F.scaled_dot_product_attention(_as(q, torch.float32).unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+            return _as(o.select(2, 0), q.dtype)
         B, nb = block_tables.shape
         blocks = block_tables.reshape(-1)                                # (B * nb,)
         k = k_cache.index_select(0, blocks).view(B, -1, *k_cache.shape[2:]).float().transpose(1, 2)  # (B, Hk, L, Dh)
