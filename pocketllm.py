@@ -1297,13 +1297,9 @@ class TorchOps:
     def _state_rows(self, state, slot_ids):
         """(the sequences' rows of a state tensor, put(rows) that stores them back): one sequence's row on the CPU
         is a view, updated in place (put does nothing; elsewhere its slot number would wait for the device); else
-        they are gathered and scattered back. The slot number is read once per step (every GDN layer reads the
-        same slot_ids tensor; the memo compares the tensor and its version, so a write into it is seen)."""
+        they are gathered and scattered back."""
         if slot_ids.numel() == 1 and slot_ids.device.type == "cpu":
-            last = self.__dict__.get("_slot_memo")
-            if last is None or last[0] is not slot_ids or last[1] != slot_ids._version:
-                last = self._slot_memo = (slot_ids, slot_ids._version, slot_ids.item())
-            return state.narrow(0, last[2], 1), lambda rows: None
+            return state.narrow(0, slot_ids.item(), 1), lambda rows: None
         return state.index_select(0, slot_ids), lambda rows: state.index_copy_(0, slot_ids.long(), rows)
 
     def _derived(self, source, key, make):

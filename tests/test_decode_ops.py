@@ -2,7 +2,7 @@
 
 The decode paths cut torch calls (issue 50): the RoPE rotation matrices from one matmul by a constant basis, q
 and k of the Gated DeltaNet normed together, the causal conv as one vecdot, one sequence's state rows as views
-whose slot number is read once per step. Each is checked here against the plain formula in float64, at batch 1
+at the slot number of the call. Each is checked here against the plain formula in float64, at batch 1
 (the CPU's views) and at batch 3 (gathered rows), with GQA repeats of 1 and 2."""
 
 import pytest
@@ -102,8 +102,8 @@ def test_decode_conv_and_delta_rule_match_float64(slots, Hk, Hv):
 
 
 def test_a_slot_tensor_written_in_place_is_read_again():
-    """The slot number is read once per step from the step's slot_ids tensor; a write into that tensor (a reused
-    payload) makes the next call read it again."""
+    """One sequence's state row is a view at the slot slot_ids holds at the call: a write into that tensor (a
+    reused payload) moves the next call to the new slot."""
     ops, C, W = pocketllm.TorchOps(), 4, 4
     w, state = torch.ones(C, W), torch.zeros(3, C, W - 1)
     ids = torch.tensor([1], dtype=torch.int32)
