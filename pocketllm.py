@@ -975,7 +975,7 @@ class TorchOps:
         take rsqrt(mean(x^2) + eps) from one vector norm (torch's rms_norm runs ~6 kernels on any size)."""
         if x.shape[0] > 8:
             return _as(F.rms_norm(x.float(), w.shape, self._one_plus(w), eps), x.dtype)
-        xf = x.float()
+        xf = _as(x, torch.float32)
         return _as((xf * self._inv_rms(xf, eps, xf.shape[-1])).mul_(self._one_plus(w)), x.dtype)
 
     def _inv_rms(self, x, eps: float, divisor: float):
@@ -983,19 +983,23 @@ class TorchOps:
         torch's rms_norm runs ~6 kernels on any size."""
         n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         consts = self.__dict__.setdefault("_eps", {})
-        e = consts.get((eps, x.device))
-        if e is None:
-            e = consts[eps, x.device] = torch.tensor(eps, device=x.device)
+        e = consts.get(eps)
+        if e is None or e.device != x.device:
+            e = consts[eps] = torch.tensor(eps, device=x.device)
         return torch.addcmul(e, n, n, value=1.0 / divisor).rsqrt_()
 
     def _one_plus(self, w):
         """1 + w of a norm weight, made once per weight."""
         return self._derived(w, "1+w", lambda: 1.0 + w.float())
 
+    def _f32(self, w):
+        """A small bf16 weight (conv taps, dt_bias, a norm's weight) in fp32, converted once, not at every step."""
+        return w if w.dtype == torch.float32 else self._derived(w, "fp32", lambda: w.float())
+
     def add_rmsnorm(self, x, residual, w, eps, dtype=None):
         """residual + x (x fp32 or the activation dtype) in the fp32 residual stream; the norm in `dtype`
         (default x's)."""
-        residual = residual + x.float()                                  # the residual stream stays fp32
+        residual = residual + _as(x, torch.float32)                      # the residual stream stays fp32
         return _as(self.rmsnorm(residual, w, eps), dtype or x.dtype), residual
 
     def prenorm(self, x, residual, w, eps, dtype=None):
@@ -1005,7 +1009,7 @@ class TorchOps:
 
     def linear(self, x, w: Linear, dtype=None):
         """x @ w^T in `dtype` (default x's); float32 computes in float32, so sums past 65504 stay finite."""
-        x = x.float() if dtype == torch.float32 else x
+        x = _as(x, torch.float32) if dtype == torch.float32 else x
         if w.packed is not None and x.dtype == torch.float32 and x.shape[0]:
             return torch.ops.quantized.linear_dynamic_fp16(x, w.packed)  # (T, N): fp16 weights, fp32 sums
         if w.scale is None:
@@ -1020,7 +1024,7 @@ class TorchOps:
 
     def linear_parts(self, x, w: Linear, sizes: list[int], dtype=None) -> tuple[torch.Tensor, ...]:
         """linear() of stacked projections, split into their (T, N_p) outputs (views here)."""
-        return self.linear(x, w, dtype).split(sizes, -1)
+        return self.linear(x, w, dtype).split_with_sizes(sizes, -1)     # (Tensor.split's wrapper is Python)
 
     def silu_mul(self, g, u):
         return (F.silu(g.float()) * u.float()).to(g.dtype)
@@ -1028,7 +1032,7 @@ class TorchOps:
     def silu_mul_linear(self, g, u, w: Linear, dtype):
         """down_proj(silu(g) * u) -> (T, N) fp32, g, u (T, I) fp32. The intermediate is held in `dtype`; in fp16
         each row is first divided by its safe_row_scale and the output row multiplied back (as the kernels do)."""
-        h = F.silu(g.float()) * u.float()                                # (T, I) fp32
+        h = F.silu(_as(g, torch.float32)).mul_(_as(u, torch.float32))    # (T, I) fp32
         if dtype == torch.float32:
             return self.linear(h, w, torch.float32)
         s = safe_row_scale(h)                                            # (T, 1)
@@ -1040,7 +1044,7 @@ class TorchOps:
         return self.silu_mul_linear(g, u, down, dtype)
 
     def sigmoid_mul(self, x, gate):
-        return _as(x.float() * torch.sigmoid(gate.float()), x.dtype)
+        return _as(_as(x, torch.float32) * torch.sigmoid(_as(gate, torch.float32)), x.dtype)
 
     def qk_norm_rope(self, q, k, q_w, k_w, eps, positions, inv_freq):
         """q (T, Hq, Dh) and k (T, Hk, Dh) normed per head and rotated, as one (T, Hq + Hk, Dh) tensor: the
@@ -1048,15 +1052,15 @@ class TorchOps:
         Hq, Hk = q.shape[1], k.shape[1]
         w = self._derived(q_w, ("qk", id(k_w), Hq, Hk), lambda: torch.cat(
             [self._one_plus(q_w).expand(Hq, -1), self._one_plus(k_w).expand(Hk, -1)]))   # (Hq + Hk, Dh)
-        qk = torch.cat([q, k], 1).float()                                # (T, Hq + Hk, Dh)
+        qk = _as(torch.cat([q, k], 1), torch.float32)                   # (T, Hq + Hk, Dh)
         if qk.shape[0] > 8:
             qk = _rope(F.rms_norm(qk, q_w.shape, None, eps) * w, *self._cos_sin(positions, inv_freq))
         else:                                                            # a decode step's few rows
             qk = (qk * self._inv_rms(qk, eps, qk.shape[-1])).mul_(w)     # (T, H, Dh)
             M = self._rotation(positions, inv_freq)                       # (T, R, R)
-            rot = qk[..., :M.shape[-1]]                                  # (T, H, R) rotated in place
+            rot = qk.narrow(2, 0, M.shape[-1])                           # (T, H, R) rotated in place
             rot.copy_(torch.bmm(rot, M))
-        return _as(qk[:, :Hq], q.dtype), _as(qk[:, Hq:], k.dtype)
+        return _as(qk.narrow(1, 0, Hq), q.dtype), _as(qk.narrow(1, Hq, Hk), k.dtype)
 
     def _rotation(self, positions, inv_freq):
         """(T, R, R) RoPE of a decode step's few positions as matrices: [x1 | x2] @ M = [x1 cos - x2 sin |
@@ -1064,16 +1068,22 @@ class TorchOps:
         memo, so forgetting that one forgets both)."""
         last, cos_sin = self.__dict__.get("_rotation_memo"), self._cos_sin(positions, inv_freq)
         if last is None or last[0] is not cos_sin[0]:
-            cos, sin = (t[:, 0] for t in cos_sin)                        # (T, R/2)
-            T, r = cos.shape
-            i = torch.arange(r, device=cos.device)
-            M = cos.new_zeros(T, 2 * r, 2 * r)
-            M[:, i, i] = cos
-            M[:, i + r, i + r] = cos
-            M[:, i, i + r] = sin
-            M[:, i + r, i] = -sin
+            (T, _, r), device = cos_sin[0].shape, cos_sin[0].device
+            basis = self._derived(device, ("rotation", r), lambda: self._rotation_basis(r, device))   # (R, R * R)
+            M = torch.cat(cos_sin, -1).view(T, 2 * r).mm(basis).view(T, 2 * r, 2 * r)   # [cos | sin] (T, R) @ basis
             last = self._rotation_memo = (cos_sin[0], M)
         return last[1]
+
+    @staticmethod
+    def _rotation_basis(r: int, device) -> torch.Tensor:
+        """(2r, 4r^2): row i (a cos) and row r + i (a sin) put their value where the rotation matrix M holds it,
+        so M's entries are one matmul of a step's [cos | sin] by it: M[i, i] = M[r+i, r+i] = cos_i, M[i, r+i] = sin_i,
+        M[r+i, i] = -sin_i (exact: every entry is one value times 1 or -1)."""
+        basis = torch.zeros(2 * r, 2 * r, 2 * r)
+        i = torch.arange(r)
+        basis[i, i, i] = basis[i, i + r, i + r] = 1.0
+        basis[i + r, i, i + r], basis[i + r, i + r, i] = 1.0, -1.0
+        return basis.view(2 * r, 4 * r * r).to(device)
 
     def _cos_sin(self, positions, inv_freq):
         """(T, 1, R/2) cos and sin of the positions' angles: every attention layer of a step reads the same
@@ -1091,9 +1101,8 @@ class TorchOps:
         return q
 
     def kv_write(self, k, v, k_cache, v_cache, slot_mapping):
-        nb, bs = k_cache.shape[:2]
-        k_cache.view(nb * bs, *k_cache.shape[2:])[slot_mapping] = _as(k, k_cache.dtype)
-        v_cache.view(nb * bs, *v_cache.shape[2:])[slot_mapping] = _as(v, v_cache.dtype)
+        for cache, x in ((k_cache, k), (v_cache, v)):                  # index_put_: no Python indexing
+            cache.view(-1, *cache.shape[2:]).index_put_((slot_mapping,), _as(x, cache.dtype))   # (nb * bs, ...)
 
     def attention(self, q, k_cache, v_cache, block_tables, context_lens, query_start, scale, gate=None):
         """Paged causal attention (T, Hq, Dh); with gate (T, Hq * Dh), times sigmoid(gate) (gated attention)."""
@@ -1114,11 +1123,11 @@ class TorchOps:
         the softmax and the sum). q (B, Hq, Dh) -> (B, Hq, Dh)."""
         if q.shape[0] == 1 and q.device.type == "cpu":                  # one sequence: its n positions, no mask
             n = context_lens.item()
-            blocks = block_tables[0, :-(-n // k_cache.shape[1])]          # (nb,): index_select, not k_cache[blocks]
-            k = k_cache.index_select(0, blocks).flatten(0, 1)[None, :n].float().transpose(1, 2)   # (1, Hk, n, Dh)
-            v = v_cache.index_select(0, blocks).flatten(0, 1)[None, :n].float().transpose(1, 2)   # (3x faster)
-            o = F.scaled_dot_product_attention(q.float()[:, :, None], k, v, scale=scale, enable_gqa=True)
-            return _as(o[:, :, 0], q.dtype)
+            blocks = block_tables.select(0, 0).narrow(0, 0, -(-n // k_cache.shape[1]))   # (nb,): index_select,
+            k, v = (_as(c.index_select(0, blocks).flatten(0, 1).narrow(0, 0, n), torch.float32)   # not c[blocks]
+                    .transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))             # (1, Hk, n, Dh)
+            o = F.scaled_dot_product_attention(_as(q, torch.float32).unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+            return _as(o.select(2, 0), q.dtype)
         B, nb = block_tables.shape
         blocks = block_tables.reshape(-1)                                # (B * nb,)
         k = k_cache.index_select(0, blocks).view(B, -1, *k_cache.shape[2:]).float().transpose(1, 2)  # (B, Hk, L, Dh)
@@ -1205,9 +1214,9 @@ class TorchOps:
         width = w.shape[1]
         if x.shape[0] == slot_ids.numel():                               # decode: one token per sequence
             rows, put = self._state_rows(conv_state, slot_ids)            # (B, C, W-1), the cache's dtype
-            xs = torch.cat([_as(rows, x.dtype), x[:, :, None]], -1)       # (B, C, W)
-            put(rows.copy_(xs[:, :, 1:]))
-            return _as(F.silu((xs.float() * w.float()).sum(-1)), x.dtype)
+            xs = torch.cat([_as(rows, x.dtype), x.unsqueeze(2)], -1)      # (B, C, W)
+            put(rows.copy_(xs.narrow(2, 1, width - 1)))
+            return _as(F.silu(torch.linalg.vecdot(_as(xs, torch.float32), self._f32(w))), x.dtype)   # (B, C)
         out = torch.empty_like(x)                                        # (T, C)
         for b in range(len(slot_ids)):
             q0, q1, s = int(query_start[b]), int(query_start[b + 1]), int(slot_ids[b])
@@ -1230,8 +1239,8 @@ class TorchOps:
 
     def gdn_gates(self, a, b, A_log, dt_bias):
         decay = self._derived(A_log, "decay", lambda: -A_log.float().exp())   # (Hv,) -exp(A_log), once
-        g = decay * F.softplus(a.float() + dt_bias.float())              # (T, Hv) fp32
-        return g, torch.sigmoid(b.float())
+        g = F.softplus(_as(a, torch.float32) + self._f32(dt_bias)).mul_(decay)   # (T, Hv) fp32
+        return g, torch.sigmoid(_as(b, torch.float32))
 
     def gdn_gates_linear(self, x, w_ab: Linear, A_log, dt_bias):
         """gdn_gates of the projections a|b (rows stacked in w_ab), computed from x; a, b kept in fp32."""
@@ -1241,10 +1250,9 @@ class TorchOps:
     def gated_delta(self, q, k, v, g, beta, state, slot_ids, query_start):
         rep = v.shape[1] // k.shape[1]                                   # value head h reads key head h // rep
         if q.shape[0] == slot_ids.numel():                               # decode: one vectorised step
-            q = self._unit_rows(q.float(), q.shape[-1] ** -0.5).repeat_interleave(rep, 1)   # (B, Hv, Dk)
-            k = self._unit_rows(k.float()).repeat_interleave(rep, 1)
+            q, k = self._unit_qk(q, k, rep)                              # (B, Hv, Dk) each
             S, put = self._state_rows(state, slot_ids)                   # (B, Hv, Dk, Dv), updated in place
-            o = decode_delta_step(q, k, v.float(), g, beta, S)
+            o = decode_delta_step(q, k, _as(v, torch.float32), g, beta, S)
             put(S)
             return _as(o, v.dtype)
         q = self._l2norm(q.float(), 1.0).repeat_interleave(rep, 1)      # (T, Hv, Dk), scaled by Dk^-0.5
@@ -1262,10 +1270,11 @@ class TorchOps:
         return self.gated_rmsnorm(self.gated_delta(q, k, v, g, beta, state, slot_ids, query_start), z, w, eps)
 
     def gated_rmsnorm(self, x, z, w, eps):
-        xf = x.float()
+        xf = _as(x, torch.float32)
         if xf.shape[0] > 8:
             return _as(F.rms_norm(xf, w.shape, w.float(), eps) * F.silu(z.float()), x.dtype)
-        return _as((xf * self._inv_rms(xf, eps, xf.shape[-1])).mul_(w).mul_(F.silu(z.float())), x.dtype)
+        gate = F.silu(_as(z, torch.float32)).mul_(self._f32(w))              # (T, H, D)
+        return _as(gate.mul_(self._inv_rms(xf, eps, xf.shape[-1])).mul_(xf), x.dtype)
 
     def _l2norm(self, x, power: float, eps: float = 1e-6):
         """x * rsqrt(sum(x^2) + eps) * D^-(power - 0.5) over the last dim D: as one rms_norm, whose mean over D
@@ -1274,19 +1283,23 @@ class TorchOps:
         w = self._derived(x.device, ("l2norm", D, power), lambda: torch.full((D,), D ** -power, device=x.device))
         return F.rms_norm(x, (D,), w, eps / D)
 
-    def _unit_rows(self, x, scale: float = 1.0):
-        """_l2norm for a decode step's few rows, in fewer torch calls: x * rsqrt(sum(x^2) + eps) * scale."""
-        r = self._inv_rms(x, 1e-6, 1.0)                                     # (..., 1)
-        return x * (r if scale == 1.0 else r.mul_(scale))
+    def _unit_qk(self, q, k, rep: int):
+        """_l2norm for a decode step's few rows: q, k (B, Hk, Dk) times rsqrt(sum(x^2) + eps) (q also by Dk^-0.5),
+        normed together in one set of calls and repeated for the rep value heads of each key head: -> (B, Hk * rep,
+        Dk) each."""
+        B, Hk, Dk = q.shape
+        qk = torch.stack([q, k], 1) if q.dtype == torch.float32 else torch.stack([q, k], 1).float()  # (B, 2, Hk, Dk)
+        scale = self._derived(q.device, ("qk-scale", Dk), lambda: torch.tensor(
+            [[Dk ** -0.5], [1.0]], device=q.device)[:, None])              # (2, 1, 1): q's rows, k's rows
+        qk = qk * self._inv_rms(qk, 1e-6, 1.0).mul_(scale)
+        return (qk.repeat_interleave(rep, 2) if rep > 1 else qk).unbind(1)
 
-    @staticmethod
-    def _state_rows(state, slot_ids):
+    def _state_rows(self, state, slot_ids):
         """(the sequences' rows of a state tensor, put(rows) that stores them back): one sequence's row on the CPU
         is a view, updated in place (put does nothing; elsewhere its slot number would wait for the device); else
         they are gathered and scattered back."""
         if slot_ids.numel() == 1 and slot_ids.device.type == "cpu":
-            s = slot_ids.item()
-            return state[s:s + 1], lambda rows: None
+            return state.narrow(0, slot_ids.item(), 1), lambda rows: None
         return state.index_select(0, slot_ids), lambda rows: state.index_copy_(0, slot_ids.long(), rows)
 
     def _derived(self, source, key, make):
@@ -3004,9 +3017,8 @@ class Model:
         if conv:
             qkv = ops.conv1d(qkv, w.conv1d, cache.conv[L.index], slots, query_start)   # (T, C')
         nk = w.k_heads * Dk                                                # views: the ops pack them if strided
-        q = qkv[:, :nk].view(T, w.k_heads, Dk)                             # (T, Hk', Dk)
-        k = qkv[:, nk:2 * nk].view(T, w.k_heads, Dk)
-        v = qkv[:, 2 * nk:].view(T, w.v_heads, Dv)                         # (T, Hv', Dv)
+        q, k, v = qkv.split_with_sizes([nk, nk, w.v_heads * Dv], 1)
+        q, k, v = q.view(T, w.k_heads, Dk), k.view(T, w.k_heads, Dk), v.view(T, w.v_heads, Dv)   # (T, H', D)
         if z is not None:
             return ops.gated_delta_rmsnorm(q, k, v, g, beta, cache.ssm[L.index], slots, query_start, z, w.norm,
                                            cfg.rms_norm_eps)
@@ -4084,7 +4096,7 @@ def field_views(payload: torch.Tensor, sizes: list[int], dtypes: tuple = _BATCH_
     parts, at = [], 0
     for n, dtype in zip(sizes, dtypes):
         nbytes = n * dtype.itemsize
-        parts.append(payload[at:at + nbytes].view(dtype))
+        parts.append(payload.narrow(0, at, nbytes).view(dtype))               # (narrow: no Python indexing)
         at += nbytes + -nbytes % 8
     return parts
 
