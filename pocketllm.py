@@ -930,6 +930,9 @@ def merge_attention(parts):
     return sum(o.float() * w[p] for p, (o, _) in enumerate(parts))
 
 
+FEW_ROWS = 8   # up to this many rows (a decode step's), norms take a vector norm: torch's rms_norm runs ~6 kernels
+
+
 def _as(x, dtype):
     """x in dtype, without a torch call when it is already (x.to(dtype) costs a dispatch even then)."""
     return x if x.dtype == dtype else x.to(dtype)
@@ -973,7 +976,7 @@ class TorchOps:
     def rmsnorm(self, x, w, eps):
         """Zero-centred: weights are stored as w, the norm multiplies by (1 + w); in fp32. A decode step's few rows
         take rsqrt(mean(x^2) + eps) from one vector norm (torch's rms_norm runs ~6 kernels on any size)."""
-        if x.shape[0] > 8:
+        if x.shape[0] > FEW_ROWS:
             return _as(F.rms_norm(x.float(), w.shape, self._one_plus(w), eps), x.dtype)
         xf = _as(x, torch.float32)
         return _as((xf * self._inv_rms(xf, eps, xf.shape[-1])).mul_(self._one_plus(w)), x.dtype)
@@ -982,10 +985,7 @@ class TorchOps:
         """(..., 1) rsqrt(sum(x^2) / divisor + eps) over x's last dim from one vector norm: 3 torch calls, where
         torch's rms_norm runs ~6 kernels on any size."""
         n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        consts = self.__dict__.setdefault("_eps", {})
-        e = consts.get(eps)
-        if e is None or e.device != x.device:
-            e = consts[eps] = torch.tensor(eps, device=x.device)
+        e = self._derived(x.device, ("eps", eps), lambda: torch.tensor(eps, device=x.device))
         return torch.addcmul(e, n, n, value=1.0 / divisor).rsqrt_()
 
     def _one_plus(self, w):
@@ -1053,7 +1053,7 @@ class TorchOps:
         w = self._derived(q_w, ("qk", id(k_w), Hq, Hk), lambda: torch.cat(
             [self._one_plus(q_w).expand(Hq, -1), self._one_plus(k_w).expand(Hk, -1)]))   # (Hq + Hk, Dh)
         qk = _as(torch.cat([q, k], 1), torch.float32)                   # (T, Hq + Hk, Dh)
-        if qk.shape[0] > 8:
+        if qk.shape[0] > FEW_ROWS:
             qk = _rope(F.rms_norm(qk, q_w.shape, None, eps) * w, *self._cos_sin(positions, inv_freq))
         else:                                                            # a decode step's few rows
             qk = (qk * self._inv_rms(qk, eps, qk.shape[-1])).mul_(w)     # (T, H, Dh)
@@ -1271,7 +1271,7 @@ class TorchOps:
 
     def gated_rmsnorm(self, x, z, w, eps):
         xf = _as(x, torch.float32)
-        if xf.shape[0] > 8:
+        if xf.shape[0] > FEW_ROWS:
             return _as(F.rms_norm(xf, w.shape, w.float(), eps) * F.silu(z.float()), x.dtype)
         gate = F.silu(_as(z, torch.float32)).mul_(self._f32(w))              # (T, H, D)
         return _as(gate.mul_(self._inv_rms(xf, eps, xf.shape[-1])).mul_(xf), x.dtype)
@@ -1288,7 +1288,7 @@ class TorchOps:
         normed together in one set of calls and repeated for the rep value heads of each key head: -> (B, Hk * rep,
         Dk) each."""
         B, Hk, Dk = q.shape
-        qk = torch.stack([q, k], 1) if q.dtype == torch.float32 else torch.stack([q, k], 1).float()  # (B, 2, Hk, Dk)
+        qk = _as(torch.stack([q, k], 1), torch.float32)                   # (B, 2, Hk, Dk)
         scale = self._derived(q.device, ("qk-scale", Dk), lambda: torch.tensor(
             [[Dk ** -0.5], [1.0]], device=q.device)[:, None])              # (2, 1, 1): q's rows, k's rows
         qk = qk * self._inv_rms(qk, 1e-6, 1.0).mul_(scale)
