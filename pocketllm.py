@@ -12780,6 +12780,9 @@ def run_server(llm, args: argparse.Namespace, server: PocketServer | None = None
         print(f"pocketllm: serving '{llm.model_name}' on http://{args.host}:{server.port}", flush=True)
         print(f"pocketllm: chat page at {_chat_page_url(args.host, server.port)}", flush=True)
     server.run(announce)
+    if server.in_flight:         # --drain-timeout passed, or a second SIGTERM: the requests still running end with
+        llm.close()              # an error that reaches their clients before this process exits (no cut answers)
+        server.drain(timeout=5.0)
     return 0
 
 

@@ -130,22 +130,33 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones_with_503():
     assert "draining: 6 request(s) in flight" in log and "drained, stopping" in log, log[-2000:]
 
 
-def start_a_long_request(port):
-    """A long request that the server stops before it ends (its connection closes without an answer); returns
-    once the engine runs it."""
+def start_a_long_request(port) -> dict:
+    """A long request that the server stops before it ends; returns once the engine runs it. The dict gets
+    "answer" (status, headers, body) once the request ends, or "error" if its connection broke."""
+    result = {}
+
     def send():
         try:
-            call(port, "POST", "/v1/chat/completions", chat("Tell me everything", max_tokens=480))
-        except OSError:
-            pass
+            result["answer"] = call(port, "POST", "/v1/chat/completions", chat("Tell me everything", max_tokens=480))
+        except (OSError, http.client.HTTPException) as e:
+            result["error"] = repr(e)
     threading.Thread(target=send, daemon=True).start()
     wait_until(lambda: running(port) == 1)
+    return result
+
+
+def assert_cut_with_an_error(result):
+    """A request the stopping server cut short got a whole error answer (never a half-written one)."""
+    wait_until(lambda: result, timeout=10)
+    assert "error" not in result, result
+    status, _, body = result["answer"]
+    assert status >= 500 and "the engine was closed" in json.loads(body)["error"]["message"], (status, body)
 
 
 def test_a_second_sigterm_stops_at_once():
     proc, port = start_cli("--drain-timeout", "600")
     try:
-        start_a_long_request(port)
+        result = start_a_long_request(port)
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: call(port, "GET", "/health")[0] == 503, timeout=10)
         proc.send_signal(signal.SIGTERM)
@@ -153,12 +164,13 @@ def test_a_second_sigterm_stops_at_once():
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert_cut_with_an_error(result)
 
 
 def test_drain_timeout_bounds_the_wait():
     proc, port = start_cli("--drain-timeout", "0.5")
     try:
-        start_a_long_request(port)
+        result = start_a_long_request(port)
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
@@ -166,6 +178,7 @@ def test_drain_timeout_bounds_the_wait():
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert_cut_with_an_error(result)
     assert "--drain-timeout passed with 1 request(s) in flight" in proc.stderr.read()
 
 
