@@ -102,3 +102,25 @@ def test_the_loss_at_learned_positions_equals_the_loss_over_all_logits():
     assert torch.allclose(got_nll, nll[w > 0].detach(), rtol=1e-5, atol=1e-6)
     for name, g in want_grads.items():
         assert (model.get_parameter(name).grad - g).abs().max() <= 1e-5 * g.abs().max() + 1e-9, name
+
+
+def test_a_grown_model_starts_as_the_trained_one_and_then_learns_in_its_new_layers():
+    """--grow: the 6-layer model with a GDN and a full-attention layer added on top computes the same logits
+    (its new residual branches are zero), has Qwen3.5's pattern twice (layers 3 and 7 full attention), and one
+    training step moves the new layers' zeroed projections (the gradient reaches them)."""
+    special = {"<|im_end|>": 2, "<|endoftext|>": 0}
+    torch.manual_seed(0)
+    model = train.build_model(train.text_config_dict(256, special), tied=True).eval()
+    for p in model.parameters():              # a trained model's weights, not the zero-centred norms' zeros
+        p.data.add_(torch.randn_like(p) * 0.02)
+    config = train.text_config_dict(256, special, 8)
+    grown = train.grow_model(model, config).eval()
+    ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        assert torch.equal(grown(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert [i for i, t in enumerate(config["layer_types"]) if t == "full_attention"] == [3, 7]
+    assert grown.lm_head.weight is grown.model.embed_tokens.weight
+    loss = torch.nn.functional.cross_entropy(grown(input_ids=ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    assert grown.model.layers[7].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert grown.model.layers[6].mlp.down_proj.weight.grad.abs().sum() > 0
