@@ -4774,6 +4774,7 @@ class RankGroup:
         self.runner: RankRunner | None = None
         self._lock = threading.RLock()          # one call at a time (logits() makes several under it)
         self._read_lock = threading.Lock()      # the watcher and the start both read reports
+        self._fail_lock = threading.Lock()      # the watcher and a failed call may both end the group
         self._closing = False
         self.secret = os.urandom(32)
         self.rendezvous_dir = Path(tempfile.mkdtemp(prefix="pocketllm-tp-"))   # 0700: this user only
@@ -4914,7 +4915,7 @@ class RankGroup:
     # marked dead and every later call raises PocketError naming the rank.
 
     def _watch(self):
-        while not self._closing:
+        while not self._closing and self.dead_reason is None:
             for rank, proc in self.workers.items():
                 if proc.poll() is not None and not self._closing:
                     self._fail(*self._rank_error(rank))
@@ -4922,7 +4923,12 @@ class RankGroup:
             time.sleep(self.POLL_S)
 
     def _fail(self, kind: str, reason: str):
-        self.dead_kind, self.dead_reason = kind, reason
+        """The first failure names the group's end: a hung rank that rank 0 then kills must not be reported
+        by the watcher as a rank killed by SIGKILL."""
+        with self._fail_lock:
+            if self.dead_reason is not None:
+                return
+            self.dead_kind, self.dead_reason = kind, reason
         self._stop_workers(grace_s=0)
         if self.on_death is not None:
             self.on_death(reason)

@@ -5,9 +5,11 @@ rank process behind (checked in /proc). The NCCL variant is tests/gpu/gpu_check.
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
+import torch
 
 import pocketllm
 from test_tp import ENGINE, HEADS, cpu_ranks, rank_processes, wait_no_ranks
@@ -75,6 +77,23 @@ def test_worker_hung_mid_generation_ends_the_group_at_the_bound(ckpt):
         wait_no_ranks(ckpt, 2)
     finally:
         llm.close()
+
+
+def test_the_first_failure_names_the_end(ckpt):
+    """Rank 0 ends a hung group by killing the stopped worker; the watcher then sees a rank killed by SIGKILL.
+    The group's reason, and what the LLM is told, stay the first failure's (the hang), told once."""
+    opts = pocketllm.EngineOptions(devices=cpu_ranks(2), backend="torch", **ENGINE)
+    group = pocketllm.RankGroup(ckpt, opts, torch.float32, torch.float32)
+    told = []
+    group.on_death = told.append
+    try:
+        group.workers = {1: subprocess.Popen(["sleep", "60"])}
+        group._fail("", "rank 0 (cpu): an all-reduce took more than 3 s (--collective-timeout)")
+        assert group.workers[1].returncode == -signal.SIGKILL                  # the hung rank was killed
+        group._fail(*group._rank_error(1))                                      # what the watcher then sees
+        assert "--collective-timeout" in group.dead_reason and len(told) == 1 and "--collective" in told[0]
+    finally:
+        group.close()
 
 
 def kill_before_joining(monkeypatch, ckpt, sig: signal.Signals) -> list[float]:
