@@ -44,7 +44,7 @@ MISTAKES = [
     (["--backend", "vulkan"], "--backend must be auto, torch or native"),
     (["--max-model-len", "0"], "--max-context must be >= 1"),
     (["--max-model-len", "262144"], "--max-context/--max-model-len 262144 is beyond the model's "
-                                    "max_position_embeddings (4096, config.json): .* "
+                                    "max_position_embeddings (65536, config.json): .* "
                                     "POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the environment allows it"),
     (["--max-num-seqs", "-2"], "--max-batch-size must be >= 0"),
     (["--gpu-memory-utilization", "1.2"], "--gpu-memory-utilization must be in (0, 1]"),

@@ -357,7 +357,7 @@ def test_a_gpu_too_small_is_refused_before_any_weight_loads(monkeypatch):
     """LLM() on a (faked) 768 MiB GPU with pocket-tiny at a context whose KV cache needs more (one 200000-token
     sequence: 586 MiB, plus 261 MiB of workspace): one line, and the model is never built. 4096 tokens fit."""
     fake_gpus(monkeypatch, 768 << 20, 768 << 20)
-    monkeypatch.setenv(pocketllm.ALLOW_LONG_CONTEXT, "1")           # past pocket-tiny's 4096 positions
+    monkeypatch.setenv(pocketllm.ALLOW_LONG_CONTEXT, "1")           # past pocket-tiny's 65536 positions
     placement = pocketllm.Placement(torch.device("cuda", 0), "torch", torch.float16, torch.float16, "faked")
     monkeypatch.setattr(pocketllm, "plan_placement", lambda opts: placement)
 
@@ -465,11 +465,11 @@ def test_max_context_past_the_models_positions_needs_the_opt_in(monkeypatch):
     no_loading(monkeypatch)
     monkeypatch.delenv(pocketllm.ALLOW_LONG_CONTEXT, raising=False)
     with pytest.raises(pocketllm.PocketError) as e:
-        pocketllm.LLM(TINY, quiet=True, max_context=4097)
-    assert str(e.value) == ("--max-context/--max-model-len 4097 is beyond the model's max_position_embeddings "
-                            "(4096, config.json): positions past it were never trained; "
+        pocketllm.LLM(TINY, quiet=True, max_context=65537)
+    assert str(e.value) == ("--max-context/--max-model-len 65537 is beyond the model's max_position_embeddings "
+                            "(65536, config.json): positions past it were never trained; "
                             "POCKETLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the environment allows it")
-    for allowed in ({"max_context": 4096}, {"max_context": 8192, "env": "1"}):
+    for allowed in ({"max_context": 65536}, {"max_context": 131072, "env": "1"}):
         if allowed.pop("env", None):
             monkeypatch.setenv(pocketllm.ALLOW_LONG_CONTEXT, "1")
         with pytest.raises(AssertionError, match="a weight was loaded"):
