@@ -12338,16 +12338,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if path in DRAIN_EXEMPT:
                 endpoint(self, match, raw)
             else:
-                with self.server.admission():
-                    endpoint(self, match, raw)
+                with self.server.admission():   # counted in flight until its answer, an error's too, is written:
+                    try:                        # a stopping server waits for that before it exits
+                        endpoint(self, match, raw)
+                    except Exception as e:
+                        self.answer_failure(e)
         except Exception as e:
-            if _client_gone(e) or self.client_left:
-                self.close_connection = True
-                self.count_client_closed()
-                return
-            self.send_error_response(e)
+            self.answer_failure(e)
         if self.server.draining:                # the client's next request goes to a replica that stays
             self.close_connection = True
+
+    def answer_failure(self, e: Exception) -> None:
+        """The error answer in the protocol's shape, or a 499 in the log when the client has gone."""
+        if _client_gone(e) or self.client_left:
+            self.close_connection = True
+            self.count_client_closed()
+            return
+        self.send_error_response(e)
 
     def count_client_closed(self) -> None:
         """A client that hung up before its answer: 499 in the log and the metrics, not a server error."""

@@ -241,6 +241,22 @@ def test_probes_after_an_engine_fault(llm):
         server.shutdown()
 
 
+def test_an_error_answer_is_written_while_its_request_still_counts_in_flight(llm, monkeypatch):
+    """A stopping server exits once no request is in flight; a request that fails (a bad field here, the engine
+    closed under it in a drain past --drain-timeout) must still count until its error is written, or the process
+    can exit before the client reads it (RemoteDisconnected)."""
+    server = pocketllm.serve(llm, port=0, block=False, log_requests=False)
+    counted, send = [], pocketllm.Handler.send_error_response
+    monkeypatch.setattr(pocketllm.Handler, "send_error_response",
+                        lambda self, e: (counted.append(self.server.in_flight), send(self, e))[1])
+    try:
+        status, _, body = call(server.port, "POST", "/v1/chat/completions", chat("Hi", -1))
+        assert status == 400 and json.loads(body)["error"]["param"] == "max_tokens", body
+        assert counted == [1]
+    finally:
+        server.shutdown()
+
+
 def test_while_loading_the_probes_answer_and_everything_else_is_503():
     """The CLI listens before the weights load (open_server): /health 503 loading, /live 200, the rest 503."""
     args = pocketllm.parse_command_line(["--port", "0"])
