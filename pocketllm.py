@@ -2294,6 +2294,8 @@ class Cache:
     conv: dict[int, torch.Tensor]  # layer -> (slots, conv_dim, W-1)
     ssm: dict[int, torch.Tensor]   # layer -> (slots, Hv, Dk, Dv) fp32
     window: VerifyWindow | None = None   # this step's verify windows (speculative decoding), else None
+    hidden: torch.Tensor | None = None   # (slots, D) with an MTP layer: the target's hidden state at each slot's
+                                         # last computed position, which the MTP layer reads there (Engine._draft)
 
 
 @dataclass
@@ -2859,6 +2861,7 @@ class Model:
         if self.mtp is not None:
             self.mtp = dataclasses.replace(self.mtp, layer=fuse_projections(self.mtp.layer, cfg.head_dim, stack))
         self.cache_layers = self.layers + ([self.mtp.layer] if self.mtp else [])   # layers with cache tensors
+        self.hidden_dtype = dtype if self.mtp else None                    # Cache.hidden's (the MTP layer reads it)
         if ops.name == "torch" and dtype == torch.float32:                 # (V', D) in fp16 when exact: half the
             self.lm_head = pack_half(self.lm_head)                         # bytes of the largest GEMV
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim))
@@ -3152,9 +3155,12 @@ def snapshot_count(opts: EngineOptions, slot_bytes: int) -> int:
 
 
 def allocate_cache(cfg: ModelConfig, layers: list, num_blocks: int, block_size: int, num_slots: int,
-                   kv_dtype: torch.dtype, device) -> Cache:
-    """KV tensors for full-attention layers and state tensors for linear-attention layers (this rank's heads)."""
+                   kv_dtype: torch.dtype, device, hidden: torch.dtype | None = None) -> Cache:
+    """KV tensors for full-attention layers and state tensors for linear-attention layers (this rank's heads);
+    with `hidden` (a model with an MTP layer), a hidden-state row per slot of that dtype."""
     cache = Cache({}, {}, {}, {})
+    if hidden is not None:
+        cache.hidden = torch.zeros(num_slots, cfg.hidden_size, dtype=hidden, device=device)
     for L in layers:
         if L.kind == "full_attention":
             shape = (num_blocks, block_size, L.mixer.kv_heads, cfg.head_dim)
@@ -3181,9 +3187,10 @@ def snapshot_slots(opts: EngineOptions, cfg: ModelConfig, layers: list, kv_dtype
 
 
 def copy_cache(src: Cache, dst: Cache, ops, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
-    """Copy recurrent-state slots and KV blocks, (source, destination) pairs, from one cache to another (or
-    within one), one ops.copy_rows per tensor: forked choices (n > 1) start from their parent's state and last
-    block; the prefix cache saves and restores state snapshots and copies partial blocks."""
+    """Copy recurrent-state slots (with their hidden rows) and KV blocks, (source, destination) pairs, from one
+    cache to another (or within one), one ops.copy_rows per tensor: forked choices (n > 1) start from their
+    parent's state and last block; the prefix cache saves and restores state snapshots and copies partial
+    blocks."""
     for pairs, parts in ((slots, ("conv", "ssm")), (blocks, ("k", "v"))):
         if not pairs:
             continue
@@ -3192,6 +3199,9 @@ def copy_cache(src: Cache, dst: Cache, ops, slots: list[tuple[int, int]], blocks
             for layer, t in getattr(dst, part).items():
                 rows = index.to(t.device)
                 ops.copy_rows(getattr(src, part)[layer], t, rows[0], rows[1])
+        if parts[0] == "conv" and src.hidden is not None and dst.hidden is not None:
+            rows = index.to(dst.hidden.device)
+            dst.hidden[rows[1]] = src.hidden[rows[0]]
 
 
 # The prefix cache. A prompt that begins with tokens the engine has computed before (an agent's next turn
@@ -3209,7 +3219,7 @@ def copy_cache(src: Cache, dst: Cache, ops, slots: list[tuple[int, int]], blocks
 #   within a block of it). A snapshot at a position inside a block also keeps a copy of that partial block,
 #   which a request resuming there copies (never shares) before writing after it. Snapshots live in a cache
 #   of their own (state rows only, Engine.snapshots), as many as --prefix-cache-memory holds, reused least
-#   recently used first.
+#   recently used first, but for those several requests resumed from (a shared system prompt's), which go last.
 #
 # A model without linear-attention layers needs no snapshot: any run of cached full blocks resumes, and a
 # partial block kept at the end of a prompt or generation extends it.
@@ -3223,6 +3233,7 @@ class Snapshot:
     tail: tuple[int, ...]      # tokens after that block, fewer than block_size (empty: a block boundary)
     position: int
     slot: int | None           # snapshot slot of the state tensors; None: the model has no recurrent state
+    resumes: int = 0           # requests that resumed from it: two or more, eviction spares it (PrefixCache.victim)
 
 
 class PrefixCache:
@@ -3265,6 +3276,7 @@ class PrefixCache:
                     best = snap
             if best is not None:
                 self.by_key.move_to_end(best.key)                          # most recently used
+                best.resumes += 1
                 return best.position, j, best
             if j and not self.state:
                 return j * bs, j, None
@@ -3293,12 +3305,24 @@ class PrefixCache:
         return snap
 
     def take_slot(self) -> int | None:
-        """A free snapshot slot, evicting the least recently used snapshot if none is; None if there is none.
-        (With recurrent state every snapshot has a slot.)"""
+        """A free snapshot slot, evicting a snapshot if none is; None if there is none. (With recurrent state
+        every snapshot has a slot.)"""
         if not self.free_slots and self.state and self.by_key:
             self.counters["snapshot_evictions"] += 1
-            self.forget(next(iter(self.by_key)))
+            self.forget(self.victim())
         return self.free_slots.pop() if self.free_slots else None
+
+    def victim(self) -> bytes:
+        """The snapshot to evict: the least recently used, but sparing those that several requests resumed from
+        (a shared system prompt's) while they hold at most half the slots. A wave of requests behind one long
+        system prompt all resume from its snapshot and then each add their own (the end of the prompt and of the
+        generation), more than there are slots: plain LRU evicted the shared one among them, and every later
+        request prefilled the whole prompt again. A conversation's turn is resumed once, by the next turn, so
+        agent conversations still see plain LRU."""
+        shared = [key for key, snap in self.by_key.items() if snap.resumes > 1]
+        if len(shared) > self.slots_total // 2 or len(shared) == len(self.by_key):
+            return shared[0]
+        return next(key for key, snap in self.by_key.items() if snap.resumes <= 1)
 
     def forget(self, key: bytes) -> None:
         """Drop the snapshot with this key (its slot is evicted, or its block is reused), if there is one."""
@@ -3344,6 +3368,7 @@ class Sequence:
         self.seed = self.params.seed if self.params.seed is not None else request.default_seed   # section 7
         self.drafts: list[int] = []        # speculative decoding: the MTP layer's guesses after tokens[-1]
         self.draft_probs: torch.Tensor | None = None   # (len(drafts), V) what they were drawn from (sampling)
+        self.mtp_from: int | None = None   # resumed or forked: the MTP layer's KV is stale from here (Engine._draft)
 
     @property
     def tokens(self) -> list[int]:
@@ -3409,7 +3434,7 @@ class Scheduler:
             if not self._blocks_fit(seq, self._span(seq, count)):      # undo the resume: it waits, holding nothing
                 self.blocks.release(seq.blocks + self.copies.pinned[mark[1]:])
                 del self.copies.blocks[mark[0]:], self.copies.pinned[mark[1]:]
-                seq.num_computed = 0
+                seq.num_computed, seq.mtp_from = 0, None
                 break
             self.waiting.pop(0)
             seq.slot = self.slots.alloc()
@@ -3456,9 +3481,13 @@ class Scheduler:
         tokens = seq.tokens
         keys = self.prefix.block_keys(tokens, seq.block_keys)
         position, shared, snap = self.prefix.match(tokens, keys)
+        # With speculation the MTP layer rewrites its KV at position - 1 (it read the token after it there,
+        # Engine._draft), so the block holding it is copied, never shared, as a partial tail block always is.
+        rewrite = bool(self.draft_tokens and snap is not None and snap.slot is not None)
+        own = int(rewrite and not snap.tail)      # the last full block (the snapshot's key is its key)
         # the matched full blocks are shared first: the tail's alloc below may evict any block still cached
-        seq.blocks = [self.blocks.share(self.blocks.by_key[k]) for k in keys[:shared]]
-        if position and snap is not None and snap.tail:
+        seq.blocks = [self.blocks.share(self.blocks.by_key[k]) for k in keys[:shared - own]]
+        if position and snap is not None and (snap.tail or own):
             source = self.blocks.by_key[snap.key]
             self.blocks.share(source)          # pinned until the copy ran: no alloc may take it before
             block = self.blocks.alloc()
@@ -3473,6 +3502,7 @@ class Scheduler:
                 self.copies.blocks.append((source, block))
                 seq.blocks.append(block)
         seq.num_computed = position
+        seq.mtp_from = position - 1 if rewrite and position else None
         return snap if position else None
 
     def _blocks_needed(self, seq: Sequence, count: int) -> int:
@@ -3509,7 +3539,7 @@ class Scheduler:
     def preempt(self, seq: Sequence):
         """Free everything seq holds; it will be recomputed from its tokens when it is admitted again."""
         self.release(seq)
-        seq.num_computed = 0
+        seq.num_computed, seq.mtp_from = 0, None
         seq.drafts, seq.draft_probs = [], None
         self.waiting.insert(0, seq)
 
@@ -4442,6 +4472,7 @@ class RankRunner:
         self.caches: dict[int, Cache | None] = {ENGINE_CACHE: engine_cache, SCRATCH_CACHE: None,
                                                 SNAPSHOT_CACHE: snapshot_cache}
         self.hidden: torch.Tensor | None = None    # (T, D) the last engine step's hidden states (speculation)
+        self.carried: torch.Tensor | None = None   # (B, D) its sequences' Cache.hidden rows before it (draft())
         self.drafted: torch.Tensor | None = None   # (R, D) the last MTP pass's outputs at its logit rows
         self.graphs: DecodeGraphs | None = None     # this rank's recorded decode steps (decode())
 
@@ -4455,9 +4486,13 @@ class RankRunner:
         verify drafts (their GDN states are kept for rollback())."""
         if self.model.mtp is None or which != ENGINE_CACHE:
             return self.model.forward(batch, self.caches[which])
+        cache = self.caches[which]
         if window is not None:
-            self.model.open_window(self.caches[which], window)
-        self.hidden = self.model.hidden(batch, self.caches[which])          # (T, D)
+            self.model.open_window(cache, window)
+        self.hidden = self.model.hidden(batch, cache)                        # (T, D)
+        last, slots = batch.query_start[1:].long() - 1, batch.state_slots.long()   # (B,) last rows, slots
+        self.carried = cache.hidden[slots]                                   # (B, D) as the step found them
+        cache.hidden[slots] = self.hidden[last]                              # (a window's: until rollback())
         return self.model.head(self.hidden[batch.logit_rows])
 
     def decode(self, host: torch.Tensor, sizes: list[int], bucket: int) -> torch.Tensor:
@@ -4479,13 +4514,27 @@ class RankRunner:
         return [tuple(int(v) for v in row) for row in m.all_reduce(table).cpu().tolist()]
 
     def rollback(self, kept: list[int]) -> None:
-        """After the verify: each window sequence's GDN states after its kept tokens (Model.rollback)."""
-        self.model.rollback(self.caches[ENGINE_CACHE], kept)
+        """After the verify: each window sequence's GDN states after its kept tokens (Model.rollback), and its
+        hidden row at its last kept token."""
+        cache = self.caches[ENGINE_CACHE]
+        w = cache.window
+        if w is not None:
+            starts = [0, *itertools.accumulate(w.lens)]
+            last = w.rows[torch.tensor([starts[s] + n - 1 for s, n in enumerate(kept)], dtype=torch.long).to(w.rows.device)]
+            cache.hidden[w.slots] = self.hidden[last]
+        self.model.rollback(cache, kept)
 
     def draft(self, batch: Batch, rows: torch.Tensor, chained: bool) -> torch.Tensor:
         """One MTP pass on the engine cache, reading rows (T,) of the target's last hidden states, or of the
-        last draft pass's outputs when chained. Returns its (R, V) logits."""
-        hidden = (self.drafted if chained else self.hidden)[rows]
+        last draft pass's outputs when chained. A row T + b reads the step's sequence b's hidden row from before
+        the step (at the position before a resumed or forked sequence's first, Engine._draft). Returns its
+        (R, V) logits."""
+        if chained:
+            hidden = self.drafted[rows]
+        else:
+            T = self.hidden.shape[0]
+            hidden = torch.where((rows >= T)[:, None], self.carried[(rows - T).clamp(min=0)],
+                                 self.hidden[rows.clamp(max=T - 1)])           # (T', D)
         self.drafted, logits = self.model.draft(batch, self.caches[ENGINE_CACHE], hidden)
         return logits
 
@@ -5093,9 +5142,10 @@ def run_rank_worker(spec_json: str) -> int:
                                  lambda x: comm[0].all_reduce(x), quiet=True)
         runner = RankRunner(model, opts, kv_dtype, device,
                             allocate_cache(model.cfg, model.cache_layers, kv_cache_blocks(opts), opts.kv_block_size,
-                                           opts.max_batch_size, kv_dtype, device),
+                                           opts.max_batch_size, kv_dtype, device, model.hidden_dtype),
                             allocate_cache(model.cfg, model.layers, 0, opts.kv_block_size,
-                                           snapshot_slots(opts, model.cfg, model.layers, kv_dtype), kv_dtype, device))
+                                           snapshot_slots(opts, model.cfg, model.layers, kv_dtype), kv_dtype, device,
+                                           model.hidden_dtype))
         channel.send(("ready",))
         comm.append(Comm(dist.FileStore(spec["store"], -1), rank, world, device, ops, opts))
         while True:
@@ -5185,9 +5235,10 @@ class Engine:
         bs, num_blocks = opts.kv_block_size, kv_cache_blocks(opts)
         self.blocks, self.slots = BlockPool(num_blocks), SlotPool(opts.max_batch_size)
         self.cache = allocate_cache(model.cfg, model.cache_layers, num_blocks, bs, opts.max_batch_size, kv_dtype,
-                                    model.device)
+                                    model.device, model.hidden_dtype)
         snapshots = snapshot_slots(opts, model.cfg, model.layers, kv_dtype)
-        self.snapshots = allocate_cache(model.cfg, model.layers, 0, bs, snapshots, kv_dtype, model.device)
+        self.snapshots = allocate_cache(model.cfg, model.layers, 0, bs, snapshots, kv_dtype, model.device,
+                                        model.hidden_dtype)
         self.caches = {ENGINE_CACHE: self.cache, SNAPSHOT_CACHE: self.snapshots}
         self.snapshot_bytes = state_slot_bytes(model.cfg, model.layers, kv_dtype)
         self.prefix = PrefixCache(self.blocks, bs, f"{model.cfg!r} {len(model.layers)} {kv_dtype}", range(snapshots),
@@ -5213,7 +5264,9 @@ class Engine:
         self.inbox: queue.Queue = queue.Queue()   # ("add", Request) | ("abort", request_id, index | None)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0,
                          "target_forwards": 0}   # target_forwards: steps in which a sequence emitted tokens
-        self.windowed: set[Sequence] = set()     # the sequences verifying drafts this step, until the rollback
+        self.windowed: set[Sequence] = set()     # the sequences whose end waits (a verify window's rollback, the
+                                                 # MTP pass of a speculative step, async scheduling's next read)
+        self.held: list[tuple] | None = None      # a speculative step's copies, run after its MTP pass (step)
         self.finishing: list[tuple] = []          # those of them that finished: _end args, run after it
 
     # Thread-safe entry points: they only post to the inbox, which step() drains.
@@ -5257,12 +5310,18 @@ class Engine:
             return
         batch = make_batch(plan, self.opts.kv_block_size, self.model.device)
         window = self._window(plan)
-        self.windowed = {p.seq for p in plan if p.drafts} if window is not None else set()
+        # Until the MTP layer has written its KV for the step's kept positions (_draft), the sequences that
+        # finish keep what they hold and the copies of blocks and slots wait (forks, snapshots): both would
+        # otherwise keep or copy blocks without the MTP layer's KV of this step.
+        self.windowed, self.held = {p.seq for p in plan}, []
         kept = self._postprocess(plan, self.call("run", batch, ENGINE_CACHE, window))   # (R, V) logits
         if window is not None:
             self.call("rollback", [k for p, k in zip(plan, kept) if p.drafts])
-        self._close_window()
         self._draft(plan, kept)
+        held, self.held = self.held, None
+        for copy in held:
+            self._copy(*copy)
+        self._close_window()
 
     # Async scheduling (--async-scheduling): while decode step N runs, step N + 1 is planned as if every
     # sequence goes on (its token is N's, still on the device, gathered there into N + 1's input) and launched;
@@ -5385,8 +5444,9 @@ class Engine:
         return VerifyWindow(t([p.seq.slot for p in plan if p.drafts]), t(rows), [p.count for p in plan if p.drafts])
 
     def _close_window(self) -> None:
-        """After the rollback: the sequences that finished inside the window take their end-of-generation
-        snapshot from the rolled-back state (the state after their kept tokens) and free what they hold."""
+        """After the rollback and the MTP pass: the sequences that finished in the step take their
+        end-of-generation snapshot from the rolled-back state (the state after their kept tokens) and free what
+        they hold."""
         finishing, self.finishing, self.windowed = self.finishing, [], set()
         for ending in finishing:
             self._end(*ending)
@@ -5395,13 +5455,17 @@ class Engine:
         """The MTP layer over every kept position of the step (its KV, and the first draft), then K - 1 chained
         passes of one token per drafting sequence."""
         entries, rows, drafting, start = [], [], [], 0
-        for p, n in zip(plan, kept):
+        T = sum(p.count for p in plan)                                     # rows of the step's hidden states
+        for b, (p, n) in enumerate(zip(plan, kept)):
             seq = p.seq
-            if not seq.finished and seq.slot is not None:
-                entries.append((seq, p.start, seq.tokens[p.start + 1:p.start + n + 1]))
-                rows += range(start, start + n)
+            if seq.slot is not None:         # (one that finished holds its blocks till this pass: its KV too)
+                # A resumed or forked sequence's first pass starts one position early: the MTP layer's KV there
+                # read the token after it, which this sequence may not share; its hidden row is the slot's.
+                first, seq.mtp_from = (p.start if seq.mtp_from is None else seq.mtp_from), None
+                entries.append((seq, first, seq.tokens[first + 1:p.start + n + 1]))
+                rows += [T + b] * (p.start - first) + list(range(start, start + n))
                 k = min(self.draft_tokens, seq.params.max_tokens - len(seq.output_ids) - 1)
-                if p.sample and k > 0:
+                if p.sample and k > 0 and not seq.finished:
                     drafting.append((len(entries) - 1, seq, k))
             start += p.count
         if not entries:
@@ -5568,7 +5632,9 @@ class Engine:
             self.blocks.release([copy])
 
     def _copy(self, src: int, dst: int, slots: list[tuple[int, int]], blocks: list[tuple[int, int]]):
-        if slots or blocks:                  # behind the steps in flight (async scheduling), which may write them
+        if self.held is not None:            # a speculative step's, after its MTP pass (step)
+            self.held.append((src, dst, slots, blocks))
+        elif slots or blocks:                # behind the steps in flight (async scheduling), which may write them
             self.device.later(lambda: self.copy(self.caches, src, dst, slots, blocks))
 
     def _append(self, seq: Sequence, tok: int, logprobs: tuple | None):
@@ -5587,25 +5653,29 @@ class Engine:
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the prompt was prefilled once; each extra choice shares its full KV blocks, copies the last
         partial block and the recurrent state, and samples its own first token from the same logits (the
-        choices returned). Without a free slot or block a choice is recomputed from the prompt instead."""
+        choices returned). Without a free slot or block a choice is recomputed from the prompt instead. With
+        speculation the last block is copied even when full, and so is every block from the parent's own
+        pending MTP rewrite (a resumed parent): _draft writes the MTP layer's KV there for each choice."""
         req, bs, ready = parent.request, self.opts.kv_block_size, []
+        own = len(parent.blocks) - 1 if parent.num_computed % bs or self.draft_tokens else len(parent.blocks)
+        if parent.mtp_from is not None:
+            own = min(own, parent.mtp_from // bs)          # blocks [own:) are copied, the others shared
         for i in range(1, req.params.n):
             child = Sequence(req, i)
             req.seqs.append(child)
-            partial = parent.num_computed % bs != 0
             slot = self.slots.alloc() if len(self.scheduler.running) < self.opts.max_batch_size else None
-            block = self.blocks.alloc() if slot is not None and partial else None
-            if slot is None or (partial and block is None):
+            fresh = [self.blocks.alloc() for _ in parent.blocks[own:]] if slot is not None else []
+            if slot is None or None in fresh:
                 if slot is not None:
                     self.slots.release(slot)
+                self.blocks.release([b for b in fresh if b is not None])
                 self.scheduler.waiting.insert(0, child)   # recomputes the prompt, then samples
                 continue
-            shared = parent.blocks[:-1] if partial else parent.blocks
-            child.blocks = [self.blocks.share(b) for b in shared] + ([block] if partial else [])
-            last = [(parent.blocks[-1], block)] if partial else []
-            self._copy(ENGINE_CACHE, ENGINE_CACHE, [(parent.slot, slot)], last)
+            child.blocks = [self.blocks.share(b) for b in parent.blocks[:own]] + fresh
+            self._copy(ENGINE_CACHE, ENGINE_CACHE, [(parent.slot, slot)], list(zip(parent.blocks[own:], fresh)))
             child.slot, child.num_computed = slot, parent.num_computed
-            child.block_keys = parent.block_keys[:len(shared)]
+            child.mtp_from = parent.num_computed - 1 if self.draft_tokens else None
+            child.block_keys = parent.block_keys[:own]
             self.scheduler.running.append(child)
             ready.append(child)
         return ready
@@ -5615,7 +5685,7 @@ class Engine:
         if seq.finished:
             return
         seq.finished = True
-        if seq in self.windowed:             # its GDN state holds the window's drafts until the rollback
+        if seq in self.windowed:             # its state and MTP KV are complete only after the step (step)
             self.finishing.append((seq, reason, stop, error, fatal))
         else:
             self._end(seq, reason, stop, error, fatal)

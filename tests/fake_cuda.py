@@ -134,6 +134,9 @@ def fake_cuda():
 def model_to(model: pocketllm.Model, device: torch.device) -> pocketllm.Model:
     """Move a loaded Model's weights to `device` (inside fake_cuda: fake CUDA copies of the real weights)."""
     model.layers = [pocketllm._to_device(L, device, model.dtype) for L in model.layers]   # returns a copy
+    if model.mtp is not None:
+        model.mtp = pocketllm._to_device(model.mtp, device, model.dtype)
+        model.cache_layers = model.layers + [model.mtp.layer]
     model.embed_tokens = model.embed_tokens.to(device)
     model.lm_head = model.lm_head.to(device, model.dtype)
     model.norm, model.inv_freq, model.device = model.norm.to(device), model.inv_freq.to(device), device

@@ -190,6 +190,26 @@ def test_cache_and_batch_live_on_the_device(tiny):
             assert getattr(batch, name).device == CUDA, name
 
 
+def test_speculation_resumes_and_forks_on_fake_cuda(tiny):
+    """Speculative decoding with the prefix cache on the device: n = 2 sampled with penalties (a fork, its MTP
+    rewrite of the last prompt position from the parent's hidden row), then a follow-up turn resumed from the
+    end-of-generation snapshot (its hidden row restored with the state)."""
+    model = pocketllm.Model(tiny[0], pocketllm.TorchOps(), torch.float16, torch.device("cpu"), progress=False,
+                            stack=True, mtp=True)                  # every layer: the MTP layer reads the last
+    with fake_cuda() as real:
+        engine = fake_engine(tiny, model, speculative_tokens=2)
+        assert engine.draft_tokens == 2
+        assert engine.cache.hidden.device == engine.snapshots.hidden.device == CUDA
+        params = dict(max_tokens=6, ignore_eos=True, temperature=1.0, presence_penalty=0.5, seed=3)
+        first = pocketllm.Request("a", PROMPTS[1], pocketllm.SamplingParams(n=2, **params), 7)
+        events = run(engine, real, [first])[0]
+        answer = sum((ev.token_ids for ev in events if ev.index == 0), [])
+        follow = pocketllm.Request("b", PROMPTS[1] + answer + [5, 6], pocketllm.SamplingParams(**params), 7)
+        events = run(engine, real, [follow])[0]
+    assert len(answer) == 6 and len(sum((ev.token_ids for ev in events), [])) == 6
+    assert follow.cached_tokens >= len(PROMPTS[1]) + 5
+
+
 def test_a_cpu_tensor_meeting_a_cuda_one_raises():
     """The harness itself: it would catch the bugs it is here to catch."""
     with fake_cuda():

@@ -585,3 +585,89 @@ def test_a_resume_shares_its_matched_blocks_before_the_tail_copy_may_evict_one()
     assert scheduler._resume(seq) is None and seq.num_computed == 0 and seq.blocks == []
     assert blocks.available == 3 and all(r == 0 for r in blocks.refs)
     assert set(blocks.by_key) == set(keys + [snap.key])                 # nothing was evicted
+
+
+def test_a_burst_behind_one_system_prompt_keeps_resuming_from_it(ckpt_factory):
+    """Regression (issue 50's 47k-token system prompt: every request after the first prefilled it again): waves of
+    as many requests as there are snapshots, all behind one system prompt, each add snapshots of their own (the
+    end of the prompt and of the generation). Plain LRU evicted the system prompt's snapshot among them, so the
+    next wave started from 0; the snapshot that several requests resumed from is now spared."""
+    llm = make(ckpt_factory("qwen3_5")[0])
+    engine = llm.engine
+    assert engine.prefix.slots_total == 4
+    system = [5 + (i * 13) % 300 for i in range(200)]
+
+    def wave(tails: list[list[int]]) -> list[int]:
+        reqs = [request(f"r{len(tails)}-{i}-{tail[0]}", system + tail, max_tokens=3, temperature=1.0, seed=i)
+                for i, tail in enumerate(tails)]
+        for req in reqs:
+            req.snapshot_at = len(system)             # where the chat prompt's last message starts
+            req.params.validate(llm.config.vocab_size)
+            engine.add(req)
+        while engine.has_work():
+            engine.step()
+        for req in reqs:
+            drain(req)
+        return [req.cached_tokens for req in reqs]
+
+    assert wave([[7, 8, 9]]) == [0]
+    for w in range(3):
+        assert wave([[10 + w, 20 + i, 30 + i, 40] for i in range(4)]) == [len(system)] * 4, f"wave {w}"
+    assert_nothing_held(llm)
+
+
+def test_the_mtp_layer_drafts_after_a_resume_or_a_fork_as_without_the_cache(ckpt_factory):
+    """The MTP layer's KV at position i reads the token after it, so at the position before a resumed sequence's
+    first (or a forked choice's first token) it was computed for another continuation. The engine rewrites it
+    there, from the hidden state kept with the snapshot (or the parent's), in a block of the sequence's own:
+    with real MTP drafts (not oracle ones), every draft and its probabilities equal the cache-off engine's, for
+    follow-ups resuming at a block boundary, inside a block, at the end of a generation, and for n = 2 (whose
+    second choice's copy of the last block also holds the MTP layer's KV of the prompt's last chunk)."""
+    path = ckpt_factory("qwen3_5", mtp=True)[0]
+    prompt = [11 + (i * 7) % 350 for i in range(40)]
+    drafted: dict[int, dict] = {}
+    forks_checked = []
+
+    def mtp_keys(o: Observed, seq, lo: int, hi: int) -> torch.Tensor:
+        k = o.engine.cache.k[o.llm.config.num_hidden_layers]              # the MTP layer's (blocks, BS, Hk, Dh)
+        return torch.stack([k[seq.blocks[i // BS], i % BS] for i in range(lo, hi)])
+
+    def engine(**opts) -> Observed:
+        o = Observed(make(path, speculative_tokens=K, max_batch_size=6, **opts))
+        seen, real = drafted.setdefault(id(o), {}), o.engine._draft
+
+        def draft(plan, kept):
+            for p in plan:                                   # a forked choice's first step, before its pass
+                seq = p.seq
+                if seq.index == 1 and seq.mtp_from is not None and seq.request.seqs[0].slot is not None:
+                    n = len(seq.request.prompt_ids) - 1          # the last prompt position is the choice's own
+                    assert torch.equal(mtp_keys(o, seq, 32, n), mtp_keys(o, seq.request.seqs[0], 32, n))
+                    forks_checked.append(o)
+            real(plan, kept)
+            for p in plan:
+                seq = p.seq
+                if seq.drafts:
+                    seen[(seq.request.id, seq.index, len(seq.output_ids))] = (list(seq.drafts), seq.draft_probs)
+        o.engine._draft = draft
+        return o
+    on, off = engine(), engine(prefix_cache=False)
+    kw = dict(max_tokens=8, temperature=1.0, ignore_eos=True, presence_penalty=0.2)
+    first = None
+    for o in (on, off):
+        (first,), = o.run([request("a", prompt, seed=1, **kw)])
+    follow = {"turn": prompt + first + [5, 6, 7],            # the end of the generation (inside a block)
+              "boundary": prompt[:32] + [9, 9, 9, 9],        # a prefill chunk's block boundary
+              "inside": prompt + [3, 3]}                     # the end of the prompt (inside a block)
+    for rid, tokens in follow.items():
+        got = [o.run([request(rid, tokens, seed=2, **kw)]) for o in (on, off)]
+        assert got[0] == got[1], rid
+        assert on.engine.requests == {} and 0 < on.llm.stats()["prefix_cache_hit_tokens_total"]
+    forked = [o.run([request("n2", prompt + [8], seed=3, n=2, **kw)]) for o in (on, off)]
+    assert forked[0] == forked[1] and forks_checked == [on, off]
+    seen_on, seen_off = drafted[id(on)], drafted[id(off)]
+    assert seen_on.keys() == seen_off.keys() and len(seen_on) >= 20
+    for key, (drafts, probs) in seen_off.items():
+        assert seen_on[key][0] == drafts, key
+        assert_close(seen_on[key][1], probs, f"draft probabilities {key}")
+    assert not on.shared_writes
+    assert_nothing_held(on.llm)
