@@ -1117,10 +1117,17 @@ class TorchOps:
             out[q0:q1] = self._prefill_attention(q[q0:q1], k_cache, v_cache, block_tables[b], n, scale)
         return out
 
+    LONG_DECODE = 2048    # cached positions past which decode on the CPU reads K/V in place, sequence by sequence
+
     def _decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
         """One query per sequence, B sequences in one batched pass over their block tables (B, nb): each reads
         its first context_lens[b] cached positions, in fp32 (torch's fused attention, one call for the scores,
-        the softmax and the sum). q (B, Hq, Dh) -> (B, Hq, Dh)."""
+        the softmax and the sum). q (B, Hq, Dh) -> (B, Hq, Dh). On the CPU, past LONG_DECODE positions, each
+        sequence as a one-row prefill chunk instead: its K/V read in place where its blocks run consecutively
+        (a long shared prompt is one run), where the batched pass copies every sequence's positions each step."""
+        if q.device.type == "cpu" and int(context_lens.max()) >= self.LONG_DECODE:
+            return torch.cat([self._prefill_attention(q.narrow(0, b, 1), k_cache, v_cache, block_tables[b], n, scale)
+                              for b, n in enumerate(context_lens.tolist())])
         if q.shape[0] == 1 and q.device.type == "cpu":                  # one sequence: its n positions, no mask
             n = context_lens.item()
             blocks = block_tables.select(0, 0).narrow(0, 0, -(-n // k_cache.shape[1]))   # (nb,): index_select,

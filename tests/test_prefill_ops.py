@@ -97,6 +97,31 @@ def test_a_mixed_step_of_prefill_chunks_and_decode_rows(kv_dtype):
         assert (got[starts[b]:starts[b + 1]].double() - want).abs().max().item() <= TOL[kv_dtype]
 
 
+@pytest.mark.parametrize("long_decode", [64, 2048])
+def test_decode_rows_past_the_long_context_bound_match_float64(long_decode):
+    """Decode rows (one per sequence) of contexts long enough for the per-sequence in-place path
+    (TorchOps.LONG_DECODE, lowered here to 64 so that small contexts take it) and not: consecutive, three-run and
+    scattered tables, within 5e-6 of float64."""
+    gen = torch.Generator().manual_seed(3)
+    Hq, Hk, D, ops = 4, 2, 64, pocketllm.TorchOps()
+    ops.LONG_DECODE = long_decode
+    lens = [700, 65, 300]
+    k_cache, v_cache = torch.randn(NUM_BLOCKS * 3, BS, Hk, D), torch.randn(NUM_BLOCKS * 3, BS, Hk, D)
+    tables = torch.zeros(3, -(-max(lens) // BS), dtype=torch.int32)
+    for b, (n, kind) in enumerate(zip(lens, ["run", "few", "scattered"])):
+        t = make_table(kind, -(-n // BS), gen) + b * NUM_BLOCKS
+        tables[b, :len(t)] = t
+    q = torch.randn(3, Hq, D, generator=gen)
+    for rows in ([0], [0, 1, 2]):
+        got = ops.attention(q[rows], k_cache, v_cache, tables[rows], torch.tensor(lens)[rows],
+                            torch.arange(len(rows) + 1), D ** -0.5)
+        for i, b in enumerate(rows):
+            pos = torch.arange(lens[b])
+            slots = tables[b, pos // BS].long() * BS + pos % BS
+            want = ref_attention(q[b:b + 1], k_cache.view(-1, Hk, D)[slots], v_cache.view(-1, Hk, D)[slots], D ** -0.5)
+            assert (got[i:i + 1].double() - want).abs().max().item() <= TOL[torch.float32], (long_decode, rows, b)
+
+
 def test_a_run_of_blocks_is_read_in_place_and_a_scattered_table_is_gathered_once():
     """The earlier positions of a chunk come as views of the cache while the block table runs through consecutive
     blocks (no copy of a long prompt's K and V per chunk), one piece per run, and as one copy past max_spans."""
