@@ -5661,10 +5661,12 @@ class Engine:
         """n > 1: the prompt was prefilled once; each extra choice shares its full KV blocks, copies the last
         partial block and the recurrent state, and samples its own first token from the same logits (the
         choices returned). Without a free slot or block a choice is recomputed from the prompt instead. With
-        speculation the last block is copied even when full, and so is every block from the parent's own
-        pending MTP rewrite (a resumed parent): _draft writes the MTP layer's KV there for each choice."""
+        speculation the last computed position's block is copied even when full (and the blocks reserved past
+        it for the drafts), and so is every block from a resumed parent's own pending MTP rewrite: _draft
+        writes the MTP layer's KV there for each choice."""
         req, bs, ready = parent.request, self.opts.kv_block_size, []
-        own = len(parent.blocks) - 1 if parent.num_computed % bs or self.draft_tokens else len(parent.blocks)
+        last = (parent.num_computed - 1) // bs            # the block of the last computed position
+        own = last if parent.num_computed % bs or self.draft_tokens else len(parent.blocks)
         if parent.mtp_from is not None:
             own = min(own, parent.mtp_from // bs)          # blocks [own:) are copied, the others shared
         for i in range(1, req.params.n):

@@ -662,8 +662,10 @@ def test_the_mtp_layer_drafts_after_a_resume_or_a_fork_as_without_the_cache(ckpt
         got = [o.run([request(rid, tokens, seed=2, **kw)]) for o in (on, off)]
         assert got[0] == got[1], rid
         assert on.engine.requests == {} and 0 < on.llm.stats()["prefix_cache_hit_tokens_total"]
-    forked = [o.run([request("n2", prompt + [8], seed=3, n=2, **kw)]) for o in (on, off)]
-    assert forked[0] == forked[1] and forks_checked == [on, off]
+    for rid, tokens in (("n2", prompt + [8]), ("n2-boundary", prompt + [8] * 7)):   # 41 and 47 tokens: the
+        forked = [o.run([request(rid, tokens, seed=3, n=2, **kw)]) for o in (on, off)]   # second's drafts reserve
+        assert forked[0] == forked[1], rid                                                # a block past its prompt
+    assert forks_checked == [on, off] * 2
     seen_on, seen_off = drafted[id(on)], drafted[id(off)]
     assert seen_on.keys() == seen_off.keys() and len(seen_on) >= 20
     for key, (drafts, probs) in seen_off.items():
