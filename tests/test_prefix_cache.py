@@ -673,3 +673,26 @@ def test_the_mtp_layer_drafts_after_a_resume_or_a_fork_as_without_the_cache(ckpt
         assert_close(seen_on[key][1], probs, f"draft probabilities {key}")
     assert not on.shared_writes
     assert_nothing_held(on.llm)
+
+
+def test_snapshots_several_requests_resumed_from_go_last_but_hold_at_most_half_the_slots():
+    """PrefixCache.victim: the least recently used snapshot that at most one request resumed from goes first; those
+    resumed from by several are spared while they hold at most half the slots, and past that the least recently
+    used of them goes."""
+    prefix = pocketllm.PrefixCache(pocketllm.BlockPool(8), 4, "test", range(4), state=True)
+
+    def add(first: int) -> pocketllm.Snapshot:
+        tokens = [first] * 8                                          # two full blocks: a snapshot at their end
+        return prefix.add(tokens, len(tokens), prefix.block_keys(tokens, []))
+    a, b, c, d = (add(i) for i in (1, 2, 3, 4))                   # least recently used first
+    a.resumes = b.resumes = 2
+    c.resumes = 1                                                    # one request: a conversation's next turn
+    keys = lambda *snaps: {s.key for s in snaps}                     # noqa: E731
+    e = add(5)
+    assert set(prefix.by_key) == keys(a, b, d, e)                    # c went, not the older a and b
+    f = add(6)
+    assert set(prefix.by_key) == keys(a, b, e, f)                    # then d
+    e.resumes = 2                                                    # three of four slots shared: past half
+    g = add(7)
+    assert set(prefix.by_key) == keys(b, e, f, g)                    # the least recently used shared one went
+    assert prefix.counters["snapshot_evictions"] == 3
