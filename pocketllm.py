@@ -5735,7 +5735,7 @@ class Engine:
         Called once the engine thread has stopped stepping."""
         for seq, *_ in self.finishing:       # a step that failed inside a window: no snapshot of that state
             seq.finished = False             # so the loop below ends it with the failure and frees it
-        self.finishing, self.windowed, self.inflight = [], set(), None
+        self.finishing, self.windowed, self.inflight, self.held = [], set(), None, None   # (held copies: dropped)
         self.device.close()
         self._drain_inbox()
         for req in list(self.requests.values()):

@@ -219,3 +219,25 @@ def test_over_http_a_parsing_fault_is_a_500_for_that_request_only(path, monkeypa
     finally:
         server.shutdown()
         llm.close()
+
+
+def test_a_fault_in_the_mtp_pass_fails_the_requests_that_finished_in_its_step_and_frees_them(ckpt_factory):
+    """With speculation a sequence that finishes in a step keeps what it holds until the step's MTP pass, and the
+    step's copies wait for it (Engine.finishing, Engine.held): a fault in that pass still ends every request, those
+    finished in the step included, with the error, and frees every block and slot."""
+    llm = make(ckpt_factory("qwen3_5", mtp=True)[0], speculative_tokens=2, dtype="float32")
+    try:
+        assert llm.engine.draft_tokens == 2
+
+        def draft(plan, kept):
+            raise RuntimeError("injected fault in the MTP pass")
+        llm.engine._draft = draft
+        streams = [llm.submit(PROMPTS[1], pocketllm.SamplingParams(max_tokens=1)),      # finishes in the step
+                   llm.submit(PROMPTS[2], pocketllm.SamplingParams(max_tokens=5, n=2))]  # forks in the step
+        for s in streams:
+            with pytest.raises(pocketllm.PocketError, match="injected fault in the MTP pass"):
+                tokens(s)
+        assert llm.engine.held is None and not llm.engine.finishing
+        assert_all_free(llm)
+    finally:
+        llm.close()
