@@ -1125,11 +1125,12 @@ class TorchOps:
         the softmax and the sum). q (B, Hq, Dh) -> (B, Hq, Dh). On the CPU, past LONG_DECODE positions, each
         sequence as a one-row prefill chunk instead: its K/V read in place where its blocks run consecutively
         (a long shared prompt is one run), where the batched pass copies every sequence's positions each step."""
-        if q.device.type == "cpu" and int(context_lens.max()) >= self.LONG_DECODE:
+        lens = context_lens.tolist() if q.device.type == "cpu" else None
+        if lens and max(lens) >= self.LONG_DECODE:
             return torch.cat([self._prefill_attention(q.narrow(0, b, 1), k_cache, v_cache, block_tables[b], n, scale)
-                              for b, n in enumerate(context_lens.tolist())])
-        if q.shape[0] == 1 and q.device.type == "cpu":                  # one sequence: its n positions, no mask
-            n = context_lens.item()
+                              for b, n in enumerate(lens)])
+        if lens and len(lens) == 1:                                      # one sequence: its n positions, no mask
+            n = lens[0]
             blocks = block_tables.select(0, 0).narrow(0, 0, -(-n // k_cache.shape[1]))   # (nb,): index_select,
             k, v = (_as(c.index_select(0, blocks).flatten(0, 1).narrow(0, 0, n), torch.float32)   # not c[blocks]
                     .transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))             # (1, Hk, n, Dh)
@@ -3206,9 +3207,9 @@ def copy_cache(src: Cache, dst: Cache, ops, slots: list[tuple[int, int]], blocks
             for layer, t in getattr(dst, part).items():
                 rows = index.to(t.device)
                 ops.copy_rows(getattr(src, part)[layer], t, rows[0], rows[1])
-        if parts[0] == "conv" and src.hidden is not None and dst.hidden is not None:
-            rows = index.to(dst.hidden.device)
-            dst.hidden[rows[1]] = src.hidden[rows[0]]
+    if slots and src.hidden is not None and dst.hidden is not None:
+        index = torch.tensor(slots, dtype=torch.long, device=dst.hidden.device).t()    # (2, N)
+        dst.hidden[index[1]] = src.hidden[index[0]]
 
 
 # The prefix cache. A prompt that begins with tokens the engine has computed before (an agent's next turn
@@ -4527,22 +4528,17 @@ class RankRunner:
         w = cache.window
         if w is not None:
             starts = [0, *itertools.accumulate(w.lens)]
-            last = w.rows[torch.tensor([starts[s] + n - 1 for s, n in enumerate(kept)], dtype=torch.long).to(w.rows.device)]
-            cache.hidden[w.slots] = self.hidden[last]
+            last = torch.tensor([starts[s] + n - 1 for s, n in enumerate(kept)], dtype=torch.long)   # (S,)
+            cache.hidden[w.slots] = self.hidden[w.rows[last.to(w.rows.device)]]
         self.model.rollback(cache, kept)
 
-    def draft(self, batch: Batch, rows: torch.Tensor, chained: bool) -> torch.Tensor:
+    def draft(self, batch: Batch, rows: torch.Tensor, chained: bool, carried: bool = False) -> torch.Tensor:
         """One MTP pass on the engine cache, reading rows (T,) of the target's last hidden states, or of the
-        last draft pass's outputs when chained. A row T + b reads the step's sequence b's hidden row from before
-        the step (at the position before a resumed or forked sequence's first, Engine._draft). Returns its
-        (R, V) logits."""
-        if chained:
-            hidden = self.drafted[rows]
-        else:
-            T = self.hidden.shape[0]
-            hidden = torch.where((rows >= T)[:, None], self.carried[(rows - T).clamp(min=0)],
-                                 self.hidden[rows.clamp(max=T - 1)])           # (T', D)
-        self.drafted, logits = self.model.draft(batch, self.caches[ENGINE_CACHE], hidden)
+        last draft pass's outputs when chained. With `carried`, a row T + b reads the step's sequence b's hidden
+        row from before the step (the position before a resumed or forked sequence's first, Engine._draft).
+        Returns its (R, V) logits."""
+        source = self.drafted if chained else torch.cat([self.hidden, self.carried]) if carried else self.hidden
+        self.drafted, logits = self.model.draft(batch, self.caches[ENGINE_CACHE], source[rows])
         return logits
 
     def set_scratch(self, nblocks: int) -> None:
@@ -5461,7 +5457,7 @@ class Engine:
     def _draft(self, plan: list[Scheduled], kept: list[int]) -> None:
         """The MTP layer over every kept position of the step (its KV, and the first draft), then K - 1 chained
         passes of one token per drafting sequence."""
-        entries, rows, drafting, start = [], [], [], 0
+        entries, rows, drafting, start, carried = [], [], [], 0, False
         T = sum(p.count for p in plan)                                     # rows of the step's hidden states
         for b, (p, n) in enumerate(zip(plan, kept)):
             seq = p.seq
@@ -5471,6 +5467,7 @@ class Engine:
                 first, seq.mtp_from = (p.start if seq.mtp_from is None else seq.mtp_from), None
                 entries.append((seq, first, seq.tokens[first + 1:p.start + n + 1]))
                 rows += [T + b] * (p.start - first) + list(range(start, start + n))
+                carried |= first < p.start
                 k = min(self.draft_tokens, seq.params.max_tokens - len(seq.output_ids) - 1)
                 if p.sample and k > 0 and not seq.finished:
                     drafting.append((len(entries) - 1, seq, k))
@@ -5479,7 +5476,7 @@ class Engine:
             return
         bs, device = self.opts.kv_block_size, self.model.device
         t = lambda v: torch.tensor(v, dtype=torch.long).to(device)   # noqa: E731
-        logits = self.call("draft", make_draft_batch(entries, bs, device), t(rows), False)   # (len(entries), V)
+        logits = self.call("draft", make_draft_batch(entries, bs, device), t(rows), False, carried)   # (E, V)
         row_of = {seq: e for e, seq, _ in drafting}                        # seq -> its row of the last pass
         probs: dict[Sequence, list] = {}
         for i in range(self.draft_tokens):
