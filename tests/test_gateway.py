@@ -60,6 +60,13 @@ def post(url, body, headers=None, timeout=120):
     return status, head, json.loads(text) if head.get("content-type", "").startswith("application/json") else text
 
 
+# LiteLLM 1.108.7's proxy sometimes fails a request in its own pre-call hook, before it picks a replica: a
+# LookupError resetting its ContextVar `service_target` (its log calls it "a bug in LiteLLM"), answered as a 500
+# whose message names that variable. Seen once in CI under 16 concurrent requests. No replica answers it, so the
+# test sends such a request once more; any other failure still fails the test.
+LITELLM_CONTEXT_BUG = "ContextVar name='service_target'"
+
+
 def wait_for(url, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -238,6 +245,8 @@ def test_200_requests_through_litellm_survive_a_replica_restart(cluster):
             draining.send_signal(signal.SIGTERM)        # replica a drains: its in-flight requests finish
         key, body = mixed_request(i)
         status, headers, answer = post(cluster["gateway"] + "/v1/chat/completions", body, auth)
+        if status == 500 and LITELLM_CONTEXT_BUG in str(answer):    # LiteLLM's own, before it routes: once more
+            status, headers, answer = post(cluster["gateway"] + "/v1/chat/completions", body, auth)
         return key, outcome(status, answer), headers.get("x-litellm-model-api-base")
 
     with ThreadPoolExecutor(16) as pool:
