@@ -124,3 +124,20 @@ def test_a_grown_model_starts_as_the_trained_one_and_then_learns_in_its_new_laye
     loss.backward()
     assert grown.model.layers[7].self_attn.o_proj.weight.grad.abs().sum() > 0
     assert grown.model.layers[6].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_an_arguments_first_token_weighs_as_a_currency_code():
+    """Where a copy starts is where a favourite beats it (453.5 sent as 153.5): a call's argument value weighs
+    FOCUS_WEIGHT on its tokens and SMALL_SET_WEIGHT on its first; a currency code weighs SMALL_SET_WEIGHT whole."""
+    messages = [{"role": "user", "content": "Could you turn 453.5 JPY into CAD?"},
+                train.call_message("convert_currency", {"amount": 453.5, "from_currency": "JPY", "to_currency": "CAD"},
+                                   "I will call `convert_currency`.")]
+    text, spans, focus = train.learn_spans(messages, train.TOOLS, think=True)
+    tokenizer = train.train_tokenizer([text] * 4, 400)
+    ids, weights = train.encode_sample(tokenizer, text, spans, focus)
+    start = text.index("<parameter=amount>\n") + len("<parameter=amount>\n")
+    offsets = tokenizer.encode(text, add_special_tokens=False).offsets
+    amount = [w for (a, _), w in zip(offsets, weights) if start <= a < start + len("453.5")]
+    assert amount == [train.SMALL_SET_WEIGHT] + [train.FOCUS_WEIGHT] * 4   # digits and the point, one by one
+    code = [w for (a, _), w in zip(offsets, weights) if text.index("\nJPY\n") < a <= text.index("\nJPY\n") + 3]
+    assert code == [train.SMALL_SET_WEIGHT] * 3
